@@ -1,0 +1,110 @@
+"""Pure-jnp reference of ragged paged attention and of the KV write.
+
+These are the semantics every implementation (Pallas, CUDA, C++ CPU) is tested against, and the
+JAX backend's attention on CPU. Layout (per layer):
+
+    k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim]
+
+Sequence s owns the queries q[query_start_loc[s]:query_start_loc[s+1]] (its last q_len tokens);
+its context after this step is kv_lens[s] tokens, stored in the blocks block_tables[s, :].
+Query i of sequence s sits at position p = kv_lens[s] - q_len + i and sees key j when
+j <= p (causal) and, with a sliding window w, p - j < w. Rows past query_start_loc[-1] are
+padding and come out as zeros.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_MASK_VALUE = -1e30  # finite, so a fully masked block never produces NaN
+
+
+def token_positions(
+    query_start_loc: jax.Array,  # [S+1] int32
+    kv_lens: jax.Array,  # [S] int32
+    num_tokens: int,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Per query row: (sequence id [T], absolute position [T], valid [T])."""
+    rows = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq_ids = jnp.searchsorted(query_start_loc[1:], rows, side="right").astype(jnp.int32)
+    valid = rows < query_start_loc[-1]
+    seq_ids = jnp.where(valid, seq_ids, 0)
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    positions = kv_lens[seq_ids] - q_lens[seq_ids] + (rows - query_start_loc[seq_ids])
+    return seq_ids, positions, valid
+
+
+def ragged_paged_attention_reference(
+    q: jax.Array,  # [T, Hq, D]
+    k_cache: jax.Array,  # [N, Hkv, bs, D]
+    v_cache: jax.Array,  # [N, Hkv, bs, D]
+    kv_lens: jax.Array,  # [S] int32
+    block_tables: jax.Array,  # [S, M] int32
+    query_start_loc: jax.Array,  # [S+1] int32
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+) -> jax.Array:  # [T, Hq, D]
+    """Online-softmax loop over KV blocks; each query row gathers its own sequence's blocks.
+
+    The loop runs to the longest context in the batch (a dynamic trip count), so short decode
+    batches do not pay for max_model_len. Accumulation is in float32 (or float64 if given).
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, num_kv_heads, block_size, _ = k_cache.shape
+    group = num_q_heads // num_kv_heads
+    acc_dtype = jnp.promote_types(q.dtype, jnp.float32)
+
+    seq_ids, positions, valid = token_positions(query_start_loc, kv_lens, num_tokens)
+    tables = block_tables[seq_ids]  # [T, M]
+    qg = q.astype(acc_dtype).reshape(num_tokens, num_kv_heads, group, head_dim) * sm_scale
+    num_kv_blocks = (jnp.max(jnp.where(valid, positions, 0)) + block_size) // block_size
+
+    def body(carry):
+        j, m, l, acc = carry
+        kb = k_cache[tables[:, j]].astype(acc_dtype)  # [T, Hkv, bs, D]
+        vb = v_cache[tables[:, j]].astype(acc_dtype)  # [T, Hkv, bs, D]
+        s = jnp.einsum("thgd,thkd->thgk", qg, kb)  # [T, Hkv, G, bs]
+        if logits_soft_cap is not None:
+            s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
+        key_pos = j * block_size + jnp.arange(block_size)  # [bs]
+        visible = key_pos[None, :] <= positions[:, None]  # [T, bs]
+        if sliding_window is not None:
+            visible &= positions[:, None] - key_pos[None, :] < sliding_window
+        s = jnp.where(visible[:, None, None, :], s, _MASK_VALUE)
+        m_new = jnp.maximum(m, s.max(-1))  # [T, Hkv, G]
+        p = jnp.where(visible[:, None, None, :], jnp.exp(s - m_new[..., None]), 0.0)
+        alpha = jnp.exp(m - m_new)
+        l_new = alpha * l + p.sum(-1)
+        acc_new = alpha[..., None] * acc + jnp.einsum("thgk,thkd->thgd", p, vb)
+        return j + 1, m_new, l_new, acc_new
+
+    init = (
+        jnp.int32(0),
+        jnp.full((num_tokens, num_kv_heads, group), _MASK_VALUE, acc_dtype),
+        jnp.zeros((num_tokens, num_kv_heads, group), acc_dtype),
+        jnp.zeros((num_tokens, num_kv_heads, group, head_dim), acc_dtype),
+    )
+    _, _, l, acc = jax.lax.while_loop(lambda c: c[0] < num_kv_blocks, body, init)
+    out = acc / jnp.where(l > 0, l, 1.0)[..., None]
+    out = jnp.where(valid[:, None, None, None], out, 0.0)
+    return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
+
+
+def write_kv_reference(
+    k: jax.Array,  # [T, Hkv, D]
+    v: jax.Array,  # [T, Hkv, D]
+    k_cache: jax.Array,  # [N, Hkv, bs, D]
+    v_cache: jax.Array,  # [N, Hkv, bs, D]
+    slot_mapping: jax.Array,  # [T] int32, block_id * block_size + offset; -1 = skip
+) -> tuple[jax.Array, jax.Array]:
+    """Scatter new keys/values into their slots; rows with slot -1 are dropped."""
+    num_blocks, _, block_size, _ = k_cache.shape
+    # An out-of-range block index makes the scatter drop the row (mode="drop").
+    block = jnp.where(slot_mapping >= 0, slot_mapping // block_size, num_blocks)
+    offset = jnp.where(slot_mapping >= 0, slot_mapping % block_size, 0)
+    k_cache = k_cache.at[block, :, offset].set(k.astype(k_cache.dtype), mode="drop")
+    v_cache = v_cache.at[block, :, offset].set(v.astype(v_cache.dtype), mode="drop")
+    return k_cache, v_cache

@@ -1,0 +1,91 @@
+"""A float64 NumPy loop over sequences: the obviously-correct oracle for every attention kernel."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def naive_ragged_paged_attention(
+    q: np.ndarray,  # [T, Hq, D]
+    k_cache: np.ndarray,  # [N, Hkv, bs, D]
+    v_cache: np.ndarray,  # [N, Hkv, bs, D]
+    kv_lens: np.ndarray,  # [S]
+    block_tables: np.ndarray,  # [S, M]
+    query_start_loc: np.ndarray,  # [S+1]
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+) -> np.ndarray:  # [T, Hq, D] float64, padding rows zero
+    q = np.asarray(q, np.float64)
+    k_cache = np.asarray(k_cache, np.float64)
+    v_cache = np.asarray(v_cache, np.float64)
+    num_tokens, num_q_heads, head_dim = q.shape
+    block_size = k_cache.shape[2]
+    group = num_q_heads // k_cache.shape[1]
+    out = np.zeros((num_tokens, num_q_heads, head_dim))
+    for s in range(len(kv_lens)):
+        start, end, kv_len = int(query_start_loc[s]), int(query_start_loc[s + 1]), int(kv_lens[s])
+        if end == start:
+            continue
+        slots = np.arange(kv_len)
+        blocks = np.asarray(block_tables[s])[slots // block_size]
+        keys = k_cache[blocks, :, slots % block_size]  # [L, Hkv, D]
+        values = v_cache[blocks, :, slots % block_size]  # [L, Hkv, D]
+        for i, t in enumerate(range(start, end)):
+            pos = kv_len - (end - start) + i
+            visible = slots <= pos
+            if sliding_window is not None:
+                visible &= pos - slots < sliding_window
+            for h in range(num_q_heads):
+                logits = keys[:, h // group] @ q[t, h] * sm_scale
+                if logits_soft_cap is not None:
+                    logits = logits_soft_cap * np.tanh(logits / logits_soft_cap)
+                logits = np.where(visible, logits, -np.inf)
+                p = np.exp(logits - logits.max())
+                out[t, h] = (p / p.sum()) @ values[:, h // group]
+    return out
+
+
+def make_ragged_case(
+    rng: np.random.Generator,
+    q_lens: list[int],
+    kv_lens: list[int],
+    *,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    num_padding_rows: int = 0,
+    dtype=np.float32,
+) -> dict:
+    """Random q and caches with randomly permuted block tables (spare blocks left unused)."""
+    assert all(q <= kv for q, kv in zip(q_lens, kv_lens))
+    max_blocks = max(-(-kv // block_size) for kv in kv_lens) if kv_lens else 1
+    num_blocks = sum(-(-kv // block_size) for kv in kv_lens) + 3
+    perm = rng.permutation(num_blocks)
+    block_tables = np.zeros((len(kv_lens), max_blocks), np.int32)
+    cursor = 0
+    for s, kv in enumerate(kv_lens):
+        n = -(-kv // block_size)
+        block_tables[s, :n] = perm[cursor : cursor + n]
+        cursor += n
+    num_tokens = sum(q_lens) + num_padding_rows
+    shape = (num_blocks, num_kv_heads, block_size, head_dim)
+    return dict(
+        q=rng.standard_normal((num_tokens, num_q_heads, head_dim)).astype(dtype),
+        k_cache=rng.standard_normal(shape).astype(dtype),
+        v_cache=rng.standard_normal(shape).astype(dtype),
+        kv_lens=np.asarray(kv_lens, np.int32),
+        block_tables=block_tables,
+        query_start_loc=np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32),
+    )
+
+
+def per_row_relative_error(out: np.ndarray, ref: np.ndarray) -> float:
+    """max over (token, head) rows of |out - ref| / max(|ref|, 1e-6)."""
+    out = np.asarray(out, np.float64)
+    ref = np.asarray(ref, np.float64)
+    err = np.linalg.norm(out - ref, axis=-1)
+    scale = np.maximum(np.linalg.norm(ref, axis=-1), 1e-6)
+    return float(np.max(err / scale))

@@ -1,0 +1,244 @@
+"""Paged KV block pool: reference counts, fork, copy-on-write and prefix caching.
+
+Pure Python (no jax, torch or numpy): the scheduler talks to it in ints and lists, and the
+runner only ever sees block tables and the (src, dst) copies it must perform.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+
+def _chain_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    """Hash of one full block, chained on its parent's: equal blocks under other prefixes differ."""
+    return hash((parent_hash, token_ids))
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class BlockManager:
+    """A fixed pool of KV blocks: reference counts, fork, copy-on-write, prefix caching."""
+
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+    ) -> None:
+        if num_blocks <= 0:
+            raise ValueError(
+                f"num_blocks must be positive, got {num_blocks}; give the pool >= 1 block"
+            )
+        if block_size <= 0:
+            raise ValueError(
+                f"block_size must be positive, got {block_size}; use e.g. 16 tokens per block"
+            )
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.prefix_cache_queries = 0  # tokens looked up by get_computed_blocks
+        self.prefix_cache_hits = 0  # of those, tokens found in cached blocks
+        self._ref_counts = [0] * num_blocks
+        # Blocks with refcount 0; head = freed longest ago = next to allocate (and evict if cached).
+        # OrderedDict gives O(1) popleft, append, and removal from the middle on a prefix hit.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._hash_to_block: dict[int, int] = {}
+        self._cached: dict[
+            int, tuple[int, tuple[int, ...]]
+        ] = {}  # block -> (chain hash, its token ids)
+        self._tables: dict[int, list[int]] = {}
+        # Per seq: chain hashes of its leading full blocks hashed so far (cache_blocks' progress).
+        self._seq_hashes: dict[int, list[int]] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks with refcount 0, cached-but-free ones included (they are evicted on demand)."""
+        return len(self._free)
+
+    def get_block_table(self, seq_id: int) -> list[int]:
+        """The seq's block ids in order (empty if it has none). Read-only for callers."""
+        return self._tables.get(seq_id, [])
+
+    def ref_count(self, block_id: int) -> int:
+        """Number of block tables holding block_id."""
+        return self._ref_counts[block_id]
+
+    def free_block_ids(self) -> list[int]:
+        """The free queue, head (next to allocate or evict) first."""
+        return list(self._free)
+
+    def get_computed_blocks(self, token_ids: Sequence[int]) -> list[int]:
+        """Longest chain of cached full blocks matching token_ids' prefix; never the last token.
+
+        Only the two prefix-cache metrics change; the caller passes the result to allocate_slots.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        self.prefix_cache_queries += len(token_ids)
+        bs = self.block_size
+        hits: list[int] = []
+        parent_hash: int | None = None
+        # The last token's logits must be computed, so at most (len - 1) // bs blocks can hit.
+        for i in range((len(token_ids) - 1) // bs):
+            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
+            parent_hash = _chain_hash(parent_hash, tokens)
+            block_id = self._hash_to_block.get(parent_hash)
+            if block_id is None or self._cached[block_id][1] != tokens:  # miss, or a hash collision
+                break
+            hits.append(block_id)
+        self.prefix_cache_hits += len(hits) * bs
+        return hits
+
+    def allocate_slots(
+        self,
+        seq_id: int,
+        num_computed_tokens: int,
+        num_new_tokens: int,
+        computed_blocks: Sequence[int] = (),
+    ) -> list[tuple[int, int]] | None:
+        """Grow seq_id's table to cover num_computed_tokens + num_new_tokens slots.
+
+        Returns the copy-on-write copies (src, dst) the runner must perform before writing, or None
+        (with nothing changed) when the free blocks do not suffice; the scheduler then preempts.
+        """
+        self._check_allocate_args(seq_id, num_computed_tokens, num_new_tokens, computed_blocks)
+        bs = self.block_size
+        table = self._tables.get(seq_id, [])
+        num_required = _cdiv(num_computed_tokens + num_new_tokens, bs)
+        # Existing blocks covering the slots written this step.
+        written = (
+            range(num_computed_tokens // bs, min(len(table), num_required))
+            if num_new_tokens
+            else range(0)
+        )
+        to_copy = [i for i in written if self._ref_counts[table[i]] > 1]
+        num_new_blocks = max(0, num_required - len(table) - len(computed_blocks))
+        num_free_hits = sum(1 for b in set(computed_blocks) if self._ref_counts[b] == 0)
+        if num_new_blocks + len(to_copy) + num_free_hits > len(self._free):
+            return None
+
+        table = self._tables.setdefault(seq_id, [])
+        hashes = self._seq_hashes.setdefault(seq_id, [])
+        for block_id in computed_blocks:
+            self._free.pop(block_id, None)
+            self._ref_counts[block_id] += 1
+            table.append(block_id)
+            hashes.append(self._cached[block_id][0])
+        del hashes[
+            num_computed_tokens // bs :
+        ]  # blocks written from here on are no longer hashed content
+        copies = []
+        for i in to_copy:
+            src, dst = table[i], self._take_free_block()
+            self._ref_counts[src] -= 1
+            table[i] = dst
+            copies.append((src, dst))
+        for i in written:
+            # Only after a truncate: the block is rewritten in place, so its cache entry goes stale.
+            if table[i] in self._cached:
+                self._uncache(table[i])
+        table.extend(self._take_free_block() for _ in range(num_new_blocks))
+        return copies
+
+    def cache_blocks(self, seq_id: int, token_ids: Sequence[int], num_computed_tokens: int) -> None:
+        """Register in the prefix cache each full, computed block of the seq not yet hashed."""
+        if not self.enable_prefix_caching or seq_id not in self._tables:
+            return
+        bs = self.block_size
+        table, hashes = self._tables[seq_id], self._seq_hashes[seq_id]
+        num_full = min(num_computed_tokens // bs, len(table), len(token_ids) // bs)
+        for i in range(len(hashes), num_full):
+            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
+            block_hash = _chain_hash(hashes[-1] if hashes else None, tokens)
+            hashes.append(block_hash)
+            block_id = table[i]
+            # First block with this content wins; a duplicate (e.g. two seqs computing one prompt at
+            # once) stays unregistered and returns to the pool plainly when freed.
+            if block_hash not in self._hash_to_block and block_id not in self._cached:
+                self._hash_to_block[block_hash] = block_id
+                self._cached[block_id] = (block_hash, tokens)
+
+    def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
+        """Share all of the parent's blocks with the child (parallel sampling, beam search)."""
+        if self._tables.get(child_seq_id):
+            raise ValueError(
+                f"fork: child seq {child_seq_id} already holds blocks; free it or pick a new id"
+            )
+        table = self._tables.get(parent_seq_id, [])
+        for block_id in table:
+            assert self._ref_counts[block_id] > 0, (
+                f"block {block_id} of seq {parent_seq_id} is free"
+            )
+            self._ref_counts[block_id] += 1
+        self._tables[child_seq_id] = list(table)
+        self._seq_hashes[child_seq_id] = list(self._seq_hashes.get(parent_seq_id, []))
+
+    def free(self, seq_id: int) -> None:
+        """Release all of the seq's blocks (tail first, so its tail is evicted before its head)."""
+        table = self._tables.pop(seq_id, None)
+        self._seq_hashes.pop(seq_id, None)
+        if table is not None:
+            self._release(reversed(table))
+
+    def truncate(self, seq_id: int, num_tokens: int) -> None:
+        """Speculative rollback: keep only the blocks covering the first num_tokens tokens."""
+        if num_tokens < 0:
+            raise ValueError(f"truncate: num_tokens must be >= 0, got {num_tokens}")
+        table = self._tables.get(seq_id)
+        if table is None:
+            return
+        num_kept = _cdiv(num_tokens, self.block_size)
+        released = table[num_kept:]
+        del table[num_kept:]
+        self._release(reversed(released))
+        del self._seq_hashes[seq_id][num_tokens // self.block_size :]
+
+    def _check_allocate_args(
+        self,
+        seq_id: int,
+        num_computed_tokens: int,
+        num_new_tokens: int,
+        computed_blocks: Sequence[int],
+    ) -> None:
+        if num_computed_tokens < 0 or num_new_tokens < 0:
+            raise ValueError(
+                f"allocate_slots: token counts must be >= 0, got {num_computed_tokens=}, "
+                f"{num_new_tokens=}"
+            )
+        if not computed_blocks:
+            return
+        if self._tables.get(seq_id):
+            raise ValueError(
+                f"allocate_slots: seq {seq_id} already holds blocks; pass computed_blocks only once"
+            )
+        if num_computed_tokens != len(computed_blocks) * self.block_size:
+            raise ValueError(
+                f"allocate_slots: num_computed_tokens={num_computed_tokens} must equal "
+                f"len(computed_blocks) * block_size = {len(computed_blocks) * self.block_size}"
+            )
+        for block_id in computed_blocks:
+            assert block_id in self._cached, f"computed block {block_id} is not in the prefix cache"
+
+    def _take_free_block(self) -> int:
+        """Pop the free queue's head (LRU), evicting its cache entry if it has one."""
+        block_id, _ = self._free.popitem(last=False)
+        if block_id in self._cached:
+            self._uncache(block_id)
+        assert self._ref_counts[block_id] == 0, (
+            f"free block {block_id} has refcount {self._ref_counts[block_id]}"
+        )
+        self._ref_counts[block_id] = 1
+        return block_id
+
+    def _uncache(self, block_id: int) -> None:
+        block_hash, _ = self._cached.pop(block_id)
+        mapped = self._hash_to_block.pop(block_hash)
+        assert mapped == block_id, f"hash of block {block_id} maps to block {mapped}"
+
+    def _release(self, block_ids: Iterable[int]) -> None:
+        """Drop one reference to each block; blocks reaching 0 join the free queue's tail."""
+        for block_id in block_ids:
+            self._ref_counts[block_id] -= 1
+            assert self._ref_counts[block_id] >= 0, f"block {block_id} freed more often than taken"
+            if self._ref_counts[block_id] == 0:
+                self._free[block_id] = None

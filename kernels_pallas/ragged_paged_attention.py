@@ -1,0 +1,500 @@
+"""Ragged paged attention as one Pallas kernel (Triton lowering on NVIDIA GPUs, interpret on CPU).
+
+Semantics: `reference.ragged_paged_attention_reference`. Design:
+
+- **Rows.** GQA is packed: a program serves one KV head and a tile of `rows` query rows, where a
+  row is one (token, query head) pair of that KV head's group. Rows are the pairs of one sequence
+  laid out token-major (row = token * G + head), so a tile holds several tokens of a small group
+  and no group is padded to 16 heads; only the tile's tail (and decode tiles, see below) pads.
+- **Tile map.** The wrapper computes with jnp, on device, which sequence and rows each tile
+  serves (`_TileMap`), gathers q into tiles and scatters the output back. The kernel reads the map
+  and the block tables as plain int32 inputs (no scalar prefetch: that is TPU-only).
+- **KV loop.** Each program walks the KV pages of its sequence in chunks of `pages_per_chunk`
+  pages with an online softmax in float32, from the first page inside the sliding window to the
+  page holding the tile's last position (causal skip).
+- **Paths.** Decode (every q_len <= 1): one tile per sequence, rows = the G heads of its single
+  token (padded to 16 rows for `tl.dot` on GPU). Multi-token (prefill chunks over a cached
+  prefix, speculative verification, mixed batches): tiles of `rows_per_tile` rows. Static rule:
+  T == S may be decode, checked on device with `lax.cond`; otherwise multi-token.
+- **Split-K.** A third grid axis splits each tile's KV range into `num_splits` parts balanced
+  over the sequence's *actual* length; partial (acc, max, sum) are merged by log-sum-exp in jnp.
+  The default fills the GPU about twice for small batches of long contexts.
+
+Portability: the kernel body uses only refs, `pl.program_id`, `lax.fori_loop` and jnp ops; the
+one Triton-specific call is the masked page load for head dims that are not powers of two
+(`_load_kv_chunk`), so a Mosaic GPU variant can reuse the body and swap that helper.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+try:  # The Triton flavour of Pallas; only needed when compiling for a GPU.
+    from jax.experimental.pallas import triton as plgpu
+except ImportError:  # pragma: no cover - CPU-only builds without the Triton module
+    plgpu = None
+
+_MASK_VALUE = -1e30  # finite: a fully masked chunk never produces inf - inf
+_LOG2E = math.log2(math.e)  # logits are kept in base 2 so the kernel uses exp2
+_MIN_CHUNKS_PER_SPLIT = 4  # a KV split below ~4 chunks costs more in merging than it gains
+_TRITON_MIN_DIM = 16  # tl.dot needs M, N, K >= 16
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tiling:
+    """Static shape of one pallas_call."""
+
+    rows: int  # query rows (token, head pairs) per program, a power of two
+    pages_per_chunk: int  # KV pages loaded per inner-loop step, a power of two
+    num_splits: int  # KV splits per tile, merged by log-sum-exp
+    head_dim_padded: int  # head_dim rounded up to a power of two
+    num_warps: int
+    num_stages: int
+    interpret: bool
+
+
+class _TileMap(NamedTuple):
+    """Which rows of which sequence each program serves (device arrays)."""
+
+    info: jax.Array  # [num_tiles, 4] int32: (seq, num_valid_rows, first_pair, first_pos)
+    token: jax.Array  # [num_tiles, rows] int32: row of q for each tile row, -1 = unused
+    head: jax.Array  # [num_tiles, rows] int32: query head within the group
+
+
+def _decode_tiles(
+    query_start_loc: jax.Array,  # [S+1] int32
+    kv_lens: jax.Array,  # [S] int32
+    group: int,
+    rows: int,
+) -> _TileMap:
+    """One tile per sequence: its single query token times the G heads of the group."""
+    num_seqs = kv_lens.shape[0]
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]  # [S]
+    num_valid = jnp.where(q_lens == 1, group, 0).astype(jnp.int32)  # [S]
+    info = jnp.stack([jnp.arange(num_seqs, dtype=jnp.int32), num_valid,
+                      jnp.zeros_like(num_valid), kv_lens - 1], axis=1)
+    row = jnp.arange(rows, dtype=jnp.int32)  # [rows]
+    valid = row[None, :] < num_valid[:, None]  # [S, rows]
+    token = jnp.where(valid, query_start_loc[:-1, None], -1)
+    head = jnp.broadcast_to(jnp.minimum(row, group - 1), (num_seqs, rows))
+    return _TileMap(info, token.astype(jnp.int32), head)
+
+
+def _multi_token_tiles(
+    query_start_loc: jax.Array,  # [S+1] int32
+    kv_lens: jax.Array,  # [S] int32
+    num_tokens: int,
+    group: int,
+    rows: int,
+) -> _TileMap:
+    """Tiles of `rows` consecutive (token, head) pairs, each inside one sequence."""
+    num_seqs = kv_lens.shape[0]
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]  # [S]
+    num_pairs = q_lens * group  # [S]
+    tiles_per_seq = pl.cdiv(num_pairs, rows)  # [S]
+    tile_end = jnp.cumsum(tiles_per_seq).astype(jnp.int32)  # [S]
+    num_tiles = _num_multi_token_tiles(num_tokens, num_seqs, group, rows)
+    tile = jnp.arange(num_tiles, dtype=jnp.int32)  # [num_tiles]
+    seq = jnp.minimum(jnp.searchsorted(tile_end, tile, side="right"), num_seqs - 1)
+    seq = seq.astype(jnp.int32)
+    first_pair = (tile - (tile_end - tiles_per_seq)[seq]) * rows  # [num_tiles]
+    num_valid = jnp.where(tile < tile_end[-1], jnp.clip(num_pairs[seq] - first_pair, 0, rows), 0)
+    first_pos = kv_lens[seq] - q_lens[seq]  # position of the sequence's first query
+    info = jnp.stack([seq, num_valid, first_pair, first_pos], axis=1).astype(jnp.int32)
+    row = jnp.arange(rows, dtype=jnp.int32)  # [rows]
+    pair = first_pair[:, None] + row[None, :]  # [num_tiles, rows]
+    token = jnp.where(row[None, :] < num_valid[:, None],
+                      query_start_loc[seq][:, None] + pair // group, -1)
+    return _TileMap(info, token.astype(jnp.int32), (pair % group).astype(jnp.int32))
+
+
+def _load_kv_chunk(
+    ref,  # [N, bs, Dp] ref: the cache of one KV head
+    pages: jax.Array,  # [P] int32
+    head_dim: int,
+    masked_load: bool,
+) -> jax.Array:  # [P * bs, Dp]
+    """Gather P pages; columns past head_dim (pow2 padding) come out as zeros."""
+    _, block_size, head_dim_padded = ref.shape
+    shape = (pages.shape[0], block_size, head_dim_padded)
+    in_head = jnp.broadcast_to(jnp.arange(head_dim_padded) < head_dim, shape)
+    if masked_load:  # Triton: never read past the real head_dim
+        chunk = plgpu.load(ref.at[pages], mask=in_head, other=0.0)
+    else:
+        chunk = ref[pages]
+        if head_dim_padded != head_dim:  # interpret mode pads blocks with NaN
+            chunk = jnp.where(in_head, chunk, 0)
+    return chunk.reshape(shape[0] * block_size, head_dim_padded)
+
+
+def _kv_chunk_range(
+    tile_info_ref, tile, split, rows: int, block_k: int, group: int, sliding_window, num_splits
+) -> tuple[jax.Array, ...]:
+    """Per tile: (sequence, row positions [rows], end of keys to read, chunk range of the split)."""
+    seq = tile_info_ref[tile, 0]
+    num_rows = tile_info_ref[tile, 1]
+    first_pair = tile_info_ref[tile, 2]
+    first_pos = tile_info_ref[tile, 3]
+    row_pos = first_pos + (first_pair + jnp.arange(rows, dtype=jnp.int32)) // group  # [rows]
+    # Causal skip: no row of the tile sees past its last valid row's position.
+    kv_end = jnp.where(num_rows > 0, first_pos + (first_pair + num_rows - 1) // group + 1, 0)
+    kv_start = jnp.int32(0)
+    if sliding_window is not None:  # the tile's first row sees the furthest back
+        kv_start = jnp.maximum(first_pos + first_pair // group - sliding_window + 1, 0)
+    chunk_lo, chunk_hi = kv_start // block_k, pl.cdiv(kv_end, block_k)
+    per_split = pl.cdiv(chunk_hi - chunk_lo, num_splits)  # balanced over the actual length
+    lo = chunk_lo + split * per_split
+    return seq, row_pos, kv_end, lo, jnp.minimum(lo + per_split, chunk_hi)
+
+
+def _kernel(
+    tile_info_ref,  # [num_tiles, 4] int32
+    block_tables_ref,  # [S, M'] int32, M' a multiple of pages_per_chunk
+    q_ref,  # [rows, Dp]
+    k_ref,  # [N, bs, Dp]
+    v_ref,  # [N, bs, Dp]
+    *out_refs,  # o [rows, Dp]  |  acc [rows, Dp], m [rows], row_sum [rows] when split
+    sm_scale: float,
+    sliding_window: int | None,
+    logits_soft_cap: float | None,
+    group: int,
+    head_dim: int,
+    pages_per_chunk: int,
+    num_splits: int,
+    masked_load: bool,
+):
+    """Online softmax (base 2) of one query tile over one KV split of one KV head."""
+    rows, head_dim_padded = q_ref.shape
+    block_k = pages_per_chunk * k_ref.shape[1]
+    acc_dtype = jnp.promote_types(q_ref.dtype, jnp.float32)
+    seq, row_pos, kv_end, lo, hi = _kv_chunk_range(
+        tile_info_ref, pl.program_id(0), pl.program_id(2), rows, block_k, group,
+        sliding_window, num_splits)
+    q = q_ref[...]
+
+    def body(chunk, carry):
+        m_prev, sum_prev, acc_prev = carry
+        pages = block_tables_ref[seq, pl.ds(chunk * pages_per_chunk, pages_per_chunk)]  # [P]
+        k = _load_kv_chunk(k_ref, pages, head_dim, masked_load)  # [block_k, Dp]
+        v = _load_kv_chunk(v_ref, pages, head_dim, masked_load)  # [block_k, Dp]
+        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=acc_dtype)
+        s = s * sm_scale  # [rows, block_k]
+        if logits_soft_cap is not None:
+            s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
+        key_pos = chunk * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [block_k]
+        visible = key_pos[None, :] <= row_pos[:, None]
+        if sliding_window is not None:
+            visible &= row_pos[:, None] - key_pos[None, :] < sliding_window
+        s = jnp.where(visible, s * _LOG2E, _MASK_VALUE)
+        m_next = jnp.maximum(m_prev, s.max(axis=1))  # [rows]
+        p = jnp.where(visible, jnp.exp2(s - m_next[:, None]), 0.0)  # [rows, block_k]
+        alpha = jnp.exp2(m_prev - m_next)
+        # Slots past the context may hold stale or non-finite data: 0 * NaN would leak.
+        v = jnp.where((key_pos < kv_end)[:, None], v, 0)
+        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                             preferred_element_type=acc_dtype)
+        return m_next, alpha * sum_prev + p.sum(axis=1), alpha[:, None] * acc_prev + pv
+
+    init = (
+        jnp.full((rows,), _MASK_VALUE, acc_dtype),
+        jnp.zeros((rows,), acc_dtype),
+        jnp.zeros((rows, head_dim_padded), acc_dtype),
+    )
+    m, row_sum, acc = lax.fori_loop(lo, hi, body, init)
+    if num_splits == 1:
+        (o_ref,) = out_refs
+        o_ref[...] = (acc / jnp.where(row_sum > 0, row_sum, 1.0)[:, None]).astype(o_ref.dtype)
+    else:
+        for ref, value in zip(out_refs, (acc, m, row_sum), strict=True):
+            ref[...] = value
+
+
+def _pallas_attention(
+    tiles: _TileMap,
+    block_tables: jax.Array,  # [S, M'] int32
+    q_tiles: jax.Array,  # [num_tiles, Hkv, rows, Dp]
+    k_cache: jax.Array,  # [N, Hkv, bs, D]
+    v_cache: jax.Array,  # [N, Hkv, bs, D]
+    tiling: _Tiling,
+    **static,
+) -> tuple[jax.Array, ...]:  # o [num_tiles, Hkv, rows, Dp] | (acc, m, l) with a split axis
+    """One pallas_call over the grid (tile, kv head, kv split)."""
+    num_tiles, num_kv_heads, rows, head_dim_padded = q_tiles.shape
+    num_blocks, _, block_size, _ = k_cache.shape
+    splits = tiling.num_splits
+    full = lambda x: pl.BlockSpec(x.shape, lambda t, h, s: (0,) * x.ndim)  # noqa: E731
+    cache_spec = pl.BlockSpec((num_blocks, None, block_size, head_dim_padded),
+                              lambda t, h, s: (0, h, 0, 0))
+    in_specs = [
+        full(tiles.info),
+        full(block_tables),
+        pl.BlockSpec((None, None, rows, head_dim_padded), lambda t, h, s: (t, h, 0, 0)),
+        cache_spec,
+        cache_spec,
+    ]
+    if splits == 1:
+        out_shape = [jax.ShapeDtypeStruct(q_tiles.shape, q_tiles.dtype)]
+        out_specs = [in_specs[2]]
+    else:
+        acc_dtype = jnp.promote_types(q_tiles.dtype, jnp.float32)
+        stats = (num_tiles, num_kv_heads, splits, rows)
+        out_shape = [
+            jax.ShapeDtypeStruct((*stats, head_dim_padded), acc_dtype),
+            jax.ShapeDtypeStruct(stats, acc_dtype),
+            jax.ShapeDtypeStruct(stats, acc_dtype),
+        ]
+        out_specs = [
+            pl.BlockSpec((None, None, None, rows, head_dim_padded),
+                         lambda t, h, s: (t, h, s, 0, 0)),
+            pl.BlockSpec((None, None, None, rows), lambda t, h, s: (t, h, s, 0)),
+            pl.BlockSpec((None, None, None, rows), lambda t, h, s: (t, h, s, 0)),
+        ]
+    head_dim = k_cache.shape[-1]
+    kernel = functools.partial(
+        _kernel,
+        head_dim=head_dim,
+        pages_per_chunk=tiling.pages_per_chunk,
+        num_splits=splits,
+        masked_load=not tiling.interpret and head_dim != head_dim_padded,
+        **static,
+    )
+    return pl.pallas_call(
+        kernel,
+        grid=(num_tiles, num_kv_heads, splits),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=_compiler_params(tiling),
+        interpret=tiling.interpret,
+        name=f"ragged_paged_attention_r{rows}_p{tiling.pages_per_chunk}_s{splits}",
+    )(tiles.info, block_tables, q_tiles, k_cache, v_cache)
+
+
+def _compiler_params(tiling: _Tiling):
+    if tiling.interpret or plgpu is None:
+        return None
+    return plgpu.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages)
+
+
+def _merge_splits(
+    acc: jax.Array,  # [num_tiles, Hkv, splits, rows, Dp]
+    m: jax.Array,  # [num_tiles, Hkv, splits, rows], base-2 running max
+    row_sum: jax.Array,  # [num_tiles, Hkv, splits, rows]
+) -> jax.Array:  # [num_tiles, Hkv, rows, Dp]
+    """Log-sum-exp merge of the KV splits; rows that saw no key come out as zeros."""
+    weight = jnp.exp2(m - m.max(axis=2, keepdims=True))  # [num_tiles, Hkv, splits, rows]
+    total = (weight * row_sum).sum(axis=2)
+    out = (weight[..., None] * acc).sum(axis=2)
+    return out / jnp.where(total > 0, total, 1.0)[..., None]
+
+
+def _attend(
+    q: jax.Array,  # [T, Hq, D]
+    k_cache: jax.Array,  # [N, Hkv, bs, D]
+    v_cache: jax.Array,  # [N, Hkv, bs, D]
+    block_tables: jax.Array,  # [S, M'] int32, sanitised
+    tiles: _TileMap,
+    tiling: _Tiling,
+    **static,
+) -> jax.Array:  # [T, Hq, D]
+    """Gather q into tiles, run the kernel, merge splits, scatter rows back."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    group = num_q_heads // num_kv_heads
+    q4 = q.reshape(num_tokens, num_kv_heads, group, head_dim)
+    kv_head = jnp.arange(num_kv_heads, dtype=jnp.int32)[None, :, None]  # [1, Hkv, 1]
+    token = tiles.token[:, None, :]  # [num_tiles, 1, rows]
+    head = tiles.head[:, None, :]  # [num_tiles, 1, rows]
+    q_tiles = q4[jnp.maximum(token, 0), kv_head, head]  # [num_tiles, Hkv, rows, D]
+    pad = tiling.head_dim_padded - head_dim
+    q_tiles = jnp.pad(q_tiles, ((0, 0), (0, 0), (0, 0), (0, pad)))
+    outs = _pallas_attention(tiles, block_tables, q_tiles, k_cache, v_cache, tiling, **static)
+    out_tiles = outs[0] if tiling.num_splits == 1 else _merge_splits(*outs)
+    out_tiles = out_tiles[..., :head_dim].astype(q.dtype)  # [num_tiles, Hkv, rows, D]
+    # Unused rows point past the end and are dropped; rows no tile covers (padding) stay zero.
+    token = jnp.where(token < 0, num_tokens, token)
+    out = jnp.zeros_like(q4).at[token, kv_head, head].set(out_tiles, mode="drop")
+    return out.reshape(num_tokens, num_q_heads, head_dim)
+
+
+def _prepare_block_tables(
+    block_tables: jax.Array,  # [S, M] int32
+    kv_lens: jax.Array,  # [S] int32
+    num_blocks: int,
+    block_size: int,
+    pages_per_chunk: int,
+) -> jax.Array:  # [S, M'] int32
+    """Pad to whole chunks and point every page past a sequence's end at block 0.
+
+    The kernel then never reads out of bounds, whatever the padding of the caller's table holds.
+    """
+    num_pages = block_tables.shape[1]
+    padded = pl.cdiv(num_pages, pages_per_chunk) * pages_per_chunk
+    tables = jnp.pad(block_tables, ((0, 0), (0, padded - num_pages)))
+    used = jnp.arange(padded)[None, :] < pl.cdiv(kv_lens, block_size)[:, None]
+    return jnp.where(used, jnp.clip(tables, 0, num_blocks - 1), 0).astype(jnp.int32)
+
+
+class _Knobs(NamedTuple):
+    """The caller's static tuning knobs; None = choose from the shapes."""
+
+    rows_per_tile: int | None
+    num_kv_pages_per_chunk: int | None
+    num_splits: int | None
+    num_warps: int | None
+    num_stages: int | None
+
+
+def _num_multi_token_tiles(num_tokens: int, num_seqs: int, group: int, rows: int) -> int:
+    """Static bound: sum_s ceil(q_s G / rows) <= (T G + S (rows - 1)) / rows, and <= T G."""
+    pairs = num_tokens * group
+    return max(1, min(pairs, (pairs + num_seqs * (rows - 1)) // rows))
+
+
+def _default_num_splits(num_programs: int, max_chunks: int, interpret: bool) -> int:
+    """Enough KV splits to fill the GPU about twice, each at least a few chunks long."""
+    if interpret:  # the interpreter runs programs one after another: splitting only adds work
+        return 1
+    num_cores = getattr(jax.devices()[0], "core_count", None) or 132
+    wanted = pl.cdiv(2 * num_cores, num_programs)
+    return max(1, min(wanted, max_chunks // _MIN_CHUNKS_PER_SPLIT))
+
+
+def _make_tiling(
+    decode: bool,
+    q_shape: tuple[int, int, int],  # (T, Hq, D)
+    cache_shape: tuple[int, int, int, int],  # (N, Hkv, bs, D)
+    table_shape: tuple[int, int],  # (S, M)
+    knobs: _Knobs,
+    interpret: bool,
+) -> _Tiling:
+    """Pick the static tiling; on GPU every tl.dot dimension is a power of two >= 16."""
+    num_tokens, num_q_heads, head_dim = q_shape
+    _, num_kv_heads, block_size, _ = cache_shape
+    num_seqs, max_pages = table_shape
+    group = num_q_heads // num_kv_heads
+    min_dim = 1 if interpret else _TRITON_MIN_DIM
+    if decode:  # the G heads of one token, padded to 16 rows for tl.dot on GPU
+        rows = max(pl.next_power_of_2(group), min_dim)
+        num_tiles, target_keys = num_seqs, 128
+    else:
+        rows = knobs.rows_per_tile or (32 if interpret else 64)
+        num_tiles = _num_multi_token_tiles(num_tokens, num_seqs, group, rows)
+        target_keys = 64
+    pages = knobs.num_kv_pages_per_chunk or max(1, max(target_keys, min_dim) // block_size)
+    for name, value in (("rows_per_tile", rows), ("num_kv_pages_per_chunk", pages)):
+        if value & (value - 1):
+            raise ValueError(f"{name} must be a power of two, got {value}")
+    if rows < min_dim or pages * block_size < min_dim:
+        raise ValueError(
+            f"Triton needs >= {min_dim} query rows and keys per chunk; got rows={rows}, "
+            f"{pages} pages of {block_size}: raise rows_per_tile or num_kv_pages_per_chunk"
+        )
+    max_chunks = pl.cdiv(max_pages, pages)
+    splits = knobs.num_splits or _default_num_splits(num_tiles * num_kv_heads, max_chunks,
+                                                     interpret)
+    return _Tiling(
+        rows=rows,
+        pages_per_chunk=pages,
+        num_splits=splits,
+        head_dim_padded=pl.next_power_of_2(head_dim),
+        num_warps=knobs.num_warps or 4,
+        num_stages=knobs.num_stages or 2,
+        interpret=interpret,
+    )
+
+
+def _check_inputs(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc) -> None:
+    """ValueError for shapes and dtypes a caller can get wrong."""
+    if q.ndim != 3 or k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"expected q [T, Hq, D] and k/v caches [N, Hkv, bs, D] of one shape, got "
+            f"{q.shape}, {k_cache.shape}, {v_cache.shape}"
+        )
+    _, num_q_heads, head_dim = q.shape
+    _, num_kv_heads, block_size, cache_head_dim = k_cache.shape
+    if head_dim != cache_head_dim or num_q_heads % num_kv_heads:
+        raise ValueError(
+            f"q has {num_q_heads} heads of {head_dim}, caches {num_kv_heads} heads of "
+            f"{cache_head_dim}: head dims must match and Hq be a multiple of Hkv"
+        )
+    if block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two, got {block_size}")
+    num_seqs = kv_lens.shape[0]
+    if block_tables.shape[0] != num_seqs or query_start_loc.shape != (num_seqs + 1,):
+        raise ValueError(
+            f"kv_lens {kv_lens.shape}, block_tables {block_tables.shape} and query_start_loc "
+            f"{query_start_loc.shape} must be [S], [S, M] and [S+1]"
+        )
+    for name, x in (("kv_lens", kv_lens), ("block_tables", block_tables),
+                    ("query_start_loc", query_start_loc)):
+        if x.dtype != jnp.int32:
+            raise ValueError(f"{name} must be int32, got {x.dtype}: cast with .astype(jnp.int32)")
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "sm_scale", "sliding_window", "logits_soft_cap", "interpret", "rows_per_tile",
+        "num_kv_pages_per_chunk", "num_splits", "num_warps", "num_stages",
+    ),
+)
+def ragged_paged_attention(
+    q: jax.Array,  # [T, Hq, D]
+    k_cache: jax.Array,  # [N, Hkv, bs, D]
+    v_cache: jax.Array,  # [N, Hkv, bs, D]
+    kv_lens: jax.Array,  # [S] int32, context length after this step
+    block_tables: jax.Array,  # [S, M] int32
+    query_start_loc: jax.Array,  # [S+1] int32
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    interpret: bool | None = None,
+    rows_per_tile: int | None = None,
+    num_kv_pages_per_chunk: int | None = None,
+    num_splits: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> jax.Array:  # [T, Hq, D] in q.dtype, padding rows zero
+    """Ragged paged attention (semantics: `ragged_paged_attention_reference`).
+
+    interpret=None interprets on CPU and compiles (Triton) elsewhere. Knobs: `rows_per_tile`
+    (token, head) rows per program of the multi-token path; `num_kv_pages_per_chunk` KV pages per
+    inner-loop step; `num_splits` KV splits per tile (None: fill the GPU); `num_warps`,
+    `num_stages` for Triton.
+    """
+    _check_inputs(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc)
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    knobs = _Knobs(rows_per_tile, num_kv_pages_per_chunk, num_splits, num_warps, num_stages)
+    num_tokens, num_q_heads, _ = q.shape
+    num_blocks, num_kv_heads, block_size, _ = k_cache.shape
+    group = num_q_heads // num_kv_heads
+    static = dict(sm_scale=sm_scale, sliding_window=sliding_window,
+                  logits_soft_cap=logits_soft_cap, group=group)
+
+    def run(decode: bool) -> jax.Array:
+        tiling = _make_tiling(decode, q.shape, k_cache.shape, block_tables.shape, knobs,
+                              interpret)
+        tables = _prepare_block_tables(block_tables, kv_lens, num_blocks, block_size,
+                                       tiling.pages_per_chunk)
+        if decode:
+            tiles = _decode_tiles(query_start_loc, kv_lens, group, tiling.rows)
+        else:
+            tiles = _multi_token_tiles(query_start_loc, kv_lens, num_tokens, group, tiling.rows)
+        return _attend(q, k_cache, v_cache, tables, tiles, tiling, **static)
+
+    if num_tokens != kv_lens.shape[0]:
+        return run(decode=False)
+    # T == S is a decode batch unless some sequence has more than one query: check on device.
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    return lax.cond(jnp.all(q_lens <= 1), lambda: run(True), lambda: run(False))

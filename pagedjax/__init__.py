@@ -1,0 +1,11 @@
+"""pagedjax: a vLLM-style LLM inference engine with JAX (Pallas) and PyTorch (CUDA) backends.
+
+The core imports neither jax nor torch; a backend's framework loads when an engine picks it.
+"""
+
+from pagedjax.llm import LLM
+from pagedjax.outputs import CompletionOutput, RequestOutput
+from pagedjax.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__version__ = "0.1.0"

@@ -1,0 +1,31 @@
+"""Which attention and KV-write implementation the JAX model uses."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from pagedjax.backends.jax.model import AttentionFn, WriteKVFn
+from pagedjax.kernels_pallas.reference import (
+    ragged_paged_attention_reference,
+    write_kv_reference,
+)
+
+ATTENTION_IMPLS = ("auto", "pallas", "reference")
+
+
+def resolve_attention(attention_impl: str) -> tuple[AttentionFn, WriteKVFn, str]:
+    """"auto" is the Pallas kernel on GPU and the jnp reference on CPU (interpret mode is slow).
+
+    Returns (attention_fn, write_kv_fn, resolved name).
+    """
+    if attention_impl not in ATTENTION_IMPLS:
+        raise ValueError(f"attention_impl={attention_impl!r} is unknown; use one of "
+                         f"{ATTENTION_IMPLS}.")
+    if attention_impl == "auto":
+        attention_impl = "reference" if jax.default_backend() == "cpu" else "pallas"
+    if attention_impl == "reference":
+        return ragged_paged_attention_reference, write_kv_reference, "reference"
+    from pagedjax.kernels_pallas import ragged_paged_attention, write_kv
+
+    return functools.partial(ragged_paged_attention), write_kv, "pallas"

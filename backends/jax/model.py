@@ -1,0 +1,149 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2) in Flax linen over a paged KV cache.
+
+The model sees one flattened ragged batch: T tokens from S sequences. Attention metadata is
+passed explicitly (never a global: jit cannot see globals); KV caches go in and come out so the
+jitted step can donate them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from pagedjax.config import ModelConfig
+
+KVCache = tuple[jax.Array, jax.Array]  # k, v: [num_blocks, Hkv, block_size, D]
+
+
+class AttentionMetadata(NamedTuple):
+    positions: jax.Array  # [T] int32
+    slot_mapping: jax.Array  # [T] int32, -1 = padding
+    query_start_loc: jax.Array  # [S+1] int32
+    kv_lens: jax.Array  # [S] int32
+    block_tables: jax.Array  # [S, M] int32
+    rope_cos: jax.Array  # [max_model_len, D] float32
+    rope_sin: jax.Array  # [max_model_len, D] float32
+
+
+# (q [T, Hq, D], k_cache, v_cache, kv_lens, block_tables, query_start_loc, *, sm_scale,
+#  sliding_window) -> [T, Hq, D]
+AttentionFn = Callable[..., jax.Array]
+# (k [T, Hkv, D], v [T, Hkv, D], k_cache, v_cache, slot_mapping) -> (k_cache, v_cache)
+WriteKVFn = Callable[..., KVCache]
+
+
+class RMSNorm(nn.Module):
+    eps: float
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.dtype)
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return weight * x32.astype(self.dtype)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x [T, H, D] rotated by per-token cos/sin [T, D] (HF's rotate_half convention)."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    out = x.astype(jnp.float32) * cos[:, None] + rotated.astype(jnp.float32) * sin[:, None]
+    return out.astype(x.dtype)
+
+
+class Attention(nn.Module):
+    config: ModelConfig
+    dtype: jnp.dtype
+    attention_fn: AttentionFn
+    write_kv_fn: WriteKVFn
+
+    @nn.compact
+    def __call__(self, x: jax.Array, kv_cache: KVCache,
+                 meta: AttentionMetadata) -> tuple[jax.Array, KVCache]:
+        cfg, num_tokens = self.config, x.shape[0]
+        d, hq, hkv = cfg.head_dim, cfg.num_q_heads, cfg.num_kv_heads
+
+        def proj(name: str, heads: int, bias: bool) -> jax.Array:
+            dense = nn.Dense(heads * d, use_bias=bias, dtype=self.dtype, param_dtype=self.dtype,
+                             name=name)
+            return dense(x).reshape(num_tokens, heads, d)
+
+        q = proj("q_proj", hq, cfg.attention_bias)  # [T, Hq, D]
+        k = proj("k_proj", hkv, cfg.attention_bias)  # [T, Hkv, D]
+        v = proj("v_proj", hkv, cfg.attention_bias)  # [T, Hkv, D]
+        cos, sin = meta.rope_cos[meta.positions], meta.rope_sin[meta.positions]  # [T, D]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k_cache, v_cache = self.write_kv_fn(k, v, *kv_cache, meta.slot_mapping)
+        out = self.attention_fn(q, k_cache, v_cache, meta.kv_lens, meta.block_tables,
+                                meta.query_start_loc, sm_scale=d**-0.5,
+                                sliding_window=cfg.sliding_window)  # [T, Hq, D]
+        out = nn.Dense(cfg.hidden_size, use_bias=False, dtype=self.dtype, param_dtype=self.dtype,
+                       name="o_proj")(out.reshape(num_tokens, hq * d))
+        return out, (k_cache, v_cache)
+
+
+class MLP(nn.Module):
+    config: ModelConfig
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        def dense(features: int, name: str) -> nn.Dense:
+            return nn.Dense(features, use_bias=False, dtype=self.dtype, param_dtype=self.dtype,
+                            name=name)
+
+        inter = self.config.intermediate_size
+        gate, up = dense(inter, "gate_proj")(x), dense(inter, "up_proj")(x)
+        return dense(self.config.hidden_size, "down_proj")(nn.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    config: ModelConfig
+    dtype: jnp.dtype
+    attention_fn: AttentionFn
+    write_kv_fn: WriteKVFn
+
+    @nn.compact
+    def __call__(self, x: jax.Array, kv_cache: KVCache,
+                 meta: AttentionMetadata) -> tuple[jax.Array, KVCache]:
+        eps = self.config.rms_norm_eps
+        h = RMSNorm(eps, self.dtype, name="input_layernorm")(x)
+        h, kv_cache = Attention(self.config, self.dtype, self.attention_fn, self.write_kv_fn,
+                                name="self_attn")(h, kv_cache, meta)
+        x = x + h
+        h = RMSNorm(eps, self.dtype, name="post_attention_layernorm")(x)
+        return x + MLP(self.config, self.dtype, name="mlp")(h), kv_cache
+
+
+class LlamaForCausalLM(nn.Module):
+    """Returns logits only for the rows in logits_indices (the positions that get sampled)."""
+
+    config: ModelConfig
+    dtype: jnp.dtype
+    attention_fn: AttentionFn
+    write_kv_fn: WriteKVFn
+
+    @nn.compact
+    def __call__(self, input_ids: jax.Array, kv_caches: list[KVCache], meta: AttentionMetadata,
+                 logits_indices: jax.Array) -> tuple[jax.Array, list[KVCache]]:
+        cfg = self.config
+        embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype,
+                         param_dtype=self.dtype, name="embed_tokens")
+        x = embed(input_ids)  # [T, H]
+        new_caches = []
+        for i in range(cfg.num_layers):
+            x, cache = DecoderLayer(cfg, self.dtype, self.attention_fn, self.write_kv_fn,
+                                    name=f"layers_{i}")(x, kv_caches[i], meta)
+            new_caches.append(cache)
+        x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="norm")(x[logits_indices])  # [L, H]
+        if cfg.tie_word_embeddings:
+            logits = embed.attend(x)
+        else:
+            logits = nn.Dense(cfg.vocab_size, use_bias=False, dtype=self.dtype,
+                              param_dtype=self.dtype, name="lm_head")(x)
+        return logits.astype(jnp.float32), new_caches  # [L, V]

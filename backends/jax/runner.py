@@ -1,0 +1,92 @@
+"""JAX model runner: owns the params and KV caches, runs one jitted step per batch."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from pagedjax.backends.jax.attention import resolve_attention
+from pagedjax.backends.jax.model import AttentionMetadata, KVCache, LlamaForCausalLM
+from pagedjax.backends.jax.params import load_params
+from pagedjax.backends.jax.sampler import sample
+from pagedjax.backends.rope import rope_cos_sin
+
+from pagedjax.batch import ModelInput, ModelOutput
+from pagedjax.config import EngineConfig, ModelConfig
+from pagedjax.kv_cache import num_kv_blocks_for_budget
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+_SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "rng_seed", "rng_step",
+                    "banned_rows", "banned_token_ids")
+
+
+class JaxModelRunner:
+    """Executes ModelInputs; returns sampled token ids and logprobs (nothing else leaves)."""
+
+    def __init__(self, model_dir: str, model_config: ModelConfig, config: EngineConfig,
+                 *, extra_bytes_per_block: int = 0) -> None:
+        self.model_config = model_config
+        self.config = config
+        self.dtype = _DTYPES[config.dtype]
+        attention_fn, write_kv_fn, self.attention_impl = resolve_attention(config.attention_impl)
+        self.model = LlamaForCausalLM(model_config, self.dtype, attention_fn, write_kv_fn)
+        self.params = load_params(model_dir, model_config, self.dtype)
+        cos, sin = rope_cos_sin(model_config, config.max_model_len)
+        self.rope = (jnp.asarray(cos), jnp.asarray(sin))
+        self.num_kv_blocks = config.num_kv_blocks or self._blocks_from_memory(extra_bytes_per_block)
+        shape = (self.num_kv_blocks, model_config.num_kv_heads, config.block_size,
+                 model_config.head_dim)
+        self.kv_caches: list[KVCache] = [
+            (jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype))
+            for _ in range(model_config.num_layers)
+        ]
+        self.num_compiles = 0  # traces of the step function: must stay bounded
+        self._step = jax.jit(self._step_fn, donate_argnums=(1,),
+                             static_argnames=("num_top_logprobs", "all_greedy", "use_filters"))
+
+    def _blocks_from_memory(self, extra_bytes_per_block: int) -> int:
+        device = jax.devices()[0]
+        stats = device.memory_stats() if device.platform != "cpu" else None
+        return num_kv_blocks_for_budget(self.model_config, self.config, stats,
+                                        extra_bytes_per_block=extra_bytes_per_block)
+
+    def _step_fn(self, params, kv_caches, batch, sampling, *, num_top_logprobs: int,
+                 all_greedy: bool, use_filters: bool):
+        self.num_compiles += 1  # runs only while tracing
+        meta = AttentionMetadata(batch["positions"], batch["slot_mapping"],
+                                 batch["query_start_loc"], batch["kv_lens"],
+                                 batch["block_tables"], *self.rope)
+        logits, kv_caches = self.model.apply(params, batch["input_ids"], kv_caches, meta,
+                                             batch["logits_indices"])
+        out = sample(logits, sampling, num_top_logprobs=num_top_logprobs, all_greedy=all_greedy,
+                     use_filters=use_filters)
+        return kv_caches, out
+
+    def execute(self, model_input: ModelInput) -> ModelOutput:
+        if len(model_input.block_copies):
+            self.kv_caches = _copy_blocks(self.kv_caches, jnp.asarray(model_input.block_copies))
+        batch = {k: jnp.asarray(getattr(model_input, k)) for k in (
+            "input_ids", "positions", "slot_mapping", "query_start_loc", "kv_lens",
+            "block_tables", "logits_indices")}
+        meta = model_input.sampling
+        sampling = {k: jnp.asarray(getattr(meta, k)) for k in _SAMPLING_FIELDS}
+        self.kv_caches, out = self._step(
+            self.params, self.kv_caches, batch, sampling, num_top_logprobs=meta.num_top_logprobs,
+            all_greedy=meta.all_greedy, use_filters=meta.use_filters)
+        tokens, logprobs, top_ids, top_lps = jax.device_get(out)
+        n = model_input.num_logits
+        return ModelOutput(
+            sampled_token_ids=np.asarray(tokens[:n]),
+            sampled_logprobs=np.asarray(logprobs[:n]),
+            top_logprob_ids=None if top_ids is None else np.asarray(top_ids[:n]),
+            top_logprobs=None if top_lps is None else np.asarray(top_lps[:n]),
+        )
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _copy_blocks(kv_caches: list[KVCache], copies: jax.Array) -> list[KVCache]:
+    """Copy-on-write: block copies[:, 1] becomes a copy of block copies[:, 0] in every layer."""
+    src, dst = copies[:, 0], copies[:, 1]
+    return [(k.at[dst].set(k[src]), v.at[dst].set(v[src])) for k, v in kv_caches]

@@ -1,0 +1,35 @@
+"""Rotary position embedding frequencies, shared by both backends (NumPy, float32 like HF)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pagedjax.config import ModelConfig
+
+
+def rope_inv_freq(config: ModelConfig) -> np.ndarray:  # [head_dim // 2] float32
+    """Inverse frequencies with linear or llama3 scaling, computed as transformers does."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq.astype(np.float32)
+    factor = float(scaling["factor"])
+    if scaling["rope_type"] == "linear":
+        return (inv_freq / factor).astype(np.float32)
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old_len = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * np.pi / inv_freq
+    scaled = np.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return np.where(is_medium, smoothed, scaled).astype(np.float32)
+
+
+def rope_cos_sin(config: ModelConfig, max_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin tables [max_len, head_dim] in float32 (HF's rotate_half layout)."""
+    inv_freq = rope_inv_freq(config)
+    freqs = np.arange(max_len, dtype=np.float32)[:, None] * inv_freq[None, :]
+    emb = np.concatenate([freqs, freqs], axis=-1)
+    return np.cos(emb).astype(np.float32), np.sin(emb).astype(np.float32)

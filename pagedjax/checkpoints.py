@@ -1,0 +1,76 @@
+"""Build small Hugging Face checkpoints locally (no model hub): a byte-level BPE tokenizer
+trained on the Python standard library's source, and randomly initialised Llama-family models
+saved with transformers' save_pretrained. Tests, the run command and benchmarks use them."""
+
+from __future__ import annotations
+
+import sysconfig
+from pathlib import Path
+
+EOS_TOKEN = "<|endoftext|>"
+# Multi-byte text so the tokenizer learns merges that split characters across tokens.
+_EXTRA_TEXT = "naïve café — ünïcödé 日本語のテキスト 中文 한국어 😀🎉 ∑∫√ " * 20
+_CORPUS_FILES = ("textwrap.py", "json/encoder.py", "heapq.py", "bisect.py", "shlex.py")
+
+TINY_ARCH_DEFAULTS = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
+    # A wide init makes logits decisive, so greedy argmaxes are not near-ties.
+    initializer_range=0.2,
+)
+
+
+def stdlib_corpus(files: tuple[str, ...] = _CORPUS_FILES) -> list[str]:
+    """Source files of this Python's standard library (present on every install)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return [(root / f).read_text(encoding="utf-8") for f in files]
+
+
+def train_tokenizer(texts: list[str], vocab_size: int = 512):
+    """A byte-level BPE PreTrainedTokenizerFast with one special token, EOS."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS_TOKEN],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN)
+
+
+def make_tiny_checkpoint(out_dir: str | Path, architecture: str = "llama", *, seed: int = 0,
+                         tokenizer=None, **overrides) -> Path:
+    """Save a random `architecture` ("llama" | "mistral" | "qwen2") model + tokenizer."""
+    import torch
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
+
+    classes = {"llama": (LlamaConfig, LlamaForCausalLM),
+               "mistral": (MistralConfig, MistralForCausalLM),
+               "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+    if architecture not in classes:
+        raise ValueError(f"architecture={architecture!r}; use one of {tuple(classes)}.")
+    tokenizer = tokenizer or train_tokenizer(stdlib_corpus() + [_EXTRA_TEXT])
+    config_cls, model_cls = classes[architecture]
+    kwargs = dict(TINY_ARCH_DEFAULTS, vocab_size=len(tokenizer),
+                  eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+                  pad_token_id=tokenizer.pad_token_id)
+    if architecture == "qwen2":
+        kwargs["layer_types"] = None
+    kwargs.update(overrides)
+    config = config_cls(**kwargs)
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.float32).eval()
+    out_dir = Path(out_dir)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir

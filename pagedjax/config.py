@@ -1,0 +1,145 @@
+"""Model and engine configuration. ModelConfig reads an HF checkpoint's config.json itself, so the
+core knows shapes (for KV sizing and validation) without importing transformers, jax or torch."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+BACKENDS = ("jax", "torch")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The Llama family's shape, read from config.json (transformers v4 and v5 layouts)."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None  # {"rope_type": "linear" | "llama3", ...} or None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
+    sliding_window: int | None
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ValueError(f"model={str(model_dir)!r} has no config.json: pass a Hugging Face "
+                             "checkpoint directory (config.json, *.safetensors, tokenizer files).")
+        return cls.from_dict(json.loads(path.read_text()))
+
+    @classmethod
+    def from_dict(cls, cfg: dict) -> ModelConfig:
+        archs = cfg.get("architectures") or [_ARCH_BY_MODEL_TYPE.get(cfg.get("model_type"), "?")]
+        arch = archs[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"architecture {arch!r} is not supported; pagedjax serves "
+                             f"{', '.join(SUPPORTED_ARCHITECTURES)}.")
+        if cfg.get("mlp_bias"):
+            raise ValueError("mlp_bias=True is not supported; use a checkpoint without MLP biases.")
+        num_q_heads = cfg["num_attention_heads"]
+        rope_theta, rope_scaling = _parse_rope(cfg)
+        window = cfg.get("sliding_window")
+        if arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
+            window = None
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_q_heads=num_q_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_q_heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_q_heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            sliding_window=window,
+        )
+
+    def kv_bytes_per_block(self, block_size: int, dtype_bytes: int) -> int:
+        """Bytes one KV block takes across all layers (keys and values)."""
+        return 2 * self.num_layers * self.num_kv_heads * block_size * self.head_dim * dtype_bytes
+
+
+_ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                       "qwen2": "Qwen2ForCausalLM"}
+
+
+def _parse_rope(cfg: dict) -> tuple[float, dict | None]:
+    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope_type={rope_type!r} is not supported; use one of "
+                         f"{SUPPORTED_ROPE_TYPES}.")
+    if rope_type == "default":
+        return theta, None
+    params["rope_type"] = rope_type
+    return theta, params
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs besides the model itself."""
+
+    model: str
+    backend: str = "jax"
+    dtype: str = "float32"
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    memory_utilization: float = 0.9
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    attention_impl: str = "auto"
+
+    def validate(self, model_config: ModelConfig) -> None:
+        """Check user-facing values; fill max_model_len from the model if unset."""
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend={self.backend!r} is unknown; use one of {BACKENDS}.")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is unsupported; use one of {DTYPES}.")
+        if self.block_size not in (8, 16, 32):
+            raise ValueError(f"block_size={self.block_size} is unsupported; use 8, 16 or 32.")
+        if not 0.0 < self.memory_utilization <= 1.0:
+            raise ValueError(f"memory_utilization={self.memory_utilization} must be in (0, 1].")
+        if self.max_model_len is None:
+            self.max_model_len = min(model_config.max_position_embeddings, 4096)
+        if self.max_model_len > model_config.max_position_embeddings:
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's "
+                             f"max_position_embeddings={model_config.max_position_embeddings}.")
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1.")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < self.max_blocks_per_seq:
+            raise ValueError(
+                f"num_kv_blocks={self.num_kv_blocks} cannot hold one sequence of max_model_len="
+                f"{self.max_model_len} ({self.max_blocks_per_seq} blocks of {self.block_size}); "
+                "raise num_kv_blocks or lower max_model_len.")
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_model_len // self.block_size)
+
+    @property
+    def dtype_bytes(self) -> int:
+        return 4 if self.dtype == "float32" else 2

@@ -1,0 +1,85 @@
+"""LLM: the offline API (vLLM's names)."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from pagedjax.config import EngineConfig
+from pagedjax.engine import LLMEngine, PromptType
+from pagedjax.outputs import RequestOutput
+from pagedjax.sampling_params import SamplingParams
+
+
+class LLM:
+    """Generate for a batch of prompts with continuous batching over a paged KV cache.
+
+    >>> llm = LLM(model="path/to/hf_checkpoint", backend="jax")
+    >>> outs = llm.generate(["def fib(n):"], SamplingParams(max_tokens=32, temperature=0))
+    >>> print(outs[0].outputs[0].text)
+    """
+
+    def __init__(self, model: str, backend: str = "jax", dtype: str = "float32",
+                 block_size: int = 16, num_kv_blocks: int | None = None,
+                 memory_utilization: float = 0.9, max_model_len: int | None = None,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
+                 enable_prefix_caching: bool = True, seed: int = 0,
+                 attention_impl: str = "auto") -> None:
+        config = EngineConfig(
+            model=str(model), backend=backend, dtype=dtype, block_size=block_size,
+            num_kv_blocks=num_kv_blocks, memory_utilization=memory_utilization,
+            max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_prefix_caching=enable_prefix_caching, seed=seed,
+            attention_impl=attention_impl)
+        self.engine = LLMEngine(config)
+        self._request_ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Outputs in input order. Invalid prompts raise before anything is queued."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"got {len(sampling_params)} SamplingParams for {len(prompts)} "
+                             "prompts; pass one, or one per prompt.")
+        ids = [f"gen-{next(self._request_ids)}" for _ in prompts]
+        added = []
+        try:
+            for request_id, prompt, params in zip(ids, prompts, sampling_params):
+                self.engine.add_request(request_id, prompt, params)
+                added.append(request_id)
+        except Exception:
+            for request_id in added:
+                self.engine.abort_request(request_id)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm,
+                   dynamic_ncols=True)
+        start, num_tokens = time.perf_counter(), 0
+        while self.engine.has_unfinished_requests():
+            for output in self.engine.step():
+                num_tokens += 1
+                if output.finished:
+                    finished[output.request_id] = output
+                    bar.update(1)
+            elapsed = time.perf_counter() - start
+            rate = self.engine.generation_tokens_total / max(elapsed, 1e-9)
+            bar.set_postfix_str(f"{rate:.1f} tok/s", refresh=False)
+        bar.close()
+        return [finished[i] for i in ids]
+
+    def get_metrics(self) -> dict[str, int]:
+        return self.engine.get_metrics()

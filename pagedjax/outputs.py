@@ -1,0 +1,36 @@
+"""RequestOutput / CompletionOutput, as in vLLM."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# One generated position: token id -> logprob (the sampled token plus the top-N).
+Logprobs = list[dict[int, float]]
+
+
+@dataclass
+class CompletionOutput:
+    """One of a request's n completions."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: Logprobs | None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """What `LLM.generate` returns per prompt, and what the engine streams per step."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = False
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache

@@ -1,0 +1,54 @@
+"""What one scheduler step decided: plain ints and lists, no framework types."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedjax.sampling_params import SamplingParams
+
+
+@dataclass
+class SampleSpec:
+    """One completion that samples from the logits of a scheduled sequence's last position(s)."""
+
+    seq_id: int
+    params: SamplingParams
+    rng_seed: int  # uint32 stream of this completion
+    rng_step: int  # tokens it generated so far: the counter of its random numbers
+    banned_token_ids: list[int]  # EOS / stop ids masked while below min_tokens
+
+
+@dataclass
+class ScheduledSequence:
+    """One sequence's share of the batch."""
+
+    seq_id: int
+    token_ids: list[int]  # tokens whose KV this step computes (num_new_tokens of them)
+    start_pos: int  # position of token_ids[0] == num_computed_tokens before the step
+    block_table: list[int]  # block ids covering start_pos + len(token_ids) slots
+    # Completions that sample from this sequence's last position: empty while a chunked prefill
+    # is still behind, [itself] normally, itself + its siblings on the step a fork happens.
+    samples: list[SampleSpec] = field(default_factory=list)
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def kv_len(self) -> int:
+        """Context length after this step."""
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    """The scheduler → runner contract for one step."""
+
+    scheduled: list[ScheduledSequence]  # in batch order (running first, then admitted)
+    block_copies: list[tuple[int, int]]  # (src, dst) copy-on-write block copies, before the forward
+    preempted_seq_ids: list[int]  # sequences sent back to waiting (recompute) this step
+    num_batched_tokens: int  # sum of num_new_tokens
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled

@@ -1,0 +1,84 @@
+"""Sequence: one completion's token ids and progress. Only ints, lists and plain objects."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from pagedjax.detokenizer import IncrementalDetokenizer
+from pagedjax.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED = enum.auto()
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One of a request's n completions.
+
+    There are no prefill and decode phases: each step `num_computed_tokens` catches up with
+    `num_tokens`. Chunked prefill, prefix-cache hits and preemption (recompute) only move it.
+    """
+
+    seq_id: int
+    request_id: str
+    index: int  # which of the request's n completions
+    arrival: tuple[int, int]  # (request arrival counter, index): FCFS order; latest preempted first
+    token_ids: list[int]  # prompt + output
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    max_tokens: int  # sampling_params.max_tokens, or what max_model_len leaves
+    rng_seed: int  # uint32 stream of this completion's random numbers
+    detokenizer: IncrementalDetokenizer
+    num_pending_forks: int = 0  # siblings to fork off once the prompt is computed (n > 1)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens that came from the prefix cache at admission
+    status: SequenceStatus = SequenceStatus.WAITING
+    cumulative_logprob: float = 0.0
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    spec_token_ids: list[int] = field(default_factory=list)  # draft tokens proposed this step
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def fork(self, seq_id: int, index: int, rng_seed: int) -> Sequence:
+        """A sibling completion that shares everything computed so far."""
+        return Sequence(
+            seq_id=seq_id,
+            request_id=self.request_id,
+            index=index,
+            arrival=(self.arrival[0], index),
+            token_ids=list(self.token_ids),
+            num_prompt_tokens=self.num_prompt_tokens,
+            sampling_params=self.sampling_params,
+            max_tokens=self.max_tokens,
+            rng_seed=rng_seed,
+            detokenizer=self.detokenizer.fork(),
+            num_computed_tokens=self.num_computed_tokens,
+            num_cached_tokens=self.num_cached_tokens,
+            status=self.status,
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=None if self.logprobs is None else list(self.logprobs),
+        )

@@ -1,0 +1,31 @@
+"""The model directory's tokenizer and its end-of-sequence ids."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+def load_tokenizer(model_dir: str) -> Any | None:
+    """transformers' AutoTokenizer for the directory, or None if it ships no tokenizer files."""
+    if not any((Path(model_dir) / f).is_file() for f in _TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def load_eos_token_ids(model_dir: str, tokenizer: Any | None) -> tuple[int, ...]:
+    """EOS ids from generation_config.json, else config.json, else the tokenizer."""
+    for name in ("generation_config.json", "config.json"):
+        path = Path(model_dir) / name
+        if path.is_file():
+            eos = json.loads(path.read_text()).get("eos_token_id")
+            if eos is not None:
+                return tuple(eos) if isinstance(eos, list) else (eos,)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        return (tokenizer.eos_token_id,)
+    return ()

@@ -51,8 +51,9 @@ class SamplingParams:
         _check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "a float in [0, 1]")
         _check(self.seed is None or isinstance(self.seed, int), "seed", self.seed,
                "an integer or None")
-        _check(self.max_tokens is None
-               or (isinstance(self.max_tokens, int) and self.max_tokens >= 1), "max_tokens", self.max_tokens, "an integer >= 1 or None")
+        max_tokens_ok = self.max_tokens is None or (
+            isinstance(self.max_tokens, int) and self.max_tokens >= 1)
+        _check(max_tokens_ok, "max_tokens", self.max_tokens, "an integer >= 1 or None")
         _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens",
                self.min_tokens, "an integer >= 0")
         _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",

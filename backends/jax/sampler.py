@@ -46,7 +46,7 @@ def filter_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array,
 
 def sample(logits: jax.Array, sampling: dict, *, num_top_logprobs: int, all_greedy: bool,
            use_filters: bool) -> tuple[jax.Array, ...]:
-    """logits [L, V] float32 → (token ids [L], logprobs [L], top ids [L, K], top logprobs [L, K])."""
+    """logits [L, V] float32 → token ids [L], logprobs [L], top ids [L, K], top logprobs [L, K]."""
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     rows = jnp.where(sampling["banned_rows"] >= 0, sampling["banned_rows"], logits.shape[0])
     logits = logits.at[rows, sampling["banned_token_ids"]].set(-jnp.inf, mode="drop")

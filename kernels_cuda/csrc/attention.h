@@ -1,0 +1,67 @@
+// Shared declarations of the pagedjax custom ops: argument checks (ops.cpp) and the CPU and
+// CUDA implementations (attention_cpu.cpp, attention_cuda.cu).
+//
+// Layout (per layer): k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim].
+// Sequence s owns query rows [query_start_loc[s], query_start_loc[s+1]), its last q_len tokens;
+// query i sits at position kv_lens[s] - q_len + i and sees key j iff j <= pos and, with a
+// sliding window w, pos - j < w. Rows past query_start_loc[S] are padding and come out as zeros.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <optional>
+
+namespace pagedjax {
+
+// Sizes of one ragged paged attention call, read off validated arguments.
+struct AttentionShape {
+  int64_t num_tokens;      // T: rows of q (including padding rows)
+  int64_t num_q_heads;     // Hq
+  int64_t num_kv_heads;    // Hkv; Hq = group * Hkv
+  int64_t group;           // query heads per KV head
+  int64_t head_dim;        // D
+  int64_t num_blocks;      // N: blocks in the cache
+  int64_t block_size;      // tokens per block
+  int64_t num_seqs;        // S
+  int64_t max_blocks;      // M: columns of block_tables
+};
+
+// TORCH_CHECKs every argument's rank, shape, dtype, contiguity and device; returns the sizes.
+AttentionShape check_attention_args(
+    const at::Tensor& out,              // [T, Hq, D], contiguous
+    const at::Tensor& q,                // [T, Hq, D], last dim contiguous
+    const at::Tensor& k_cache,          // [N, Hkv, bs, D], contiguous
+    const at::Tensor& v_cache,          // [N, Hkv, bs, D], contiguous
+    const at::Tensor& kv_lens,          // [S] int32
+    const at::Tensor& block_tables,     // [S, M] int32
+    const at::Tensor& query_start_loc,  // [S+1] int32
+    std::optional<int64_t> sliding_window,
+    std::optional<double> logits_soft_cap);
+
+// TORCH_CHECKs the arguments of write_kv.
+void check_write_kv_args(
+    const at::Tensor& k,              // [T, Hkv, D], last dim contiguous
+    const at::Tensor& v,              // [T, Hkv, D], last dim contiguous
+    const at::Tensor& k_cache,        // [N, Hkv, bs, D], contiguous
+    const at::Tensor& v_cache,        // [N, Hkv, bs, D], contiguous
+    const at::Tensor& slot_mapping);  // [T] int32 or int64
+
+// Kernel signatures of the out= attention op and of write_kv, shared by every backend (the
+// functional op calls the out= op through the dispatcher with exactly this signature).
+// max_query_len is a host-side hint (an upper bound on q_len) that only picks a CUDA launch
+// configuration; the CPU kernels ignore it.
+using AttentionOutFn = void(
+    const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+    const at::Tensor& v_cache, const at::Tensor& kv_lens, const at::Tensor& block_tables,
+    const at::Tensor& query_start_loc, double sm_scale, std::optional<int64_t> sliding_window,
+    std::optional<double> logits_soft_cap, std::optional<int64_t> max_query_len);
+
+using WriteKvFn = void(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
+                       const at::Tensor& v_cache, const at::Tensor& slot_mapping);
+
+// CPU kernels (attention_cpu.cpp); they check their arguments themselves.
+AttentionOutFn ragged_paged_attention_out_cpu;
+WriteKvFn write_kv_cpu;
+
+}  // namespace pagedjax

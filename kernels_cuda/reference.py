@@ -1,0 +1,68 @@
+"""Pure-torch reference of the pagedjax ops: the fallback when the extension cannot be built.
+
+Same semantics as `pagedjax.kernels_pallas.reference` (see its docstring). A Python loop over
+sequences, each attended with dense einsums over its gathered context; it reads the metadata on
+the host, so it synchronises with the device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def ragged_paged_attention(
+    q: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,  # [N, Hkv, bs, D]
+    v_cache: torch.Tensor,  # [N, Hkv, bs, D]
+    kv_lens: torch.Tensor,  # [S] int32
+    block_tables: torch.Tensor,  # [S, M] int32
+    query_start_loc: torch.Tensor,  # [S+1] int32
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+) -> torch.Tensor:  # [T, Hq, D]; padding rows are zeros
+    """Attention of each sequence's last q_len tokens over its paged context (causal)."""
+    num_q_heads, head_dim = q.shape[1:]
+    _, num_kv_heads, block_size, _ = k_cache.shape
+    group = num_q_heads // num_kv_heads
+    acc_dtype = torch.promote_types(q.dtype, torch.float32)
+    out = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
+    starts = query_start_loc.tolist()
+    for s, kv_len in enumerate(kv_lens.tolist()):
+        start, end = starts[s], starts[s + 1]
+        if end == start:
+            continue
+        blocks = block_tables[s, : -(-kv_len // block_size)].long()
+        # [n, Hkv, bs, D] -> [Hkv, n * bs, D] -> the first kv_len keys
+        keys = k_cache[blocks].transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[:, :kv_len]
+        values = v_cache[blocks].transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[:, :kv_len]
+        qs = q[start:end].to(acc_dtype).view(end - start, num_kv_heads, group, head_dim)
+        logits = torch.einsum("thgd,hkd->hgtk", qs, keys.to(acc_dtype)) * sm_scale
+        if logits_soft_cap is not None:
+            logits = logits_soft_cap * torch.tanh(logits / logits_soft_cap)
+        positions = torch.arange(kv_len - (end - start), kv_len, device=q.device)  # [q_len]
+        key_pos = torch.arange(kv_len, device=q.device)  # [kv_len]
+        visible = key_pos[None, :] <= positions[:, None]  # [q_len, kv_len]
+        if sliding_window is not None:
+            visible &= positions[:, None] - key_pos[None, :] < sliding_window
+        probs = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
+        attended = torch.einsum("hgtk,hkd->thgd", probs, values.to(acc_dtype))
+        out[start:end] = attended.reshape(end - start, num_q_heads, head_dim)
+    return out.to(q.dtype)
+
+
+def write_kv(
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [N, Hkv, bs, D], written in place
+    v_cache: torch.Tensor,  # [N, Hkv, bs, D], written in place
+    slot_mapping: torch.Tensor,  # [T], block_id * block_size + offset; -1 = skip
+) -> None:
+    """Scatter new keys/values into their cache slots; rows with slot -1 are skipped."""
+    block_size = k_cache.shape[2]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    blocks, offsets = slots // block_size, slots % block_size
+    k_cache[blocks, :, offsets] = k[keep].to(k_cache.dtype)  # [n, Hkv, D]
+    v_cache[blocks, :, offsets] = v[keep].to(v_cache.dtype)

@@ -124,9 +124,8 @@ class BlockManager:
             self._ref_counts[block_id] += 1
             table.append(block_id)
             hashes.append(self._cached[block_id][0])
-        del hashes[
-            num_computed_tokens // bs :
-        ]  # blocks written from here on are no longer hashed content
+        # Blocks written from here on no longer hold hashed content (rollback sans truncate).
+        del hashes[num_computed_tokens // bs :]
         copies = []
         for i in to_copy:
             src, dst = table[i], self._take_free_block()

@@ -1,0 +1,87 @@
+"""On-device sampling for the torch runner: the semantics of backends/jax/sampler.py, op for op.
+
+Order: raw logprobs (returned) → banned tokens (min_tokens) → greedy rows take the argmax;
+random rows divide by temperature, keep top-k, then top-p, then min-p, and take the argmax of
+logits + Gumbel noise from pagedjax.random's counters (an exact categorical sample), so a seeded
+request samples the same tokens on either backend.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedjax import random as prng
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 on uint32 values held in int64 (masked after every multiply)."""
+    x = x ^ (x >> 16)
+    x = (x * prng.MIX_MUL_1) & _MASK32  # the low 32 bits survive an int64 wraparound
+    x = x ^ (x >> 15)
+    x = (x * prng.MIX_MUL_2) & _MASK32
+    return x ^ (x >> 16)
+
+
+def uniform(seed: torch.Tensor, step: torch.Tensor, num: int) -> torch.Tensor:
+    """[L] seeds and steps (uint32 values, int64 tensors) → [L, num] float32 in (0, 1)."""
+    key = _mix32(seed[:, None] ^ _mix32((step[:, None] * prng.GOLDEN) & _MASK32))
+    stream = (torch.arange(num, dtype=torch.int64, device=seed.device) * prng.STREAM) & _MASK32
+    bits = _mix32((key + stream[None, :]) & _MASK32)  # [L, num]
+    return ((bits >> 8).to(torch.float32) + 0.5) * (2.0**-24)
+
+
+def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                  min_p: torch.Tensor) -> torch.Tensor:
+    """Mask to -inf what top-k, then top-p, then min-p drop. logits [L, V]; knobs [L]."""
+    vocab = logits.shape[-1]
+    sorted_desc = torch.sort(logits, dim=-1, descending=True).values  # [L, V]
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)  # [L]
+    in_top_k = torch.arange(vocab, device=logits.device)[None, :] < k[:, None]
+    probs = torch.softmax(sorted_desc.masked_fill(~in_top_k, float("-inf")), dim=-1)
+    keep = in_top_k & (torch.cumsum(probs, dim=-1) - probs < top_p[:, None])
+    num_kept = keep.sum(dim=-1)  # [L] >= 1
+    threshold = torch.gather(sorted_desc, 1, (num_kept - 1)[:, None])[:, 0]
+    min_p_threshold = torch.where(min_p > 0, sorted_desc[:, 0] + torch.log(min_p),
+                                  float("-inf"))
+    threshold = torch.maximum(threshold, min_p_threshold)
+    return logits.masked_fill(logits < threshold[:, None], float("-inf"))
+
+
+def _mask_banned(logits: torch.Tensor, banned_rows: torch.Tensor,
+                 banned_token_ids: torch.Tensor) -> torch.Tensor:
+    """logits [L, V] with the (row, token) pairs [P] set to -inf; row -1 is padding.
+
+    Padding pairs land in an extra row that is cut off (no data-dependent shapes, no host sync).
+    """
+    num_rows, vocab = logits.shape
+    rows = torch.where(banned_rows >= 0, banned_rows, num_rows).long()
+    mask = torch.zeros(num_rows + 1, vocab, dtype=torch.bool, device=logits.device)
+    mask[rows, banned_token_ids.long()] = True
+    return logits.masked_fill(mask[:num_rows], float("-inf"))
+
+
+def sample(logits: torch.Tensor, sampling: dict[str, torch.Tensor], *, num_top_logprobs: int,
+           all_greedy: bool, use_filters: bool) -> tuple[torch.Tensor | None, ...]:
+    """logits [L, V] float32 → token ids [L], logprobs [L], top ids [L, K], top logprobs [L, K].
+
+    sampling: the SamplingMetadata arrays as tensors on logits' device (rng_seed / rng_step as
+    int64 holding uint32 values).
+    """
+    logprobs = torch.log_softmax(logits, dim=-1)
+    logits = _mask_banned(logits, sampling["banned_rows"], sampling["banned_token_ids"])
+    tokens = torch.argmax(logits, dim=-1).to(torch.int32)
+    if not all_greedy:
+        temperature = sampling["temperature"]
+        scaled = logits / torch.where(temperature > 0, temperature, 1.0)[:, None]
+        if use_filters:
+            scaled = filter_logits(scaled, sampling["top_k"], sampling["top_p"], sampling["min_p"])
+        u = uniform(sampling["rng_seed"], sampling["rng_step"], logits.shape[-1])
+        sampled = torch.argmax(scaled - torch.log(-torch.log(u)), dim=-1).to(torch.int32)
+        tokens = torch.where(temperature > 0, sampled, tokens)
+    token_logprobs = torch.gather(logprobs, 1, tokens[:, None].long())[:, 0]
+    if num_top_logprobs == 0:
+        return tokens, token_logprobs, None, None
+    top_lps, top_ids = torch.topk(logprobs, num_top_logprobs, dim=-1)
+    return tokens, token_logprobs, top_ids.to(torch.int32), top_lps

@@ -1,0 +1,103 @@
+"""The torch sampler must sample exactly what the JAX sampler samples, knob for knob."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from pagedjax.backends.jax import sampler as jax_sampler
+from pagedjax.backends.torch import sampler as torch_sampler
+
+from pagedjax import random as prng
+from pagedjax.sampling_params import MAX_LOGPROBS
+
+# One row per knob mix: (temperature, top_k, top_p, min_p); 0 temperature = greedy.
+ROWS = [
+    (0.0, 0, 1.0, 0.0),
+    (1.0, 0, 1.0, 0.0),
+    (0.7, 0, 1.0, 0.0),
+    (1.3, 5, 1.0, 0.0),
+    (1.0, 1, 1.0, 0.0),
+    (0.8, 0, 0.9, 0.0),
+    (1.0, 0, 0.3, 0.0),
+    (1.0, 0, 1.0, 0.05),
+    (1.0, 0, 1.0, 0.5),
+    (0.9, 50, 0.8, 0.02),
+    (2.0, 10, 0.95, 0.1),
+    (0.0, 5, 0.5, 0.1),  # greedy ignores the filters
+    (1.0, 100_000, 1.0, 0.0),  # top_k above the vocabulary
+    (1e-3, 0, 1.0, 0.0),
+]
+
+
+def _metadata(seed: int, vocab: int, logits: np.ndarray) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    num_rows = len(ROWS)
+    temperature, top_k, top_p, min_p = (np.array(c) for c in zip(*ROWS))
+    # Ban the argmax of a greedy row and of a random row (plus a few others); -1 rows pad.
+    banned = [(0, int(logits[0].argmax())), (1, int(logits[1].argmax())), (0, 3), (5, 7)]
+    rows, ids = (list(c) for c in zip(*banned))
+    rows += [-1, -1, -1, -1]
+    ids += [0, 1, 2, 3]
+    return {
+        "temperature": temperature.astype(np.float32), "top_k": top_k.astype(np.int32),
+        "top_p": top_p.astype(np.float32), "min_p": min_p.astype(np.float32),
+        "rng_seed": rng.integers(0, 2**32, num_rows, dtype=np.uint32),
+        "rng_step": rng.integers(0, 2**32, num_rows, dtype=np.uint32),
+        "banned_rows": np.array(rows, np.int32), "banned_token_ids": np.array(ids, np.int32),
+    }
+
+
+def _torch_sampling(meta: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    out = {k: torch.from_numpy(v) for k, v in meta.items()}
+    out["rng_seed"] = torch.from_numpy(meta["rng_seed"].astype(np.int64))
+    out["rng_step"] = torch.from_numpy(meta["rng_step"].astype(np.int64))
+    return out
+
+
+@pytest.mark.parametrize("seed,vocab", [(0, 512), (1, 1000), (2, 4099)])
+@pytest.mark.parametrize("num_top_logprobs", [0, MAX_LOGPROBS])
+def test_samplers_agree(seed: int, vocab: int, num_top_logprobs: int) -> None:
+    logits = np.random.default_rng(seed).normal(0, 3, (len(ROWS), vocab)).astype(np.float32)
+    meta = _metadata(seed, vocab, logits)
+    flags = dict(num_top_logprobs=num_top_logprobs, all_greedy=False, use_filters=True)
+    ref = jax_sampler.sample(jnp.asarray(logits), {k: jnp.asarray(v) for k, v in meta.items()},
+                             **flags)
+    got = torch_sampler.sample(torch.from_numpy(logits), _torch_sampling(meta), **flags)
+    np.testing.assert_array_equal(got[0].numpy(), np.asarray(ref[0]))
+    np.testing.assert_allclose(got[1].numpy(), np.asarray(ref[1]), rtol=0, atol=1e-5)
+    assert got[0][0] != logits[0].argmax() and got[0][1] != logits[1].argmax()  # banned
+    if num_top_logprobs:
+        np.testing.assert_array_equal(got[2].numpy(), np.asarray(ref[2]))
+        np.testing.assert_allclose(got[3].numpy(), np.asarray(ref[3]), rtol=0, atol=1e-5)
+    else:
+        assert got[2] is None and ref[2] is None
+
+
+@pytest.mark.parametrize("all_greedy,use_filters", [(True, False), (False, False)])
+def test_samplers_agree_static_paths(all_greedy: bool, use_filters: bool) -> None:
+    """The all-greedy and no-filter fast paths match too (filters off in every row)."""
+    logits = np.random.default_rng(7).normal(0, 3, (len(ROWS), 777)).astype(np.float32)
+    meta = _metadata(7, 777, logits)
+    if all_greedy:
+        meta["temperature"][:] = 0.0
+    meta["top_k"][:], meta["top_p"][:], meta["min_p"][:] = 0, 1.0, 0.0
+    flags = dict(num_top_logprobs=0, all_greedy=all_greedy, use_filters=use_filters)
+    ref = jax_sampler.sample(jnp.asarray(logits), {k: jnp.asarray(v) for k, v in meta.items()},
+                             **flags)
+    got = torch_sampler.sample(torch.from_numpy(logits), _torch_sampling(meta), **flags)
+    np.testing.assert_array_equal(got[0].numpy(), np.asarray(ref[0]))
+    np.testing.assert_allclose(got[1].numpy(), np.asarray(ref[1]), rtol=0, atol=1e-5)
+
+
+def test_uniform_is_bit_exact() -> None:
+    """Edge counters (0, 2**32 - 1) included: the int64 emulation of uint32 must not drift."""
+    seeds = np.array([0, 1, 2**31, 2**32 - 1, 0x9E3779B9, 12345], np.uint32)
+    steps = np.array([0, 2**32 - 1, 7, 2**31 + 5, 1, 99], np.uint32)
+    expected = prng.uniform(seeds, steps, 70_000)
+    got = torch_sampler.uniform(torch.from_numpy(seeds.astype(np.int64)),
+                                torch.from_numpy(steps.astype(np.int64)), 70_000).numpy()
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got.view(np.uint32), expected.view(np.uint32))
+    assert 0.0 < got.min() and got.max() < 1.0

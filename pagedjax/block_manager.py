@@ -124,7 +124,7 @@ class BlockManager:
             self._ref_counts[block_id] += 1
             table.append(block_id)
             hashes.append(self._cached[block_id][0])
-        # Blocks written from here on no longer hold hashed content (rollback sans truncate).
+        # Blocks written from here on lose their hashes (a rollback without truncate).
         del hashes[num_computed_tokens // bs :]
         copies = []
         for i in to_copy:

@@ -22,22 +22,12 @@ def run_prompt(bm: BlockManager, seq_id: int, token_ids: list[int]) -> list[int]
     return hits
 
 
-def snapshot(bm: BlockManager) -> dict:
-    return copy.deepcopy(vars(bm))
-
-
 # ---------------------------------------------------------------- construction and errors
-
-
-@pytest.mark.parametrize(
-    ("num_blocks", "block_size", "match"), [(0, 4, "num_blocks"), (4, 0, "block_size")]
-)
-def test_init_rejects_non_positive_sizes(num_blocks: int, block_size: int, match: str) -> None:
-    with pytest.raises(ValueError, match=match):
-        BlockManager(num_blocks, block_size)
-
-
 def test_user_errors_raise_value_error() -> None:
+    with pytest.raises(ValueError, match="num_blocks must be positive, got 0"):
+        BlockManager(0, 4)
+    with pytest.raises(ValueError, match="block_size must be positive, got -1"):
+        BlockManager(4, -1)
     bm = BlockManager(8, 4)
     run_prompt(bm, 0, list(range(9)))
     hits = bm.get_computed_blocks(list(range(9)))
@@ -55,8 +45,6 @@ def test_user_errors_raise_value_error() -> None:
 
 
 # ---------------------------------------------------------------- allocation and free-queue order
-
-
 def test_fresh_pool_allocates_from_the_head_in_order() -> None:
     bm = BlockManager(10, 4)
     assert bm.free_block_ids() == list(range(10))
@@ -92,8 +80,6 @@ def test_free_appends_blocks_in_reverse_order() -> None:
 
 
 # ---------------------------------------------------------------- prefix caching
-
-
 def test_prefix_hit_takes_free_cached_blocks_from_the_middle_of_the_queue() -> None:
     bm = BlockManager(10, 4)
     prompt = list(range(10))
@@ -218,8 +204,6 @@ def test_prefix_caching_disabled() -> None:
 
 
 # ---------------------------------------------------------------- fork and copy-on-write
-
-
 def test_fork_shares_blocks_and_appending_to_a_shared_partial_block_copies_it() -> None:
     bm = BlockManager(10, 4)
     bm.allocate_slots(0, 0, 6)
@@ -277,12 +261,10 @@ def test_fork_inherits_hashing_progress() -> None:
 
 
 # ---------------------------------------------------------------- no fit: None and no change
-
-
 def test_allocate_slots_returns_none_and_changes_nothing_when_short() -> None:
     bm = BlockManager(4, 4)
     bm.allocate_slots(0, 0, 12)
-    before = snapshot(bm)
+    before = copy.deepcopy(vars(bm))
     assert bm.allocate_slots(1, 0, 5) is None
     assert bm.allocate_slots(0, 12, 5) is None
     assert vars(bm) == before
@@ -293,7 +275,7 @@ def test_copy_on_write_copies_count_against_the_free_blocks() -> None:
     bm = BlockManager(3, 4)
     bm.allocate_slots(0, 0, 6)
     bm.fork(0, 1)
-    before = snapshot(bm)
+    before = copy.deepcopy(vars(bm))
     assert bm.allocate_slots(1, 6, 3) is None  # one copy + one new block > one free block
     assert vars(bm) == before
     assert bm.allocate_slots(1, 6, 2) == [(1, 2)]
@@ -308,7 +290,7 @@ def test_free_prefix_hits_count_against_the_free_blocks() -> None:
     assert bm.free_block_ids() == [1, 0]
     hits = bm.get_computed_blocks(prompt)
     assert hits == [0, 1]
-    before = snapshot(bm)
+    before = copy.deepcopy(vars(bm))
     assert bm.allocate_slots(2, 8, 1, hits) is None  # 2 hits in the queue + 1 new block > 2
     assert vars(bm) == before
     bm.free(1)
@@ -319,8 +301,6 @@ def test_free_prefix_hits_count_against_the_free_blocks() -> None:
 
 
 # ---------------------------------------------------------------- truncate (speculative rollback)
-
-
 def test_truncate_frees_exactly_the_blocks_past_the_length() -> None:
     bm = BlockManager(10, 4)
     bm.allocate_slots(0, 0, 16)
@@ -373,7 +353,7 @@ def test_truncate_a_shared_block_then_rewrite_copies_and_keeps_the_cache() -> No
 # ---------------------------------------------------------------- stateful model check
 
 BLOCK_SIZE = 2
-NUM_BLOCKS = 12
+NUM_BLOCKS = 16
 tokens_st = st.lists(st.integers(0, 1), min_size=1, max_size=10)  # tiny vocab: prefixes repeat
 
 
@@ -391,7 +371,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self, seq_id: int, tokens: list[int], num_computed: int, num_new: int, hits=()
     ) -> bool:
         """One step: allocate, run (copy, then write KV), cache. False if it did not fit."""
-        before = snapshot(self.bm)
+        before = copy.deepcopy(vars(self.bm))
         copies = self.bm.allocate_slots(seq_id, num_computed, num_new, hits)
         if copies is None:
             assert vars(self.bm) == before
@@ -424,10 +404,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.next_id += 1
         self._admit(self.next_id, tokens, chunk)
 
-    @precondition(lambda self: self.seqs)
-    @rule(data=st.data(), new=st.lists(st.integers(0, 1), max_size=3), chunk=st.integers(1, 4))
-    def append(self, data: st.DataObject, new: list[int], chunk: int) -> None:
-        seq_id = self._pick(data)
+    def _append(self, seq_id: int, new: list[int], chunk: int) -> None:
         tokens, num_computed = self.seqs[seq_id]
         tokens = tokens + new if new or num_computed < len(tokens) else tokens + [0]
         if not self._step(seq_id, tokens, num_computed, min(chunk, len(tokens) - num_computed)):
@@ -435,13 +412,20 @@ class BlockManagerMachine(RuleBasedStateMachine):
             del self.seqs[seq_id]
 
     @precondition(lambda self: self.seqs)
-    @rule(data=st.data())
-    def fork(self, data: st.DataObject) -> None:
+    @rule(data=st.data(), new=st.lists(st.integers(0, 1), max_size=3), chunk=st.integers(1, 4))
+    def append(self, data: st.DataObject, new: list[int], chunk: int) -> None:
+        self._append(self._pick(data), new, chunk)
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data(), token=st.integers(0, 1))
+    def fork(self, data: st.DataObject, token: int) -> None:
+        """Parallel sampling: the child shares the parent's blocks, then samples its own token."""
         parent = self._pick(data)
         self.next_id += 1
         self.bm.fork(parent, self.next_id)
         tokens, num_computed = self.seqs[parent]
         self.seqs[self.next_id] = (list(tokens), num_computed)
+        self._append(self.next_id, [token], 1)
 
     @precondition(lambda self: self.seqs)
     @rule(data=st.data())

@@ -9,7 +9,7 @@ from pathlib import Path
 
 EOS_TOKEN = "<|endoftext|>"
 # Multi-byte text so the tokenizer learns merges that split characters across tokens.
-_EXTRA_TEXT = "naïve café — ünïcödé 日本語のテキスト 中文 한국어 😀🎉 ∑∫√ " * 20
+MULTIBYTE_TEXT = "naïve café — ünïcödé 日本語のテキスト 中文 한국어 😀🎉 ∑∫√ " * 20
 _CORPUS_FILES = ("textwrap.py", "json/encoder.py", "heapq.py", "bisect.py", "shlex.py")
 
 TINY_ARCH_DEFAULTS = dict(
@@ -59,7 +59,7 @@ def make_tiny_checkpoint(out_dir: str | Path, architecture: str = "llama", *, se
                "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
     if architecture not in classes:
         raise ValueError(f"architecture={architecture!r}; use one of {tuple(classes)}.")
-    tokenizer = tokenizer or train_tokenizer(stdlib_corpus() + [_EXTRA_TEXT])
+    tokenizer = tokenizer or train_tokenizer(stdlib_corpus() + [MULTIBYTE_TEXT])
     config_cls, model_cls = classes[architecture]
     kwargs = dict(TINY_ARCH_DEFAULTS, vocab_size=len(tokenizer),
                   eos_token_id=tokenizer.eos_token_id, bos_token_id=None,

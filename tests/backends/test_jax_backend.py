@@ -1,0 +1,105 @@
+"""JAX backend end to end: greedy float32 tokens identical to HF transformers' generate."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pagedjax import LLM, SamplingParams
+from tests.hf_reference import hf_greedy
+
+PROMPT_LENS = [1, 15, 16, 17, 120, 7, 33, 64]  # around block_size 16, and a long one
+MAX_TOKENS = 24
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+# name -> LLM kwargs. "roomy" runs everything in one step, so its first pass computes every block
+# and its second pass is served from the prefix cache. "stress" forces chunked prefill (32-token
+# budget) and preemption (24 blocks for ~40 blocks of demand); preempted sequences then re-find
+# their own blocks in the prefix cache.
+SCENARIOS = {
+    "roomy": dict(max_num_batched_tokens=512, num_kv_blocks=128, enable_prefix_caching=True),
+    "stress": dict(max_num_batched_tokens=32, num_kv_blocks=24, enable_prefix_caching=True),
+}
+
+
+def make_prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(1, vocab_size, n).tolist() for n in PROMPT_LENS]
+    shared = rng.integers(1, vocab_size, 48).tolist()
+    prompts += [shared + rng.integers(1, vocab_size, n).tolist() for n in (5, 20)]
+    return prompts
+
+
+def make_llm(model_dir: str, **kwargs) -> LLM:
+    return LLM(model_dir, backend="jax", max_model_len=256, **kwargs)
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2"])
+def test_greedy_matches_hf(tiny_model, name: str, scenario: str) -> None:
+    model_dir = tiny_model(name)
+    llm = make_llm(model_dir, **SCENARIOS[scenario])
+    prompts = make_prompts(llm.engine.model_config.vocab_size)
+    expected = hf_greedy(model_dir, prompts, MAX_TOKENS)
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+
+    outputs = llm.generate(inputs, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert all(o.outputs[0].finish_reason == "length" for o in outputs)
+
+    again = llm.generate(inputs, GREEDY, use_tqdm=False)  # served partly from the prefix cache
+    assert [o.outputs[0].token_ids for o in again] == expected
+    compiles = llm.engine.runner.num_compiles
+    llm.generate(inputs, GREEDY, use_tqdm=False)  # the same shapes as the pass before
+    assert llm.engine.runner.num_compiles == compiles, "a repeated workload must not recompile"
+
+    metrics = llm.get_metrics()
+    assert metrics["kv_blocks_free"] == metrics["kv_blocks_total"]
+    assert metrics["prefix_cache_hits"] > 0
+    if scenario == "roomy":
+        assert [o.num_cached_tokens for o in outputs] == [0] * len(prompts)
+        assert [o.num_cached_tokens for o in again] == [(len(p) - 1) // 16 * 16 for p in prompts]
+    else:
+        assert metrics["num_preemptions_total"] > 0
+
+
+def test_parallel_sampling_forks_share_the_prompt(tiny_model) -> None:
+    """n=3 greedy completions fork one prefill (copy-on-write) and all equal HF's greedy."""
+    model_dir = tiny_model("llama")
+    llm = make_llm(model_dir, num_kv_blocks=64)
+    prompts = make_prompts(llm.engine.model_config.vocab_size)[:3]  # lengths 1, 15, 16
+    expected = hf_greedy(model_dir, prompts, MAX_TOKENS)
+    params = SamplingParams(n=3, temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for out, want in zip(outputs, expected):
+        assert [c.index for c in out.outputs] == [0, 1, 2]
+        assert all(c.token_ids == want for c in out.outputs)
+    metrics = llm.get_metrics()
+    assert metrics["kv_blocks_free"] == metrics["kv_blocks_total"]
+    assert metrics["prompt_tokens_total"] == sum(map(len, prompts))
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(tiny_model) -> None:
+    llm = make_llm(tiny_model("llama"), num_kv_blocks=64)
+    params = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.02, seed=1234,
+                            max_tokens=16, ignore_eos=True, n=2)
+    alone = llm.generate("def main():", params, use_tqdm=False)[0]
+    crowd = llm.generate(["x = 1", "def main():", "import os"],
+                         [SamplingParams(temperature=1.0, max_tokens=8), params,
+                          SamplingParams(temperature=0.5, max_tokens=12)], use_tqdm=False)[1]
+    assert [c.token_ids for c in alone.outputs] == [c.token_ids for c in crowd.outputs]
+    assert alone.outputs[0].token_ids != alone.outputs[1].token_ids  # siblings differ
+
+
+def test_logprobs_are_the_raw_model_distribution(tiny_model) -> None:
+    llm = make_llm(tiny_model("llama"), num_kv_blocks=64)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3)
+    completion = llm.generate("print(", params, use_tqdm=False)[0].outputs[0]
+    assert len(completion.logprobs) == 6
+    total = 0.0
+    for token, entry in zip(completion.token_ids, completion.logprobs):
+        assert 3 <= len(entry) <= 4 and token in entry
+        assert max(entry.values()) == entry[token]  # greedy picks the top logprob
+        assert all(lp <= 0.0 for lp in entry.values())
+        total += entry[token]
+    assert completion.cumulative_logprob == pytest.approx(total, rel=1e-6)

@@ -1,0 +1,41 @@
+"""Shared fixtures: tiny HF checkpoints built once per session (no downloads)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pagedjax.checkpoints import MULTIBYTE_TEXT, make_tiny_checkpoint, stdlib_corpus, train_tokenizer
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+# name -> (architecture, overrides): together they cover llama3 rope scaling, sliding windows,
+# attention biases and tied embeddings.
+TINY_MODELS = {
+    "llama": ("llama", {"rope_scaling": LLAMA3_ROPE}),
+    "mistral": ("mistral", {"sliding_window": 24}),
+    "qwen2": ("qwen2", {"tie_word_embeddings": True}),
+}
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return train_tokenizer(stdlib_corpus() + [MULTIBYTE_TEXT])
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory, tokenizer):
+    """tiny_model(name) -> checkpoint dir, built once per session."""
+    cache: dict[str, str] = {}
+
+    def make(name: str = "llama") -> str:
+        if name not in cache:
+            arch, overrides = TINY_MODELS[name]
+            out = tmp_path_factory.mktemp(f"tiny-{name}")
+            cache[name] = str(make_tiny_checkpoint(out, arch, tokenizer=tokenizer, **overrides))
+            assert json.loads((out / "config.json").read_text())["vocab_size"] == len(tokenizer)
+        return cache[name]
+
+    return make

@@ -43,9 +43,8 @@ class BlockManager:
         # OrderedDict gives O(1) popleft, append, and removal from the middle on a prefix hit.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._hash_to_block: dict[int, int] = {}
-        self._cached: dict[
-            int, tuple[int, tuple[int, ...]]
-        ] = {}  # block -> (chain hash, its token ids)
+        # Registered blocks: block id -> (chain hash, its token ids), checked on every hit.
+        self._cached: dict[int, tuple[int, tuple[int, ...]]] = {}
         self._tables: dict[int, list[int]] = {}
         # Per seq: chain hashes of its leading full blocks hashed so far (cache_blocks' progress).
         self._seq_hashes: dict[int, list[int]] = {}
@@ -105,12 +104,9 @@ class BlockManager:
         bs = self.block_size
         table = self._tables.get(seq_id, [])
         num_required = _cdiv(num_computed_tokens + num_new_tokens, bs)
-        # Existing blocks covering the slots written this step.
-        written = (
-            range(num_computed_tokens // bs, min(len(table), num_required))
-            if num_new_tokens
-            else range(0)
-        )
+        # Indices of the existing blocks that cover slots written this step.
+        first_written = num_computed_tokens // bs if num_new_tokens else num_required
+        written = range(first_written, min(len(table), num_required))
         to_copy = [i for i in written if self._ref_counts[table[i]] > 1]
         num_new_blocks = max(0, num_required - len(table) - len(computed_blocks))
         num_free_hits = sum(1 for b in set(computed_blocks) if self._ref_counts[b] == 0)
@@ -133,7 +129,7 @@ class BlockManager:
             table[i] = dst
             copies.append((src, dst))
         for i in written:
-            # Only after a truncate: the block is rewritten in place, so its cache entry goes stale.
+            # Only after a rollback: the block is rewritten in place, so its cache entry goes stale.
             if table[i] in self._cached:
                 self._uncache(table[i])
         table.extend(self._take_free_block() for _ in range(num_new_blocks))

@@ -1,0 +1,116 @@
+"""Scheduler decisions without a model: token budget, chunked prefill, FCFS, preemption."""
+
+from __future__ import annotations
+
+import itertools
+
+from pagedjax.block_manager import BlockManager
+from pagedjax.detokenizer import IncrementalDetokenizer
+from pagedjax.sampling_params import SamplingParams
+from pagedjax.scheduler import Scheduler
+from pagedjax.sequence import Sequence, SequenceStatus
+from pagedjax.stopping import StopChecker
+
+BS = 4
+
+
+def make_scheduler(num_blocks: int, *, max_num_seqs: int = 8, budget: int = 16,
+                   prefix_caching: bool = False) -> Scheduler:
+    ids = itertools.count(100)
+    return Scheduler(BlockManager(num_blocks, BS, prefix_caching), max_num_seqs=max_num_seqs,
+                     max_num_batched_tokens=budget, stop_checker=StopChecker((), 10_000),
+                     eos_token_ids=(), new_seq_id=lambda: next(ids), fork_seed=lambda s, i: i)
+
+
+def add(sched: Scheduler, seq_id: int, prompt_len: int, max_tokens: int = 100,
+        first_token: int = 1) -> Sequence:
+    prompt = list(range(first_token, first_token + prompt_len))
+    seq = Sequence(seq_id=seq_id, request_id=f"r{seq_id}", index=0, arrival=(seq_id, 0),
+                   token_ids=prompt, num_prompt_tokens=prompt_len,
+                   sampling_params=SamplingParams(max_tokens=max_tokens), max_tokens=max_tokens,
+                   rng_seed=0, detokenizer=IncrementalDetokenizer(None, prompt))
+    sched.add_sequence(seq)
+    return seq
+
+
+def step(sched: Scheduler, token: int = 7) -> list[tuple[int, int, int]]:
+    """One step with a fake model that always samples `token`; returns (seq, start, n) triples."""
+    out = sched.schedule()
+    num_samples = sum(len(e.samples) for e in out.scheduled)
+    sched.update(out, [[token]] * num_samples, [[{token: 0.0}]] * num_samples)
+    return [(e.seq_id, e.start_pos, e.num_new_tokens) for e in out.scheduled]
+
+
+def test_chunked_prefill_shares_the_budget_with_decodes() -> None:
+    sched = make_scheduler(64, budget=8)
+    add(sched, 0, 3)
+    add(sched, 1, 20)
+    assert step(sched) == [(0, 0, 3), (1, 0, 5)]  # seq 1's prompt is chunked
+    assert step(sched) == [(0, 3, 1), (1, 5, 7)]  # a decode and a chunk in one step
+    assert step(sched) == [(0, 4, 1), (1, 12, 7)]
+    assert step(sched) == [(0, 5, 1), (1, 19, 1)]  # seq 1 caught up: its first token sampled
+    assert sched.seqs[1].num_output_tokens == 1 and sched.seqs[0].num_output_tokens == 4
+
+
+def test_max_num_seqs_and_fcfs() -> None:
+    sched = make_scheduler(64, max_num_seqs=2, budget=100)
+    for i in range(3):
+        add(sched, i, 2)
+    assert [s for s, _, _ in step(sched)] == [0, 1]
+    assert [s.seq_id for s in sched.waiting] == [2]
+    sched.finish(sched.seqs[0], "abort")
+    assert [s for s, _, _ in step(sched)] == [1, 2]
+
+
+def test_head_of_line_blocks_fcfs_when_blocks_run_out() -> None:
+    sched = make_scheduler(4, budget=100)
+    add(sched, 0, 8)  # 2 blocks
+    add(sched, 1, 12)  # 3 blocks: does not fit next to seq 0
+    add(sched, 2, 1)  # would fit, but must not overtake seq 1
+    assert [s for s, _, _ in step(sched)] == [0]
+    assert [s.seq_id for s in sched.waiting] == [1, 2]
+
+
+def test_preemption_takes_the_latest_arrival_and_recomputes() -> None:
+    sched = make_scheduler(4, budget=100)
+    a, b = add(sched, 0, 4), add(sched, 1, 4)
+    step(sched)  # a full block each
+    assert step(sched) == [(0, 4, 1), (1, 4, 1)]  # each takes a second block: pool full
+    for _ in range(3):
+        step(sched)  # positions 5..7 fit in the second blocks
+    assert sched.block_manager.num_free_blocks == 0
+    scheduled = step(sched)  # both need a third block: seq 1 (latest) is preempted
+    assert scheduled == [(0, 8, 1)] and sched.num_preemptions_total == 1
+    assert b.status is SequenceStatus.WAITING and b.num_computed_tokens == 0
+    assert list(sched.waiting) == [b] and a.status is SequenceStatus.RUNNING
+    sched.finish(a, "abort")
+    num_tokens = b.num_tokens
+    assert step(sched) == [(1, 0, num_tokens)]  # recomputes prompt + outputs in one go
+    assert b.num_output_tokens == 6
+
+
+def test_preempted_sequence_refinds_its_blocks_in_the_prefix_cache() -> None:
+    sched = make_scheduler(4, budget=100, prefix_caching=True)
+    a, b = add(sched, 0, 4), add(sched, 1, 4, first_token=50)
+    for _ in range(5):
+        step(sched)
+    step(sched)  # b preempted: its blocks are freed tail first, and a takes b's tail block
+    sched.finish(a, "abort")
+    num_tokens = b.num_tokens
+    assert step(sched) == [(1, 4, num_tokens - 4)]  # b's head block is still cached
+    assert sched.block_manager.prefix_cache_hits == 4
+
+
+def test_fork_on_prompt_completion_shares_blocks_then_copies_on_write() -> None:
+    sched = make_scheduler(16, budget=100)
+    seq = add(sched, 0, 6)
+    seq.num_pending_forks = 2
+    out = sched.schedule()
+    assert [s.seq_id for s in out.scheduled[0].samples] == [0, 100, 101]
+    table = sched.block_manager.get_block_table(0)
+    assert all(sched.block_manager.ref_count(b) == 3 for b in table)
+    sched.update(out, [[1], [2], [3]], [[{1: 0.0}], [{2: 0.0}], [{3: 0.0}]])
+    out = sched.schedule()  # every child writes into the shared partial block
+    assert len(out.block_copies) == 2
+    assert {src for src, _ in out.block_copies} == {table[1]}
+    assert [sched.seqs[i].output_token_ids for i in (0, 100, 101)] == [[1], [2], [3]]

@@ -107,7 +107,7 @@ def test_fork_on_prompt_completion_shares_blocks_then_copies_on_write() -> None:
     seq.num_pending_forks = 2
     out = sched.schedule()
     assert [s.seq_id for s in out.scheduled[0].samples] == [0, 100, 101]
-    table = sched.block_manager.get_block_table(0)
+    table = list(sched.block_manager.get_block_table(0))
     assert all(sched.block_manager.ref_count(b) == 3 for b in table)
     sched.update(out, [[1], [2], [3]], [[{1: 0.0}], [{2: 0.0}], [{3: 0.0}]])
     out = sched.schedule()  # every child writes into the shared partial block

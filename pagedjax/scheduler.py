@@ -88,9 +88,11 @@ class Scheduler:
             if new_copies is None:
                 break  # seq itself was preempted: nothing after it runs either
             copies += new_copies
-            scheduled.append(self._scheduled(seq, num_new))
+            entry = self._scheduled(seq, num_new)
+            scheduled.append(entry)
             budget -= num_new
-            i += 1
+            # Children forked here sit right after seq and sampled with it: skip them this step.
+            i += max(1, len(entry.samples))
 
         while (self.waiting and not preempted and budget > 0
                and len(self.running) < self.max_num_seqs):

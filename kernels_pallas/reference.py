@@ -63,7 +63,7 @@ def ragged_paged_attention_reference(
     num_kv_blocks = (jnp.max(jnp.where(valid, positions, 0)) + block_size) // block_size
 
     def body(carry):
-        j, m, l, acc = carry
+        j, m, denom, acc = carry
         kb = k_cache[tables[:, j]].astype(acc_dtype)  # [T, Hkv, bs, D]
         vb = v_cache[tables[:, j]].astype(acc_dtype)  # [T, Hkv, bs, D]
         s = jnp.einsum("thgd,thkd->thgk", qg, kb)  # [T, Hkv, G, bs]
@@ -77,9 +77,9 @@ def ragged_paged_attention_reference(
         m_new = jnp.maximum(m, s.max(-1))  # [T, Hkv, G]
         p = jnp.where(visible[:, None, None, :], jnp.exp(s - m_new[..., None]), 0.0)
         alpha = jnp.exp(m - m_new)
-        l_new = alpha * l + p.sum(-1)
+        denom_new = alpha * denom + p.sum(-1)
         acc_new = alpha[..., None] * acc + jnp.einsum("thgk,thkd->thgd", p, vb)
-        return j + 1, m_new, l_new, acc_new
+        return j + 1, m_new, denom_new, acc_new
 
     init = (
         jnp.int32(0),
@@ -87,8 +87,8 @@ def ragged_paged_attention_reference(
         jnp.zeros((num_tokens, num_kv_heads, group), acc_dtype),
         jnp.zeros((num_tokens, num_kv_heads, group, head_dim), acc_dtype),
     )
-    _, _, l, acc = jax.lax.while_loop(lambda c: c[0] < num_kv_blocks, body, init)
-    out = acc / jnp.where(l > 0, l, 1.0)[..., None]
+    _, _, denom, acc = jax.lax.while_loop(lambda c: c[0] < num_kv_blocks, body, init)
+    out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]
     out = jnp.where(valid[:, None, None, None], out, 0.0)
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
 

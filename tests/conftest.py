@@ -6,7 +6,12 @@ import json
 
 import pytest
 
-from pagedjax.checkpoints import MULTIBYTE_TEXT, make_tiny_checkpoint, stdlib_corpus, train_tokenizer
+from pagedjax.checkpoints import (
+    MULTIBYTE_TEXT,
+    make_tiny_checkpoint,
+    stdlib_corpus,
+    train_tokenizer,
+)
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}

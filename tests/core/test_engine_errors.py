@@ -91,8 +91,9 @@ def test_missing_model_dir_and_unsupported_architecture(tmp_path) -> None:
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(n=0), "n=0"), (dict(temperature=-1.0), "temperature=-1.0"), (dict(top_p=0.0), "top_p"),
-    (dict(top_k=-5), "top_k=-5"), (dict(min_p=1.5), "min_p=1.5"), (dict(max_tokens=0), "max_tokens"),
+    (dict(n=0), "n=0"), (dict(temperature=-1.0), "temperature=-1.0"),
+    (dict(top_p=0.0), "top_p"), (dict(top_k=-5), "top_k=-5"), (dict(min_p=1.5), "min_p=1.5"),
+    (dict(max_tokens=0), "max_tokens"),
     (dict(min_tokens=5, max_tokens=2), "min_tokens=5"), (dict(stop=[""]), "stop"),
     (dict(stop_token_ids=[-1]), "stop_token_ids"), (dict(logprobs=99), "logprobs=99"),
     (dict(seed="x"), "seed='x'"),

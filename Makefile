@@ -1,0 +1,29 @@
+# Two commands on a fresh machine: `make run` (generate text) and `make test` (the test suite).
+# CPU machines get torch's CPU build; on a GPU machine: make install TORCH_SPEC=torch JAX_SPEC="jax[cuda12]"
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_SPEC ?= torch==2.13.0
+JAX_SPEC ?= jax
+PROMPT ?= def fibonacci(n):
+
+.PHONY: install run test lint bench
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)" "$(JAX_SPEC)"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+run: install
+	$(VENV)/bin/pagedjax generate --prompt "$(PROMPT)" --prompt "import json" --max-tokens 48
+
+lint: install
+	$(PY) -m ruff check .
+
+test: lint
+	$(PY) -m pytest
+
+bench: install
+	$(PY) benchmarks/throughput.py

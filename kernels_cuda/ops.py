@@ -25,7 +25,7 @@ Backend = Literal["cpp", "cuda", "reference"]
 _NAME = "pagedjax_ops"
 _CSRC = Path(__file__).parent / "csrc"
 _CPU_SOURCES = ("ops.cpp", "attention_cpu.cpp")
-_CUDA_SOURCES = ("attention_cuda.cu",)
+_CUDA_SOURCES = ("attention_cuda.cu", "write_kv_cuda.cu")
 
 
 def _build() -> Backend:
@@ -37,7 +37,7 @@ def _build() -> Backend:
     build_dir = Path(root) / f"{_NAME}_{'cuda' if with_cuda else 'cpu'}"
     build_dir.mkdir(parents=True, exist_ok=True)
     library = build_dir / f"{_NAME}.so"
-    newest_source = max(path.stat().st_mtime for path in _CSRC.iterdir())
+    newest_source = max(path.stat().st_mtime for path in [*sources, *_CSRC.glob("*.h")])
     if not library.exists() or library.stat().st_mtime < newest_source:
         print(f"pagedjax: building {_NAME} in {build_dir} (once, ~1-3 min)", file=sys.stderr)
     cpp_extension.load(

@@ -1,0 +1,238 @@
+"""The pagedjax torch custom ops (C++ CPU kernels) against the float64 oracle and the references.
+
+Unwritten output is caught by NaN: every call writes into a NaN-filled `out`, and cache slots no
+sequence owns (past each kv_len, and spare blocks) hold NaN, so a kernel that skips a row or reads
+past a context shows up. Each test asserts no NaN anywhere and exact zeros on padding rows.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from pagedjax.kernels_cuda import ops, reference
+
+from tests.kernels.naive import (
+    make_ragged_case,
+    naive_ragged_paged_attention,
+    per_row_relative_error,
+)
+
+_BOUNDS = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-2}
+_MAX_LEN = 150
+# (head_dim, block_size, GQA group): every head_dim, block size and group appears at least once.
+_SHAPES = [(64, 8, 1), (64, 32, 8), (80, 16, 2), (80, 8, 4), (128, 32, 2), (128, 16, 8)]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def compiled_ops() -> str:
+    """Builds (or loads) the extension once; fails if it silently fell back to the reference."""
+    backend = ops.ops_backend()
+    assert backend == ("cuda" if torch.cuda.is_available() else "cpp")
+    return backend
+
+
+def _batch(kind: str, bs: int) -> tuple[list[int], list[int]]:
+    """(q_lens, kv_lens): context lengths 1, bs - 1, bs, bs + 1 and a long one in every kind."""
+    return {
+        "decode": ([1] * 6, [1, bs - 1, bs, bs + 1, 3 * bs + 5, _MAX_LEN]),
+        "prefill_with_prefix": (
+            [bs + 1, 5, bs - 1, bs, 1],
+            [2 * bs + 3, 5, bs - 1, 3 * bs, bs + 1],
+        ),
+        "mixed": ([1, 0, 7, bs + 1, 1, 3, 0], [bs + 1, bs, 7, 2 * bs + 1, 1, _MAX_LEN, 1]),
+    }[kind]
+
+
+def _case(kind: str, *, head_dim: int, block_size: int, group: int, seed: int = 0) -> dict:
+    """A float32 NumPy case with 3 padding rows and 2 KV heads."""
+    q_lens, kv_lens = _batch(kind, block_size)
+    return make_ragged_case(
+        np.random.default_rng(seed), q_lens, kv_lens, num_q_heads=2 * group, num_kv_heads=2,
+        head_dim=head_dim, block_size=block_size, num_padding_rows=3,
+    )  # fmt: skip
+
+
+def _poison_unowned_slots(case: dict) -> None:
+    """NaN in every cache slot that is no sequence's context (in place)."""
+    block_size = case["k_cache"].shape[2]
+    owned = np.zeros(case["k_cache"].shape[0] * block_size, bool)
+    for table, kv_len in zip(case["block_tables"], case["kv_lens"]):
+        positions = np.arange(kv_len)
+        owned[table[positions // block_size] * block_size + positions % block_size] = True
+    owned = owned.reshape(-1, 1, block_size, 1)  # broadcast over heads and head_dim
+    case["k_cache"][:] = np.where(owned, case["k_cache"], np.nan)
+    case["v_cache"][:] = np.where(owned, case["v_cache"], np.nan)
+
+
+def _torch_args(case: dict, dtype: torch.dtype) -> dict:
+    """The case as torch tensors; q and the caches in `dtype`."""
+    args = {name: torch.from_numpy(value) for name, value in case.items()}
+    for name in ("q", "k_cache", "v_cache"):
+        args[name] = args[name].to(dtype)
+    return args
+
+
+def _check(
+    kind: str, dtype: torch.dtype, *, head_dim: int, block_size: int, group: int, **options
+) -> None:
+    case = _case(kind, head_dim=head_dim, block_size=block_size, group=group)
+    _poison_unowned_slots(case)
+    args = _torch_args(case, dtype)
+    out = torch.full_like(args["q"], float("nan"))
+    result = ops.ragged_paged_attention(**args, sm_scale=head_dim**-0.5, out=out, **options)
+    assert result is out
+    # The oracle sees exactly the (rounded) inputs the op saw.
+    rounded = {name: value.double().numpy() for name, value in args.items()}
+    rounded.update({name: case[name] for name in ("kv_lens", "block_tables", "query_start_loc")})
+    want = naive_ragged_paged_attention(**rounded, sm_scale=head_dim**-0.5, **options)
+    got = out.double().numpy()
+    assert not np.isnan(got).any(), "unwritten or NaN rows"
+    np.testing.assert_array_equal(got[int(case["query_start_loc"][-1]) :], 0.0)
+    assert per_row_relative_error(got, want) <= _BOUNDS[dtype]
+    torch_reference = reference.ragged_paged_attention(**args, sm_scale=head_dim**-0.5, **options)
+    assert per_row_relative_error(torch_reference.double().numpy(), want) <= _BOUNDS[dtype]
+
+
+@pytest.mark.parametrize("kind", ["decode", "prefill_with_prefix", "mixed"])
+@pytest.mark.parametrize(("head_dim", "block_size", "group"), _SHAPES)
+def test_attention_float32(kind, head_dim, block_size, group):
+    _check(kind, torch.float32, head_dim=head_dim, block_size=block_size, group=group)
+
+
+@pytest.mark.parametrize("kind", ["decode", "prefill_with_prefix", "mixed"])
+@pytest.mark.parametrize(
+    "options",
+    [{"sliding_window": 1}, {"sliding_window": 5}, {"sliding_window": 19},
+     {"logits_soft_cap": 5.0}, {"sliding_window": 9, "logits_soft_cap": 2.0}],
+)  # fmt: skip
+def test_attention_window_and_soft_cap(kind, options):
+    _check(kind, torch.float32, head_dim=80, block_size=16, group=4, **options)
+
+
+@pytest.mark.parametrize("kind", ["decode", "prefill_with_prefix", "mixed"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_attention_dtypes(kind, dtype):
+    _check(kind, dtype, head_dim=128, block_size=16, group=4, sliding_window=21)
+
+
+def test_functional_op_matches_out_variant_on_strided_q():
+    """q as a view into a fused qkv projection (strided over tokens), as the model passes it."""
+    case = _case("mixed", head_dim=64, block_size=16, group=2)
+    args = _torch_args(case, torch.float32)
+    num_tokens, num_q_heads, head_dim = args["q"].shape
+    qkv = torch.randn(num_tokens, (num_q_heads + 4) * head_dim)
+    qkv[:, : num_q_heads * head_dim] = args["q"].reshape(num_tokens, -1)
+    strided_q = qkv[:, : num_q_heads * head_dim].view(num_tokens, num_q_heads, head_dim)
+    assert not strided_q.is_contiguous()
+    out = torch.full_like(args["q"], float("nan"))
+    ops.ragged_paged_attention(**args, sm_scale=0.125, out=out)
+    args["q"] = strided_q
+    torch.testing.assert_close(ops.ragged_paged_attention(**args, sm_scale=0.125), out,
+                               rtol=0, atol=0)  # fmt: skip
+
+
+def test_only_padding_rows():
+    case = make_ragged_case(np.random.default_rng(0), [], [], num_q_heads=4, num_kv_heads=2,
+                            head_dim=64, block_size=8, num_padding_rows=5)  # fmt: skip
+    args = _torch_args(case, torch.float32)
+    out = torch.full_like(args["q"], float("nan"))
+    ops.ragged_paged_attention(**args, sm_scale=0.125, out=out)
+    assert torch.equal(out, torch.zeros_like(out))
+
+
+@pytest.mark.parametrize("options", [{}, {"sliding_window": 7}, {"logits_soft_cap": 3.0}])
+def test_parity_with_jnp_reference(options):
+    """The torch op and the jnp reference (the JAX backend's semantics) on the same inputs."""
+    jnp = pytest.importorskip("jax.numpy")
+    from pagedjax.kernels_pallas.reference import ragged_paged_attention_reference
+
+    case = _case("mixed", head_dim=80, block_size=16, group=4, seed=1)
+    got = ops.ragged_paged_attention(**_torch_args(case, torch.float32), sm_scale=0.1, **options)
+    jnp_args = {name: jnp.asarray(value) for name, value in case.items()}
+    want = np.asarray(ragged_paged_attention_reference(**jnp_args, sm_scale=0.1, **options))
+    assert per_row_relative_error(got.numpy(), want) <= 1e-5
+
+
+def test_meta_tensors_trace_shapes():
+    """The Meta kernels let FakeTensor / torch.compile trace the ops without running them."""
+    args = {
+        name: value.to("meta")
+        for name, value in _torch_args(
+            _case("decode", head_dim=64, block_size=8, group=2), torch.bfloat16
+        ).items()
+    }
+    out = torch.ops.pagedjax.ragged_paged_attention(*args.values(), 0.125)
+    assert (out.device.type, out.shape, out.dtype) == ("meta", args["q"].shape, torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [(lambda a: a.update(kv_lens=a["kv_lens"].long()), "kv_lens must be int32"),
+     (lambda a: a.update(v_cache=a["v_cache"][:, :1].contiguous()), "v_cache has shape"),
+     (lambda a: a.update(q=a["q"][:, :3]), "must be a multiple of num_kv_heads"),
+     (lambda a: a.update(kv_lens=a["kv_lens"] - 1), "q_len"),
+     (lambda a: a["block_tables"].fill_(10_000), "out of range")],
+)  # fmt: skip
+def test_attention_rejects_bad_arguments(mutate, message):
+    args = _torch_args(_case("decode", head_dim=64, block_size=8, group=2), torch.float32)
+    mutate(args)
+    with pytest.raises(RuntimeError, match=message):
+        ops.ragged_paged_attention(**args, sm_scale=0.125)
+
+
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_write_kv(dtype, slot_dtype):
+    num_blocks, num_kv_heads, block_size, head_dim, num_tokens = 6, 2, 8, 80, 10
+    gen = torch.Generator().manual_seed(0)
+    shape = (num_blocks, num_kv_heads, block_size, head_dim)
+    k_cache, v_cache = (torch.randn(shape, generator=gen).to(dtype) for _ in range(2))
+    kv = torch.randn(num_tokens, 2, num_kv_heads, head_dim, generator=gen).to(dtype)
+    k, v = kv[:, 0], kv[:, 1]  # strided views [T, Hkv, D], like a fused projection's output
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[[1, 4, 9]] = -1
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            expected_k[slot // block_size, :, slot % block_size] = k[t]
+            expected_v[slot // block_size, :, slot % block_size] = v[t]
+    reference_k, reference_v = k_cache.clone(), v_cache.clone()
+    reference.write_kv(k, v, reference_k, reference_v, slots.to(slot_dtype))
+    ops.write_kv(k, v, k_cache, v_cache, slots.to(slot_dtype))
+    for cache, expected, ref in [
+        (k_cache, expected_k, reference_k),
+        (v_cache, expected_v, reference_v),
+    ]:
+        assert torch.equal(cache, expected)  # written slots, and every other slot untouched
+        assert torch.equal(ref, expected)
+
+
+def test_write_kv_rejects_bad_arguments():
+    k_cache = torch.zeros(2, 1, 4, 8)
+    k = torch.ones(3, 1, 8)
+    with pytest.raises(RuntimeError, match=r"slot_mapping\[1\]=8 is out of range"):
+        ops.write_kv(k, k, k_cache, k_cache.clone(), torch.tensor([0, 8, -1]))
+    with pytest.raises(RuntimeError, match="cast it to the cache dtype"):
+        ops.write_kv(k.half(), k.half(), k_cache, k_cache.clone(), torch.tensor([0, 1, 2]))
+
+
+@pytest.mark.parametrize("failure", ["no_compiler", "build_error"])
+def test_failed_build_falls_back_with_one_warning(monkeypatch, failure):
+    if failure == "no_compiler":
+        monkeypatch.setattr(ops.shutil, "which", lambda name: None)
+    else:
+        monkeypatch.setattr(ops, "_build", lambda: (_ for _ in ()).throw(RuntimeError("boom")))
+    with pytest.warns(RuntimeWarning, match="falling back to the slow pure-torch") as record:
+        assert ops.ops_backend.__wrapped__() == "reference"
+    assert len(record) == 1
+
+
+def test_reference_backend_serves_the_wrappers(monkeypatch):
+    monkeypatch.setattr(ops, "ops_backend", lambda: "reference")
+    case = _case("mixed", head_dim=64, block_size=8, group=2)
+    args = _torch_args(case, torch.float32)
+    out = torch.full_like(args["q"], float("nan"))
+    assert ops.ragged_paged_attention(**args, sm_scale=0.125, out=out) is out
+    want = naive_ragged_paged_attention(**case, sm_scale=0.125)
+    assert per_row_relative_error(out.numpy(), want) <= 1e-5

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-
 import jax
 from pagedjax.backends.jax.model import AttentionFn, WriteKVFn
 from pagedjax.kernels_pallas.reference import (
@@ -28,4 +26,4 @@ def resolve_attention(attention_impl: str) -> tuple[AttentionFn, WriteKVFn, str]
         return ragged_paged_attention_reference, write_kv_reference, "reference"
     from pagedjax.kernels_pallas import ragged_paged_attention, write_kv
 
-    return functools.partial(ragged_paged_attention), write_kv, "pallas"
+    return ragged_paged_attention, write_kv, "pallas"

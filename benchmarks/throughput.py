@@ -1,0 +1,110 @@
+"""Offline throughput: pagedjax vs HF transformers on the same model, machine and workload.
+
+A seeded synthetic workload with ShareGPT-like lognormal prompt and output lengths (EOS ignored,
+so every system generates exactly the same number of tokens). Baselines: HF `generate` one
+request at a time, and in padded static batches. Writes benchmarks/results/throughput_*.json.
+
+    python benchmarks/throughput.py [--model DIR] [--backend jax|torch] [--num-requests 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import environment, print_table, write_json  # noqa: E402
+
+
+def synthetic_workload(num_requests: int, vocab_size: int, *, seed: int, max_input: int,
+                       max_output: int) -> list[tuple[list[int], int]]:
+    """(prompt token ids, output length) pairs; lognormal lengths like ShareGPT's."""
+    rng = np.random.default_rng(seed)
+    inputs = np.clip(rng.lognormal(4.0, 0.8, num_requests), 4, max_input).astype(int)
+    outputs = np.clip(rng.lognormal(3.6, 0.7, num_requests), 4, max_output).astype(int)
+    return [(rng.integers(1, vocab_size, n).tolist(), int(m)) for n, m in zip(inputs, outputs)]
+
+
+def run_pagedjax(model: str, backend: str, workload, warmup, args) -> float:
+    from pagedjax import LLM, SamplingParams
+
+    llm = LLM(model, backend=backend, max_model_len=args.max_input + args.max_output,
+              max_num_seqs=args.max_num_seqs, enable_prefix_caching=False)
+
+    def run(items) -> float:
+        prompts = [{"prompt_token_ids": ids} for ids, _ in items]
+        params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
+                  for _, m in items]
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        return time.perf_counter() - start
+
+    run(warmup)  # same shapes as the timed run: compiles happen here
+    return run(workload)
+
+
+def run_hf(model: str, workload, batch_size: int) -> float:
+    """HF generate over the workload, batch_size requests at a time (left-padded)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    start = time.perf_counter()
+    with torch.no_grad():
+        for i in range(0, len(workload), batch_size):
+            batch = workload[i : i + batch_size]
+            width = max(len(ids) for ids, _ in batch)
+            ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in batch])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch])
+            new = max(m for _, m in batch)
+            hf.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                        do_sample=False, eos_token_id=None, pad_token_id=0)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="HF checkpoint dir (default: the embedded model)")
+    parser.add_argument("--backend", choices=("jax", "torch"), default="jax")
+    parser.add_argument("--num-requests", type=int, default=32)
+    parser.add_argument("--max-input", type=int, default=256)
+    parser.add_argument("--max-output", type=int, default=128)
+    parser.add_argument("--max-num-seqs", type=int, default=32)
+    parser.add_argument("--hf-batch-size", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    from pagedjax.cli import default_model
+    from pagedjax.config import ModelConfig
+
+    model = args.model or default_model()
+    vocab = ModelConfig.from_pretrained(model).vocab_size
+    lengths = dict(max_input=args.max_input, max_output=args.max_output)
+    workload = synthetic_workload(args.num_requests, vocab, seed=args.seed, **lengths)
+    warmup = [(list(reversed(ids)), m) for ids, m in workload]  # same shapes, other tokens
+    num_in = sum(len(ids) for ids, _ in workload)
+    num_out = sum(m for _, m in workload)
+
+    timings = {f"pagedjax ({args.backend})": run_pagedjax(model, args.backend, workload,
+                                                          warmup, args),
+               "HF generate, batch 1": run_hf(model, workload, 1),
+               f"HF generate, padded batch {args.hf_batch_size}":
+                   run_hf(model, workload, args.hf_batch_size)}
+    rows = [{"system": name, "seconds": t, "output tok/s": num_out / t,
+             "total tok/s": (num_in + num_out) / t} for name, t in timings.items()]
+    print(f"{args.num_requests} requests, {num_in} prompt + {num_out} output tokens, "
+          f"model {model}")
+    print_table(rows, ["system", "seconds", "output tok/s", "total tok/s"])
+    env = environment()
+    path = write_json(f"throughput_{args.backend}_{env['accelerator'].replace(' ', '_')}.json",
+                      {"args": vars(args), "model": model, "num_prompt_tokens": num_in,
+                       "num_output_tokens": num_out, "results": rows, "environment": env})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,189 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2) in PyTorch over a paged KV cache.
+
+The model sees one flattened ragged batch: T tokens from S sequences. Attention metadata is
+passed explicitly (never a global), as in the JAX model; the KV caches are written in place by
+`write_kv` and read by `ragged_paged_attention`. q/k/v and gate/up projections are fused into one
+matmul each (their weights concatenated at load time).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import torch
+import torch.nn.functional as F
+from pagedjax.backends.weights import load_weights
+from torch import nn
+
+from pagedjax.config import ModelConfig
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # k, v: [num_blocks, Hkv, block_size, D]
+# (q [T, Hq, D], k_cache, v_cache, kv_lens, block_tables, query_start_loc, *, sm_scale,
+#  sliding_window, max_query_len) -> [T, Hq, D]
+AttentionFn = Callable[..., torch.Tensor]
+# (k [T, Hkv, D], v [T, Hkv, D], k_cache, v_cache, slot_mapping) -> None, caches written in place
+WriteKVFn = Callable[..., None]
+
+
+@dataclass
+class AttentionMetadata:
+    positions: torch.Tensor  # [T] int32
+    slot_mapping: torch.Tensor  # [T] int32, -1 = padding
+    query_start_loc: torch.Tensor  # [S+1] int32
+    kv_lens: torch.Tensor  # [S] int32
+    block_tables: torch.Tensor  # [S, M] int32
+    rope_cos: torch.Tensor  # [max_model_len, D] float32
+    rope_sin: torch.Tensor  # [max_model_len, D] float32
+    max_query_len: int | None  # host-known bound on q_len: the CUDA launch needs no device read
+
+
+class RMSNorm(nn.Module):
+    """As HF: variance in float32, normalised x cast back to the input dtype, then * weight."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] rotated by per-token cos/sin [T, D] (HF's rotate_half), in float32."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    out = x.to(torch.float32) * cos[:, None] + rotated.to(torch.float32) * sin[:, None]
+    return out.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, attention_fn: AttentionFn,
+                 write_kv_fn: WriteKVFn) -> None:
+        super().__init__()
+        self.config = config
+        d, hq, hkv = config.head_dim, config.num_q_heads, config.num_kv_heads
+        self.sizes = [hq * d, hkv * d, hkv * d]
+        self.qkv_proj = nn.Linear(config.hidden_size, sum(self.sizes), bias=config.attention_bias)
+        self.o_proj = nn.Linear(hq * d, config.hidden_size, bias=False)
+        self.attention_fn = attention_fn
+        self.write_kv_fn = write_kv_fn
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        cfg, num_tokens = self.config, x.shape[0]
+        d = cfg.head_dim
+        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)  # [T, Hq * D], 2 x [T, Hkv * D]
+        q = apply_rope(q.view(num_tokens, cfg.num_q_heads, d), cos, sin)  # [T, Hq, D]
+        k = apply_rope(k.view(num_tokens, cfg.num_kv_heads, d), cos, sin)  # [T, Hkv, D]
+        v = v.view(num_tokens, cfg.num_kv_heads, d)  # [T, Hkv, D]
+        self.write_kv_fn(k, v, *kv_cache, meta.slot_mapping)
+        out = self.attention_fn(q, *kv_cache, meta.kv_lens, meta.block_tables,
+                                meta.query_start_loc, sm_scale=d**-0.5,
+                                sliding_window=cfg.sliding_window,
+                                max_query_len=meta.max_query_len)  # [T, Hq, D]
+        return self.o_proj(out.reshape(num_tokens, cfg.num_q_heads * d))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size,
+                                      bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # 2 x [T, I]
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, attention_fn: AttentionFn,
+                 write_kv_fn: WriteKVFn) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, attention_fn, write_kv_fn)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Returns logits only for the rows in logits_indices (the positions that get sampled)."""
+
+    def __init__(self, config: ModelConfig, attention_fn: AttentionFn,
+                 write_kv_fn: WriteKVFn) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, attention_fn, write_kv_fn)
+                                    for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = (None if config.tie_word_embeddings
+                        else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
+
+    def forward(self, input_ids: torch.Tensor, kv_caches: list[KVCache],
+                meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+        """input_ids [T], logits_indices [L] → logits [L, V] float32; kv_caches written."""
+        x = self.embed_tokens(input_ids)  # [T, H]
+        cos = meta.rope_cos.index_select(0, meta.positions)  # [T, D]
+        sin = meta.rope_sin.index_select(0, meta.positions)  # [T, D]
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, kv_cache, meta)
+        x = self.norm(x.index_select(0, logits_indices))  # [L, H]
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(x, weight).to(torch.float32)  # [L, V]
+
+
+def load_model(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
+               device: torch.device, attention_fn: AttentionFn,
+               write_kv_fn: WriteKVFn) -> LlamaForCausalLM:
+    """The checkpoint's weights in `dtype` on `device` (modules built on meta: no random init)."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, attention_fn, write_kv_fn)
+    weights = load_weights(model_dir, config)
+    state = {name: _to_tensor(array, dtype, device)
+             for name, array in _fused_state_dict(weights, config).items()}
+    model.load_state_dict(state, strict=True, assign=True)
+    return model.eval().requires_grad_(False)
+
+
+def _fused_state_dict(weights: dict[str, np.ndarray],
+                      config: ModelConfig) -> dict[str, np.ndarray]:
+    """Canonical names (backends/weights.py) → this module tree, q/k/v and gate/up fused."""
+    state = {"embed_tokens.weight": weights["embed_tokens"], "norm.weight": weights["norm"]}
+    if not config.tie_word_embeddings:
+        state["lm_head.weight"] = weights["lm_head"]
+    for i in range(config.num_layers):
+        layer = f"layers.{i}"  # the same prefix in both trees
+        qkv = [f"{layer}.{p}_proj" for p in "qkv"]
+        state[f"{layer}.self_attn.qkv_proj.weight"] = np.concatenate(
+            [weights[f"{p}.weight"] for p in qkv])  # [(Hq + 2 Hkv) D, H]
+        if config.attention_bias:
+            state[f"{layer}.self_attn.qkv_proj.bias"] = np.concatenate(
+                [weights[f"{p}.bias"] for p in qkv])
+        state[f"{layer}.self_attn.o_proj.weight"] = weights[f"{layer}.o_proj.weight"]
+        state[f"{layer}.mlp.gate_up_proj.weight"] = np.concatenate(
+            [weights[f"{layer}.gate_proj.weight"], weights[f"{layer}.up_proj.weight"]])  # [2I, H]
+        state[f"{layer}.mlp.down_proj.weight"] = weights[f"{layer}.down_proj.weight"]
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            state[f"{layer}.{norm}.weight"] = weights[f"{layer}.{norm}"]
+    return state
+
+
+def _to_tensor(array: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A (possibly memory-mapped, possibly ml_dtypes bfloat16) array → an owned device tensor."""
+    array = np.array(array)  # own, writable copy: the checkpoint may be a read-only memmap
+    if array.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(array.view(np.uint16)).view(torch.bfloat16).to(device, dtype)
+    return torch.from_numpy(array).to(device, dtype)

@@ -127,7 +127,9 @@ struct CpuAttention {
     }
     for (int64_t g = 0; g < G; ++g) {
       const acc_t inv_l = sc.l[g] > 0 ? acc_t(1) / sc.l[g] : acc_t(0);
-      for (int64_t d = 0; d < D; ++d) o[g * D + d] = static_cast<scalar_t>(sc.acc[g * D + d] * inv_l);
+      for (int64_t d = 0; d < D; ++d) {
+        o[g * D + d] = static_cast<scalar_t>(sc.acc[g * D + d] * inv_l);
+      }
     }
   }
 

@@ -1,20 +1,20 @@
-// CUDA kernels of the pagedjax ops: fp32, bf16 and fp16 inputs, fp32 accumulation.
+// CUDA kernels of ragged paged attention: fp32, bf16 and fp16 inputs, fp32 accumulation.
 //
-// ragged_paged_attention: one thread block serves one (sequence, query tile, KV head, KV split).
-// A query tile packs kRows rows of the sequence's flattened (query token, query head of the GQA
-// group) index, so every K/V tile staged in shared memory is read from HBM once for the whole
-// group. Four warps; warp w owns the tile rows w, w + 4, ... (interleaved, so a small group
-// still spreads over the warps). Per 32-key tile (lane j <-> key j): Q.K^T from 16-byte shared
-// memory loads, soft cap, causal / sliding-window mask, online softmax, then P.V with each lane
-// owning the output columns lane, lane + 32, ... K/V tiles are double-buffered with 16-byte
-// cp.async copies (zero-filled past the last visible key).
-//   decode path:      kRows = 8 (q_len = 1: one token's group per tile), little shared memory.
-//   multi-token path: kRows = 64 (32 for head_dim 256), chosen when max_query_len * G > 8.
+// One thread block serves one (sequence, query tile, KV head, KV split). A query tile packs kRows
+// rows of the sequence's flattened (query token, query head of the GQA group) index, so every K/V
+// tile staged in shared memory is read from HBM once for the whole group. Four warps; warp w owns
+// the tile rows w, w + 4, ... (interleaved, so a small group still spreads over the warps).
+// Per 32-key tile (lane j <-> key j): Q.K^T (K rows by 16-byte shared loads, Q rows pre-widened to
+// fp32 and broadcast), soft cap, causal / sliding-window mask, online softmax, then P.V with each
+// lane owning the output columns lane, lane + 32, ... The math runs on CUDA cores (fp32 FMA, no
+// tensor-core MMA). K/V tiles are double-buffered with 16-byte cp.async copies, zero-filled past
+// the last key the tile can see, so unwritten cache slots are never read.
+//   decode path:      kRows = 8, when max_query_len == 1 or max_query_len * G <= 8.
+//   multi-token path: kRows = 64 (32 for head_dim 256) otherwise.
 // Split-K: when the grid has too few blocks to fill the GPU, each tile's KV range is split over
 // blockIdx.z; splits write normalised fp32 partial outputs plus their log-sum-exp, and
-// merge_splits_kernel combines them.
+// merge_splits_kernel combines them. Padding rows are zeroed by the blocks of grid row y = S.
 #include <ATen/ATen.h>
-#include <ATen/Dispatch.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -22,7 +22,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <type_traits>
 #include <utility>
 
 #include "attention.h"
@@ -36,12 +35,6 @@ constexpr int kThreads = kWarpSize * kNumWarps;
 constexpr int kKeyTile = 32;     // keys per tile: lane j computes the logit of key j
 constexpr int kMaxSplits = 32;   // the merge kernel keeps one split per lane
 constexpr int kDecodeRows = 8;   // rows per tile on the decode path
-
-// fp32, fp16 and bf16 (no fp64 kernels on the GPU).
-#define PAGEDJAX_DISPATCH_CUDA_FLOATING_TYPES(TYPE, NAME, ...) \
-  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) \
-                     AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__)              \
-                     AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
 
 template <typename scalar_t>
 struct AttentionParams {
@@ -388,36 +381,22 @@ void check_cuda_attention_args(const AttentionShape& shape, const at::Tensor& ou
 // max_context is the block-table capacity, so short contexts may get empty (cheap) splits.
 int choose_num_splits(int64_t num_blocks, int64_t max_context, int num_sms) {
   constexpr int64_t kMinKeysPerSplit = 256;
-  if (num_blocks >= num_sms) return 1;
+  if (num_blocks == 0 || num_blocks >= num_sms) return 1;
   const int64_t splits = std::min({ceil_div(2 * num_sms, num_blocks),
                                    max_context / kMinKeysPerSplit, int64_t(kMaxSplits)});
   return static_cast<int>(std::max<int64_t>(splits, 1));
-}
-
-// Multiprocessor count and opt-in shared memory per block of the current device.
-struct DeviceLimits {
-  int num_sms = 0;
-  int max_smem_per_block = 0;
-};
-
-DeviceLimits current_device_limits() {
-  const int device = c10::cuda::current_device();
-  DeviceLimits limits;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&limits.num_sms, cudaDevAttrMultiProcessorCount, device));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&limits.max_smem_per_block,
-                                        cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  return limits;
 }
 
 template <typename scalar_t, int kHeadDim, int kRows>
 void launch_attention(AttentionParams<scalar_t> params, const AttentionShape& shape,
                       int64_t max_query_len, const at::Tensor& q) {
   using Cfg = TileConfig<scalar_t, kHeadDim, kRows>;
-  const DeviceLimits device = current_device_limits();
+  const int num_sms = device_attribute(cudaDevAttrMultiProcessorCount);
+  const int max_smem = device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin);
   const int64_t q_tiles = std::max<int64_t>(1, ceil_div(max_query_len * shape.group, kRows));
   params.num_splits = choose_num_splits(q_tiles * shape.num_seqs * shape.num_kv_heads,
                                         shape.max_blocks * shape.block_size,
-                                        device.num_sms);
+                                        num_sms);
   at::Tensor partial_out, partial_lse;  // fp32 split-K workspaces
   if (params.num_splits > 1) {
     const auto options = q.options().dtype(at::kFloat);
@@ -427,9 +406,8 @@ void launch_attention(AttentionParams<scalar_t> params, const AttentionShape& sh
     params.partial_out = partial_out.mutable_data_ptr<float>();
     params.partial_lse = partial_lse.mutable_data_ptr<float>();
   }
-  TORCH_CHECK(Cfg::kSmemBytes <= size_t(device.max_smem_per_block),
-              "ragged_paged_attention (CUDA): needs ", Cfg::kSmemBytes,
-              " bytes of shared memory per block, the device has ", device.max_smem_per_block);
+  TORCH_CHECK(Cfg::kSmemBytes <= size_t(max_smem), "ragged_paged_attention (CUDA): needs ",
+              Cfg::kSmemBytes, " bytes of shared memory per block, the device has ", max_smem);
   auto* kernel = &ragged_paged_attention_kernel<scalar_t, kHeadDim, kRows>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       static_cast<int>(Cfg::kSmemBytes)));
@@ -441,21 +419,6 @@ void launch_attention(AttentionParams<scalar_t> params, const AttentionShape& sh
     const int64_t merge_blocks = ceil_div(shape.num_tokens * shape.num_q_heads, kNumWarps);
     merge_splits_kernel<scalar_t><<<merge_blocks, kThreads, 0, stream>>>(params);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
-}
-
-// Calls fn(std::integral_constant<int, head_dim>) for the compiled head sizes.
-template <typename Fn>
-void dispatch_head_dim(int64_t head_dim, Fn&& fn) {
-  switch (head_dim) {
-    case 64: return fn(std::integral_constant<int, 64>{});
-    case 80: return fn(std::integral_constant<int, 80>{});
-    case 96: return fn(std::integral_constant<int, 96>{});
-    case 128: return fn(std::integral_constant<int, 128>{});
-    case 256: return fn(std::integral_constant<int, 256>{});
-    default:
-      TORCH_CHECK(false, "ragged_paged_attention (CUDA): head_dim=", head_dim,
-                  " is not compiled; supported: 64, 80, 96, 128, 256");
   }
 }
 

@@ -1,13 +1,48 @@
-// Device helpers shared by the CUDA kernels: 16-byte cp.async copies, fp32 widening loads and
-// warp reductions. Included by .cu files only.
+// Helpers shared by the CUDA kernels: dtype / head-size dispatch, device attributes, 16-byte
+// cp.async copies, fp32 widening loads and warp reductions. Included by .cu files only.
 #pragma once
 
+#include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 namespace pagedjax {
+
+// fp32, fp16 and bf16 (no fp64 kernels on the GPU).
+#define PAGEDJAX_DISPATCH_CUDA_FLOATING_TYPES(TYPE, NAME, ...) \
+  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) \
+                     AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__)              \
+                     AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
+
+// Calls fn(std::integral_constant<int, head_dim>) for the compiled head sizes.
+template <typename Fn>
+void dispatch_head_dim(int64_t head_dim, Fn&& fn) {
+  switch (head_dim) {
+    case 64: return fn(std::integral_constant<int, 64>{});
+    case 80: return fn(std::integral_constant<int, 80>{});
+    case 96: return fn(std::integral_constant<int, 96>{});
+    case 128: return fn(std::integral_constant<int, 128>{});
+    case 256: return fn(std::integral_constant<int, 256>{});
+    default:
+      TORCH_CHECK(false, "ragged_paged_attention (CUDA): head_dim=", head_dim,
+                  " is not compiled; supported: 64, 80, 96, 128, 256");
+  }
+}
+
+inline int device_attribute(cudaDeviceAttr attribute) {
+  int value = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&value, attribute, c10::cuda::current_device()));
+  return value;
+}
+
+inline bool aligned_16(const at::Tensor& t) {
+  return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+}
 
 constexpr int kWarpSize = 32;
 constexpr unsigned kFullMask = 0xffffffffu;
@@ -63,10 +98,6 @@ __device__ __forceinline__ float warp_sum(float x) {
     x += __shfl_xor_sync(kFullMask, x, offset);
   }
   return x;
-}
-
-inline bool aligned_16(const at::Tensor& t) {
-  return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
 }
 
 }  // namespace pagedjax

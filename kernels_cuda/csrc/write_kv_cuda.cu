@@ -59,7 +59,8 @@ void write_kv_cuda(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k
   const int64_t vec = 16 / element_size;  // elements per 16-byte vector
   AT_DISPATCH_INDEX_TYPES(slot_mapping.scalar_type(), "write_kv_cuda", [&] {
     write_kv_kernel<index_t><<<k.size(0), kThreads, 0, stream>>>(
-        static_cast<const uint4*>(k.const_data_ptr()), static_cast<const uint4*>(v.const_data_ptr()),
+        static_cast<const uint4*>(k.const_data_ptr()),
+        static_cast<const uint4*>(v.const_data_ptr()),
         k.stride(0) / vec, k.stride(1) / vec, v.stride(0) / vec, v.stride(1) / vec,
         static_cast<uint4*>(k_cache.mutable_data_ptr()),
         static_cast<uint4*>(v_cache.mutable_data_ptr()), slot_mapping.const_data_ptr<index_t>(),

@@ -61,6 +61,11 @@ class _Tiling:
     interpret: bool
 
 
+def _cdiv(a, b):
+    """Ceiling division that keeps int32 arrays int32 (pl.cdiv promotes them under x64)."""
+    return (a + b - 1) // b
+
+
 class _TileMap(NamedTuple):
     """Which rows of which sequence each program serves (device arrays)."""
 
@@ -99,7 +104,7 @@ def _multi_token_tiles(
     num_seqs = kv_lens.shape[0]
     q_lens = query_start_loc[1:] - query_start_loc[:-1]  # [S]
     num_pairs = q_lens * group  # [S]
-    tiles_per_seq = pl.cdiv(num_pairs, rows)  # [S]
+    tiles_per_seq = _cdiv(num_pairs, rows)  # [S]
     tile_end = jnp.cumsum(tiles_per_seq).astype(jnp.int32)  # [S]
     num_tiles = _num_multi_token_tiles(num_tokens, num_seqs, group, rows)
     tile = jnp.arange(num_tiles, dtype=jnp.int32)  # [num_tiles]
@@ -149,8 +154,8 @@ def _kv_chunk_range(
     kv_start = jnp.int32(0)
     if sliding_window is not None:  # the tile's first row sees the furthest back
         kv_start = jnp.maximum(first_pos + first_pair // group - sliding_window + 1, 0)
-    chunk_lo, chunk_hi = kv_start // block_k, pl.cdiv(kv_end, block_k)
-    per_split = pl.cdiv(chunk_hi - chunk_lo, num_splits)  # balanced over the actual length
+    chunk_lo, chunk_hi = kv_start // block_k, _cdiv(kv_end, block_k)
+    per_split = _cdiv(chunk_hi - chunk_lo, num_splits)  # balanced over the actual length
     lo = chunk_lo + split * per_split
     return seq, row_pos, kv_end, lo, jnp.minimum(lo + per_split, chunk_hi)
 
@@ -339,7 +344,7 @@ def _prepare_block_tables(
     num_pages = block_tables.shape[1]
     padded = pl.cdiv(num_pages, pages_per_chunk) * pages_per_chunk
     tables = jnp.pad(block_tables, ((0, 0), (0, padded - num_pages)))
-    used = jnp.arange(padded)[None, :] < pl.cdiv(kv_lens, block_size)[:, None]
+    used = jnp.arange(padded)[None, :] < _cdiv(kv_lens, block_size)[:, None]
     return jnp.where(used, jnp.clip(tables, 0, num_blocks - 1), 0).astype(jnp.int32)
 
 

@@ -1,0 +1,329 @@
+"""Pallas ragged paged attention (interpret mode) against the float64 oracle and the jnp reference.
+
+Unwritten output is caught twice: interpret mode fills pallas_call outputs with NaN before the
+kernel runs (so a tile or split the kernel skips shows up as NaN), and every test asserts no NaN
+anywhere and exact zeros on padding rows. Shapes are tiny; each distinct shape compiles once,
+without LLVM optimisation (interpret-mode results do not depend on it), to keep the file fast.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from pagedjax.kernels_pallas import (
+    ragged_paged_attention,
+    ragged_paged_attention_reference,
+    write_kv,
+)
+from pagedjax.kernels_pallas.reference import write_kv_reference
+
+from tests.kernels.naive import (
+    make_ragged_case,
+    naive_ragged_paged_attention,
+    per_row_relative_error,
+)
+
+_FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+_F64_BOUND = 1e-10  # float64 inputs: only reassociation error is left
+_BOUNDS = {np.float32: 1e-5, jnp.bfloat16: 2e-2, np.float16: 5e-3}
+
+
+@contextlib.contextmanager
+def _float64():
+    previous = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_x64", previous)
+
+
+@pytest.fixture
+def x64():
+    """Float64 for the duration of one test."""
+    with _float64():
+        yield
+
+
+def _attention_many(calls: list[tuple[dict, dict]]) -> list[np.ndarray]:
+    """Run the public op on each (case, kwargs) in one cheaply compiled program.
+
+    One program for several shapes compiles about twice as fast as one program per shape.
+    Returns each [T, Hq, D] output as float64.
+    """
+    args = [{name: jnp.asarray(value) for name, value in case.items()} for case, _ in calls]
+    kwargs = [kw for _, kw in calls]
+    run = jax.jit(lambda args: [ragged_paged_attention(**a, **kw) for a, kw in zip(args, kwargs)])
+    outs = run.lower(args).compile(_FAST_COMPILE)(args)
+    for out, a in zip(outs, args, strict=True):
+        assert out.dtype == a["q"].dtype and out.shape == a["q"].shape
+    return [np.asarray(out).astype(np.float64) for out in outs]
+
+
+def _attention(case: dict, **kwargs) -> np.ndarray:
+    return _attention_many([(case, kwargs)])[0]
+
+
+def _assert_close(
+    out: np.ndarray, case: dict, bound: float, label: str = "", **attention_kwargs
+) -> None:
+    """No NaN, padding rows exactly zero, valid rows within `bound` of the float64 oracle."""
+    ref = naive_ragged_paged_attention(**case, **attention_kwargs)
+    assert not np.isnan(out).any(), f"{label}: unwritten or NaN rows"
+    num_valid = int(case["query_start_loc"][-1])
+    np.testing.assert_array_equal(out[num_valid:], 0.0, err_msg=f"{label}: padding rows")
+    error = per_row_relative_error(out, ref)
+    assert error <= bound, f"{label}: per-row relative error {error:.3g} > {bound:.3g}"
+
+
+def _case(rng, q_lens, kv_lens, *, group, head_dim, block_size, padding_rows=2, dtype=np.float64):
+    num_kv_heads = 2 if group <= 2 else 1
+    return make_ragged_case(
+        rng, q_lens, kv_lens, num_q_heads=group * num_kv_heads, num_kv_heads=num_kv_heads,
+        head_dim=head_dim, block_size=block_size, num_padding_rows=padding_rows, dtype=dtype,
+    )
+
+
+def _boundary_lens(block_size: int) -> tuple[list[int], list[int]]:
+    """Mixed batch: decodes, a prefill without prefix, a chunk over a prefix, q_len-0 sequences.
+
+    Context lengths 1, bs-1, bs, bs+1 and the maximum (4 pages, the last one partial).
+    """
+    longest = 3 * block_size + 3
+    kv_lens = [block_size + 1, 1, block_size - 1, block_size, longest, 0]
+    q_lens = [1, 1, block_size - 1, 0, 5, 0]
+    return q_lens, kv_lens
+
+
+_HEAD_DIMS = (64, 80, 96, 128, 256)
+
+
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_multi_token_grid(x64, block_size, group):
+    """Every head_dim for each (block_size, group): mixed batch through the multi-token path."""
+    rng = np.random.default_rng(block_size * 10 + group)
+    q_lens, kv_lens = _boundary_lens(block_size)
+    cases = [_case(rng, q_lens, kv_lens, group=group, head_dim=head_dim, block_size=block_size)
+             for head_dim in _HEAD_DIMS]
+    kwargs = dict(sm_scale=0.125, rows_per_tile=8, num_kv_pages_per_chunk=2)
+    outs = _attention_many([(case, kwargs) for case in cases])
+    for head_dim, case, out in zip(_HEAD_DIMS, cases, outs, strict=True):
+        _assert_close(out, case, _F64_BOUND, f"head_dim={head_dim}", sm_scale=0.125)
+
+
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_decode_grid(x64, block_size, group):
+    """T == S: the decode path (one tile per sequence), with a padding sequence and row.
+
+    Head dims rotate: their handling is shared with the multi-token path, tested on all of them.
+    """
+    head_dim = _HEAD_DIMS[(block_size // 8 + group) % 5]
+    rng = np.random.default_rng(block_size * 10 + group)
+    _, kv_lens = _boundary_lens(block_size)
+    q_lens = [1, 1, 1, 1, 1, 0]  # T = S = 6: five decodes, one padding row
+    case = _case(rng, q_lens, kv_lens, group=group, head_dim=head_dim, block_size=block_size,
+                 padding_rows=1)
+    out = _attention(case, sm_scale=0.3, num_kv_pages_per_chunk=1)
+    _assert_close(out, case, _F64_BOUND, sm_scale=0.3)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16, np.float16])
+def test_dtypes(dtype):
+    """Low precision against the oracle of the same rounded inputs, decode and mixed batches."""
+    rng = np.random.default_rng(7)
+    cases = [_case(rng, q_lens, kv_lens, group=4, head_dim=128, block_size=16,
+                   padding_rows=padding_rows, dtype=np.float32)
+             for (q_lens, kv_lens), padding_rows in ((([1, 1, 1, 0], [40, 1, 17, 0]), 1),
+                                                     (_boundary_lens(16), 2))]
+    for case in cases:
+        for name in ("q", "k_cache", "v_cache"):
+            case[name] = case[name].astype(dtype)
+    kwargs = dict(sm_scale=128**-0.5, sliding_window=24, logits_soft_cap=10.0)
+    outs = _attention_many([(case, kwargs) for case in cases])
+    for label, case, out in zip(("decode", "mixed"), cases, outs, strict=True):
+        _assert_close(out, case, _BOUNDS[dtype], label, **kwargs)
+
+
+@pytest.mark.parametrize("logits_soft_cap", [None, 2.0])
+def test_sliding_window_and_soft_cap(x64, logits_soft_cap):
+    """Windows of one key, a page, a page + 1 and longer than every context; with KV splits."""
+    rng = np.random.default_rng(1)
+    q_lens, kv_lens = _boundary_lens(8)
+    case = _case(rng, q_lens, kv_lens, group=2, head_dim=64, block_size=8)
+    windows = (1, 8, 9, 100)
+    calls = [(case, dict(sm_scale=0.5, sliding_window=w, logits_soft_cap=logits_soft_cap))
+             for w in windows]
+    outs = _attention_many([(c, dict(kw, rows_per_tile=4, num_kv_pages_per_chunk=1,
+                                      num_splits=2)) for c, kw in calls])
+    for window, (case, kwargs), out in zip(windows, calls, outs, strict=True):
+        _assert_close(out, case, _F64_BOUND, f"window={window}", **kwargs)
+
+
+@pytest.mark.parametrize("decode", [True, False])
+def test_split_k(x64, decode):
+    """KV splits merged by log-sum-exp, including more splits than chunks (empty splits)."""
+    rng = np.random.default_rng(2)
+    q_lens, kv_lens = ([1, 1, 1, 0], [130, 1, 33, 0]) if decode else ([1, 6, 2, 0], [130, 6, 33, 0])
+    case = _case(rng, q_lens, kv_lens, group=4, head_dim=64, block_size=8, padding_rows=1)
+    splits = (2, 3, 16)
+    kwargs = dict(sm_scale=0.2, sliding_window=70)
+    outs = _attention_many([(case, dict(kwargs, num_splits=n, num_kv_pages_per_chunk=2))
+                            for n in splits])
+    for num_splits, out in zip(splits, outs, strict=True):
+        _assert_close(out, case, _F64_BOUND, f"num_splits={num_splits}", **kwargs)
+
+
+def test_tiling_knobs(x64):
+    """Tiles smaller than a group, tiles straddling tokens (G = 3), chunks past the table."""
+    rng = np.random.default_rng(4)
+    case = _case(rng, [4, 9, 1], [4, 30, 17], group=3, head_dim=64, block_size=8)
+    knobs = [(1, 1), (2, 4), (16, 1), (64, 4)]
+    outs = _attention_many([(case, dict(sm_scale=0.4, rows_per_tile=rows,
+                                        num_kv_pages_per_chunk=pages)) for rows, pages in knobs])
+    for (rows, pages), out in zip(knobs, outs, strict=True):
+        _assert_close(out, case, _F64_BOUND, f"rows={rows} pages={pages}", sm_scale=0.4)
+
+
+def test_matches_jnp_reference():
+    rng = np.random.default_rng(3)
+    q_lens, kv_lens = _boundary_lens(16)
+    case = _case(rng, q_lens, kv_lens, group=4, head_dim=80, block_size=16, dtype=np.float32)
+    kwargs = dict(sm_scale=0.1, sliding_window=20, logits_soft_cap=5.0)
+    out = _attention(case, **kwargs)
+    ref = ragged_paged_attention_reference(**{k: jnp.asarray(v) for k, v in case.items()},
+                                           **kwargs)
+    assert per_row_relative_error(out, np.asarray(ref)) <= 1e-5
+
+
+@pytest.mark.parametrize("decode", [True, False])
+def test_garbage_outside_the_context_never_leaks(x64, decode):
+    """inf/NaN in spare blocks and past each context, out-of-range ids in unused table entries."""
+    rng = np.random.default_rng(11)
+    q_lens, kv_lens = ([1, 1, 0], [9, 24, 0]) if decode else ([3, 1, 0], [9, 24, 0])
+    case = _case(rng, q_lens, kv_lens, group=2, head_dim=64, block_size=8,
+                 padding_rows=1 if decode else 2)
+    used = np.zeros(case["k_cache"].shape[0] * 8, bool)  # slots holding a context's keys
+    for s, kv_len in enumerate(kv_lens):
+        slots = np.arange(kv_len)
+        used[case["block_tables"][s, slots // 8] * 8 + slots % 8] = True
+        case["block_tables"][s, -(-kv_len // 8):] = [-7, 10**6, 3 * 10**9 % 2**31][s]
+    for name, poison in (("k_cache", np.inf), ("v_cache", np.nan)):
+        flat = case[name].transpose(0, 2, 1, 3).reshape(used.size, -1).copy()  # [N*bs, Hkv*D]
+        flat[~used] = poison
+        case[name] = flat.reshape(-1, 8, *case[name].shape[1::2]).transpose(0, 2, 1, 3)
+    out = _attention(case, sm_scale=0.3, num_kv_pages_per_chunk=4, num_splits=2)
+    _assert_close(out, case, _F64_BOUND, sm_scale=0.3)
+
+
+def test_long_query_when_t_equals_s_takes_the_general_path(x64):
+    """T == S does not imply q_len <= 1 (here q_lens 2, 0, 1): the device check falls back."""
+    rng = np.random.default_rng(5)
+    case = _case(rng, [2, 0, 1], [5, 3, 12], group=2, head_dim=64, block_size=8, padding_rows=0)
+    out = _attention(case, sm_scale=0.3)
+    _assert_close(out, case, _F64_BOUND, sm_scale=0.3)
+
+
+def test_all_padding_gives_zeros():
+    """No query at all, with T == S (decode path) and T > S."""
+    rng = np.random.default_rng(0)
+    cases = [_case(rng, [0, 0, 0], [0, 5, 0], group=2, head_dim=64, block_size=8,
+                   padding_rows=num_tokens, dtype=np.float32) for num_tokens in (3, 4)]
+    for out in _attention_many([(case, dict(sm_scale=1.0)) for case in cases]):
+        np.testing.assert_array_equal(out, 0.0)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(kv_lens=np.zeros(3, np.float32)), "int32"),
+        (dict(q=np.zeros((4, 3, 64), np.float32)), "multiple of Hkv"),
+        (dict(query_start_loc=np.zeros(3, np.int32)), r"\[S\+1\]"),
+        (dict(k_cache=np.zeros((5, 2, 12, 64), np.float32)), "power of two"),
+    ],
+)
+def test_invalid_inputs_raise(change, message):
+    case = _case(np.random.default_rng(0), [1, 2, 1], [3, 4, 5], group=2, head_dim=64,
+                 block_size=8, padding_rows=0, dtype=np.float32)
+    case.update(change)
+    if "k_cache" in change:
+        case["v_cache"] = change["k_cache"]
+    with pytest.raises(ValueError, match=message):
+        ragged_paged_attention(**case, sm_scale=1.0)
+    with pytest.raises(ValueError, match="power of two"):
+        ragged_paged_attention(**_case(np.random.default_rng(0), [1, 2], [3, 4], group=2,
+                                       head_dim=64, block_size=8, dtype=np.float32),
+                               sm_scale=1.0, rows_per_tile=12)
+
+
+def test_write_kv_matches_reference():
+    rng = np.random.default_rng(0)
+    k, v = (jnp.asarray(rng.standard_normal((5, 2, 64)), jnp.float32) for _ in range(2))
+    k_cache, v_cache = (jnp.asarray(rng.standard_normal((4, 2, 8, 64)), jnp.float32)
+                        for _ in range(2))
+    slots = jnp.asarray([3, -1, 8 * 3 + 7, 0, -1], jnp.int32)
+    expected = write_kv_reference(k, v, k_cache, v_cache, slots)
+    got = write_kv(k, v, k_cache, v_cache, slots)  # donates (consumes) the caches
+    for a, b in zip(got, expected, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+_PROPERTY_SHAPE = dict(num_tokens=12, max_pages=6, block_size=8)  # one compile per property
+
+
+def _fixed_shape_case(seed: int, q_lens: list[int], kv_lens: list[int]) -> dict:
+    """Random ragged batch in fixed shapes: [T, 4, 64] queries, 2 KV heads, 6 pages per row."""
+    rng = np.random.default_rng(seed)
+    num_tokens, max_pages, block_size = _PROPERTY_SHAPE.values()
+    num_seqs, num_blocks = len(kv_lens), len(kv_lens) * max_pages + 2
+    cache_shape = (num_blocks, 2, block_size, 64)
+    return dict(
+        q=rng.standard_normal((num_tokens, 4, 64)),
+        k_cache=rng.standard_normal(cache_shape),
+        v_cache=rng.standard_normal(cache_shape),
+        kv_lens=np.asarray(kv_lens, np.int32),
+        block_tables=rng.permutation(num_blocks)[: num_seqs * max_pages]
+        .reshape(num_seqs, max_pages).astype(np.int32),
+        query_start_loc=np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32),
+    )
+
+
+_SEQS = st.lists(st.tuples(st.integers(0, 48), st.integers(0, 48)), min_size=4, max_size=4)
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(seqs=_SEQS, seed=st.integers(0, 2**32 - 1))
+def test_property_multi_token(seqs, seed):
+    """Any ragged mix that fits T = 12 tokens: general path, window 13, soft cap."""
+    kv_lens, q_lens, budget = [], [], _PROPERTY_SHAPE["num_tokens"]
+    for kv_len, q_len in seqs:
+        q_lens.append(min(q_len, kv_len, budget))
+        kv_lens.append(kv_len)
+        budget -= q_lens[-1]
+    case = _fixed_shape_case(seed, q_lens, kv_lens)
+    kwargs = dict(sm_scale=0.3, sliding_window=13, logits_soft_cap=4.0)
+    with _float64():
+        out = ragged_paged_attention(**{k: jnp.asarray(v) for k, v in case.items()}, **kwargs,
+                                     rows_per_tile=4, num_kv_pages_per_chunk=2)
+    _assert_close(np.asarray(out), case, _F64_BOUND, **kwargs)
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(seqs=_SEQS, seed=st.integers(0, 2**32 - 1))
+def test_property_decode(seqs, seed):
+    """T == S == 4, each q_len 0 or 1 (padding rows fill T): decode path with 2 KV splits."""
+    kv_lens = [kv_len for kv_len, _ in seqs]
+    q_lens = [int(kv_len > 0 and q_len % 2 == 1) for kv_len, q_len in seqs]
+    case = _fixed_shape_case(seed, q_lens, kv_lens)
+    case["q"] = case["q"][:4]
+    with _float64():
+        out = ragged_paged_attention(**{k: jnp.asarray(v) for k, v in case.items()},
+                                     sm_scale=0.3, num_splits=2, num_kv_pages_per_chunk=1)
+    _assert_close(np.asarray(out), case, _F64_BOUND, sm_scale=0.3)

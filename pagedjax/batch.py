@@ -7,6 +7,7 @@ T tokens, S sequences, L logits rows (samples), M = max blocks per sequence (fix
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -37,6 +38,16 @@ class SamplingMetadata:
     num_top_logprobs: int  # static: 0, or MAX_LOGPROBS when any row asks for logprobs
     all_greedy: bool  # static: skip the random path
     use_filters: bool  # static: some row uses top-k / top-p / min-p
+    return_probs: bool = False  # static: also return the sampling distribution (draft's q)
+
+
+@dataclass
+class SpecDecodeMetadata:
+    """Verification of K draft slots per sample (speculative decoding)."""
+
+    draft_token_ids: np.ndarray  # [L, K] int32, -1 past num_draft_tokens
+    num_draft_tokens: np.ndarray  # [L] int32
+    draft_rows: np.ndarray  # [L, K] int32: row of draft j's q in the draft's pass-j probs
 
 
 @dataclass
@@ -47,29 +58,37 @@ class ModelInput:
     query_start_loc: np.ndarray  # [S+1] int32
     kv_lens: np.ndarray  # [S] int32, context length after this step (0 for padding)
     block_tables: np.ndarray  # [S, M] int32
-    logits_indices: np.ndarray  # [L] int32, token rows whose logits are sampled
+    logits_indices: np.ndarray  # [L] or [L, K+1] (speculative) int32, token rows to sample
     block_copies: np.ndarray  # [C, 2] int32, (src, dst) copy-on-write before the forward
     sampling: SamplingMetadata
     num_tokens: int  # real T
     num_seqs: int  # real S
     num_logits: int  # real L
+    spec: SpecDecodeMetadata | None = None
 
 
 @dataclass
 class ModelOutput:
     """What a runner sends back to the host: token ids and logprobs, nothing else."""
 
-    sampled_token_ids: np.ndarray  # [L] int32
-    sampled_logprobs: np.ndarray  # [L] float32, logprob of the sampled token (raw model dist.)
-    top_logprob_ids: np.ndarray | None  # [L, K] int32 when requested
-    top_logprobs: np.ndarray | None  # [L, K] float32 when requested
+    sampled_token_ids: np.ndarray  # [L] int32; [L, K+1] with -1 padding when speculative
+    sampled_logprobs: np.ndarray  # like sampled_token_ids: logprobs of the raw model dist.
+    top_logprob_ids: np.ndarray | None  # [L, N] / [L, K+1, N] int32 when requested
+    top_logprobs: np.ndarray | None  # [L, N] / [L, K+1, N] float32 when requested
+    probs: Any = None  # the draft's q [L, V], left on the device (return_probs only)
 
 
-def build_model_input(out: SchedulerOutput, *, block_size: int,
-                      max_blocks_per_seq: int) -> ModelInput:
-    """Flatten the scheduled sequences into padded arrays (see ModelInput)."""
+def build_model_input(out: SchedulerOutput, *, block_size: int, max_blocks_per_seq: int,
+                      num_speculative_tokens: int = 0, return_probs: bool = False,
+                      draft_rows: dict[int, list[int]] | None = None) -> ModelInput:
+    """Flatten the scheduled sequences into padded arrays (see ModelInput).
+
+    With num_speculative_tokens K > 0 every sample gets K+1 logits rows (its last real token and
+    its drafts, the last one repeated as padding) and `spec` describes the drafts to verify.
+    """
     seqs = out.scheduled
-    num_tokens = sum(e.num_new_tokens for e in seqs)
+    tokens = [e.token_ids + e.spec_token_ids for e in seqs]
+    num_tokens = sum(map(len, tokens))
     samples = [(e, s) for e in seqs for s in e.samples]
     t_pad = bucket(num_tokens, MIN_TOKEN_BUCKET)
     s_pad = bucket(len(seqs))
@@ -81,31 +100,50 @@ def build_model_input(out: SchedulerOutput, *, block_size: int,
     query_start_loc = np.zeros(s_pad + 1, np.int32)
     kv_lens = np.zeros(s_pad, np.int32)
     block_tables = np.zeros((s_pad, max_blocks_per_seq), np.int32)
-    last_row = {}
+    sample_rows: dict[int, list[int]] = {}  # seq id -> rows of its last real token and drafts
     cursor = 0
-    for i, e in enumerate(seqs):
-        n = e.num_new_tokens
-        pos = np.arange(e.start_pos, e.kv_len, dtype=np.int32)
+    for i, (e, ids) in enumerate(zip(seqs, tokens)):
+        n = len(ids)
+        pos = np.arange(e.start_pos, e.start_pos + n, dtype=np.int32)
         table = np.asarray(e.block_table, np.int32)
-        input_ids[cursor : cursor + n] = e.token_ids
+        input_ids[cursor : cursor + n] = ids
         positions[cursor : cursor + n] = pos
         slot_mapping[cursor : cursor + n] = table[pos // block_size] * block_size + pos % block_size
         block_tables[i, : len(table)] = table
-        kv_lens[i] = e.kv_len
+        kv_lens[i] = e.start_pos + n
         cursor += n
         query_start_loc[i + 1] = cursor
-        last_row[e.seq_id] = cursor - 1
+        sample_rows[e.seq_id] = list(range(cursor - 1 - len(e.spec_token_ids), cursor))
     query_start_loc[len(seqs) + 1 :] = cursor
 
-    logits_indices = np.zeros(l_pad, np.int32)
-    logits_indices[: len(samples)] = [last_row[e.seq_id] for e, _ in samples]
+    k = num_speculative_tokens
+    logits_indices = np.zeros((l_pad, k + 1) if k else l_pad, np.int32)
+    for row, (e, _) in enumerate(samples):
+        rows = sample_rows[e.seq_id]
+        logits_indices[row] = (rows + rows[-1:] * (k + 1 - len(rows))) if k else rows[-1]
+    spec = _spec_metadata(samples, l_pad, k, draft_rows or {}) if k else None
     copies = np.asarray(out.block_copies, np.int32).reshape(-1, 2)
+    sampling = _sampling_metadata([s for _, s in samples], l_pad, return_probs)
     return ModelInput(input_ids, positions, slot_mapping, query_start_loc, kv_lens, block_tables,
-                      logits_indices, copies, _sampling_metadata([s for _, s in samples], l_pad),
-                      num_tokens, len(seqs), len(samples))
+                      logits_indices, copies, sampling, num_tokens, len(seqs), len(samples), spec)
 
 
-def _sampling_metadata(specs: list, l_pad: int) -> SamplingMetadata:
+def _spec_metadata(samples: list, l_pad: int, k: int,
+                   draft_rows: dict[int, list[int]]) -> SpecDecodeMetadata:
+    draft_token_ids = np.full((l_pad, k), -1, np.int32)
+    num_draft_tokens = np.zeros(l_pad, np.int32)
+    rows = np.zeros((l_pad, k), np.int32)
+    for row, (e, s) in enumerate(samples):
+        if s.seq_id != e.seq_id or not e.spec_token_ids:
+            continue  # forked siblings never carry drafts
+        n = len(e.spec_token_ids)
+        draft_token_ids[row, :n] = e.spec_token_ids
+        num_draft_tokens[row] = n
+        rows[row, :n] = draft_rows[e.seq_id]
+    return SpecDecodeMetadata(draft_token_ids, num_draft_tokens, rows)
+
+
+def _sampling_metadata(specs: list, l_pad: int, return_probs: bool) -> SamplingMetadata:
     def column(values: list, fill, dtype) -> np.ndarray:
         arr = np.full(l_pad, fill, dtype)
         arr[: len(values)] = values
@@ -131,4 +169,5 @@ def _sampling_metadata(specs: list, l_pad: int) -> SamplingMetadata:
         num_top_logprobs=MAX_LOGPROBS if any(p.logprobs for p in params) else 0,
         all_greedy=not sampled,
         use_filters=any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in sampled),
+        return_probs=return_probs,
     )

@@ -111,6 +111,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     attention_impl: str = "auto"
+    speculative_config: dict | None = None  # {"model": draft_dir, "num_speculative_tokens": k}
 
     def validate(self, model_config: ModelConfig) -> None:
         """Check user-facing values; fill max_model_len from the model if unset."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +19,7 @@ from pagedjax.random import derive_seed
 from pagedjax.sampling_params import SamplingParams
 from pagedjax.scheduler import Scheduler, sampled_rows
 from pagedjax.sequence import Sequence
+from pagedjax.spec_decode import DraftProposer, SpeculativeConfig
 from pagedjax.stopping import StopChecker
 from pagedjax.tokenizer import load_eos_token_ids, load_tokenizer
 
@@ -42,9 +44,10 @@ class LLMEngine:
         config.validate(self.model_config)
         self.tokenizer = load_tokenizer(config.model)
         self.eos_token_ids = load_eos_token_ids(config.model, self.tokenizer)
-        from pagedjax.backends import get_runner_cls
-
-        self.runner = get_runner_cls(config.backend)(config.model, self.model_config, config)
+        self.spec_config, self.proposer = None, None
+        if config.speculative_config is not None:
+            self.spec_config = SpeculativeConfig.from_dict(config.speculative_config)
+        self.runner = self._make_runners()
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size,
                                           config.enable_prefix_caching)
         self._seq_ids = itertools.count()
@@ -54,10 +57,43 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             stop_checker=StopChecker(self.eos_token_ids, config.max_model_len),
             eos_token_ids=self.eos_token_ids, new_seq_id=lambda: next(self._seq_ids),
-            fork_seed=self._rng_seed)
+            fork_seed=self._rng_seed, num_speculative_tokens=self.num_speculative_tokens)
         self.requests: dict[str, _Request] = {}
         self.prompt_tokens_total = 0
-        self.generation_tokens_total = 0
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.spec_config.num_speculative_tokens if self.spec_config else 0
+
+    def _make_runners(self):
+        """The target runner, and the draft runner over the same block ids when speculating.
+
+        With a draft, one block holds the target's and the draft's KV, so the pool is sized for
+        both: bytes per block = target + draft.
+        """
+        from pagedjax.backends import get_runner_cls
+
+        runner_cls, config = get_runner_cls(self.config.backend), self.config
+        if self.spec_config is None:
+            return runner_cls(config.model, self.model_config, config)
+        draft_dir = self.spec_config.model
+        draft_model_config = ModelConfig.from_pretrained(draft_dir)
+        self.spec_config.check_vocabulary(config.model, self.tokenizer, load_tokenizer(draft_dir),
+                                          self.model_config.vocab_size,
+                                          draft_model_config.vocab_size)
+        if draft_model_config.max_position_embeddings < config.max_model_len:
+            raise ValueError(f"draft max_position_embeddings="
+                             f"{draft_model_config.max_position_embeddings} is below "
+                             f"max_model_len={config.max_model_len}; lower max_model_len.")
+        draft_bytes = draft_model_config.kv_bytes_per_block(config.block_size, config.dtype_bytes)
+        runner = runner_cls(config.model, self.model_config, config,
+                            extra_bytes_per_block=draft_bytes)
+        draft_config = dataclasses.replace(config, model=draft_dir, speculative_config=None,
+                                           num_kv_blocks=runner.num_kv_blocks)
+        self.proposer = DraftProposer(runner_cls(draft_dir, draft_model_config, draft_config),
+                                      block_size=config.block_size,
+                                      max_blocks_per_seq=config.max_blocks_per_seq)
+        return runner
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -142,14 +178,18 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
+        draft_probs, draft_rows = None, None
+        if self.proposer is not None:
+            draft_probs, draft_rows = self.proposer.propose(out, self.scheduler.seqs)
         model_input = build_model_input(out, block_size=self.config.block_size,
-                                        max_blocks_per_seq=self.config.max_blocks_per_seq)
-        model_output = self.runner.execute(model_input)
+                                        max_blocks_per_seq=self.config.max_blocks_per_seq,
+                                        num_speculative_tokens=self.num_speculative_tokens,
+                                        draft_rows=draft_rows)
+        model_output = self.runner.execute(model_input, draft_probs=draft_probs)
         specs = [s for e in out.scheduled for s in e.samples]
         logprobs = _logprob_rows(model_output, [s.params.logprobs for s in specs])
         touched = self.scheduler.update(out, sampled_rows(model_output.sampled_token_ids),
                                         logprobs)
-        self.generation_tokens_total += len(touched)
         return self._request_outputs(touched)
 
     def _request_outputs(self, touched: list[Sequence]) -> list[RequestOutput]:
@@ -186,19 +226,31 @@ class LLMEngine:
             "prefix_cache_queries": bm.prefix_cache_queries,
             "prefix_cache_hits": bm.prefix_cache_hits,
             "prompt_tokens_total": self.prompt_tokens_total,
-            "generation_tokens_total": self.generation_tokens_total,
+            "generation_tokens_total": sched.num_generation_tokens_total,
+            **(sched.spec_metrics.as_dict() if self.spec_config else {}),
         }
 
 
 def _logprob_rows(output: ModelOutput, wanted: list[int | None]) -> list[list[dict[int, float]]]:
-    """Per sample row: [{sampled token: logprob, top-N tokens: logprobs}] (one position)."""
+    """Per sample row, per generated token: {sampled token: logprob, top-N: logprobs}."""
+    ids, lps = output.sampled_token_ids, output.sampled_logprobs
+    top_ids, top_lps = output.top_logprob_ids, output.top_logprobs
+    if ids.ndim == 1:  # one token per row: view as [L, 1]
+        ids, lps = ids[:, None], lps[:, None]
+        top_ids = None if top_ids is None else top_ids[:, None]
+        top_lps = None if top_lps is None else top_lps[:, None]
     rows = []
     for r, n in enumerate(wanted):
-        entry = {int(output.sampled_token_ids[r]): float(output.sampled_logprobs[r])}
-        if n and output.top_logprob_ids is not None:
-            for token, lp in zip(output.top_logprob_ids[r, :n], output.top_logprobs[r, :n]):
-                entry.setdefault(int(token), float(lp))
-        rows.append([entry])
+        entries = []
+        for k in range(ids.shape[1]):
+            if ids[r, k] < 0:
+                break
+            entry = {int(ids[r, k]): float(lps[r, k])}
+            if n and top_ids is not None:
+                for token, lp in zip(top_ids[r, k, :n], top_lps[r, k, :n]):
+                    entry.setdefault(int(token), float(lp))
+            entries.append(entry)
+        rows.append(entries)
     return rows
 
 

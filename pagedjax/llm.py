@@ -27,14 +27,15 @@ class LLM:
                  memory_utilization: float = 0.9, max_model_len: int | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
                  enable_prefix_caching: bool = True, seed: int = 0,
-                 attention_impl: str = "auto") -> None:
+                 attention_impl: str = "auto",
+                 speculative_config: dict | None = None) -> None:
         config = EngineConfig(
             model=str(model), backend=backend, dtype=dtype, block_size=block_size,
             num_kv_blocks=num_kv_blocks, memory_utilization=memory_utilization,
             max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=enable_prefix_caching, seed=seed,
-            attention_impl=attention_impl)
+            attention_impl=attention_impl, speculative_config=speculative_config)
         self.engine = LLMEngine(config)
         self._request_ids = itertools.count()
 
@@ -68,15 +69,15 @@ class LLM:
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm,
                    dynamic_ncols=True)
-        start, num_tokens = time.perf_counter(), 0
+        scheduler = self.engine.scheduler
+        start, start_tokens = time.perf_counter(), scheduler.num_generation_tokens_total
         while self.engine.has_unfinished_requests():
             for output in self.engine.step():
-                num_tokens += 1
                 if output.finished:
                     finished[output.request_id] = output
                     bar.update(1)
             elapsed = time.perf_counter() - start
-            rate = self.engine.generation_tokens_total / max(elapsed, 1e-9)
+            rate = (scheduler.num_generation_tokens_total - start_tokens) / max(elapsed, 1e-9)
             bar.set_postfix_str(f"{rate:.1f} tok/s", refresh=False)
         bar.close()
         return [finished[i] for i in ids]

@@ -28,7 +28,8 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int,
                  max_num_batched_tokens: int, stop_checker: StopChecker,
                  eos_token_ids: tuple[int, ...], new_seq_id: Callable[[], int],
-                 fork_seed: Callable[[Sequence, int], int]) -> None:
+                 fork_seed: Callable[[Sequence, int], int],
+                 num_speculative_tokens: int = 0) -> None:
         self.block_manager = block_manager
         self.eos_token_ids = eos_token_ids
         self.max_num_seqs = max_num_seqs
@@ -40,6 +41,9 @@ class Scheduler:
         self.running: list[Sequence] = []  # sorted by arrival
         self.seqs: dict[int, Sequence] = {}  # every live sequence, forked children included
         self.num_preemptions_total = 0
+        self.num_generation_tokens_total = 0
+        self.num_speculative_tokens = num_speculative_tokens
+        self.spec_metrics = SpecDecodeMetrics(num_speculative_tokens)
 
     # ---- bookkeeping -------------------------------------------------------------------------
 
@@ -68,74 +72,107 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq.seq_id)
         seq.status = SequenceStatus.WAITING
-        seq.num_computed_tokens = 0
+        seq.num_computed_tokens = seq.num_draft_computed_tokens = 0
         self.waiting.appendleft(seq)  # latest preempted first, so the front stays oldest
         self.num_preemptions_total += 1
 
     # ---- schedule ----------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.max_num_batched_tokens
-        scheduled: list[ScheduledSequence] = []
-        copies: list[tuple[int, int]] = []
-        preempted: list[int] = []
+        step = SchedulerOutput([], [], [], 0)
+        self._schedule_running(step)
+        if not step.preempted_seq_ids:
+            self._schedule_waiting(step)
+        return step
 
+    def _budget(self, step: SchedulerOutput) -> int:
+        return self.max_num_batched_tokens - step.num_batched_tokens
+
+    def _add(self, step: SchedulerOutput, seq: Sequence, num_new: int, num_spec: int,
+             copies: list[tuple[int, int]]) -> ScheduledSequence:
+        entry = self._scheduled(seq, num_new, num_spec)
+        step.scheduled.append(entry)
+        step.block_copies += copies
+        step.num_batched_tokens += num_new + num_spec
+        return entry
+
+    def _schedule_running(self, step: SchedulerOutput) -> None:
         i = 0
-        while i < len(self.running) and budget > 0 and len(scheduled) < self.max_num_seqs:
+        while (i < len(self.running) and self._budget(step) > 0
+               and len(step.scheduled) < self.max_num_seqs):
             seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            new_copies = self._allocate_or_preempt(seq, num_new, preempted)
-            if new_copies is None:
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, self._budget(step))
+            num_spec = self._num_spec_tokens(seq, num_new, self._budget(step))
+            allocated = self._allocate_or_preempt(seq, num_new, num_spec, step.preempted_seq_ids)
+            if allocated is None:
                 break  # seq itself was preempted: nothing after it runs either
-            copies += new_copies
-            entry = self._scheduled(seq, num_new)
-            scheduled.append(entry)
-            budget -= num_new
+            entry = self._add(step, seq, num_new, *allocated)
             # Children forked here sit right after seq and sampled with it: skip them this step.
             i += max(1, len(entry.samples))
 
-        while (self.waiting and not preempted and budget > 0
-               and len(self.running) < self.max_num_seqs):
+    def _schedule_waiting(self, step: SchedulerOutput) -> None:
+        while self.waiting and self._budget(step) > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             hits = self.block_manager.get_computed_blocks(seq.token_ids)
             num_computed = len(hits) * self.block_manager.block_size
-            num_new = min(seq.num_tokens - num_computed, budget)
-            new_copies = self.block_manager.allocate_slots(seq.seq_id, num_computed, num_new, hits)
-            if new_copies is None:
+            num_new = min(seq.num_tokens - num_computed, self._budget(step))
+            num_spec = self._num_spec_tokens(seq, num_new, self._budget(step), num_computed)
+            allocated = self._allocate_with_drafts(seq, num_computed, num_new, num_spec, hits)
+            if allocated is None:
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
             if seq.num_output_tokens == 0:
                 seq.num_cached_tokens = num_computed
-            seq.num_computed_tokens = num_computed
+            seq.num_computed_tokens = seq.num_draft_computed_tokens = num_computed
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.arrival)
-            copies += new_copies
-            scheduled.append(self._scheduled(seq, num_new))
-            budget -= num_new
+            self._add(step, seq, num_new, *allocated)
 
-        return SchedulerOutput(scheduled, copies, preempted,
-                               self.max_num_batched_tokens - budget)
+    def _num_spec_tokens(self, seq: Sequence, num_new: int, budget: int,
+                         num_computed: int | None = None) -> int:
+        """Draft slots for seq this step: only once its last real token is computed, within the
+        budget and what max_tokens leaves, and never while forking or below min_tokens."""
+        computed = seq.num_computed_tokens if num_computed is None else num_computed
+        if (not self.num_speculative_tokens or computed + num_new < seq.num_tokens
+                or seq.num_pending_forks
+                or seq.num_output_tokens < seq.sampling_params.min_tokens):
+            return 0
+        remaining = seq.max_tokens - seq.num_output_tokens - 1
+        return max(0, min(self.num_speculative_tokens, budget - num_new, remaining))
 
-    def _allocate_or_preempt(self, seq: Sequence, num_new: int,
-                             preempted: list[int]) -> list[tuple[int, int]] | None:
+    def _allocate_with_drafts(self, seq: Sequence, num_computed: int, num_new: int,
+                              num_spec: int, hits: list[int] | tuple = ()
+                              ) -> tuple[int, list[tuple[int, int]]] | None:
+        """Slots for the new tokens and the draft slots; when the pool is short, drafts go
+        first (fewer or none are proposed) rather than anybody being preempted for them."""
+        for spec in (num_spec, 0) if num_spec else (0,):
+            copies = self.block_manager.allocate_slots(seq.seq_id, num_computed, num_new + spec,
+                                                       hits)
+            if copies is not None:
+                return spec, copies
+        return None
+
+    def _allocate_or_preempt(self, seq: Sequence, num_new: int, num_spec: int,
+                             preempted: list[int]) -> tuple[int, list[tuple[int, int]]] | None:
         """Slots for seq's new tokens, preempting the latest arrivals until they fit."""
         while True:
-            copies = self.block_manager.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new)
-            if copies is not None:
-                return copies
+            allocated = self._allocate_with_drafts(seq, seq.num_computed_tokens, num_new, num_spec)
+            if allocated is not None:
+                return allocated
             victim = self.running.pop()
             self._preempt(victim)
             preempted.append(victim.seq_id)
             if victim is seq:
                 return None
 
-    def _scheduled(self, seq: Sequence, num_new: int) -> ScheduledSequence:
+    def _scheduled(self, seq: Sequence, num_new: int, num_spec: int) -> ScheduledSequence:
         start = seq.num_computed_tokens
         entry = ScheduledSequence(
             seq_id=seq.seq_id,
             token_ids=seq.token_ids[start : start + num_new],
             start_pos=start,
             block_table=list(self.block_manager.get_block_table(seq.seq_id)),
+            num_spec_tokens=num_spec,
         )
         if start + num_new == seq.num_tokens:  # caught up: its last position yields a token
             entry.samples = [self._sample_spec(s) for s in [seq, *self._fork_pending(seq)]]
@@ -176,22 +213,36 @@ class Scheduler:
         touched: list[Sequence] = []
         row = 0
         for entry in output.scheduled:
-            self.seqs[entry.seq_id].num_computed_tokens = entry.kv_len
+            self.seqs[entry.seq_id].num_computed_tokens = entry.end_pos
             for spec in entry.samples:
-                seq = self.seqs[spec.seq_id]
-                seq.num_computed_tokens = entry.kv_len
-                self._append(seq, sampled[row], logprobs[row])
+                seq, tokens = self.seqs[spec.seq_id], sampled[row]
+                num_accepted = len(tokens) - 1  # drafts kept; the last token is recovered/bonus
+                seq.num_computed_tokens = entry.end_pos + num_accepted  # rejected: rolled back
+                if spec.seq_id == entry.seq_id:
+                    self.spec_metrics.record(len(entry.spec_token_ids), num_accepted)
+                self._append(seq, tokens, logprobs[row])
                 touched.append(seq)
                 row += 1
         for seq in touched:
             if not seq.is_finished:
-                self.block_manager.cache_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+                self._release_rejected_slots(seq)
         return touched
+
+    def _release_rejected_slots(self, seq: Sequence) -> None:
+        """Blocks past the new length go back to the pool; full blocks whose KV both models
+        computed enter the prefix cache."""
+        computed = seq.num_computed_tokens
+        if self.num_speculative_tokens:
+            seq.num_draft_computed_tokens = min(seq.num_draft_computed_tokens, computed)
+            computed = seq.num_draft_computed_tokens
+            self.block_manager.truncate(seq.seq_id, seq.num_tokens)
+        self.block_manager.cache_blocks(seq.seq_id, seq.token_ids, computed)
 
     def _append(self, seq: Sequence, token_ids: list[int],
                 logprobs: list[dict[int, float]] | None) -> None:
         for k, token in enumerate(token_ids):
             seq.token_ids.append(token)
+            self.num_generation_tokens_total += 1
             if logprobs is not None:
                 seq.cumulative_logprob += logprobs[k][token]
                 if seq.logprobs is not None:
@@ -200,6 +251,32 @@ class Scheduler:
             if stop is not None:
                 self.finish(seq, *stop)
                 return
+
+
+class SpecDecodeMetrics:
+    """Draft tokens proposed and accepted, in total and per draft position."""
+
+    def __init__(self, num_speculative_tokens: int) -> None:
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.num_drafts_per_pos = [0] * num_speculative_tokens
+        self.num_accepted_per_pos = [0] * num_speculative_tokens
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        for j in range(num_drafts):
+            self.num_drafts_per_pos[j] += 1
+            self.num_accepted_per_pos[j] += j < num_accepted
+
+    def as_dict(self) -> dict:
+        return {
+            "spec_decode_num_draft_tokens": self.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
+            "spec_decode_acceptance_per_position": [
+                a / d if d else 0.0
+                for a, d in zip(self.num_accepted_per_pos, self.num_drafts_per_pos)],
+        }
 
 
 def sampled_rows(token_ids: np.ndarray) -> list[list[int]]:

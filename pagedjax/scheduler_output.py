@@ -29,15 +29,24 @@ class ScheduledSequence:
     # Completions that sample from this sequence's last position: empty while a chunked prefill
     # is still behind, [itself] normally, itself + its siblings on the step a fork happens.
     samples: list[SampleSpec] = field(default_factory=list)
+    # Speculative decoding: draft slots reserved for this step, and the drafts the proposer put
+    # there; the target verifies them after token_ids (the draft tokens are not in token_ids).
+    num_spec_tokens: int = 0
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_new_tokens(self) -> int:
         return len(self.token_ids)
 
     @property
-    def kv_len(self) -> int:
-        """Context length after this step."""
+    def end_pos(self) -> int:
+        """Position after the last real token computed this step."""
         return self.start_pos + len(self.token_ids)
+
+    @property
+    def kv_len(self) -> int:
+        """Context length the target attends to this step (drafts included)."""
+        return self.end_pos + len(self.spec_token_ids)
 
 
 @dataclass

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pagedjax.detokenizer import IncrementalDetokenizer
 from pagedjax.sampling_params import SamplingParams
@@ -35,13 +35,13 @@ class Sequence:
     detokenizer: IncrementalDetokenizer
     num_pending_forks: int = 0  # siblings to fork off once the prompt is computed (n > 1)
     num_computed_tokens: int = 0
+    num_draft_computed_tokens: int = 0  # the draft model's KV progress (speculative decoding)
     num_cached_tokens: int = 0  # prompt tokens that came from the prefix cache at admission
     status: SequenceStatus = SequenceStatus.WAITING
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
-    spec_token_ids: list[int] = field(default_factory=list)  # draft tokens proposed this step
 
     @property
     def num_tokens(self) -> int:
@@ -77,6 +77,7 @@ class Sequence:
             rng_seed=rng_seed,
             detokenizer=self.detokenizer.fork(),
             num_computed_tokens=self.num_computed_tokens,
+            num_draft_computed_tokens=self.num_draft_computed_tokens,
             num_cached_tokens=self.num_cached_tokens,
             status=self.status,
             cumulative_logprob=self.cumulative_logprob,

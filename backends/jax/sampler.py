@@ -59,8 +59,16 @@ def sample(logits: jax.Array, sampling: dict, *, num_top_logprobs: int, all_gree
         u = uniform(sampling["rng_seed"], sampling["rng_step"], logits.shape[-1])
         sampled = jnp.argmax(scaled - jnp.log(-jnp.log(u)), axis=-1).astype(jnp.int32)
         tokens = jnp.where(temperature > 0, sampled, tokens)
-    token_logprobs = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    return (tokens, *gather_logprobs(logprobs, tokens, num_top_logprobs))
+
+
+def gather_logprobs(logprobs: jax.Array, tokens: jax.Array,
+                    num_top_logprobs: int) -> tuple[jax.Array, ...]:
+    """logprobs [..., V], tokens [...] (-1 = none) → (token logprobs [...], top ids [..., N],
+    top logprobs [..., N]); the top ones are None when N is 0."""
+    safe = jnp.maximum(tokens, 0)[..., None]
+    token_logprobs = jnp.take_along_axis(logprobs, safe, axis=-1)[..., 0]
     if num_top_logprobs == 0:
-        return tokens, token_logprobs, None, None
+        return token_logprobs, None, None
     top_lps, top_ids = jax.lax.top_k(logprobs, num_top_logprobs)
-    return tokens, token_logprobs, top_ids.astype(jnp.int32), top_lps
+    return token_logprobs, top_ids.astype(jnp.int32), top_lps

@@ -50,44 +50,30 @@ class HostToDevice:
 class StaticBatch:
     """A decode graph's input buffers: fixed addresses, refilled before every replay.
 
-    Sequences are padded to the token bucket T (a decode batch has S <= T): padding sequences
-    have no queries (query_start_loc repeats its last value) and kv_len 0; padding tokens have
-    slot -1, so replaying on a zeroed batch writes and reads nothing.
+    Zero-filled with slot -1 everywhere, it is all padding: a capture run writes and reads nothing.
     """
 
     input_ids: torch.Tensor  # [T] int32
     positions: torch.Tensor  # [T] int32
     slot_mapping: torch.Tensor  # [T] int32
-    query_start_loc: torch.Tensor  # [T+1] int32
-    kv_lens: torch.Tensor  # [T] int32
-    block_tables: torch.Tensor  # [T, M] int32
+    query_start_loc: torch.Tensor  # [S+1] int32
+    kv_lens: torch.Tensor  # [S] int32
+    block_tables: torch.Tensor  # [S, M] int32
 
     @classmethod
-    def empty(cls, num_tokens: int, max_blocks: int, device: torch.device) -> StaticBatch:
+    def empty(cls, num_tokens: int, num_seqs: int, max_blocks: int,
+              device: torch.device) -> StaticBatch:
         def zeros(*shape: int) -> torch.Tensor:
             return torch.zeros(shape, dtype=torch.int32, device=device)
 
         slot_mapping = torch.full((num_tokens,), -1, dtype=torch.int32, device=device)
-        return cls(zeros(num_tokens), zeros(num_tokens), slot_mapping, zeros(num_tokens + 1),
-                   zeros(num_tokens), zeros(num_tokens, max_blocks))
+        return cls(zeros(num_tokens), zeros(num_tokens), slot_mapping, zeros(num_seqs + 1),
+                   zeros(num_seqs), zeros(num_seqs, max_blocks))
 
     def fill(self, model_input: ModelInput, upload: HostToDevice) -> None:
-        """Copy a decode batch in (non_blocking), padding its S sequences to T."""
-        num_tokens = len(self.input_ids)
-        for name in ("input_ids", "positions", "slot_mapping"):
-            upload(name, getattr(model_input, name), out=getattr(self, name))
-        qsl = model_input.query_start_loc
-        upload("query_start_loc", _pad(qsl, num_tokens + 1, qsl[-1]), out=self.query_start_loc)
-        upload("kv_lens", _pad(model_input.kv_lens, num_tokens, 0), out=self.kv_lens)
-        upload("block_tables", _pad(model_input.block_tables, num_tokens, 0),
-               out=self.block_tables)
-
-
-def _pad(array: np.ndarray, length: int, fill: int) -> np.ndarray:
-    """array [n, ...] → [length, ...], new rows set to fill."""
-    out = np.full((length, *array.shape[1:]), fill, dtype=array.dtype)
-    out[: len(array)] = array
-    return out
+        """Copy a batch of the same padded shapes in (non_blocking)."""
+        for name, buffer in vars(self).items():
+            upload(name, getattr(model_input, name), out=buffer)
 
 
 # (StaticBatch, row indices [T]) -> logits [T, V] float32; the model forward on fixed buffers.
@@ -96,9 +82,12 @@ GraphForward = Callable[[StaticBatch, torch.Tensor], torch.Tensor]
 
 class DecodeGraphs:
     """Model forwards of decode batches (one new token per sequence) replayed from CUDA graphs,
-    captured lazily, one per token bucket T. A graph computes logits for all T rows (a decode
-    row is a sequence's last token); the sampled rows are picked after the replay, so forks
-    (more samples than sequences) need no graph of their own. Sampling stays eager.
+    captured lazily, one per padded shape (T, S). Keying on S too (rather than padding sequences
+    up to T) keeps the attention grid and its split-K choice those of the eager launch.
+
+    A graph computes logits for all T rows (a decode row is a sequence's last token); the sampled
+    rows are picked after the replay, so forks (more samples than sequences) need no graph of
+    their own. Sampling stays eager.
     """
 
     def __init__(self, forward: GraphForward, max_blocks_per_seq: int,
@@ -107,7 +96,8 @@ class DecodeGraphs:
         self.max_blocks_per_seq = max_blocks_per_seq
         self.device = device
         self.pool = torch.cuda.graph_pool_handle()  # graphs share one memory pool
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, StaticBatch, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, StaticBatch,
+                                                  torch.Tensor]] = {}
 
     @staticmethod
     def applies(model_input: ModelInput) -> bool:
@@ -115,16 +105,17 @@ class DecodeGraphs:
 
     def run(self, model_input: ModelInput, upload: HostToDevice) -> torch.Tensor:
         """Logits [T, V] float32 of every token row (a view of the graph's output buffer)."""
-        num_tokens = len(model_input.input_ids)
-        if num_tokens not in self.graphs:
-            self.graphs[num_tokens] = self._capture(num_tokens)
-        graph, batch, logits = self.graphs[num_tokens]
+        shape = (len(model_input.input_ids), len(model_input.kv_lens))  # padded (T, S)
+        if shape not in self.graphs:
+            self.graphs[shape] = self._capture(*shape)
+        graph, batch, logits = self.graphs[shape]
         batch.fill(model_input, upload)
         graph.replay()
         return logits
 
-    def _capture(self, num_tokens: int) -> tuple[torch.cuda.CUDAGraph, StaticBatch, torch.Tensor]:
-        batch = StaticBatch.empty(num_tokens, self.max_blocks_per_seq, self.device)
+    def _capture(self, num_tokens: int,
+                 num_seqs: int) -> tuple[torch.cuda.CUDAGraph, StaticBatch, torch.Tensor]:
+        batch = StaticBatch.empty(num_tokens, num_seqs, self.max_blocks_per_seq, self.device)
         rows = torch.arange(num_tokens, dtype=torch.int32, device=self.device)
         # One eager run on a side stream first: lazy initialisation (cuBLAS handles and
         # workspaces) must not happen inside the capture. The batch is all padding: a no-op.

@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 import torch
 from pagedjax.backends.jax.runner import JaxModelRunner
+from pagedjax.backends.torch.cuda_graphs import DecodeGraphs, StaticBatch
 from pagedjax.backends.torch.runner import TorchModelRunner
 
+from pagedjax.batch import ModelInput, ModelOutput
 from pagedjax.checkpoints import make_tiny_checkpoint, stdlib_corpus, train_tokenizer
 from pagedjax.config import EngineConfig, ModelConfig
 from pagedjax.kv_cache import num_kv_blocks_for_budget
@@ -33,6 +35,7 @@ COMMON = dict(block_size=BLOCK_SIZE, max_model_len=256, enable_prefix_caching=Tr
 # One step prefills everything; then every step decodes every sequence.
 BASIC = dict(COMMON, num_kv_blocks=64, max_num_batched_tokens=512)
 # 64-token budget (chunked prefill), 20 blocks of 16 for ~400 slots' demand (preemption).
+BASIC_MAX_BLOCKS = 256 // BLOCK_SIZE
 STRESS = dict(COMMON, num_kv_blocks=20, max_num_batched_tokens=64)
 
 
@@ -233,3 +236,36 @@ def test_bfloat16_runs(checkpoints: dict[str, Path], runs) -> None:
     assert all(np.isfinite(c[0]).all() for c in run.logprobs)
     fp32 = runs("qwen2", "torch", "basic").token_ids[:3]
     assert [c[0][0] for c in run.token_ids] == [c[0][0] for c in fp32]
+
+
+def test_decode_graph_forward_matches_eager(checkpoints: dict[str, Path]) -> None:
+    """What a decode CUDA graph captures (static buffers, logits of all T rows, q_len hint 1),
+    run eagerly on CPU, gives the eager path's logits. The capture itself needs a GPU."""
+    llm = LLM(str(checkpoints["llama"]), backend="torch", **BASIC)
+    runner, decode_inputs = llm.engine.runner, []
+    execute = runner.execute
+
+    def recording_execute(model_input: ModelInput, **kwargs) -> ModelOutput:
+        if DecodeGraphs.applies(model_input):
+            decode_inputs.append(model_input)
+        return execute(model_input, **kwargs)
+
+    runner.execute = recording_execute
+    # A 1-token prompt with n=2: its first step is decode-shaped and forks (2 samples, 1 row).
+    llm.generate({"prompt_token_ids": BASIC_PROMPTS[0]}, _greedy(n=2), use_tqdm=False)
+    model_input = decode_inputs[0]  # the KV it reads is still in the pool: replaying is exact
+    num_tokens, num_seqs = len(model_input.input_ids), len(model_input.kv_lens)
+    with torch.inference_mode():
+        logits_indices = torch.from_numpy(model_input.logits_indices)
+        batch = {name: torch.from_numpy(getattr(model_input, name)) for name in
+                 ("input_ids", "positions", "slot_mapping", "query_start_loc", "kv_lens",
+                  "block_tables")}
+        eager = runner._run_model(batch, logits_indices, max_query_len=1)
+        static = StaticBatch.empty(num_tokens, num_seqs, BASIC_MAX_BLOCKS, runner.device)
+        static.fill(model_input, runner.upload)
+        rows = torch.arange(num_tokens, dtype=torch.int32)
+        graph = runner._graph_forward(static, rows).index_select(0, logits_indices)
+    assert model_input.num_logits > model_input.num_seqs  # n=2: two samples per sequence row
+    # Not bitwise: the lm_head matmul has T rows instead of L (another GEMM blocking).
+    torch.testing.assert_close(graph, eager, rtol=1e-4, atol=1e-4)
+    assert torch.equal(graph.argmax(-1), eager.argmax(-1))

@@ -65,16 +65,17 @@ class TorchModelRunner:
         cos, sin = rope_cos_sin(model_config, config.max_model_len)  # [max_model_len, D] each
         self.rope = (torch.from_numpy(cos).to(self.device), torch.from_numpy(sin).to(self.device))
         self.upload = HostToDevice(self.device)
-        self.decode_graphs: DecodeGraphs | None = None  # none during the warm-up
+        self.decode_graphs: DecodeGraphs | None = None  # none while the pool is sized
+        self.kv_caches: list[KVCache] = []
         self.num_kv_blocks = config.num_kv_blocks or self._blocks_from_memory(extra_bytes_per_block)
-        self.kv_caches: list[KVCache] = self._allocate_kv_caches(self.num_kv_blocks)
+        self.kv_caches = self._allocate_kv_caches(self.num_kv_blocks)
         if self.device.type == "cuda":
             self.decode_graphs = DecodeGraphs(self._graph_forward, config.max_blocks_per_seq,
                                               self.device)
 
     @property
     def num_compiles(self) -> int:
-        """CUDA graphs captured, at most one per decode token bucket; 0 on CPU (all eager)."""
+        """CUDA graphs captured, one per padded decode shape (T, S); 0 on CPU (all eager)."""
         return 0 if self.decode_graphs is None else len(self.decode_graphs.graphs)
 
     def _allocate_kv_caches(self, num_blocks: int) -> list[KVCache]:
@@ -95,16 +96,21 @@ class TorchModelRunner:
         UNVERIFIED on a GPU. CUDA graphs captured later take their own (decode-sized) pool out
         of the 1 - memory_utilization headroom.
         """
-        warm_up = _warm_up_input(self.config)
-        self.kv_caches = self._allocate_kv_caches(int(warm_up.block_tables.max()) + 1)
         torch.cuda.reset_peak_memory_stats()
-        self.execute(warm_up)
-        self.kv_caches = []
+        self.warm_up()
         torch.cuda.synchronize()
         free, total = torch.cuda.mem_get_info()
         outside_torch = total - free - torch.cuda.memory_reserved()
         return {"bytes_limit": total,
                 "bytes_in_use": torch.cuda.max_memory_allocated() + outside_torch}
+
+    def warm_up(self) -> None:
+        """Execute the heaviest step the scheduler can produce, on throwaway KV caches."""
+        model_input = _warm_up_input(self.config)
+        kv_caches = self.kv_caches
+        self.kv_caches = self._allocate_kv_caches(int(model_input.block_tables.max()) + 1)
+        self.execute(model_input)
+        self.kv_caches = kv_caches
 
     # ---- execute -----------------------------------------------------------------------------
 

@@ -226,6 +226,8 @@ def test_kv_pool_sizing_matches_jax(checkpoints: dict[str, Path]) -> None:
                                                               config).num_kv_blocks
     assert runner.kv_caches[0][0].shape == (expected, 2, BLOCK_SIZE, model_config.head_dim)
     assert runner.num_compiles == 0  # CPU runs eagerly: no CUDA graphs
+    runner.warm_up()  # the batch that sizes the pool on CUDA is a valid one
+    assert runner.kv_caches[0][0].shape[0] == expected  # and the pool is back in place
 
 
 def test_bfloat16_runs(checkpoints: dict[str, Path], runs) -> None:

@@ -1,0 +1,141 @@
+"""Rejection sampling for speculative decoding (Leviathan et al. 2023) on the JAX runner.
+
+Vocabulary (vLLM's), per row l with k = num_draft_tokens[l] drafts d_0 ... d_{k-1}:
+- accepted: a draft d_j kept because u_j * q_j(d_j) < p_j(d_j), i.e. u_j < min(1, p/q);
+- recovered: at the first rejection j, a token drawn from normalize(max(p_j - q_j, 0));
+- bonus: when all k drafts are accepted, a token drawn from p_k.
+A row outputs its accepted drafts, then one recovered or bonus token, then -1 padding; the tokens
+follow the target distribution exactly, and greedy rows (temperature 0) decode greedily.
+
+Randomness is the sampler's counter hash: output position t of a row uses
+uniform(seed, step + t, V + 1), column V for the acceptance test and columns :V for the Gumbel
+noise of a recovered / bonus token, so the caller advances rng_step by num_accepted + 1.
+Semantics are shared op for op with backends/torch/rejection_sampler.py.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from pagedjax.backends.jax.sampler import filter_logits, uniform
+
+PLACEHOLDER_TOKEN_ID = -1  # pads output_token_ids after the recovered / bonus token
+_PER_ROW_KNOBS = ("temperature", "top_k", "top_p", "min_p")
+
+
+def sampling_probs(logits: jax.Array, sampling: dict, *, all_greedy: bool,
+                   use_filters: bool) -> jax.Array:
+    """The distribution the sampler draws from (the draft returns it as q).
+
+    logits [L, V] float32; sampling: [L] arrays (temperature, top_k, top_p, min_p).
+    Returns probs [L, V] float32: one-hot(argmax) on greedy rows, softmax(filter_logits(logits / T))
+    on random rows.
+    """
+    greedy = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
+    if all_greedy:
+        return greedy
+    temperature = sampling["temperature"]  # [L]
+    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    if use_filters:
+        scaled = filter_logits(scaled, sampling["top_k"], sampling["top_p"], sampling["min_p"])
+    return jnp.where(temperature[:, None] > 0, jax.nn.softmax(scaled, axis=-1), greedy)
+
+
+def rejection_sample(target_logits: jax.Array, draft_token_ids: jax.Array,
+                     draft_probs: jax.Array, num_draft_tokens: jax.Array, sampling: dict, *,
+                     all_greedy: bool, use_filters: bool) -> tuple[jax.Array, jax.Array]:
+    """Verify each row's drafts against the target; jit-compatible (K, V static from shapes).
+
+    target_logits    [L, K+1, V] float32: position j scores draft j; j = k is the bonus position
+    draft_token_ids  [L, K] int32, valid for j < num_draft_tokens[l] (anything, e.g. -1, after)
+    draft_probs      [L, K, V] float32: q_j, the draft's sampling distribution for draft j
+    num_draft_tokens [L] int32 in [0, K]
+    sampling         [L] arrays as in the sampler; banned_* pairs, if present, ban at every
+                     position of their row (the scheduler never drafts under min_tokens)
+    Returns output_token_ids [L, K+1] int32 (accepted, then recovered or bonus, then -1) and
+    num_accepted [L] int32.
+    """
+    num_drafts = draft_token_ids.shape[1]  # K
+    target_logits = _mask_banned(target_logits, sampling)
+    target_argmax = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [L, K+1]
+    accepted = target_argmax[:, :num_drafts] == draft_token_ids  # [L, K], the greedy rule
+    if not all_greedy:
+        target_probs = _target_probs(target_logits, sampling, use_filters=use_filters)
+        random_rows = (sampling["temperature"] > 0)[:, None]  # [L, 1]
+        accepted = jnp.where(random_rows, _accept_random(target_probs, draft_token_ids,
+                                                         draft_probs, sampling), accepted)
+    valid = jnp.arange(num_drafts)[None, :] < num_draft_tokens[:, None]  # [L, K]
+    num_accepted = jnp.sum(jnp.cumprod((accepted & valid).astype(jnp.int32), axis=1), axis=1)
+    next_token = jnp.take_along_axis(target_argmax, num_accepted[:, None], axis=1)[:, 0]  # [L]
+    if not all_greedy:
+        sampled = _recover_or_bonus(target_probs, draft_probs, num_accepted, num_draft_tokens,
+                                    sampling)
+        next_token = jnp.where(random_rows[:, 0], sampled, next_token)
+    return _assemble(draft_token_ids, next_token, num_accepted), num_accepted.astype(jnp.int32)
+
+
+def _mask_banned(target_logits: jax.Array, sampling: dict) -> jax.Array:
+    """target_logits [L, K+1, V] with banned (row, token) pairs [P] at -inf; row -1 pads."""
+    if "banned_rows" not in sampling:
+        return target_logits
+    rows = sampling["banned_rows"]
+    rows = jnp.where(rows >= 0, rows, target_logits.shape[0])  # padding lands out of range
+    return target_logits.at[rows, :, sampling["banned_token_ids"]].set(-jnp.inf, mode="drop")
+
+
+def _target_probs(target_logits: jax.Array, sampling: dict, *, use_filters: bool) -> jax.Array:
+    """p_j for every position: target_logits [L, K+1, V] → [L, K+1, V], as the sampler sees it."""
+    num_rows, num_positions, vocab = target_logits.shape
+    knobs = {name: jnp.repeat(sampling[name], num_positions)  # [L * (K+1)]
+             for name in _PER_ROW_KNOBS if name in sampling}
+    probs = sampling_probs(target_logits.reshape(-1, vocab), knobs, all_greedy=False,
+                           use_filters=use_filters)
+    return probs.reshape(num_rows, num_positions, vocab)
+
+
+def _accept_random(target_probs: jax.Array, draft_token_ids: jax.Array, draft_probs: jax.Array,
+                   sampling: dict) -> jax.Array:
+    """u_j * q_j(d_j) < p_j(d_j) → [L, K] bool (safe for q = 0); u_j = column V at step + j.
+
+    target_probs [L, K+1, V]; draft_token_ids [L, K]; draft_probs [L, K, V].
+    """
+    num_rows, num_drafts, vocab = draft_probs.shape
+    steps = sampling["rng_step"].astype(jnp.uint32)[:, None] + jnp.arange(num_drafts,
+                                                                          dtype=jnp.uint32)
+    seeds = jnp.broadcast_to(sampling["rng_seed"].astype(jnp.uint32)[:, None], steps.shape)
+    u = uniform(seeds.reshape(-1), steps.reshape(-1), vocab + 1)[:, vocab]  # [L * K]
+    index = jnp.clip(draft_token_ids, 0, vocab - 1)[..., None]  # padding drafts gather safely
+    p = jnp.take_along_axis(target_probs[:, :num_drafts], index, axis=-1)[..., 0]  # [L, K]
+    q = jnp.take_along_axis(draft_probs, index, axis=-1)[..., 0]  # [L, K]
+    return u.reshape(num_rows, num_drafts) * q < p
+
+
+def _recover_or_bonus(target_probs: jax.Array, draft_probs: jax.Array, num_accepted: jax.Array,
+                      num_draft_tokens: jax.Array, sampling: dict) -> jax.Array:
+    """The token after the accepted drafts, at position n = num_accepted → [L] int32.
+
+    Recovered ~ max(p_n - q_n, 0) after a rejection (p_n if that is all zero); bonus ~ p_n
+    (q_n taken as 0). target_probs [L, K+1, V]; draft_probs [L, K, V]; the rest [L].
+    """
+    num_drafts, vocab = draft_probs.shape[1:]
+    p = jnp.take_along_axis(target_probs, num_accepted[:, None, None], axis=1)[:, 0]  # [L, V]
+    q = jnp.zeros_like(p)
+    if num_drafts > 0:
+        position = jnp.minimum(num_accepted, num_drafts - 1)[:, None, None]
+        rejected = (num_accepted < num_draft_tokens)[:, None]  # [L, 1]
+        q = jnp.where(rejected, jnp.take_along_axis(draft_probs, position, axis=1)[:, 0], q)
+    residual = jnp.maximum(p - q, 0.0)  # [L, V]
+    residual = jnp.where(jnp.any(residual > 0, axis=-1, keepdims=True), residual, p)
+    step = sampling["rng_step"].astype(jnp.uint32) + num_accepted.astype(jnp.uint32)
+    u = uniform(sampling["rng_seed"].astype(jnp.uint32), step, vocab + 1)[:, :vocab]
+    return jnp.argmax(jnp.log(residual) - jnp.log(-jnp.log(u)), axis=-1).astype(jnp.int32)
+
+
+def _assemble(draft_token_ids: jax.Array, next_token: jax.Array,
+              num_accepted: jax.Array) -> jax.Array:
+    """[L, K] drafts, [L] next token, [L] counts → [L, K+1]: accepted, next token, then -1."""
+    position = jnp.arange(draft_token_ids.shape[1] + 1)[None, :]  # [1, K+1]
+    drafts = jnp.pad(draft_token_ids, ((0, 0), (0, 1)), constant_values=PLACEHOLDER_TOKEN_ID)
+    n = num_accepted[:, None]
+    tail = jnp.where(position == n, next_token[:, None], PLACEHOLDER_TOKEN_ID)
+    return jnp.where(position < n, drafts, tail).astype(jnp.int32)

@@ -1,0 +1,144 @@
+"""Rejection sampling for speculative decoding on the torch runner.
+
+The semantics of backends/jax/rejection_sampler.py, op for op (see its docstring for the
+accepted / recovered / bonus vocabulary and the random counters), so a seeded request accepts
+and samples the same tokens on either backend. No host syncs: shapes never depend on data.
+"""
+
+from __future__ import annotations
+
+import torch
+from pagedjax.backends.torch.sampler import filter_logits, uniform
+
+PLACEHOLDER_TOKEN_ID = -1  # pads output_token_ids after the recovered / bonus token
+_PER_ROW_KNOBS = ("temperature", "top_k", "top_p", "min_p")
+_MASK32 = 0xFFFFFFFF  # rng counters are uint32 values held in int64
+
+
+def sampling_probs(logits: torch.Tensor, sampling: dict[str, torch.Tensor], *, all_greedy: bool,
+                   use_filters: bool) -> torch.Tensor:
+    """The distribution the sampler draws from (the draft returns it as q).
+
+    logits [L, V] float32; sampling: [L] tensors (temperature, top_k, top_p, min_p).
+    Returns probs [L, V] float32: one-hot(argmax) on greedy rows, softmax(filter_logits(logits / T))
+    on random rows.
+    """
+    vocab = logits.shape[-1]
+    greedy = torch.nn.functional.one_hot(torch.argmax(logits, dim=-1), vocab).to(torch.float32)
+    if all_greedy:
+        return greedy
+    temperature = sampling["temperature"]  # [L]
+    scaled = logits / torch.where(temperature > 0, temperature, 1.0)[:, None]
+    if use_filters:
+        scaled = filter_logits(scaled, sampling["top_k"], sampling["top_p"], sampling["min_p"])
+    return torch.where(temperature[:, None] > 0, torch.softmax(scaled, dim=-1), greedy)
+
+
+def rejection_sample(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
+                     draft_probs: torch.Tensor, num_draft_tokens: torch.Tensor,
+                     sampling: dict[str, torch.Tensor], *, all_greedy: bool,
+                     use_filters: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Verify each row's drafts against the target.
+
+    target_logits    [L, K+1, V] float32: position j scores draft j; j = k is the bonus position
+    draft_token_ids  [L, K] int32, valid for j < num_draft_tokens[l] (anything, e.g. -1, after)
+    draft_probs      [L, K, V] float32: q_j, the draft's sampling distribution for draft j
+    num_draft_tokens [L] int32 in [0, K]
+    sampling         [L] tensors as in the sampler (rng_seed / rng_step int64); banned_* pairs,
+                     if present, ban at every position of their row (no drafts under min_tokens)
+    Returns output_token_ids [L, K+1] int32 (accepted, then recovered or bonus, then -1) and
+    num_accepted [L] int32.
+    """
+    num_drafts = draft_token_ids.shape[1]  # K
+    target_logits = _mask_banned(target_logits, sampling)
+    target_argmax = torch.argmax(target_logits, dim=-1)  # [L, K+1] int64
+    accepted = target_argmax[:, :num_drafts] == draft_token_ids.long()  # [L, K], greedy rule
+    if not all_greedy:
+        target_probs = _target_probs(target_logits, sampling, use_filters=use_filters)
+        random_rows = (sampling["temperature"] > 0)[:, None]  # [L, 1]
+        accepted = torch.where(random_rows, _accept_random(target_probs, draft_token_ids,
+                                                           draft_probs, sampling), accepted)
+    positions = torch.arange(num_drafts, device=target_logits.device)
+    valid = positions[None, :] < num_draft_tokens[:, None]  # [L, K]
+    num_accepted = torch.cumprod((accepted & valid).long(), dim=1).sum(dim=1)  # [L] int64
+    next_token = torch.gather(target_argmax, 1, num_accepted[:, None])[:, 0]  # [L]
+    if not all_greedy:
+        sampled = _recover_or_bonus(target_probs, draft_probs, num_accepted, num_draft_tokens,
+                                    sampling)
+        next_token = torch.where(random_rows[:, 0], sampled, next_token)
+    return _assemble(draft_token_ids, next_token, num_accepted), num_accepted.to(torch.int32)
+
+
+def _mask_banned(target_logits: torch.Tensor,
+                 sampling: dict[str, torch.Tensor]) -> torch.Tensor:
+    """target_logits [L, K+1, V] with banned (row, token) pairs [P] at -inf; row -1 pads."""
+    if "banned_rows" not in sampling:
+        return target_logits
+    num_rows, _, vocab = target_logits.shape
+    rows = sampling["banned_rows"]
+    rows = torch.where(rows >= 0, rows, num_rows).long()  # padding lands in a row cut off
+    banned = torch.zeros(num_rows + 1, vocab, dtype=torch.bool, device=target_logits.device)
+    banned[rows, sampling["banned_token_ids"].long()] = True
+    return target_logits.masked_fill(banned[:num_rows, None, :], float("-inf"))
+
+
+def _target_probs(target_logits: torch.Tensor, sampling: dict[str, torch.Tensor], *,
+                  use_filters: bool) -> torch.Tensor:
+    """p_j for every position: target_logits [L, K+1, V] → [L, K+1, V], as the sampler sees it."""
+    num_rows, num_positions, vocab = target_logits.shape
+    knobs = {name: sampling[name].repeat_interleave(num_positions)  # [L * (K+1)]
+             for name in _PER_ROW_KNOBS if name in sampling}
+    probs = sampling_probs(target_logits.reshape(-1, vocab), knobs, all_greedy=False,
+                           use_filters=use_filters)
+    return probs.reshape(num_rows, num_positions, vocab)
+
+
+def _accept_random(target_probs: torch.Tensor, draft_token_ids: torch.Tensor,
+                   draft_probs: torch.Tensor, sampling: dict[str, torch.Tensor]) -> torch.Tensor:
+    """u_j * q_j(d_j) < p_j(d_j) → [L, K] bool (safe for q = 0); u_j = column V at step + j.
+
+    target_probs [L, K+1, V]; draft_token_ids [L, K]; draft_probs [L, K, V].
+    """
+    num_rows, num_drafts, vocab = draft_probs.shape
+    positions = torch.arange(num_drafts, device=draft_probs.device)
+    steps = (sampling["rng_step"].long()[:, None] + positions) & _MASK32  # [L, K]
+    seeds = sampling["rng_seed"].long()[:, None].expand(steps.shape)
+    u = uniform(seeds.reshape(-1), steps.reshape(-1), vocab + 1)[:, vocab]  # [L * K]
+    index = draft_token_ids.long().clamp(0, vocab - 1)[..., None]  # padding drafts gather safely
+    p = torch.gather(target_probs[:, :num_drafts], 2, index)[..., 0]  # [L, K]
+    q = torch.gather(draft_probs, 2, index)[..., 0]  # [L, K]
+    return u.reshape(num_rows, num_drafts) * q < p
+
+
+def _recover_or_bonus(target_probs: torch.Tensor, draft_probs: torch.Tensor,
+                      num_accepted: torch.Tensor, num_draft_tokens: torch.Tensor,
+                      sampling: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The token after the accepted drafts, at position n = num_accepted → [L] int64.
+
+    Recovered ~ max(p_n - q_n, 0) after a rejection (p_n if that is all zero); bonus ~ p_n
+    (q_n taken as 0). target_probs [L, K+1, V]; draft_probs [L, K, V]; the rest [L].
+    """
+    num_drafts, vocab = draft_probs.shape[1:]
+    gather_index = num_accepted[:, None, None].expand(-1, 1, vocab)  # [L, 1, V]
+    p = torch.gather(target_probs, 1, gather_index)[:, 0]  # [L, V]
+    q = torch.zeros_like(p)
+    if num_drafts > 0:
+        position = gather_index.clamp(max=num_drafts - 1)
+        rejected = (num_accepted < num_draft_tokens)[:, None]  # [L, 1]
+        q = torch.where(rejected, torch.gather(draft_probs, 1, position)[:, 0], q)
+    residual = torch.clamp(p - q, min=0.0)  # [L, V]
+    residual = torch.where((residual > 0).any(dim=-1, keepdim=True), residual, p)
+    step = (sampling["rng_step"].long() + num_accepted) & _MASK32
+    u = uniform(sampling["rng_seed"].long(), step, vocab + 1)[:, :vocab]
+    return torch.argmax(torch.log(residual) - torch.log(-torch.log(u)), dim=-1)
+
+
+def _assemble(draft_token_ids: torch.Tensor, next_token: torch.Tensor,
+              num_accepted: torch.Tensor) -> torch.Tensor:
+    """[L, K] drafts, [L] next token, [L] counts → [L, K+1]: accepted, next token, then -1."""
+    num_rows, num_drafts = draft_token_ids.shape
+    position = torch.arange(num_drafts + 1, device=draft_token_ids.device)[None, :]  # [1, K+1]
+    drafts = torch.nn.functional.pad(draft_token_ids.long(), (0, 1), value=PLACEHOLDER_TOKEN_ID)
+    n = num_accepted[:, None]
+    tail = torch.where(position == n, next_token[:, None], PLACEHOLDER_TOKEN_ID)
+    return torch.where(position < n, drafts, tail).to(torch.int32)

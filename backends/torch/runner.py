@@ -56,6 +56,9 @@ class TorchModelRunner:
 
     def __init__(self, model_dir: str, model_config: ModelConfig, config: EngineConfig,
                  *, extra_bytes_per_block: int = 0) -> None:
+        if config.speculative_config is not None:
+            raise ValueError("speculative_config is not supported by backend='torch' yet (draft "
+                             "verification runs in the JAX runner only); use backend='jax'.")
         self.model_config = model_config
         self.config = config
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -115,7 +118,10 @@ class TorchModelRunner:
     # ---- execute -----------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, model_input: ModelInput) -> ModelOutput:
+    def execute(self, model_input: ModelInput, draft_probs: list | None = None) -> ModelOutput:
+        """Run one batch. draft_probs belongs to speculative verification, which this runner
+        does not serve (see __init__): it is always None here."""
+        assert draft_probs is None and model_input.spec is None
         if len(model_input.block_copies):
             self._copy_blocks(self.upload("block_copies", model_input.block_copies))
         logits_indices = self.upload("logits_indices", model_input.logits_indices)  # [L]

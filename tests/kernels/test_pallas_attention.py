@@ -343,3 +343,33 @@ def test_property_decode(seqs, seed):
     with _float64():
         out = _attention(case, sm_scale=0.3, num_splits=2, num_kv_pages_per_chunk=1)
     _assert_close(out, case, _F64_BOUND, sm_scale=0.3)
+
+
+_TRITON_CONFIGS = [  # (q_lens, kv_lens, group, head_dim, block_size, dtype, kwargs)
+    ([1, 1, 0], [40, 7, 0], 4, 128, 16, jnp.bfloat16, {}),
+    ([5, 1, 3], [40, 7, 9], 8, 80, 8, np.float16, dict(sliding_window=8, logits_soft_cap=3.0)),
+    ([5, 1, 3], [40, 7, 9], 1, 96, 32, np.float32, dict(num_splits=4)),
+    ([1, 1], [300, 2], 3, 256, 8, jnp.bfloat16, {}),
+    ([9, 1], [30, 2], 2, 64, 16, jnp.bfloat16, dict(rows_per_tile=16)),
+]
+
+
+def test_gpu_configuration_lowers_to_triton():
+    """The compiled configuration (interpret=False) lowers to Triton IR for CUDA on this CPU.
+
+    This checks what can be checked without a GPU: every primitive has a Triton lowering and
+    every loaded block is a power of two. Triton's own compile to PTX and a run need a GPU.
+    """
+    pytest.importorskip("jax.experimental.pallas.triton")
+    rng = np.random.default_rng(0)
+    for q_lens, kv_lens, group, head_dim, block_size, dtype, kwargs in _TRITON_CONFIGS:
+        case = _case(rng, q_lens, kv_lens, group=group, head_dim=head_dim,
+                     block_size=block_size, padding_rows=0, dtype=np.float32)
+        args = {k: jnp.asarray(v.astype(dtype) if v.dtype.kind == "f" else v)
+                for k, v in case.items()}
+        fn = functools.partial(ragged_paged_attention, sm_scale=0.1, interpret=False, **kwargs)
+        lowered = jax.jit(fn).trace(**args).lower(lowering_platforms=("cuda",))
+        assert "__gpu$xla.gpu.triton" in lowered.as_text()
+    with pytest.raises(ValueError, match="Triton needs"):
+        jax.jit(functools.partial(ragged_paged_attention, sm_scale=0.1, interpret=False,
+                                  rows_per_tile=8)).trace(**args)

@@ -183,9 +183,11 @@ def _warm_up_input(config: EngineConfig) -> ModelInput:
     scheduled = [
         ScheduledSequence(seq_id=s, token_ids=[0] * q_len, start_pos=0,
                           block_table=list(range(s * blocks_per_seq, (s + 1) * blocks_per_seq)),
-                          samples=[SampleSpec(s, params, 0, 0, [])])
+                          samples=[SampleSpec(s, params, rng_seed=0, rng_step=0,
+                                              banned_token_ids=[])])
         for s in range(num_seqs)
     ]
-    out = SchedulerOutput(scheduled, [], [], num_seqs * q_len)
+    out = SchedulerOutput(scheduled=scheduled, block_copies=[], preempted_seq_ids=[],
+                          num_batched_tokens=num_seqs * q_len)
     return build_model_input(out, block_size=block_size,
                              max_blocks_per_seq=config.max_blocks_per_seq)

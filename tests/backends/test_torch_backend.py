@@ -34,8 +34,9 @@ ARCHS = {
 COMMON = dict(block_size=BLOCK_SIZE, max_model_len=256, enable_prefix_caching=True)
 # One step prefills everything; then every step decodes every sequence.
 BASIC = dict(COMMON, num_kv_blocks=64, max_num_batched_tokens=512)
-# 64-token budget (chunked prefill), 20 blocks of 16 for ~400 slots' demand (preemption).
 BASIC_MAX_BLOCKS = 256 // BLOCK_SIZE
+# A 64-token budget (chunked prefill); 20 blocks (320 slots) for ~560 slots of demand
+# (preemption).
 STRESS = dict(COMMON, num_kv_blocks=20, max_num_batched_tokens=64)
 
 

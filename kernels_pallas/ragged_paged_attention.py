@@ -27,7 +27,6 @@ one Triton-specific call is the masked page load for head dims that are not powe
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from typing import NamedTuple
@@ -48,8 +47,7 @@ _MIN_CHUNKS_PER_SPLIT = 4  # a KV split below ~4 chunks costs more in merging th
 _TRITON_MIN_DIM = 16  # tl.dot needs M, N, K >= 16
 
 
-@dataclasses.dataclass(frozen=True)
-class _Tiling:
+class _Tiling(NamedTuple):
     """Static shape of one pallas_call."""
 
     rows: int  # query rows (token, head pairs) per program, a power of two
@@ -160,6 +158,29 @@ def _kv_chunk_range(
     return seq, row_pos, kv_end, lo, jnp.minimum(lo + per_split, chunk_hi)
 
 
+def _masked_logits(
+    q: jax.Array,  # [rows, Dp]
+    k: jax.Array,  # [block_k, Dp]
+    row_pos: jax.Array,  # [rows] int32
+    key_pos: jax.Array,  # [block_k] int32
+    acc_dtype,
+    *,
+    sm_scale: float,
+    sliding_window: int | None,
+    logits_soft_cap: float | None,
+) -> tuple[jax.Array, jax.Array]:  # base-2 logits [rows, block_k], visible [rows, block_k]
+    """Scaled, soft-capped logits in base 2 (for exp2), masked causally and by the window."""
+    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=acc_dtype)
+    if logits_soft_cap is None:
+        s = s * (sm_scale * _LOG2E)
+    else:
+        s = (logits_soft_cap * _LOG2E) * jnp.tanh(s * (sm_scale / logits_soft_cap))
+    visible = key_pos[None, :] <= row_pos[:, None]
+    if sliding_window is not None:
+        visible &= row_pos[:, None] - key_pos[None, :] < sliding_window
+    return jnp.where(visible, s, _MASK_VALUE), visible
+
+
 def _kernel(
     tile_info_ref,  # [num_tiles, 4] int32
     block_tables_ref,  # [S, M'] int32, M' a multiple of pages_per_chunk
@@ -167,14 +188,12 @@ def _kernel(
     k_ref,  # [N, bs, Dp]
     v_ref,  # [N, bs, Dp]
     *out_refs,  # o [rows, Dp]  |  acc [rows, Dp], m [rows], row_sum [rows] when split
-    sm_scale: float,
-    sliding_window: int | None,
-    logits_soft_cap: float | None,
     group: int,
     head_dim: int,
     pages_per_chunk: int,
     num_splits: int,
     masked_load: bool,
+    **semantics,  # sm_scale, sliding_window, logits_soft_cap
 ):
     """Online softmax (base 2) of one query tile over one KV split of one KV head."""
     rows, head_dim_padded = q_ref.shape
@@ -182,7 +201,7 @@ def _kernel(
     acc_dtype = jnp.promote_types(q_ref.dtype, jnp.float32)
     seq, row_pos, kv_end, lo, hi = _kv_chunk_range(
         tile_info_ref, pl.program_id(0), pl.program_id(2), rows, block_k, group,
-        sliding_window, num_splits)
+        semantics["sliding_window"], num_splits)
     q = q_ref[...]
 
     def body(chunk, carry):
@@ -190,15 +209,8 @@ def _kernel(
         pages = block_tables_ref[seq, pl.ds(chunk * pages_per_chunk, pages_per_chunk)]  # [P]
         k = _load_kv_chunk(k_ref, pages, head_dim, masked_load)  # [block_k, Dp]
         v = _load_kv_chunk(v_ref, pages, head_dim, masked_load)  # [block_k, Dp]
-        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=acc_dtype)
-        s = s * sm_scale  # [rows, block_k]
-        if logits_soft_cap is not None:
-            s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
         key_pos = chunk * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [block_k]
-        visible = key_pos[None, :] <= row_pos[:, None]
-        if sliding_window is not None:
-            visible &= row_pos[:, None] - key_pos[None, :] < sliding_window
-        s = jnp.where(visible, s * _LOG2E, _MASK_VALUE)
+        s, visible = _masked_logits(q, k, row_pos, key_pos, acc_dtype, **semantics)
         m_next = jnp.maximum(m_prev, s.max(axis=1))  # [rows]
         p = jnp.where(visible, jnp.exp2(s - m_next[:, None]), 0.0)  # [rows, block_k]
         alpha = jnp.exp2(m_prev - m_next)
@@ -208,11 +220,8 @@ def _kernel(
                              preferred_element_type=acc_dtype)
         return m_next, alpha * sum_prev + p.sum(axis=1), alpha[:, None] * acc_prev + pv
 
-    init = (
-        jnp.full((rows,), _MASK_VALUE, acc_dtype),
-        jnp.zeros((rows,), acc_dtype),
-        jnp.zeros((rows, head_dim_padded), acc_dtype),
-    )
+    init = (jnp.full((rows,), _MASK_VALUE, acc_dtype), jnp.zeros((rows,), acc_dtype),
+            jnp.zeros((rows, head_dim_padded), acc_dtype))
     m, row_sum, acc = lax.fori_loop(lo, hi, body, init)
     if num_splits == 1:
         (o_ref,) = out_refs
@@ -220,6 +229,24 @@ def _kernel(
     else:
         for ref, value in zip(out_refs, (acc, m, row_sum), strict=True):
             ref[...] = value
+
+
+def _output_specs(
+    q_tiles: jax.Array, num_splits: int
+) -> tuple[list[jax.ShapeDtypeStruct], list[pl.BlockSpec]]:
+    """o [num_tiles, Hkv, rows, Dp] in q's dtype, or float32 (acc, m, row_sum) per KV split."""
+    num_tiles, num_kv_heads, rows, head_dim_padded = q_tiles.shape
+    if num_splits == 1:
+        spec = pl.BlockSpec((None, None, rows, head_dim_padded), lambda t, h, s: (t, h, 0, 0))
+        return [jax.ShapeDtypeStruct(q_tiles.shape, q_tiles.dtype)], [spec]
+    acc_dtype = jnp.promote_types(q_tiles.dtype, jnp.float32)
+    stats = (num_tiles, num_kv_heads, num_splits, rows)
+    stats_spec = pl.BlockSpec((None, None, None, rows), lambda t, h, s: (t, h, s, 0))
+    acc_spec = pl.BlockSpec((None, None, None, rows, head_dim_padded),
+                            lambda t, h, s: (t, h, s, 0, 0))
+    shapes = [jax.ShapeDtypeStruct((*stats, head_dim_padded), acc_dtype),
+              jax.ShapeDtypeStruct(stats, acc_dtype), jax.ShapeDtypeStruct(stats, acc_dtype)]
+    return shapes, [acc_spec, stats_spec, stats_spec]
 
 
 def _pallas_attention(
@@ -230,56 +257,33 @@ def _pallas_attention(
     v_cache: jax.Array,  # [N, Hkv, bs, D]
     tiling: _Tiling,
     **static,
-) -> tuple[jax.Array, ...]:  # o [num_tiles, Hkv, rows, Dp] | (acc, m, l) with a split axis
-    """One pallas_call over the grid (tile, kv head, kv split)."""
+) -> list[jax.Array]:  # see _output_specs
+    """One pallas_call over the grid (tile, KV head, KV split)."""
     num_tiles, num_kv_heads, rows, head_dim_padded = q_tiles.shape
-    num_blocks, _, block_size, _ = k_cache.shape
-    splits = tiling.num_splits
+    num_blocks, _, block_size, head_dim = k_cache.shape
+    # Whole int32 tables (no scalar prefetch on GPU); the caches of one KV head, D padded.
     full = lambda x: pl.BlockSpec(x.shape, lambda t, h, s: (0,) * x.ndim)  # noqa: E731
     cache_spec = pl.BlockSpec((num_blocks, None, block_size, head_dim_padded),
                               lambda t, h, s: (0, h, 0, 0))
-    in_specs = [
-        full(tiles.info),
-        full(block_tables),
-        pl.BlockSpec((None, None, rows, head_dim_padded), lambda t, h, s: (t, h, 0, 0)),
-        cache_spec,
-        cache_spec,
-    ]
-    if splits == 1:
-        out_shape = [jax.ShapeDtypeStruct(q_tiles.shape, q_tiles.dtype)]
-        out_specs = [in_specs[2]]
-    else:
-        acc_dtype = jnp.promote_types(q_tiles.dtype, jnp.float32)
-        stats = (num_tiles, num_kv_heads, splits, rows)
-        out_shape = [
-            jax.ShapeDtypeStruct((*stats, head_dim_padded), acc_dtype),
-            jax.ShapeDtypeStruct(stats, acc_dtype),
-            jax.ShapeDtypeStruct(stats, acc_dtype),
-        ]
-        out_specs = [
-            pl.BlockSpec((None, None, None, rows, head_dim_padded),
-                         lambda t, h, s: (t, h, s, 0, 0)),
-            pl.BlockSpec((None, None, None, rows), lambda t, h, s: (t, h, s, 0)),
-            pl.BlockSpec((None, None, None, rows), lambda t, h, s: (t, h, s, 0)),
-        ]
-    head_dim = k_cache.shape[-1]
+    q_spec = pl.BlockSpec((None, None, rows, head_dim_padded), lambda t, h, s: (t, h, 0, 0))
+    out_shape, out_specs = _output_specs(q_tiles, tiling.num_splits)
     kernel = functools.partial(
         _kernel,
         head_dim=head_dim,
         pages_per_chunk=tiling.pages_per_chunk,
-        num_splits=splits,
+        num_splits=tiling.num_splits,
         masked_load=not tiling.interpret and head_dim != head_dim_padded,
         **static,
     )
     return pl.pallas_call(
         kernel,
-        grid=(num_tiles, num_kv_heads, splits),
-        in_specs=in_specs,
+        grid=(num_tiles, num_kv_heads, tiling.num_splits),
+        in_specs=[full(tiles.info), full(block_tables), q_spec, cache_spec, cache_spec],
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=_compiler_params(tiling),
         interpret=tiling.interpret,
-        name=f"ragged_paged_attention_r{rows}_p{tiling.pages_per_chunk}_s{splits}",
+        name=f"ragged_paged_attention_r{rows}_p{tiling.pages_per_chunk}_s{tiling.num_splits}",
     )(tiles.info, block_tables, q_tiles, k_cache, v_cache)
 
 
@@ -348,16 +352,6 @@ def _prepare_block_tables(
     return jnp.where(used, jnp.clip(tables, 0, num_blocks - 1), 0).astype(jnp.int32)
 
 
-class _Knobs(NamedTuple):
-    """The caller's static tuning knobs; None = choose from the shapes."""
-
-    rows_per_tile: int | None
-    num_kv_pages_per_chunk: int | None
-    num_splits: int | None
-    num_warps: int | None
-    num_stages: int | None
-
-
 def _num_multi_token_tiles(num_tokens: int, num_seqs: int, group: int, rows: int) -> int:
     """Static bound: sum_s ceil(q_s G / rows) <= (T G + S (rows - 1)) / rows, and <= T G."""
     pairs = num_tokens * group
@@ -378,8 +372,8 @@ def _make_tiling(
     q_shape: tuple[int, int, int],  # (T, Hq, D)
     cache_shape: tuple[int, int, int, int],  # (N, Hkv, bs, D)
     table_shape: tuple[int, int],  # (S, M)
-    knobs: _Knobs,
     interpret: bool,
+    knobs: dict[str, int | None],  # the public function's tuning knobs, None = choose
 ) -> _Tiling:
     """Pick the static tiling; on GPU every tl.dot dimension is a power of two >= 16."""
     num_tokens, num_q_heads, head_dim = q_shape
@@ -391,10 +385,10 @@ def _make_tiling(
         rows = max(pl.next_power_of_2(group), min_dim)
         num_tiles, target_keys = num_seqs, 128
     else:
-        rows = knobs.rows_per_tile or (32 if interpret else 64)
+        rows = knobs["rows_per_tile"] or (32 if interpret else 64)
         num_tiles = _num_multi_token_tiles(num_tokens, num_seqs, group, rows)
         target_keys = 64
-    pages = knobs.num_kv_pages_per_chunk or max(1, max(target_keys, min_dim) // block_size)
+    pages = knobs["num_kv_pages_per_chunk"] or max(1, max(target_keys, min_dim) // block_size)
     for name, value in (("rows_per_tile", rows), ("num_kv_pages_per_chunk", pages)):
         if value & (value - 1):
             raise ValueError(f"{name} must be a power of two, got {value}")
@@ -404,17 +398,10 @@ def _make_tiling(
             f"{pages} pages of {block_size}: raise rows_per_tile or num_kv_pages_per_chunk"
         )
     max_chunks = pl.cdiv(max_pages, pages)
-    splits = knobs.num_splits or _default_num_splits(num_tiles * num_kv_heads, max_chunks,
+    splits = knobs["num_splits"] or _default_num_splits(num_tiles * num_kv_heads, max_chunks,
                                                      interpret)
-    return _Tiling(
-        rows=rows,
-        pages_per_chunk=pages,
-        num_splits=splits,
-        head_dim_padded=pl.next_power_of_2(head_dim),
-        num_warps=knobs.num_warps or 4,
-        num_stages=knobs.num_stages or 2,
-        interpret=interpret,
-    )
+    return _Tiling(rows, pages, splits, pl.next_power_of_2(head_dim), knobs["num_warps"] or 4,
+                   knobs["num_stages"] or 2, interpret)
 
 
 def _check_inputs(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc) -> None:
@@ -439,8 +426,8 @@ def _check_inputs(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc) -
             f"kv_lens {kv_lens.shape}, block_tables {block_tables.shape} and query_start_loc "
             f"{query_start_loc.shape} must be [S], [S, M] and [S+1]"
         )
-    for name, x in (("kv_lens", kv_lens), ("block_tables", block_tables),
-                    ("query_start_loc", query_start_loc)):
+    for name, x in dict(kv_lens=kv_lens, block_tables=block_tables,
+                        query_start_loc=query_start_loc).items():
         if x.dtype != jnp.int32:
             raise ValueError(f"{name} must be int32, got {x.dtype}: cast with .astype(jnp.int32)")
 
@@ -478,9 +465,13 @@ def ragged_paged_attention(
     `num_stages` for Triton.
     """
     _check_inputs(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc)
+    if (sliding_window is not None and sliding_window < 1) or (logits_soft_cap or 1) <= 0:
+        raise ValueError(f"need sliding_window >= 1 and logits_soft_cap > 0 (or None), got "
+                         f"{sliding_window}, {logits_soft_cap}")
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
-    knobs = _Knobs(rows_per_tile, num_kv_pages_per_chunk, num_splits, num_warps, num_stages)
+    knobs = dict(rows_per_tile=rows_per_tile, num_kv_pages_per_chunk=num_kv_pages_per_chunk,
+                 num_splits=num_splits, num_warps=num_warps, num_stages=num_stages)
     num_tokens, num_q_heads, _ = q.shape
     num_blocks, num_kv_heads, block_size, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
@@ -488,8 +479,8 @@ def ragged_paged_attention(
                   logits_soft_cap=logits_soft_cap, group=group)
 
     def run(decode: bool) -> jax.Array:
-        tiling = _make_tiling(decode, q.shape, k_cache.shape, block_tables.shape, knobs,
-                              interpret)
+        tiling = _make_tiling(decode, q.shape, k_cache.shape, block_tables.shape, interpret,
+                              knobs)
         tables = _prepare_block_tables(block_tables, kv_lens, num_blocks, block_size,
                                        tiling.pages_per_chunk)
         if decode:

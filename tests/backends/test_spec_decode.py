@@ -1,0 +1,114 @@
+"""Speculative decoding end to end: greedy output is exactly the output without speculation."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedjax import LLM, SamplingParams
+from tests.backends.test_jax_backend import make_prompts
+
+BACKENDS = ["jax"]
+MAX_TOKENS = 16
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+def make_llm(target: str, backend: str, draft: str | None = None, k: int = 3, **kwargs) -> LLM:
+    spec = None if draft is None else {"model": draft, "num_speculative_tokens": k}
+    kwargs = {"num_kv_blocks": 96, "max_num_batched_tokens": 256, **kwargs}
+    return LLM(target, backend=backend, max_model_len=256, speculative_config=spec, **kwargs)
+
+
+def prompts(llm: LLM, n: int = 5) -> list[dict]:
+    return [{"prompt_token_ids": p} for p in make_prompts(llm.engine.model_config.vocab_size)][:n]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model) -> dict[str, list[list[int]]]:
+    """Greedy tokens without speculation, per backend."""
+    out = {}
+    for backend in BACKENDS:
+        llm = make_llm(tiny_model("llama"), backend)
+        out[backend] = [o.outputs[0].token_ids
+                        for o in llm.generate(prompts(llm), GREEDY, use_tqdm=False)]
+    return out
+
+
+def assert_no_leak(llm: LLM) -> None:
+    metrics = llm.get_metrics()
+    assert metrics["kv_blocks_free"] == metrics["kv_blocks_total"]
+    assert not llm.engine.scheduler.seqs and not llm.engine.has_unfinished_requests()
+    assert all(llm.engine.block_manager.ref_count(b) == 0 for b in range(metrics["kv_blocks_total"]))
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("draft_name", ["draft", "llama"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_greedy_speculation_is_exact(tiny_model, reference, backend: str, draft_name: str,
+                                     k: int) -> None:
+    llm = make_llm(tiny_model("llama"), backend, tiny_model(draft_name), k)
+    outputs = llm.generate(prompts(llm), GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == reference[backend]
+    metrics = llm.get_metrics()
+    drafted, accepted = (metrics["spec_decode_num_draft_tokens"],
+                         metrics["spec_decode_num_accepted_tokens"])
+    assert drafted > 0
+    if draft_name == "llama":  # draft == target: every draft accepted, k + 1 tokens per step
+        assert accepted == drafted
+        assert metrics["spec_decode_acceptance_per_position"] == [1.0] * k
+    else:
+        assert accepted < drafted / 2
+    assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_stop_token_inside_accepted_drafts(tiny_model, reference, backend: str) -> None:
+    """A stop token among accepted drafts ends the completion right there."""
+    llm = make_llm(tiny_model("llama"), backend, tiny_model("llama"), k=5)
+    want = reference[backend][4]
+    stop = want[6]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, stop_token_ids=[stop],
+                            ignore_eos=True)
+    completion = llm.generate(prompts(llm)[4], params, use_tqdm=False)[0].outputs[0]
+    assert completion.token_ids == want[: want.index(stop) + 1]
+    assert (completion.finish_reason, completion.stop_reason) == ("stop", stop)
+    short = llm.generate(prompts(llm)[4], SamplingParams(temperature=0.0, max_tokens=7,
+                                                          ignore_eos=True), use_tqdm=False)
+    assert short[0].outputs[0].token_ids == want[:7]  # max_tokens mid-draft
+    assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_speculation_under_pressure(tiny_model, reference, backend: str) -> None:
+    """Chunked prefill, a pool short enough to drop drafts and preempt, prefix-cache hits,
+    aborts and sampled requests: still exact for greedy, and nothing leaks."""
+    pressure = dict(num_kv_blocks=16, max_num_batched_tokens=48)
+    plain = make_llm(tiny_model("llama"), backend, **pressure)
+    inputs = prompts(plain, 10) + prompts(plain, 3)  # the repeats hit the prefix cache
+    want = [o.outputs[0].token_ids for o in plain.generate(inputs, GREEDY, use_tqdm=False)]
+    llm = make_llm(tiny_model("llama"), backend, tiny_model("draft"), k=3, **pressure)
+    outputs = llm.generate(inputs, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == want
+    metrics = llm.get_metrics()
+    assert metrics["num_preemptions_total"] > 0 and metrics["prefix_cache_hits"] > 0
+    engine = llm.engine
+    sampled = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=MAX_TOKENS, seed=3)
+    for i, prompt in enumerate(inputs[:4]):
+        engine.add_request(f"s{i}", prompt, sampled if i % 2 else GREEDY)
+    for _ in range(3):
+        engine.step()
+    engine.abort_request("s0")
+    engine.abort_request("s3")
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_no_leak(llm)
+
+
+def test_draft_must_share_the_vocabulary(tiny_model, tmp_path) -> None:
+    from pagedjax.checkpoints import make_tiny_checkpoint, stdlib_corpus, train_tokenizer
+
+    other = make_tiny_checkpoint(tmp_path / "other", "llama",
+                                 tokenizer=train_tokenizer(stdlib_corpus()[:1], vocab_size=300))
+    with pytest.raises(ValueError, match="does not share the target"):
+        make_llm(tiny_model("llama"), "jax", str(other))
+    with pytest.raises(ValueError, match="num_speculative_tokens=0"):
+        make_llm(tiny_model("llama"), "jax", tiny_model("draft"), k=0)

@@ -18,7 +18,8 @@ from pagedjax.backends.torch.model import (
     WriteKVFn,
     load_model,
 )
-from pagedjax.backends.torch.sampler import sample
+from pagedjax.backends.torch.rejection_sampler import rejection_sample, sampling_probs
+from pagedjax.backends.torch.sampler import gather_logprobs, sample
 from pagedjax.kernels_cuda import ragged_paged_attention, reference, write_kv
 
 from pagedjax.batch import ModelInput, ModelOutput, SamplingMetadata, build_model_input
@@ -56,9 +57,6 @@ class TorchModelRunner:
 
     def __init__(self, model_dir: str, model_config: ModelConfig, config: EngineConfig,
                  *, extra_bytes_per_block: int = 0) -> None:
-        if config.speculative_config is not None:
-            raise ValueError("speculative_config is not supported by backend='torch' yet (draft "
-                             "verification runs in the JAX runner only); use backend='jax'.")
         self.model_config = model_config
         self.config = config
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -119,23 +117,47 @@ class TorchModelRunner:
 
     @torch.inference_mode()
     def execute(self, model_input: ModelInput, draft_probs: list | None = None) -> ModelOutput:
-        """Run one batch. draft_probs belongs to speculative verification, which this runner
-        does not serve (see __init__): it is always None here."""
-        assert draft_probs is None and model_input.spec is None
+        """Run one batch. With model_input.spec, verify its drafts against draft_probs (the
+        draft runner's per-pass q, still on the device)."""
         if len(model_input.block_copies):
             self._copy_blocks(self.upload("block_copies", model_input.block_copies))
-        logits_indices = self.upload("logits_indices", model_input.logits_indices)  # [L]
-        if self.decode_graphs is not None and DecodeGraphs.applies(model_input):
+        indices = model_input.logits_indices  # [L] or [L, K+1]
+        logits_indices = self.upload("logits_indices", indices.reshape(-1))
+        if (self.decode_graphs is not None and model_input.spec is None
+                and DecodeGraphs.applies(model_input)):
             logits = self.decode_graphs.run(model_input, self.upload)  # [T, V], rows = seqs
             logits = logits.index_select(0, logits_indices)  # [L, V]
         else:
             batch = {name: self.upload(name, getattr(model_input, name)) for name in _BATCH_FIELDS}
             max_query_len = int(np.diff(model_input.query_start_loc).max())
-            logits = self._run_model(batch, logits_indices, max_query_len)  # [L, V]
+            logits = self._run_model(batch, logits_indices, max_query_len)  # [L(K+1), V]
         meta = model_input.sampling
-        out = sample(logits, self._sampling_tensors(meta), num_top_logprobs=meta.num_top_logprobs,
-                     all_greedy=meta.all_greedy, use_filters=meta.use_filters)
-        return self._to_host(out, model_input.num_logits)
+        sampling = self._sampling_tensors(meta)
+        flags = dict(all_greedy=meta.all_greedy, use_filters=meta.use_filters)
+        if model_input.spec is not None:
+            logits = logits.reshape(*indices.shape, -1)  # [L, K+1, V]
+            tokens, _ = rejection_sample(logits, **self._spec_inputs(model_input, draft_probs),
+                                         sampling=sampling, **flags)
+            logprobs = torch.log_softmax(logits, dim=-1)
+            out = (tokens, *gather_logprobs(logprobs, tokens, meta.num_top_logprobs))
+            return self._to_host(out, model_input.num_logits)
+        out = sample(logits, sampling, num_top_logprobs=meta.num_top_logprobs, **flags)
+        probs = sampling_probs(logits, sampling, **flags) if meta.return_probs else None
+        return self._to_host(out, model_input.num_logits, probs)
+
+    def _spec_inputs(self, model_input: ModelInput,
+                     draft_probs: list | None) -> dict[str, torch.Tensor]:
+        """Verification inputs on the device; q [L, K, V] gathered from the draft's passes."""
+        spec = model_input.spec
+        num_rows, k = spec.draft_token_ids.shape
+        rows = self.upload("draft_rows", spec.draft_rows).long()  # [L, K]
+        columns = [draft_probs[j][rows[:, j]]
+                   if draft_probs and j < len(draft_probs) and draft_probs[j] is not None
+                   else torch.zeros(num_rows, self.model_config.vocab_size, device=self.device)
+                   for j in range(k)]
+        return {"draft_token_ids": self.upload("draft_token_ids", spec.draft_token_ids),
+                "num_draft_tokens": self.upload("num_draft_tokens", spec.num_draft_tokens),
+                "draft_probs": torch.stack(columns, dim=1)}
 
     def _copy_blocks(self, copies: torch.Tensor) -> None:
         """Copy-on-write: block copies[:, 1] becomes a copy of block copies[:, 0] in every layer."""
@@ -162,14 +184,15 @@ class TorchModelRunner:
             arrays[name] = arrays[name].astype(np.int64)
         return {name: self.upload(name, array) for name, array in arrays.items()}
 
-    def _to_host(self, out: tuple[torch.Tensor | None, ...], num_logits: int) -> ModelOutput:
+    def _to_host(self, out: tuple[torch.Tensor | None, ...], num_logits: int,
+                 probs: torch.Tensor | None = None) -> ModelOutput:
         """The step's one device→host transfer (and its one synchronisation)."""
         host = [None if t is None else t[:num_logits].to("cpu", non_blocking=True) for t in out]
         if self.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
         tokens, logprobs, top_ids, top_lps = (None if t is None else t.numpy() for t in host)
         return ModelOutput(sampled_token_ids=tokens, sampled_logprobs=logprobs,
-                           top_logprob_ids=top_ids, top_logprobs=top_lps)
+                           top_logprob_ids=top_ids, top_logprobs=top_lps, probs=probs)
 
 
 def _warm_up_input(config: EngineConfig) -> ModelInput:

@@ -80,8 +80,16 @@ def sample(logits: torch.Tensor, sampling: dict[str, torch.Tensor], *, num_top_l
         u = uniform(sampling["rng_seed"], sampling["rng_step"], logits.shape[-1])
         sampled = torch.argmax(scaled - torch.log(-torch.log(u)), dim=-1).to(torch.int32)
         tokens = torch.where(temperature > 0, sampled, tokens)
-    token_logprobs = torch.gather(logprobs, 1, tokens[:, None].long())[:, 0]
+    return (tokens, *gather_logprobs(logprobs, tokens, num_top_logprobs))
+
+
+def gather_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor,
+                    num_top_logprobs: int) -> tuple[torch.Tensor | None, ...]:
+    """logprobs [..., V], tokens [...] (-1 = none) → (token logprobs [...], top ids [..., N],
+    top logprobs [..., N]); the top ones are None when N is 0."""
+    safe = tokens.clamp(min=0).long()[..., None]
+    token_logprobs = torch.gather(logprobs, -1, safe)[..., 0]
     if num_top_logprobs == 0:
-        return tokens, token_logprobs, None, None
+        return token_logprobs, None, None
     top_lps, top_ids = torch.topk(logprobs, num_top_logprobs, dim=-1)
-    return tokens, token_logprobs, top_ids.to(torch.int32), top_lps
+    return token_logprobs, top_ids.to(torch.int32), top_lps

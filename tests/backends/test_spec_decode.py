@@ -7,7 +7,7 @@ import pytest
 from pagedjax import LLM, SamplingParams
 from tests.backends.test_jax_backend import make_prompts
 
-BACKENDS = ["jax"]
+BACKENDS = ["jax", "torch"]
 MAX_TOKENS = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
@@ -37,7 +37,8 @@ def assert_no_leak(llm: LLM) -> None:
     metrics = llm.get_metrics()
     assert metrics["kv_blocks_free"] == metrics["kv_blocks_total"]
     assert not llm.engine.scheduler.seqs and not llm.engine.has_unfinished_requests()
-    assert all(llm.engine.block_manager.ref_count(b) == 0 for b in range(metrics["kv_blocks_total"]))
+    block_manager = llm.engine.block_manager
+    assert all(block_manager.ref_count(b) == 0 for b in range(block_manager.num_blocks))
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])

@@ -45,6 +45,7 @@ _MASK_VALUE = -1e30  # finite: a fully masked chunk never produces inf - inf
 _LOG2E = math.log2(math.e)  # logits are kept in base 2 so the kernel uses exp2
 _MIN_CHUNKS_PER_SPLIT = 4  # a KV split below ~4 chunks costs more in merging than it gains
 _TRITON_MIN_DIM = 16  # tl.dot needs M, N, K >= 16
+_KV_CHUNK_BYTES = 64 * 1024  # H100 has 228 KiB of shared memory per SM
 
 
 class _Tiling(NamedTuple):
@@ -268,29 +269,21 @@ def _pallas_attention(
     q_spec = pl.BlockSpec((None, None, rows, head_dim_padded), lambda t, h, s: (t, h, 0, 0))
     out_shape, out_specs = _output_specs(q_tiles, tiling.num_splits)
     kernel = functools.partial(
-        _kernel,
-        head_dim=head_dim,
-        pages_per_chunk=tiling.pages_per_chunk,
+        _kernel, head_dim=head_dim, pages_per_chunk=tiling.pages_per_chunk,
         num_splits=tiling.num_splits,
-        masked_load=not tiling.interpret and head_dim != head_dim_padded,
-        **static,
-    )
+        masked_load=not tiling.interpret and head_dim != head_dim_padded, **static)
+    compiler_params = None if tiling.interpret else plgpu.CompilerParams(
+        num_warps=tiling.num_warps, num_stages=tiling.num_stages)
     return pl.pallas_call(
         kernel,
         grid=(num_tiles, num_kv_heads, tiling.num_splits),
         in_specs=[full(tiles.info), full(block_tables), q_spec, cache_spec, cache_spec],
         out_specs=out_specs,
         out_shape=out_shape,
-        compiler_params=_compiler_params(tiling),
+        compiler_params=compiler_params,
         interpret=tiling.interpret,
         name=f"ragged_paged_attention_r{rows}_p{tiling.pages_per_chunk}_s{tiling.num_splits}",
     )(tiles.info, block_tables, q_tiles, k_cache, v_cache)
-
-
-def _compiler_params(tiling: _Tiling):
-    if tiling.interpret or plgpu is None:
-        return None
-    return plgpu.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages)
 
 
 def _merge_splits(
@@ -372,6 +365,7 @@ def _make_tiling(
     q_shape: tuple[int, int, int],  # (T, Hq, D)
     cache_shape: tuple[int, int, int, int],  # (N, Hkv, bs, D)
     table_shape: tuple[int, int],  # (S, M)
+    itemsize: int,  # bytes per cache element
     interpret: bool,
     knobs: dict[str, int | None],  # the public function's tuning knobs, None = choose
 ) -> _Tiling:
@@ -379,15 +373,17 @@ def _make_tiling(
     num_tokens, num_q_heads, head_dim = q_shape
     _, num_kv_heads, block_size, _ = cache_shape
     num_seqs, max_pages = table_shape
-    group = num_q_heads // num_kv_heads
+    group, head_dim_padded = num_q_heads // num_kv_heads, pl.next_power_of_2(head_dim)
     min_dim = 1 if interpret else _TRITON_MIN_DIM
+    # K + V of one chunk within _KV_CHUNK_BYTES, so two pipeline stages fit in shared memory.
+    max_keys = max(min_dim, _KV_CHUNK_BYTES // (2 * head_dim_padded * itemsize))
     if decode:  # the G heads of one token, padded to 16 rows for tl.dot on GPU
         rows = max(pl.next_power_of_2(group), min_dim)
-        num_tiles, target_keys = num_seqs, 128
-    else:
-        rows = knobs["rows_per_tile"] or (32 if interpret else 64)
+        num_tiles, target_keys = num_seqs, min(128, max_keys)
+    else:  # a [rows, Dp] float32 accumulator stays in registers
+        rows = knobs["rows_per_tile"] or (32 if interpret or head_dim_padded > 128 else 64)
         num_tiles = _num_multi_token_tiles(num_tokens, num_seqs, group, rows)
-        target_keys = 64
+        target_keys = min(64, max_keys)
     pages = knobs["num_kv_pages_per_chunk"] or max(1, max(target_keys, min_dim) // block_size)
     for name, value in (("rows_per_tile", rows), ("num_kv_pages_per_chunk", pages)):
         if value & (value - 1):
@@ -400,7 +396,7 @@ def _make_tiling(
     max_chunks = pl.cdiv(max_pages, pages)
     splits = knobs["num_splits"] or _default_num_splits(num_tiles * num_kv_heads, max_chunks,
                                                      interpret)
-    return _Tiling(rows, pages, splits, pl.next_power_of_2(head_dim), knobs["num_warps"] or 4,
+    return _Tiling(rows, pages, splits, head_dim_padded, knobs["num_warps"] or 4,
                    knobs["num_stages"] or 2, interpret)
 
 
@@ -479,8 +475,8 @@ def ragged_paged_attention(
                   logits_soft_cap=logits_soft_cap, group=group)
 
     def run(decode: bool) -> jax.Array:
-        tiling = _make_tiling(decode, q.shape, k_cache.shape, block_tables.shape, interpret,
-                              knobs)
+        tiling = _make_tiling(decode, q.shape, k_cache.shape, block_tables.shape,
+                              k_cache.dtype.itemsize, interpret, knobs)
         tables = _prepare_block_tables(block_tables, kv_lens, num_blocks, block_size,
                                        tiling.pages_per_chunk)
         if decode:

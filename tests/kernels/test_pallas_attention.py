@@ -59,13 +59,19 @@ def x64():
 
 
 @functools.cache
-def _compiled(signature: tuple) -> Callable:
-    """One cheaply compiled program running the op on every (arg shapes, kwargs) in signature."""
+def _compiled(signature: tuple, x64: bool) -> Callable:
+    """One cheaply compiled program running the op on every (arg shapes, kwargs) in signature.
+
+    x64 only keys the cache: the program is traced in the current mode.
+    """
     kwargs = [dict(kw) for _, kw in signature]
     args = [{name: jax.ShapeDtypeStruct(shape, dtype) for name, shape, dtype in arg_sig}
             for arg_sig, _ in signature]
-    run = jax.jit(lambda args: [ragged_paged_attention(**a, **kw) for a, kw in zip(args, kwargs)])
-    return run.lower(args).compile(_FAST_COMPILE)
+
+    def run(args: list[dict]) -> list[jax.Array]:
+        return [ragged_paged_attention(**a, **kw) for a, kw in zip(args, kwargs, strict=True)]
+
+    return jax.jit(run).lower(args).compile(_FAST_COMPILE)
 
 
 def _attention_many(calls: list[tuple[dict, dict]]) -> list[np.ndarray]:
@@ -78,7 +84,7 @@ def _attention_many(calls: list[tuple[dict, dict]]) -> list[np.ndarray]:
         (tuple((name, a.shape, a.dtype) for name, a in arg.items()), tuple(sorted(kw.items())))
         for arg, (_, kw) in zip(args, calls, strict=True)
     )
-    outs = _compiled(signature)(args)
+    outs = _compiled(signature, jax.config.jax_enable_x64)(args)
     for out, a in zip(outs, args, strict=True):
         assert out.dtype == a["q"].dtype and out.shape == a["q"].shape
     return [np.asarray(out).astype(np.float64) for out in outs]

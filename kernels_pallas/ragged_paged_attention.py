@@ -38,8 +38,11 @@ from jax.experimental import pallas as pl
 
 try:  # The Triton flavour of Pallas; only needed when compiling for a GPU.
     from jax.experimental.pallas import triton as plgpu
-except ImportError:  # pragma: no cover - CPU-only builds without the Triton module
-    plgpu = None
+
+    # CompilerParams in jax 0.10 and 0.11; older releases named it TritonCompilerParams.
+    _TritonParams = getattr(plgpu, "CompilerParams", None) or plgpu.TritonCompilerParams
+except (ImportError, AttributeError):  # pragma: no cover - builds without Pallas Triton
+    plgpu = _TritonParams = None
 
 _MASK_VALUE = -1e30  # finite: a fully masked chunk never produces inf - inf
 _LOG2E = math.log2(math.e)  # logits are kept in base 2 so the kernel uses exp2
@@ -140,7 +143,14 @@ def _load_kv_chunk(
 
 
 def _kv_chunk_range(
-    tile_info_ref, tile, split, rows: int, block_k: int, group: int, sliding_window, num_splits
+    tile_info_ref,  # [num_tiles, 4] int32 ref
+    tile: jax.Array,  # this program's tile
+    split: jax.Array,  # this program's KV split
+    rows: int,
+    block_k: int,
+    group: int,
+    sliding_window: int | None,
+    num_splits: int,
 ) -> tuple[jax.Array, ...]:
     """Per tile: (sequence, row positions [rows], end of keys to read, chunk range of the split)."""
     seq = tile_info_ref[tile, 0]
@@ -272,7 +282,7 @@ def _pallas_attention(
         _kernel, head_dim=head_dim, pages_per_chunk=tiling.pages_per_chunk,
         num_splits=tiling.num_splits,
         masked_load=not tiling.interpret and head_dim != head_dim_padded, **static)
-    compiler_params = None if tiling.interpret else plgpu.CompilerParams(
+    compiler_params = None if tiling.interpret else _TritonParams(
         num_warps=tiling.num_warps, num_stages=tiling.num_stages)
     return pl.pallas_call(
         kernel,
@@ -334,10 +344,7 @@ def _prepare_block_tables(
     block_size: int,
     pages_per_chunk: int,
 ) -> jax.Array:  # [S, M'] int32
-    """Pad to whole chunks and point every page past a sequence's end at block 0.
-
-    The kernel then never reads out of bounds, whatever the padding of the caller's table holds.
-    """
+    """Pad to whole chunks; pages past a sequence's end read block 0, never out of bounds."""
     num_pages = block_tables.shape[1]
     padded = pl.cdiv(num_pages, pages_per_chunk) * pages_per_chunk
     tables = jnp.pad(block_tables, ((0, 0), (0, padded - num_pages)))

@@ -5,6 +5,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 JAX_SPEC ?= jax
 PROMPT ?= def fibonacci(n):
+BACKEND ?= jax
 
 .PHONY: install run test lint bench
 install: $(VENV)/.installed
@@ -16,8 +17,10 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e ".[test]"
 	touch $@
 
+# The demo model pair ships in the package: plain decoding, then speculative decoding.
 run: install
-	$(VENV)/bin/pagedjax generate --prompt "$(PROMPT)" --prompt "import json" --max-tokens 48
+	$(VENV)/bin/pagedjax generate --backend $(BACKEND) --prompt "$(PROMPT)" --prompt "import os" --max-tokens 64
+	$(VENV)/bin/pagedjax generate --backend $(BACKEND) --prompt "$(PROMPT)" --max-tokens 64 --speculate
 
 lint: install
 	$(PY) -m ruff check .

@@ -68,7 +68,7 @@ def run_hf(model: str, workload, batch_size: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="HF checkpoint dir (default: the embedded model)")
+    parser.add_argument("--model", help="HF checkpoint dir (default: the demo target)")
     parser.add_argument("--backend", choices=("jax", "torch"), default="jax")
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument("--max-input", type=int, default=256)
@@ -78,10 +78,10 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
-    from pagedjax.cli import default_model
     from pagedjax.config import ModelConfig
+    from pagedjax.demo import demo_model_dirs
 
-    model = args.model or default_model()
+    model = args.model or demo_model_dirs()[0]
     vocab = ModelConfig.from_pretrained(model).vocab_size
     lengths = dict(max_input=args.max_input, max_output=args.max_output)
     workload = synthetic_workload(args.num_requests, vocab, seed=args.seed, **lengths)

@@ -3,30 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
-from pathlib import Path
-
-DEFAULT_MODEL_DIR = Path(os.environ.get("PAGEDJAX_CACHE", Path.home() / ".cache" / "pagedjax"))
-
-
-def default_model() -> str:
-    """The embedded default model: a small Llama built locally on first use (no model hub)."""
-    path = DEFAULT_MODEL_DIR / "tiny-llama"
-    if not (path / "config.json").is_file():
-        from pagedjax.checkpoints import make_tiny_checkpoint
-
-        print(f"building the default model in {path} (once)...", file=sys.stderr)
-        make_tiny_checkpoint(path, "llama")
-    return str(path)
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedjax", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate completions for one or more prompts")
-    gen.add_argument("--model", help="HF checkpoint directory (default: the embedded model)")
+    gen.add_argument("--model", help="HF checkpoint directory (default: the demo target)")
     gen.add_argument("--backend", choices=("jax", "torch"), default="jax")
     gen.add_argument("--prompt", action="append", required=True,
                      help="a prompt; repeat the flag for a batch")
@@ -40,14 +25,40 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     gen.add_argument("--max-model-len", type=int, default=None)
     gen.add_argument("--num-kv-blocks", type=int, default=None)
+    gen.add_argument("--speculative-model", help="draft checkpoint for speculative decoding")
+    gen.add_argument("--speculate", action="store_true",
+                     help="speculate with the demo draft (when --model is the demo target)")
+    gen.add_argument("--num-speculative-tokens", type=int, default=4)
+    conv = sub.add_parser("convert", help="save a checkpoint's JAX parameters as Orbax (faster "
+                                         "reloads): DIR/orbax-DTYPE, restored automatically")
+    conv.add_argument("--model", required=True)
+    conv.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     return parser
+
+
+def convert(args: argparse.Namespace) -> None:
+    import jax.numpy as jnp
+
+    from pagedjax.backends.jax.params import save_orbax
+    from pagedjax.config import ModelConfig
+
+    path = save_orbax(args.model, ModelConfig.from_pretrained(args.model), jnp.dtype(args.dtype))
+    print(f"wrote {path}")
 
 
 def generate(args: argparse.Namespace) -> None:
     from pagedjax import LLM, SamplingParams
+    from pagedjax.demo import demo_model_dirs
 
-    llm = LLM(args.model or default_model(), backend=args.backend, dtype=args.dtype,
-              max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks)
+    model, draft = args.model, args.speculative_model
+    if model is None or (args.speculate and draft is None):
+        demo_target, demo_draft = demo_model_dirs()
+        model, draft = model or demo_target, draft or (demo_draft if args.speculate else None)
+    spec = None
+    if draft:
+        spec = {"model": draft, "num_speculative_tokens": args.num_speculative_tokens}
+    llm = LLM(model, backend=args.backend, dtype=args.dtype, max_model_len=args.max_model_len,
+              num_kv_blocks=args.num_kv_blocks, speculative_config=spec)
     params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, max_tokens=args.max_tokens,
                             stop=args.stop)
@@ -59,9 +70,14 @@ def generate(args: argparse.Namespace) -> None:
             print(f"--- prompt: {output.prompt!r} [{completion.index}] "
                   f"({completion.finish_reason})")
             print(output.prompt + completion.text)
-    tokens = llm.get_metrics()["generation_tokens_total"]
-    print(f"--- {tokens} tokens in {elapsed:.2f}s ({tokens / elapsed:.1f} tok/s, backend "
-          f"{args.backend})", file=sys.stderr)
+    metrics = llm.get_metrics()
+    tokens = metrics["generation_tokens_total"]
+    summary = f"{tokens} tokens in {elapsed:.2f}s ({tokens / elapsed:.1f} tok/s, {args.backend})"
+    if spec:
+        accepted, drafted = (metrics["spec_decode_num_accepted_tokens"],
+                             metrics["spec_decode_num_draft_tokens"])
+        summary += f", drafts accepted {accepted}/{drafted}"
+    print(f"--- {summary}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             generate(args)
+        elif args.command == "convert":
+            convert(args)
     except ValueError as e:  # user errors: one clear line, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2

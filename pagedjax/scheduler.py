@@ -273,6 +273,9 @@ class SpecDecodeMetrics:
         return {
             "spec_decode_num_draft_tokens": self.num_draft_tokens,
             "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
+            # verifications that carried at least one draft
+            "spec_decode_num_verifications": self.num_drafts_per_pos[0] if self.num_drafts_per_pos
+            else 0,
             "spec_decode_acceptance_per_position": [
                 a / d if d else 0.0
                 for a, d in zip(self.num_accepted_per_pos, self.num_drafts_per_pos)],

@@ -1,7 +1,11 @@
-"""Canonical HF weights → the Flax parameter tree (linear kernels transposed to [in, out])."""
+"""Canonical HF weights → the Flax parameter tree (linear kernels transposed to [in, out]),
+and its Orbax checkpoint: converted once with `pagedjax convert`, restored directly after."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 from pagedjax.backends.weights import load_weights
@@ -12,12 +16,44 @@ _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
 
 
-def load_params(model_dir: str, config: ModelConfig, dtype: jnp.dtype) -> dict:
-    """{"params": ...} for LlamaForCausalLM.apply, in `dtype`, on the default device."""
+def orbax_dir(model_dir: str, dtype: jnp.dtype) -> Path:
+    """Where `pagedjax convert` stores the converted parameters of a checkpoint."""
+    return Path(model_dir) / f"orbax-{jnp.dtype(dtype).name}"
+
+
+def load_params(model_dir: str, config: ModelConfig, dtype: jnp.dtype) -> tuple[dict, str]:
+    """({"params": ...} for LlamaForCausalLM.apply in `dtype`, "orbax" | "safetensors")."""
+    path = orbax_dir(model_dir, dtype)
+    if (path / "_CHECKPOINT_METADATA").is_file():
+        import orbax.checkpoint as ocp
+
+        abstract = jax.eval_shape(lambda: convert_weights(model_dir, config, dtype, lazy=True))
+        with ocp.StandardCheckpointer() as checkpointer:
+            return checkpointer.restore(path.resolve(), abstract), "orbax"
+    return convert_weights(model_dir, config, dtype), "safetensors"
+
+
+def save_orbax(model_dir: str, config: ModelConfig, dtype: jnp.dtype) -> Path:
+    """Convert the safetensors weights once and save them as an Orbax checkpoint."""
+    import orbax.checkpoint as ocp
+
+    path = orbax_dir(model_dir, dtype).resolve()
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(path, convert_weights(model_dir, config, dtype), force=True)
+    return path
+
+
+def convert_weights(model_dir: str, config: ModelConfig, dtype: jnp.dtype, *,
+                    lazy: bool = False) -> dict:
+    """The parameter tree from the HF safetensors (lazy: shapes only, for eval_shape)."""
     w = load_weights(model_dir, config)
 
-    def arr(name: str, transpose: bool = False) -> jnp.ndarray:
-        a = np.asarray(w[name])
+    def arr(name: str, transpose: bool = False) -> jax.Array:
+        a = w[name]
+        if lazy:
+            shape = a.shape[::-1] if transpose else a.shape
+            return jnp.zeros(shape, dtype)
+        a = np.asarray(a)
         return jnp.asarray(a.T if transpose else a, dtype=dtype)
 
     def dense(prefix: str) -> dict:

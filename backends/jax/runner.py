@@ -33,7 +33,7 @@ class JaxModelRunner:
         self.dtype = _DTYPES[config.dtype]
         attention_fn, write_kv_fn, self.attention_impl = resolve_attention(config.attention_impl)
         self.model = LlamaForCausalLM(model_config, self.dtype, attention_fn, write_kv_fn)
-        self.params = load_params(model_dir, model_config, self.dtype)
+        self.params, self.params_source = load_params(model_dir, model_config, self.dtype)
         cos, sin = rope_cos_sin(model_config, config.max_model_len)
         self.rope = (jnp.asarray(cos), jnp.asarray(sin))
         self.num_kv_blocks = config.num_kv_blocks or self._blocks_from_memory(extra_bytes_per_block)

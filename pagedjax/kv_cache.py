@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from pagedjax.batch import ModelInput, build_model_input
 from pagedjax.config import EngineConfig, ModelConfig
+from pagedjax.sampling_params import MAX_LOGPROBS, SamplingParams
+from pagedjax.scheduler_output import SampleSpec, ScheduledSequence, SchedulerOutput
 
 CPU_KV_CACHE_BYTES = 4 << 30  # host memory the CPU backends may give the KV pool at utilization 1
 
@@ -31,3 +34,24 @@ def num_kv_blocks_for_budget(model_config: ModelConfig, config: EngineConfig,
             f"bytes) but one sequence of max_model_len={config.max_model_len} needs "
             f"{config.max_blocks_per_seq}; raise memory_utilization or lower max_model_len.")
     return int(num_blocks)
+
+
+def warm_up_input(config: EngineConfig) -> ModelInput:
+    """The heaviest step the scheduler can produce: max_num_batched_tokens prompt tokens over up
+    to max_num_seqs sequences, every one sampled with filters and top logprobs."""
+    block_size = config.block_size
+    num_seqs = min(config.max_num_seqs, -(-config.max_num_batched_tokens // block_size))
+    q_len = min(-(-config.max_num_batched_tokens // num_seqs), config.max_model_len)
+    blocks_per_seq = -(-q_len // block_size)
+    params = SamplingParams(temperature=1.0, top_p=0.9, logprobs=MAX_LOGPROBS)
+    scheduled = [
+        ScheduledSequence(seq_id=s, token_ids=[0] * q_len, start_pos=0,
+                          block_table=list(range(s * blocks_per_seq, (s + 1) * blocks_per_seq)),
+                          samples=[SampleSpec(s, params, rng_seed=0, rng_step=0,
+                                              banned_token_ids=[])])
+        for s in range(num_seqs)
+    ]
+    out = SchedulerOutput(scheduled=scheduled, block_copies=[], preempted_seq_ids=[],
+                          num_batched_tokens=num_seqs * q_len)
+    return build_model_input(out, block_size=block_size,
+                             max_blocks_per_seq=config.max_blocks_per_seq)

@@ -16,7 +16,7 @@ from pagedjax.backends.rope import rope_cos_sin
 
 from pagedjax.batch import ModelInput, ModelOutput
 from pagedjax.config import EngineConfig, ModelConfig
-from pagedjax.kv_cache import num_kv_blocks_for_budget
+from pagedjax.kv_cache import num_kv_blocks_for_budget, warm_up_input
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 _SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "rng_seed", "rng_step",
@@ -36,21 +36,33 @@ class JaxModelRunner:
         self.params, self.params_source = load_params(model_dir, model_config, self.dtype)
         cos, sin = rope_cos_sin(model_config, config.max_model_len)
         self.rope = (jnp.asarray(cos), jnp.asarray(sin))
-        self.num_kv_blocks = config.num_kv_blocks or self._blocks_from_memory(extra_bytes_per_block)
-        shape = (self.num_kv_blocks, model_config.num_kv_heads, config.block_size,
-                 model_config.head_dim)
-        self.kv_caches: list[KVCache] = [
-            (jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype))
-            for _ in range(model_config.num_layers)
-        ]
         self.num_compiles = 0  # traces of the step function: must stay bounded
         self._step = jax.jit(self._step_fn, donate_argnums=(1,),
                              static_argnames=("num_top_logprobs", "all_greedy", "use_filters",
                                               "return_probs"))
+        self.kv_caches: list[KVCache] = []
+        self.num_kv_blocks = config.num_kv_blocks or self._blocks_from_memory(extra_bytes_per_block)
+        self.kv_caches = self._allocate_kv_caches(self.num_kv_blocks)
+
+    def _allocate_kv_caches(self, num_blocks: int) -> list[KVCache]:
+        cfg = self.model_config
+        shape = (num_blocks, cfg.num_kv_heads, self.config.block_size, cfg.head_dim)
+        return [(jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype))
+                for _ in range(cfg.num_layers)]
 
     def _blocks_from_memory(self, extra_bytes_per_block: int) -> int:
+        """On an accelerator: what memory_utilization leaves after the weights and the peak of
+        the heaviest step (run once on throwaway caches). UNVERIFIED on a GPU."""
         device = jax.devices()[0]
-        stats = device.memory_stats() if device.platform != "cpu" else None
+        stats = None
+        if device.platform != "cpu":
+            model_input = warm_up_input(self.config)
+            self.kv_caches = self._allocate_kv_caches(int(model_input.block_tables.max()) + 1)
+            self.execute(model_input)
+            self.kv_caches = []
+            memory = device.memory_stats()
+            stats = {"bytes_limit": memory["bytes_limit"],
+                     "bytes_in_use": memory.get("peak_bytes_in_use", memory["bytes_in_use"])}
         return num_kv_blocks_for_budget(self.model_config, self.config, stats,
                                         extra_bytes_per_block=extra_bytes_per_block)
 

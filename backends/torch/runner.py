@@ -22,11 +22,9 @@ from pagedjax.backends.torch.rejection_sampler import rejection_sample, sampling
 from pagedjax.backends.torch.sampler import gather_logprobs, sample
 from pagedjax.kernels_cuda import ragged_paged_attention, reference, write_kv
 
-from pagedjax.batch import ModelInput, ModelOutput, SamplingMetadata, build_model_input
+from pagedjax.batch import ModelInput, ModelOutput, SamplingMetadata
 from pagedjax.config import EngineConfig, ModelConfig
-from pagedjax.kv_cache import num_kv_blocks_for_budget
-from pagedjax.sampling_params import MAX_LOGPROBS, SamplingParams
-from pagedjax.scheduler_output import SampleSpec, ScheduledSequence, SchedulerOutput
+from pagedjax.kv_cache import num_kv_blocks_for_budget, warm_up_input
 
 ATTENTION_IMPLS = ("auto", "reference")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -107,7 +105,7 @@ class TorchModelRunner:
 
     def warm_up(self) -> None:
         """Execute the heaviest step the scheduler can produce, on throwaway KV caches."""
-        model_input = _warm_up_input(self.config)
+        model_input = warm_up_input(self.config)
         kv_caches = self.kv_caches
         self.kv_caches = self._allocate_kv_caches(int(model_input.block_tables.max()) + 1)
         self.execute(model_input)
@@ -193,24 +191,3 @@ class TorchModelRunner:
         tokens, logprobs, top_ids, top_lps = (None if t is None else t.numpy() for t in host)
         return ModelOutput(sampled_token_ids=tokens, sampled_logprobs=logprobs,
                            top_logprob_ids=top_ids, top_logprobs=top_lps, probs=probs)
-
-
-def _warm_up_input(config: EngineConfig) -> ModelInput:
-    """The heaviest step the scheduler can produce: max_num_batched_tokens prompt tokens over up
-    to max_num_seqs sequences, every one sampled with filters and top logprobs."""
-    block_size = config.block_size
-    num_seqs = min(config.max_num_seqs, -(-config.max_num_batched_tokens // block_size))
-    q_len = min(-(-config.max_num_batched_tokens // num_seqs), config.max_model_len)
-    blocks_per_seq = -(-q_len // block_size)
-    params = SamplingParams(temperature=1.0, top_p=0.9, logprobs=MAX_LOGPROBS)
-    scheduled = [
-        ScheduledSequence(seq_id=s, token_ids=[0] * q_len, start_pos=0,
-                          block_table=list(range(s * blocks_per_seq, (s + 1) * blocks_per_seq)),
-                          samples=[SampleSpec(s, params, rng_seed=0, rng_step=0,
-                                              banned_token_ids=[])])
-        for s in range(num_seqs)
-    ]
-    out = SchedulerOutput(scheduled=scheduled, block_copies=[], preempted_seq_ids=[],
-                          num_batched_tokens=num_seqs * q_len)
-    return build_model_input(out, block_size=block_size,
-                             max_blocks_per_seq=config.max_blocks_per_seq)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from pagedjax.backends.weights import canonical_name, checkpoint_files, load_weights
 from transformers import AutoModelForCausalLM
 
-from pagedjax.backends.weights import canonical_name, checkpoint_files, load_weights
 from pagedjax.config import ModelConfig
 
 
@@ -23,7 +23,7 @@ def test_sharded_bf16_checkpoint_loads_like_the_single_file(tiny_model, tmp_path
     assert want.keys() == got.keys()
     for name in want:
         assert got[name].dtype.name == "bfloat16"
-        expected = torch.from_numpy(np.asarray(want[name])).to(torch.bfloat16).float().numpy()
+        expected = torch.from_numpy(np.array(want[name])).to(torch.bfloat16).float().numpy()
         np.testing.assert_array_equal(np.asarray(got[name], np.float32), expected, err_msg=name)
     assert got["lm_head"] is got["embed_tokens"]  # tied embeddings
 
@@ -43,9 +43,8 @@ def test_canonical_names(hf_name: str, name: str | None) -> None:
 def test_missing_weights_name_the_checkpoint(tiny_model, tmp_path) -> None:
     import shutil
 
-    from safetensors.numpy import save_file
-
     from pagedjax.backends.weights import iter_safetensors
+    from safetensors.numpy import save_file
 
     model_dir = shutil.copytree(tiny_model("llama"), tmp_path / "broken")
     kept = {name: np.array(array) for name, array in

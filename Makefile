@@ -29,4 +29,8 @@ test: lint
 	$(PY) -m pytest
 
 bench: install
-	$(PY) benchmarks/throughput.py
+	$(PY) -m pip install -q -e ".[bench]"
+	$(PY) benchmarks/throughput.py --backend jax
+	$(PY) benchmarks/throughput.py --backend torch
+	$(PY) benchmarks/spec_decode.py
+	$(PY) benchmarks/kernels.py

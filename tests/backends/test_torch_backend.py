@@ -272,11 +272,3 @@ def test_decode_graph_forward_matches_eager(checkpoints: dict[str, Path]) -> Non
     # Not bitwise: the lm_head matmul has T rows instead of L (another GEMM blocking).
     torch.testing.assert_close(graph, eager, rtol=1e-4, atol=1e-4)
     assert torch.equal(graph.argmax(-1), eager.argmax(-1))
-
-
-def test_speculative_config_is_rejected(checkpoints: dict[str, Path]) -> None:
-    model_dir = str(checkpoints["llama"])
-    config = EngineConfig(model=model_dir, backend="torch", max_model_len=256, num_kv_blocks=16,
-                          speculative_config={"model": model_dir, "num_speculative_tokens": 2})
-    with pytest.raises(ValueError, match="backend='jax'"):
-        TorchModelRunner(model_dir, ModelConfig.from_pretrained(model_dir), config)

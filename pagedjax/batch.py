@@ -15,6 +15,7 @@ from pagedjax.sampling_params import MAX_LOGPROBS
 from pagedjax.scheduler_output import SchedulerOutput
 
 MIN_TOKEN_BUCKET = 16
+MIN_SEQ_BUCKET = 8  # padding sequences cost nothing (kv_len 0); fewer shapes to compile
 
 
 def bucket(n: int, minimum: int = 1) -> int:
@@ -91,7 +92,7 @@ def build_model_input(out: SchedulerOutput, *, block_size: int, max_blocks_per_s
     num_tokens = sum(map(len, tokens))
     samples = [(e, s) for e in seqs for s in e.samples]
     t_pad = bucket(num_tokens, MIN_TOKEN_BUCKET)
-    s_pad = bucket(len(seqs))
+    s_pad = bucket(len(seqs), MIN_SEQ_BUCKET)
     l_pad = max(s_pad, bucket(len(samples)))
 
     input_ids = np.zeros(t_pad, np.int32)

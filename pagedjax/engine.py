@@ -44,10 +44,10 @@ class LLMEngine:
         config.validate(self.model_config)
         self.tokenizer = load_tokenizer(config.model)
         self.eos_token_ids = load_eos_token_ids(config.model, self.tokenizer)
-        self.spec_config, self.proposer = None, None
+        self.spec_config = None
         if config.speculative_config is not None:
             self.spec_config = SpeculativeConfig.from_dict(config.speculative_config)
-        self.runner = self._make_runners()
+        self.runner, self.proposer = self._make_runners()
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size,
                                           config.enable_prefix_caching)
         self._seq_ids = itertools.count()
@@ -65,8 +65,8 @@ class LLMEngine:
     def num_speculative_tokens(self) -> int:
         return self.spec_config.num_speculative_tokens if self.spec_config else 0
 
-    def _make_runners(self):
-        """The target runner, and the draft runner over the same block ids when speculating.
+    def _make_runners(self) -> tuple[Any, DraftProposer | None]:
+        """The target runner, and a proposer whose draft runner uses the same block ids.
 
         With a draft, one block holds the target's and the draft's KV, so the pool is sized for
         both: bytes per block = target + draft.
@@ -75,7 +75,7 @@ class LLMEngine:
 
         runner_cls, config = get_runner_cls(self.config.backend), self.config
         if self.spec_config is None:
-            return runner_cls(config.model, self.model_config, config)
+            return runner_cls(config.model, self.model_config, config), None
         draft_dir = self.spec_config.model
         draft_model_config = ModelConfig.from_pretrained(draft_dir)
         self.spec_config.check_vocabulary(config.model, self.tokenizer, load_tokenizer(draft_dir),
@@ -90,10 +90,10 @@ class LLMEngine:
                             extra_bytes_per_block=draft_bytes)
         draft_config = dataclasses.replace(config, model=draft_dir, speculative_config=None,
                                            num_kv_blocks=runner.num_kv_blocks)
-        self.proposer = DraftProposer(runner_cls(draft_dir, draft_model_config, draft_config),
-                                      block_size=config.block_size,
-                                      max_blocks_per_seq=config.max_blocks_per_seq)
-        return runner
+        proposer = DraftProposer(runner_cls(draft_dir, draft_model_config, draft_config),
+                                 block_size=config.block_size,
+                                 max_blocks_per_seq=config.max_blocks_per_seq)
+        return runner, proposer
 
     # ---- requests ----------------------------------------------------------------------------
 

@@ -184,6 +184,8 @@ class Scheduler:
         for k in range(seq.num_pending_forks):
             index = seq.index + 1 + k
             child = seq.fork(self.new_seq_id(), index, self.fork_seed(seq, index))
+            # The draft's catch-up this step writes the shared blocks once, for every sibling.
+            child.num_draft_computed_tokens = seq.num_tokens
             self.block_manager.fork(seq.seq_id, child.seq_id)
             self.seqs[child.seq_id] = child
             bisect.insort(self.running, child, key=lambda s: s.arrival)

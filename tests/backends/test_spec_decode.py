@@ -79,6 +79,18 @@ def test_stop_token_inside_accepted_drafts(tiny_model, reference, backend: str) 
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_parallel_sampling_with_speculation(tiny_model, reference, backend: str) -> None:
+    """n=2 forks share the prompt's blocks; each sibling then speculates on its own."""
+    llm = make_llm(tiny_model("llama"), backend, tiny_model("draft"), k=2)
+    params = SamplingParams(n=2, temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.generate(prompts(llm)[1:4], params, use_tqdm=False)
+    for output, want in zip(outputs, reference[backend][1:4]):
+        assert [c.token_ids for c in output.outputs] == [want, want]
+    assert llm.get_metrics()["spec_decode_num_draft_tokens"] > 0
+    assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_speculation_under_pressure(tiny_model, reference, backend: str) -> None:
     """Chunked prefill, a pool short enough to drop drafts and preempt, prefix-cache hits,
     aborts and sampled requests: still exact for greedy, and nothing leaks."""

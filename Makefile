@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 JAX_SPEC ?= jax
-PROMPT ?= def fibonacci(n):
+PROMPT ?= def main(argv):
 BACKEND ?= jax
 
 .PHONY: install run test lint bench
@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml
 
 # The demo model pair ships in the package: plain decoding, then speculative decoding.
 run: install
-	$(VENV)/bin/pagedjax generate --backend $(BACKEND) --prompt "$(PROMPT)" --prompt "import os" --max-tokens 64
+	$(VENV)/bin/pagedjax generate --backend $(BACKEND) --prompt "$(PROMPT)" --prompt "class Config(object):" --max-tokens 64
 	$(VENV)/bin/pagedjax generate --backend $(BACKEND) --prompt "$(PROMPT)" --max-tokens 64 --speculate
 
 lint: install

@@ -37,3 +37,14 @@ def test_convert_to_orbax_and_restore(tiny_model, tmp_path, capsys) -> None:
     assert restored.engine.runner.params_source == "orbax"
     got = restored.generate("def main():", params, use_tqdm=False)[0].outputs[0].token_ids
     assert got == want
+
+
+def test_the_demo_pair_generates_code_with_and_without_speculation(capsys) -> None:
+    """`pagedjax generate` without --model serves the shipped demo target (bf16 weights)."""
+    assert main(["generate", "--prompt", "def ", "--max-tokens", "24"]) == 0
+    plain = capsys.readouterr().out
+    assert main(["generate", "--prompt", "def ", "--max-tokens", "24", "--speculate",
+                 "--backend", "torch", "--num-speculative-tokens", "3"]) == 0
+    out, err = capsys.readouterr()
+    assert out == plain  # greedy: speculation and the backend change nothing
+    assert "drafts accepted" in err

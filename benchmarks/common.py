@@ -26,11 +26,21 @@ def environment() -> dict:
     except (OSError, subprocess.CalledProcessError):
         commit = None
     return {
-        "machine": platform.machine(), "processor": platform.processor() or platform.machine(),
+        "machine": platform.machine(), "processor": _cpu_model(),
         "cpu_count": os.cpu_count(), "python": platform.python_version(),
         "accelerator": _accelerator(), "commit": commit,
         "versions": {p: version(p) for p in ("jax", "jaxlib", "flax", "torch", "transformers")},
     }
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def _accelerator() -> str:

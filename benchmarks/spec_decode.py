@@ -91,6 +91,17 @@ def add_speedups(rows: list[dict]) -> None:
         r["speedup"] = r["output tok/s"] / base[r["backend"], r["batch"]]
 
 
+def best_k(rows: list[dict]) -> list[dict]:
+    """Per backend and batch size, the k (0 = no speculation) with the most output tokens/s."""
+    best: dict[tuple, dict] = {}
+    for r in rows:
+        key = (r["backend"], r["batch"])
+        if key not in best or r["output tok/s"] > best[key]["output tok/s"]:
+            best[key] = r
+    return [{"backend": b, "batch": n, "best k": r["k"], "speedup": r["speedup"]}
+            for (b, n), r in sorted(best.items())]
+
+
 def plot(rows: list[dict], path: Path) -> None:
     try:
         import matplotlib
@@ -133,10 +144,11 @@ def main() -> None:
     add_speedups(rows)
     print_table(rows, ["backend", "batch", "k", "output tok/s", "ms/token", "speedup", "alpha",
                        "tokens/verify", "expected tokens/verify", "c", "expected speedup"])
+    print_table(best_k(rows), ["backend", "batch", "best k", "speedup"])
     env = environment()
     tag = env["accelerator"].replace(" ", "_")
     write_json(f"spec_decode_{tag}.json", {"args": vars(args), "results": rows,
-                                           "environment": env})
+                                           "best_k": best_k(rows), "environment": env})
     plot(rows, RESULTS_DIR / f"spec_decode_{tag}.png")
 
 

@@ -79,6 +79,21 @@ def test_stop_token_inside_accepted_drafts(tiny_model, reference, backend: str) 
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_logprobs_with_speculation(tiny_model, backend: str) -> None:
+    """Accepted drafts, recovered and bonus tokens carry the target's logprobs and top-N."""
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
+    plain = make_llm(tiny_model("llama"), backend)
+    spec = make_llm(tiny_model("llama"), backend, tiny_model("llama"), k=3)
+    want = plain.generate(prompts(plain)[3], params, use_tqdm=False)[0].outputs[0]
+    got = spec.generate(prompts(spec)[3], params, use_tqdm=False)[0].outputs[0]
+    assert got.token_ids == want.token_ids and len(got.logprobs) == 10
+    for mine, theirs in zip(got.logprobs, want.logprobs):
+        assert mine.keys() == theirs.keys()
+        assert all(mine[t] == pytest.approx(theirs[t], abs=1e-4) for t in mine)
+    assert got.cumulative_logprob == pytest.approx(want.cumulative_logprob, abs=1e-3)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_parallel_sampling_with_speculation(tiny_model, reference, backend: str) -> None:
     """n=2 forks share the prompt's blocks; each sibling then speculates on its own."""
     llm = make_llm(tiny_model("llama"), backend, tiny_model("draft"), k=2)

@@ -35,6 +35,7 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kernels_torch  # noqa: E402
 from common import RESULTS_DIR, environment, print_table, write_json  # noqa: E402
+
 from pagedjax.kernels_pallas import (  # noqa: E402
     ragged_paged_attention,
     ragged_paged_attention_reference,

@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from pagedjax.kernels_cuda import reference
 from torch.utils import cpp_extension
+
+from pagedjax.kernels_cuda import reference
 
 Backend = Literal["cpp", "cuda", "reference"]
 

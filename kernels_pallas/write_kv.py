@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 
 import jax
+
 from pagedjax.kernels_pallas.reference import write_kv_reference
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+
 from pagedjax.backends.jax.model import AttentionFn, WriteKVFn
 from pagedjax.kernels_pallas.reference import (
     ragged_paged_attention_reference,

@@ -8,8 +8,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from pagedjax.backends.weights import load_weights
 
+from pagedjax.backends.weights import load_weights
 from pagedjax.config import ModelConfig
 
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")

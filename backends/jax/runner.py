@@ -7,13 +7,13 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+
 from pagedjax.backends.jax.attention import resolve_attention
 from pagedjax.backends.jax.model import AttentionMetadata, KVCache, LlamaForCausalLM
 from pagedjax.backends.jax.params import load_params
 from pagedjax.backends.jax.rejection_sampler import rejection_sample, sampling_probs
 from pagedjax.backends.jax.sampler import gather_logprobs, sample
 from pagedjax.backends.rope import rope_cos_sin
-
 from pagedjax.batch import ModelInput, ModelOutput
 from pagedjax.config import EngineConfig, ModelConfig
 from pagedjax.kv_cache import num_kv_blocks_for_budget, warm_up_input

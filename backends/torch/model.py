@@ -16,9 +16,9 @@ import ml_dtypes
 import numpy as np
 import torch
 import torch.nn.functional as F
-from pagedjax.backends.weights import load_weights
 from torch import nn
 
+from pagedjax.backends.weights import load_weights
 from pagedjax.config import ModelConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # k, v: [num_blocks, Hkv, block_size, D]

@@ -8,6 +8,7 @@ and samples the same tokens on either backend. No host syncs: shapes never depen
 from __future__ import annotations
 
 import torch
+
 from pagedjax.backends.torch.sampler import filter_logits, uniform
 
 PLACEHOLDER_TOKEN_ID = -1  # pads output_token_ids after the recovered / bonus token

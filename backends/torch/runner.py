@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+
 from pagedjax.backends.rope import rope_cos_sin
 from pagedjax.backends.torch.cuda_graphs import DecodeGraphs, HostToDevice, StaticBatch
 from pagedjax.backends.torch.model import (
@@ -20,10 +21,9 @@ from pagedjax.backends.torch.model import (
 )
 from pagedjax.backends.torch.rejection_sampler import rejection_sample, sampling_probs
 from pagedjax.backends.torch.sampler import gather_logprobs, sample
-from pagedjax.kernels_cuda import ragged_paged_attention, reference, write_kv
-
 from pagedjax.batch import ModelInput, ModelOutput, SamplingMetadata
 from pagedjax.config import EngineConfig, ModelConfig
+from pagedjax.kernels_cuda import ragged_paged_attention, reference, write_kv
 from pagedjax.kv_cache import num_kv_blocks_for_budget, warm_up_input
 
 ATTENTION_IMPLS = ("auto", "reference")

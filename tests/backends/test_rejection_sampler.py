@@ -9,12 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+
+from pagedjax import random as prng
 from pagedjax.backends.jax import rejection_sampler as jax_rs
 from pagedjax.backends.jax import sampler as jax_sampler
 from pagedjax.backends.torch import rejection_sampler as torch_rs
 from pagedjax.backends.torch import sampler as torch_sampler
-
-from pagedjax import random as prng
 from tests.spec_oracle import speculative_step_reference
 
 KNOBS = ("temperature", "top_k", "top_p", "min_p")

@@ -6,10 +6,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from pagedjax.backends.jax import sampler as jax_sampler
-from pagedjax.backends.torch import sampler as torch_sampler
 
 from pagedjax import random as prng
+from pagedjax.backends.jax import sampler as jax_sampler
+from pagedjax.backends.torch import sampler as torch_sampler
 from pagedjax.sampling_params import MAX_LOGPROBS
 
 # One row per knob mix: (temperature, top_k, top_p, min_p); 0 temperature = greedy.

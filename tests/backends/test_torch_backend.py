@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
 from pagedjax.backends.jax.runner import JaxModelRunner
 from pagedjax.backends.torch.cuda_graphs import DecodeGraphs, StaticBatch
 from pagedjax.backends.torch.runner import TorchModelRunner
-
 from pagedjax.batch import ModelInput, ModelOutput
 from pagedjax.checkpoints import make_tiny_checkpoint, stdlib_corpus, train_tokenizer
 from pagedjax.config import EngineConfig, ModelConfig

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from pagedjax.backends.weights import canonical_name, checkpoint_files, load_weights
 from transformers import AutoModelForCausalLM
 
+from pagedjax.backends.weights import canonical_name, checkpoint_files, load_weights
 from pagedjax.config import ModelConfig
 
 
@@ -43,8 +43,9 @@ def test_canonical_names(hf_name: str, name: str | None) -> None:
 def test_missing_weights_name_the_checkpoint(tiny_model, tmp_path) -> None:
     import shutil
 
-    from pagedjax.backends.weights import iter_safetensors
     from safetensors.numpy import save_file
+
+    from pagedjax.backends.weights import iter_safetensors
 
     model_dir = shutil.copytree(tiny_model("llama"), tmp_path / "broken")
     kept = {name: np.array(array) for name, array in

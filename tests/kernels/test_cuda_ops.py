@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from pagedjax.kernels_cuda import ops, reference
 
+from pagedjax.kernels_cuda import ops, reference
 from tests.kernels.naive import (
     make_ragged_case,
     naive_ragged_paged_attention,

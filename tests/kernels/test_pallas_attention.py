@@ -18,13 +18,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings
+
 from pagedjax.kernels_pallas import (
     ragged_paged_attention,
     ragged_paged_attention_reference,
     write_kv,
 )
 from pagedjax.kernels_pallas.reference import write_kv_reference
-
 from tests.kernels.naive import (
     make_ragged_case,
     naive_ragged_paged_attention,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedjax.backends.torch.sampler import filter_logits, uniform
+from pagedjax.backends.torch.sampler import banned_mask, filter_logits, uniform
 
 PLACEHOLDER_TOKEN_ID = -1  # pads output_token_ids after the recovered / bonus token
 _PER_ROW_KNOBS = ("temperature", "top_k", "top_p", "min_p")
@@ -76,11 +76,8 @@ def _mask_banned(target_logits: torch.Tensor,
     if "banned_rows" not in sampling:
         return target_logits
     num_rows, _, vocab = target_logits.shape
-    rows = sampling["banned_rows"]
-    rows = torch.where(rows >= 0, rows, num_rows).long()  # padding lands in a row cut off
-    banned = torch.zeros(num_rows + 1, vocab, dtype=torch.bool, device=target_logits.device)
-    banned[rows, sampling["banned_token_ids"].long()] = True
-    return target_logits.masked_fill(banned[:num_rows, None, :], float("-inf"))
+    banned = banned_mask(sampling, num_rows, vocab, target_logits.device)  # [L, V]
+    return target_logits.masked_fill(banned[:, None, :], float("-inf"))
 
 
 def _target_probs(target_logits: torch.Tensor, sampling: dict[str, torch.Tensor], *,

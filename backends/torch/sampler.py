@@ -49,17 +49,17 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     return logits.masked_fill(logits < threshold[:, None], float("-inf"))
 
 
-def _mask_banned(logits: torch.Tensor, banned_rows: torch.Tensor,
-                 banned_token_ids: torch.Tensor) -> torch.Tensor:
-    """logits [L, V] with the (row, token) pairs [P] set to -inf; row -1 is padding.
+def banned_mask(sampling: dict[str, torch.Tensor], num_rows: int, vocab: int,
+                device: torch.device) -> torch.Tensor:
+    """[L, V] bool, True at the banned (row, token) pairs [P]; row -1 is padding.
 
     Padding pairs land in an extra row that is cut off (no data-dependent shapes, no host sync).
     """
-    num_rows, vocab = logits.shape
-    rows = torch.where(banned_rows >= 0, banned_rows, num_rows).long()
-    mask = torch.zeros(num_rows + 1, vocab, dtype=torch.bool, device=logits.device)
-    mask[rows, banned_token_ids.long()] = True
-    return logits.masked_fill(mask[:num_rows], float("-inf"))
+    rows = sampling["banned_rows"]
+    rows = torch.where(rows >= 0, rows, num_rows).long()
+    mask = torch.zeros(num_rows + 1, vocab, dtype=torch.bool, device=device)
+    mask[rows, sampling["banned_token_ids"].long()] = True
+    return mask[:num_rows]
 
 
 def sample(logits: torch.Tensor, sampling: dict[str, torch.Tensor], *, num_top_logprobs: int,
@@ -70,7 +70,8 @@ def sample(logits: torch.Tensor, sampling: dict[str, torch.Tensor], *, num_top_l
     int64 holding uint32 values).
     """
     logprobs = torch.log_softmax(logits, dim=-1)
-    logits = _mask_banned(logits, sampling["banned_rows"], sampling["banned_token_ids"])
+    logits = logits.masked_fill(banned_mask(sampling, *logits.shape, logits.device),
+                                float("-inf"))
     tokens = torch.argmax(logits, dim=-1).to(torch.int32)
     if not all_greedy:
         temperature = sampling["temperature"]

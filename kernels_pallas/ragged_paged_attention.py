@@ -439,7 +439,7 @@ def _check_inputs(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc) -
     jax.jit,
     static_argnames=(
         "sm_scale", "sliding_window", "logits_soft_cap", "interpret", "rows_per_tile",
-        "num_kv_pages_per_chunk", "num_splits", "num_warps", "num_stages",
+        "num_kv_pages_per_chunk", "num_splits", "num_warps", "num_stages", "decode",
     ),
 )
 def ragged_paged_attention(
@@ -459,6 +459,7 @@ def ragged_paged_attention(
     num_splits: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    decode: bool = False,
 ) -> jax.Array:  # [T, Hq, D] in q.dtype, padding rows zero
     """Ragged paged attention (semantics: `ragged_paged_attention_reference`).
 

@@ -46,12 +46,14 @@ def ragged_paged_attention_reference(
     sm_scale: float,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    decode: bool = False,  # accepted so every implementation shares one call; always correct
 ) -> jax.Array:  # [T, Hq, D]
     """Online-softmax loop over KV blocks; each query row gathers its own sequence's blocks.
 
     The loop runs to the longest context in the batch (a dynamic trip count), so short decode
     batches do not pay for max_model_len. Accumulation is in float32 (or float64 if given).
     """
+    del decode
     num_tokens, num_q_heads, head_dim = q.shape
     _, num_kv_heads, block_size, _ = k_cache.shape
     group = num_q_heads // num_kv_heads

@@ -1,174 +1,292 @@
 """SchedulerOutput → the flattened, padded batch every runner executes (NumPy only).
 
-Shapes are padded to powers of two so jit / CUDA graphs see a bounded set of them:
-T tokens, S sequences, L logits rows (samples), M = max blocks per sequence (fixed).
+A step's integers live in one int32 buffer and its sampling floats in one float32 buffer, so a
+runner uploads two arrays per step. `BatchLayout` is the static part (padded shapes and flags):
+a jit static argument for JAX and a CUDA-graph key for torch. `BatchLayout.unpack` slices either
+buffer back into named fields on the host (NumPy) or on the device (jax.Array, torch.Tensor).
+
+Shapes are padded to powers of two so compilers see a bounded set of them:
+T tokens, S sequences, L logits rows (samples), M = max blocks per sequence (fixed),
+K draft slots per sequence, Td draft catch-up tokens, P banned (row, token) pairs.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TypeVar
 
 import numpy as np
 
 from pagedjax.sampling_params import MAX_LOGPROBS
-from pagedjax.scheduler_output import SchedulerOutput
+from pagedjax.scheduler_output import SampleSpec, ScheduledSequence, SchedulerOutput
 
-MIN_TOKEN_BUCKET = 16
-MIN_SEQ_BUCKET = 8  # padding sequences cost nothing (kv_len 0); fewer shapes to compile
+Array = TypeVar("Array")  # np.ndarray on the host, jax.Array or torch.Tensor on a device
 
-
-def bucket(n: int, minimum: int = 1) -> int:
-    """Smallest power of two >= max(n, minimum)."""
-    n = max(n, minimum)
-    return 1 << (n - 1).bit_length()
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p")
 
 
-@dataclass
-class SamplingMetadata:
-    """Per logits row; padding rows are greedy and discarded."""
-
-    temperature: np.ndarray  # [L] float32, 0 = greedy
-    top_k: np.ndarray  # [L] int32, 0 = off
-    top_p: np.ndarray  # [L] float32, 1 = off
-    min_p: np.ndarray  # [L] float32, 0 = off
-    rng_seed: np.ndarray  # [L] uint32, the completion's random stream
-    rng_step: np.ndarray  # [L] uint32, its counter (tokens generated so far)
-    banned_rows: np.ndarray  # [P] int32, rows of (row, token) pairs masked to -inf; -1 = padding
-    banned_token_ids: np.ndarray  # [P] int32
-    num_top_logprobs: int  # static: 0, or MAX_LOGPROBS when any row asks for logprobs
-    all_greedy: bool  # static: skip the random path
-    use_filters: bool  # static: some row uses top-k / top-p / min-p
-    return_probs: bool = False  # static: also return the sampling distribution (draft's q)
+def bucket(n: int) -> int:
+    """Smallest power of two >= max(n, 1)."""
+    return 1 << (max(n, 1) - 1).bit_length()
 
 
-@dataclass
-class SpecDecodeMetadata:
-    """Verification of K draft slots per sample (speculative decoding)."""
+@dataclass(frozen=True)
+class BatchLayout:
+    """The static shape of one step (hashable)."""
 
-    draft_token_ids: np.ndarray  # [L, K] int32, -1 past num_draft_tokens
-    num_draft_tokens: np.ndarray  # [L] int32
-    draft_rows: np.ndarray  # [L, K] int32: row of draft j's q in the draft's pass-j probs
+    num_tokens: int  # T
+    num_seqs: int  # S
+    num_logits: int  # L
+    max_blocks_per_seq: int  # M
+    num_spec_tokens: int = 0  # K: draft slots per sequence; 0 = no draft model this step
+    num_draft_tokens: int = 0  # Td: tokens the draft catches up on (0 when K == 0)
+    num_banned: int = 1  # P
+    decode: bool = False  # every sequence has one query token and T == S
+    num_top_logprobs: int = 0  # 0, or MAX_LOGPROBS when a row asks for logprobs
+    all_greedy: bool = True  # no row samples: skip the random path
+    use_filters: bool = False  # some random row uses top-k / top-p / min-p
+
+    @functools.cached_property
+    def int_fields(self) -> dict[str, tuple[int, ...]]:
+        """Name → shape of every int32 field, in buffer order."""
+        t, s, l_, m, k = (self.num_tokens, self.num_seqs, self.num_logits,
+                          self.max_blocks_per_seq, self.num_spec_tokens)
+        fields = {
+            "input_ids": (t,),
+            "positions": (t,),
+            "slot_mapping": (t,),  # block_id * block_size + offset; -1 = padding
+            "query_start_loc": (s + 1,),
+            "kv_lens": (s,),  # context length after this step (0 for padding)
+            "block_tables": (s, m),
+            "logits_indices": (l_, k + 1),  # token rows sampled: the last real one, then drafts
+            "top_k": (l_,),  # 0 = off
+            "rng_seed": (l_,),  # uint32 bits: the completion's random stream
+            "rng_step": (l_,),  # uint32 bits: its counter (tokens generated so far)
+            "banned_rows": (self.num_banned,),  # (row, token) pairs masked to -inf; -1 = padding
+            "banned_token_ids": (self.num_banned,),
+        }
+        if k:
+            fields.update({
+                # The draft's catch-up pass: what it has not computed up to each sequence's end.
+                "draft_input_ids": (self.num_draft_tokens,),
+                "draft_positions": (self.num_draft_tokens,),
+                "draft_slot_mapping": (self.num_draft_tokens,),
+                "draft_query_start_loc": (s + 1,),
+                "draft_kv_lens": (s,),  # = end of the real tokens for a sequence that drafts
+                "num_drafts": (s,),  # drafts each sequence proposes (<= K)
+                "draft_token_index": (s, k),  # row of draft j in the target's tokens; T = none
+                "seq_sample_row": (s,),  # logits row whose sampling knobs the draft uses
+                "sample_seq": (l_,),  # sequence whose drafts logits row l verifies
+                "num_draft_tokens": (l_,),  # drafts row l verifies (0 for forked siblings)
+            })
+        return fields
+
+    @functools.cached_property
+    def float_fields(self) -> dict[str, tuple[int, ...]]:
+        return {name: (self.num_logits,) for name in _FLOAT_FIELDS}
+
+    @functools.cached_property
+    def int_size(self) -> int:
+        return sum(int(np.prod(shape)) for shape in self.int_fields.values())
+
+    @property
+    def float_size(self) -> int:
+        return len(_FLOAT_FIELDS) * self.num_logits
+
+    def unpack(self, ints: Array, floats: Array) -> dict[str, Array]:
+        """Named views of the packed buffers (works for NumPy, jax and torch arrays)."""
+        out = _slice(ints, self.int_fields)
+        out.update(_slice(floats, self.float_fields))
+        return out
+
+
+def _slice(buffer: Array, fields: dict[str, tuple[int, ...]]) -> dict[str, Array]:
+    out, offset = {}, 0
+    for name, shape in fields.items():
+        size = int(np.prod(shape))
+        out[name] = buffer[offset : offset + size].reshape(shape)
+        offset += size
+    return out
 
 
 @dataclass
 class ModelInput:
-    input_ids: np.ndarray  # [T] int32
-    positions: np.ndarray  # [T] int32
-    slot_mapping: np.ndarray  # [T] int32, block_id * block_size + offset; -1 = padding
-    query_start_loc: np.ndarray  # [S+1] int32
-    kv_lens: np.ndarray  # [S] int32, context length after this step (0 for padding)
-    block_tables: np.ndarray  # [S, M] int32
-    logits_indices: np.ndarray  # [L] or [L, K+1] (speculative) int32, token rows to sample
-    block_copies: np.ndarray  # [C, 2] int32, (src, dst) copy-on-write before the forward
-    sampling: SamplingMetadata
+    """One step for a runner: the packed buffers plus what the host keeps for itself."""
+
+    layout: BatchLayout
+    ints: np.ndarray  # [layout.int_size] int32
+    floats: np.ndarray  # [layout.float_size] float32
+    block_copies: np.ndarray  # [C, 2] int32 (src, dst): copy-on-write before the forward
+    seq_ids: list[int]  # the sequence of each real logits row (ModelOutput.seq_ids)
     num_tokens: int  # real T
     num_seqs: int  # real S
-    num_logits: int  # real L
-    spec: SpecDecodeMetadata | None = None
+    max_query_len: int  # longest real query (drafts included): the torch op's launch bound
+    max_draft_query_len: int = 0  # the same for the draft's catch-up pass
+
+    @property
+    def num_logits(self) -> int:
+        return len(self.seq_ids)
+
+    def fields(self) -> dict[str, np.ndarray]:
+        """Named views into ints / floats (writable: the builder fills them)."""
+        return self.layout.unpack(self.ints, self.floats)
 
 
 @dataclass
 class ModelOutput:
-    """What a runner sends back to the host: token ids and logprobs, nothing else."""
+    """What a runner sends back to the host: token ids and logprobs, nothing else.
 
-    sampled_token_ids: np.ndarray  # [L] int32; [L, K+1] with -1 padding when speculative
-    sampled_logprobs: np.ndarray  # like sampled_token_ids: logprobs of the raw model dist.
-    top_logprob_ids: np.ndarray | None  # [L, N] / [L, K+1, N] int32 when requested
-    top_logprobs: np.ndarray | None  # [L, N] / [L, K+1, N] float32 when requested
-    probs: Any = None  # the draft's q [L, V], left on the device (return_probs only)
-
-
-def build_model_input(out: SchedulerOutput, *, block_size: int, max_blocks_per_seq: int,
-                      num_speculative_tokens: int = 0, return_probs: bool = False,
-                      draft_rows: dict[int, list[int]] | None = None) -> ModelInput:
-    """Flatten the scheduled sequences into padded arrays (see ModelInput).
-
-    With num_speculative_tokens K > 0 every sample gets K+1 logits rows (its last real token and
-    its drafts, the last one repeated as padding) and `spec` describes the drafts to verify.
+    Row r belongs to sequence seq_ids[r]; each row holds its accepted drafts, then one sampled
+    (recovered or bonus) token, then -1 padding: [L, K+1] with K = 0 without drafts.
     """
-    seqs = out.scheduled
-    tokens = [e.token_ids + e.spec_token_ids for e in seqs]
-    num_tokens = sum(map(len, tokens))
-    samples = [(e, s) for e in seqs for s in e.samples]
-    t_pad = bucket(num_tokens, MIN_TOKEN_BUCKET)
-    s_pad = bucket(len(seqs), MIN_SEQ_BUCKET)
-    l_pad = max(s_pad, bucket(len(samples)))
 
-    input_ids = np.zeros(t_pad, np.int32)
-    positions = np.zeros(t_pad, np.int32)
-    slot_mapping = np.full(t_pad, -1, np.int32)
-    query_start_loc = np.zeros(s_pad + 1, np.int32)
-    kv_lens = np.zeros(s_pad, np.int32)
-    block_tables = np.zeros((s_pad, max_blocks_per_seq), np.int32)
-    sample_rows: dict[int, list[int]] = {}  # seq id -> rows of its last real token and drafts
-    cursor = 0
-    for i, (e, ids) in enumerate(zip(seqs, tokens)):
-        n = len(ids)
-        pos = np.arange(e.start_pos, e.start_pos + n, dtype=np.int32)
-        table = np.asarray(e.block_table, np.int32)
-        input_ids[cursor : cursor + n] = ids
-        positions[cursor : cursor + n] = pos
-        slot_mapping[cursor : cursor + n] = table[pos // block_size] * block_size + pos % block_size
-        block_tables[i, : len(table)] = table
-        kv_lens[i] = e.start_pos + n
-        cursor += n
-        query_start_loc[i + 1] = cursor
-        sample_rows[e.seq_id] = list(range(cursor - 1 - len(e.spec_token_ids), cursor))
-    query_start_loc[len(seqs) + 1 :] = cursor
+    seq_ids: list[int]  # [L]
+    sampled_token_ids: np.ndarray  # [L, K+1] int32, -1 padded
+    sampled_logprobs: np.ndarray  # [L, K+1] float32: logprob of each token under the raw model
+    top_logprob_ids: np.ndarray | None  # [L, K+1, N] int32 when requested
+    top_logprobs: np.ndarray | None  # [L, K+1, N] float32 when requested
 
-    k = num_speculative_tokens
-    logits_indices = np.zeros((l_pad, k + 1) if k else l_pad, np.int32)
-    for row, (e, _) in enumerate(samples):
-        rows = sample_rows[e.seq_id]
-        logits_indices[row] = (rows + rows[-1:] * (k + 1 - len(rows))) if k else rows[-1]
-    spec = _spec_metadata(samples, l_pad, k, draft_rows or {}) if k else None
-    copies = np.asarray(out.block_copies, np.int32).reshape(-1, 2)
-    sampling = _sampling_metadata([s for _, s in samples], l_pad, return_probs)
-    return ModelInput(input_ids, positions, slot_mapping, query_start_loc, kv_lens, block_tables,
-                      logits_indices, copies, sampling, num_tokens, len(seqs), len(samples), spec)
+    def token_lists(self) -> list[list[int]]:
+        """Each row's tokens without the padding."""
+        return [[t for t in row if t >= 0] for row in self.sampled_token_ids.tolist()]
 
 
-def _spec_metadata(samples: list, l_pad: int, k: int,
-                   draft_rows: dict[int, list[int]]) -> SpecDecodeMetadata:
-    draft_token_ids = np.full((l_pad, k), -1, np.int32)
-    num_draft_tokens = np.zeros(l_pad, np.int32)
-    rows = np.zeros((l_pad, k), np.int32)
-    for row, (e, s) in enumerate(samples):
-        if s.seq_id != e.seq_id or not e.spec_token_ids:
-            continue  # forked siblings never carry drafts
-        n = len(e.spec_token_ids)
-        draft_token_ids[row, :n] = e.spec_token_ids
-        num_draft_tokens[row] = n
-        rows[row, :n] = draft_rows[e.seq_id]
-    return SpecDecodeMetadata(draft_token_ids, num_draft_tokens, rows)
-
-
-def _sampling_metadata(specs: list, l_pad: int, return_probs: bool) -> SamplingMetadata:
-    def column(values: list, fill, dtype) -> np.ndarray:
-        arr = np.full(l_pad, fill, dtype)
-        arr[: len(values)] = values
-        return arr
-
-    params = [s.params for s in specs]
-    temperature = column([0.0 if p.is_greedy else p.temperature for p in params], 0.0, np.float32)
-    top_k = column([p.top_k for p in params], 0, np.int32)
-    top_p = column([p.top_p for p in params], 1.0, np.float32)
-    min_p = column([p.min_p for p in params], 0.0, np.float32)
-    banned = [(r, t) for r, s in enumerate(specs) for t in s.banned_token_ids]
-    p_pad = bucket(len(banned)) if banned else 1
-    banned_rows = np.full(p_pad, -1, np.int32)
-    banned_ids = np.zeros(p_pad, np.int32)
-    if banned:
-        banned_rows[: len(banned)], banned_ids[: len(banned)] = zip(*banned)
+def build_model_input(out: SchedulerOutput, *, block_size: int,
+                      max_blocks_per_seq: int) -> ModelInput:
+    """Flatten the scheduled sequences into the packed buffers (see BatchLayout)."""
+    entries = out.scheduled
+    samples = [(i, s) for i, e in enumerate(entries) for s in e.samples]
+    k = out.num_spec_tokens
+    q_lens = [e.num_new_tokens + e.num_spec_tokens for e in entries]
+    num_tokens = sum(q_lens)
+    decode = k == 0 and all(n == 1 for n in q_lens)
+    s_pad = bucket(len(entries))
+    t_pad = s_pad if decode else bucket(num_tokens)
+    params = [s.params for _, s in samples]
     sampled = [p for p in params if not p.is_greedy]
-    return SamplingMetadata(
-        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-        rng_seed=column([s.rng_seed for s in specs], 0, np.uint32),
-        rng_step=column([s.rng_step for s in specs], 0, np.uint32),
-        banned_rows=banned_rows, banned_token_ids=banned_ids,
-        num_top_logprobs=MAX_LOGPROBS if any(p.logprobs for p in params) else 0,
+    banned = [(r, t) for r, (_, s) in enumerate(samples) for t in s.banned_token_ids]
+    draft_lens = [len(e.draft_token_ids) for e in entries] if k else []
+    layout = BatchLayout(
+        num_tokens=t_pad, num_seqs=s_pad, num_logits=max(s_pad, bucket(len(samples))),
+        max_blocks_per_seq=max_blocks_per_seq, num_spec_tokens=k,
+        num_draft_tokens=bucket(sum(draft_lens)) if k else 0, num_banned=bucket(len(banned)),
+        decode=decode, num_top_logprobs=MAX_LOGPROBS if any(p.logprobs for p in params) else 0,
         all_greedy=not sampled,
-        use_filters=any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in sampled),
-        return_probs=return_probs,
-    )
+        use_filters=any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in sampled))
+    model_input = ModelInput(
+        layout, np.zeros(layout.int_size, np.int32), np.zeros(layout.float_size, np.float32),
+        np.asarray(out.block_copies, np.int32).reshape(-1, 2), [s.seq_id for _, s in samples],
+        num_tokens, len(entries), max(q_lens, default=0), max(draft_lens, default=0))
+    f = model_input.fields()
+    ends = _fill_tokens(f, entries, q_lens, block_size)
+    _fill_samples(f, entries, samples, ends, k)
+    _fill_banned(f, banned)
+    if k:
+        _fill_drafts(f, entries, samples, draft_lens, ends, block_size)
+    return model_input
+
+
+def _fill_tokens(f: dict[str, np.ndarray], entries: Sequence[ScheduledSequence],
+                 q_lens: list[int], block_size: int) -> np.ndarray:
+    """The target's tokens (each sequence's new tokens, then its draft slots); returns each
+    sequence's token-row end [S]."""
+    n, s = sum(q_lens), len(entries)
+    ends = np.cumsum(q_lens, dtype=np.int32)
+    f["query_start_loc"][1 : s + 1] = ends
+    f["query_start_loc"][s + 1 :] = n
+    f["kv_lens"][:s] = [e.start_pos + q for e, q in zip(entries, q_lens)]
+    _fill_block_tables(f["block_tables"], [e.block_table for e in entries])
+    # Draft slots carry token 0 here: the runner writes the proposed drafts in.
+    f["input_ids"][:n] = list(itertools.chain.from_iterable(
+        e.token_ids + [0] * e.num_spec_tokens for e in entries))
+    positions = _ragged_positions([e.start_pos for e in entries], q_lens)
+    f["positions"][:n] = positions
+    f["slot_mapping"][:] = -1
+    f["slot_mapping"][:n] = _slots(f["block_tables"], np.repeat(np.arange(s), q_lens), positions,
+                                   block_size)
+    return ends
+
+
+def _fill_samples(f: dict[str, np.ndarray], entries: Sequence[ScheduledSequence],
+                  samples: list[tuple[int, SampleSpec]], ends: np.ndarray, k: int) -> None:
+    """Logits rows and sampling knobs; row r samples from its sequence's last real token and,
+    when it verifies drafts, from each draft slot after it (padding repeats the last row)."""
+    num = len(samples)
+    seq_index = np.asarray([i for i, _ in samples], np.int64)
+    num_spec = np.asarray([entries[i].num_spec_tokens for i, _ in samples], np.int64)
+    last_real = ends[seq_index] - 1 - num_spec if num else np.zeros(0, np.int64)
+    offsets = np.minimum(np.arange(k + 1)[None, :], num_spec[:, None])  # [num, K+1]
+    f["logits_indices"][:num] = last_real[:, None] + offsets
+    params = [s.params for _, s in samples]
+    f["temperature"][:num] = [0.0 if p.is_greedy else p.temperature for p in params]
+    f["top_p"][:] = 1.0
+    f["top_p"][:num] = [p.top_p for p in params]
+    f["min_p"][:num] = [p.min_p for p in params]
+    f["top_k"][:num] = [p.top_k for p in params]
+    f["rng_seed"][:num] = np.asarray([s.rng_seed for _, s in samples], np.uint32).view(np.int32)
+    f["rng_step"][:num] = np.asarray([s.rng_step for _, s in samples], np.uint32).view(np.int32)
+
+
+def _fill_banned(f: dict[str, np.ndarray], banned: list[tuple[int, int]]) -> None:
+    f["banned_rows"][:] = -1
+    if banned:
+        rows, tokens = zip(*banned)
+        f["banned_rows"][: len(rows)] = rows
+        f["banned_token_ids"][: len(tokens)] = tokens
+
+
+def _fill_drafts(f: dict[str, np.ndarray], entries: Sequence[ScheduledSequence],
+                 samples: list[tuple[int, SampleSpec]], draft_lens: list[int], ends: np.ndarray,
+                 block_size: int) -> None:
+    """The draft's catch-up pass and where its k proposals go in the target's tokens."""
+    s, n = len(entries), sum(draft_lens)
+    draft_ends = np.cumsum(draft_lens, dtype=np.int32)
+    f["draft_query_start_loc"][1 : s + 1] = draft_ends
+    f["draft_query_start_loc"][s + 1 :] = n
+    starts = [e.draft_start_pos for e in entries]
+    f["draft_kv_lens"][:s] = [a + b for a, b in zip(starts, draft_lens)]
+    f["draft_input_ids"][:n] = list(itertools.chain.from_iterable(
+        e.draft_token_ids for e in entries))
+    positions = _ragged_positions(starts, draft_lens)
+    f["draft_positions"][:n] = positions
+    f["draft_slot_mapping"][:] = -1
+    f["draft_slot_mapping"][:n] = _slots(f["block_tables"], np.repeat(np.arange(s), draft_lens),
+                                         positions, block_size)
+    num_drafts = np.asarray([e.num_spec_tokens for e in entries], np.int32)
+    f["num_drafts"][:s] = num_drafts
+    k = f["draft_token_index"].shape[1]
+    index = ends[:, None] - num_drafts[:, None] + np.arange(k)[None, :]  # [s, K]
+    f["draft_token_index"][:] = len(f["input_ids"])  # out of range: dropped
+    f["draft_token_index"][:s] = np.where(np.arange(k)[None, :] < num_drafts[:, None], index,
+                                          len(f["input_ids"]))
+    first_row: dict[int, int] = {}
+    for row, (i, spec) in enumerate(samples):
+        first_row.setdefault(i, row)
+        f["sample_seq"][row] = i
+        if spec.seq_id == entries[i].seq_id:  # forked siblings never carry drafts
+            f["num_draft_tokens"][row] = num_drafts[i]
+    f["seq_sample_row"][:s] = [first_row.get(i, 0) for i in range(s)]
+
+
+def _ragged_positions(starts: list[int], lengths: list[int]) -> np.ndarray:
+    """Concatenated ranges [start, start + length) for each sequence."""
+    lengths_arr = np.asarray(lengths, np.int64)
+    firsts = np.cumsum(lengths_arr) - lengths_arr
+    offsets = np.arange(int(lengths_arr.sum())) - np.repeat(firsts, lengths_arr)
+    return (np.repeat(np.asarray(starts, np.int64), lengths_arr) + offsets).astype(np.int32)
+
+
+def _slots(block_tables: np.ndarray, seq_index: np.ndarray, positions: np.ndarray,
+           block_size: int) -> np.ndarray:
+    """KV slot of each (sequence, position): block_id * block_size + offset."""
+    return block_tables[seq_index, positions // block_size] * block_size + positions % block_size
+
+
+def _fill_block_tables(block_tables: np.ndarray, tables: list[list[int]]) -> None:
+    lengths = [len(t) for t in tables]
+    rows = np.repeat(np.arange(len(tables)), lengths)
+    cols = np.arange(sum(lengths)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    block_tables[rows, cols] = list(itertools.chain.from_iterable(tables))

@@ -9,7 +9,6 @@ from pathlib import Path
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-BACKENDS = ("jax", "torch")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -111,12 +110,11 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     attention_impl: str = "auto"
-    speculative_config: dict | None = None  # {"model": draft_dir, "num_speculative_tokens": k}
+    # {"model": draft_dir, "num_speculative_tokens": k, "adaptive": True}; see spec_decode.py
+    speculative_config: dict | None = None
 
     def validate(self, model_config: ModelConfig) -> None:
         """Check user-facing values; fill max_model_len from the model if unset."""
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend={self.backend!r} is unknown; use one of {BACKENDS}.")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is unsupported; use one of {DTYPES}.")
         if self.block_size not in (8, 16, 32):

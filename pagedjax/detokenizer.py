@@ -3,6 +3,7 @@
 Decoding a growing id list one token at a time is wrong for byte-level BPE: one character can span
 several tokens, and a lone token decodes to U+FFFD. We decode a short window ending at the new
 tokens and emit text only once it no longer ends in U+FFFD (vLLM's prefix/read offsets).
+Text is kept as a list of pieces, so a long completion grows in O(1) per token.
 """
 
 from __future__ import annotations
@@ -24,10 +25,17 @@ class IncrementalDetokenizer:
         self.token_ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.token_ids)
-        self.output_text = ""
+        self._pieces: list[str] = []
+        self.num_chars = 0
+
+    @property
+    def output_text(self) -> str:
+        if len(self._pieces) > 1:
+            self._pieces = ["".join(self._pieces)]
+        return self._pieces[0] if self._pieces else ""
 
     def append(self, new_token_ids: list[int]) -> str:
-        """Add tokens; return the text they completed (possibly empty) and extend output_text."""
+        """Add tokens; return the text they completed (possibly empty) and extend the text."""
         self.token_ids.extend(new_token_ids)
         if self.tokenizer is None:
             return ""
@@ -41,12 +49,29 @@ class IncrementalDetokenizer:
         delta = full[len(prefix) :]
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.token_ids)
-        self.output_text += delta
+        self._pieces.append(delta)
+        self.num_chars += len(delta)
         return delta
+
+    def tail(self, num_chars: int) -> str:
+        """The last num_chars characters of the text (fewer if it is shorter)."""
+        parts, size = [], 0
+        for piece in reversed(self._pieces):
+            if size >= num_chars:
+                break
+            parts.append(piece)
+            size += len(piece)
+        return "".join(reversed(parts))[-num_chars:] if num_chars else ""
+
+    def truncate(self, num_chars: int) -> None:
+        """Keep the first num_chars characters of the text."""
+        self._pieces = [self.output_text[:num_chars]]
+        self.num_chars = num_chars
 
     def fork(self) -> IncrementalDetokenizer:
         clone = copy.copy(self)
         clone.token_ids = list(self.token_ids)
+        clone._pieces = list(self._pieces)
         return clone
 
 

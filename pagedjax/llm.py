@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Sequence
@@ -11,7 +12,7 @@ from tqdm.auto import tqdm
 from pagedjax.config import EngineConfig
 from pagedjax.engine import LLMEngine, PromptType
 from pagedjax.outputs import RequestOutput
-from pagedjax.sampling_params import SamplingParams
+from pagedjax.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -53,6 +54,9 @@ class LLM:
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} SamplingParams for {len(prompts)} "
                              "prompts; pass one, or one per prompt.")
+        # One output per request, at its end: nothing is rebuilt step after step.
+        sampling_params = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
+                           for p in sampling_params]
         ids = [f"gen-{next(self._request_ids)}" for _ in prompts]
         added = []
         try:

@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5  # temperatures below this sample greedily, as in vLLM
 MAX_LOGPROBS = 20  # most top logprobs a request may ask for per token
+
+
+class RequestOutputKind(enum.Enum):
+    """What each RequestOutput of a running request carries (vLLM's names)."""
+
+    CUMULATIVE = 0  # everything generated so far
+    DELTA = 1  # only what is new since the previous output
+    FINAL_ONLY = 2  # nothing until the request finishes, then everything
 
 
 @dataclass
@@ -30,6 +39,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     _stop: tuple[str, ...] = field(init=False, repr=False, default=())
 
     def __post_init__(self) -> None:
@@ -65,6 +75,8 @@ class SamplingParams:
         _check(self.logprobs is None or (isinstance(self.logprobs, int)
                                          and 0 <= self.logprobs <= MAX_LOGPROBS),
                "logprobs", self.logprobs, f"None or an integer in [0, {MAX_LOGPROBS}]")
+        _check(isinstance(self.output_kind, RequestOutputKind), "output_kind", self.output_kind,
+               "a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY)")
 
     @property
     def is_greedy(self) -> bool:

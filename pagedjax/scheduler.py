@@ -6,6 +6,10 @@ a chunk of a long prompt, a decode token and a recompute after preemption are th
 Running sequences go first (oldest first); waiting ones are admitted FCFS after them. When the
 block pool is full the latest-arrived running sequence is preempted (its blocks freed, recomputed
 later), never the engine.
+
+With a draft model the engine asks for up to k drafts per sequence each step: the scheduler
+reserves their slots, lets the draft catch up on what it has not computed (within its own token
+budget), and after verification rolls rejected drafts back by bookkeeping.
 """
 
 from __future__ import annotations
@@ -14,36 +18,29 @@ import bisect
 from collections import deque
 from collections.abc import Callable
 
-import numpy as np
-
 from pagedjax.block_manager import BlockManager
 from pagedjax.scheduler_output import SampleSpec, ScheduledSequence, SchedulerOutput
 from pagedjax.sequence import Sequence, SequenceStatus
-
-# (sequence, its new token ids) -> finish reason and stop reason, or None to keep going.
-StopChecker = Callable[[Sequence, list[int]], tuple[str, int | str | None] | None]
+from pagedjax.stopping import StopChecker
 
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int,
                  max_num_batched_tokens: int, stop_checker: StopChecker,
-                 eos_token_ids: tuple[int, ...], new_seq_id: Callable[[], int],
-                 fork_seed: Callable[[Sequence, int], int],
-                 num_speculative_tokens: int = 0) -> None:
+                 new_seq_id: Callable[[], int], fork_seed: Callable[[Sequence, int], int],
+                 has_draft: bool = False) -> None:
         self.block_manager = block_manager
-        self.eos_token_ids = eos_token_ids
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.stop_checker = stop_checker
         self.new_seq_id = new_seq_id
         self.fork_seed = fork_seed
+        self.has_draft = has_draft  # a draft model shares the pool: track its KV progress
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # sorted by arrival
         self.seqs: dict[int, Sequence] = {}  # every live sequence, forked children included
         self.num_preemptions_total = 0
         self.num_generation_tokens_total = 0
-        self.num_speculative_tokens = num_speculative_tokens
-        self.spec_metrics = SpecDecodeMetrics(num_speculative_tokens)
 
     # ---- bookkeeping -------------------------------------------------------------------------
 
@@ -59,8 +56,14 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
-        """Mark seq finished, release its blocks and drop it from the queues."""
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None,
+               num_output_tokens: int | None = None) -> None:
+        """Mark seq finished, release its blocks and drop it from the queues; with
+        num_output_tokens, drop the tokens after that many (a stop string ended it there)."""
+        if num_output_tokens is not None:
+            excess = seq.num_output_tokens - num_output_tokens
+            del seq.token_ids[seq.num_prompt_tokens + num_output_tokens :]
+            self.num_generation_tokens_total -= excess
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         self.block_manager.free(seq.seq_id)
@@ -78,11 +81,15 @@ class Scheduler:
 
     # ---- schedule ----------------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
-        step = SchedulerOutput([], [], [], 0)
+    def schedule(self, num_spec_tokens: int = 0) -> SchedulerOutput:
+        """This step's batch; with num_spec_tokens k > 0, up to k draft slots per sequence."""
+        assert not num_spec_tokens or self.has_draft
+        step = SchedulerOutput([], [], [], 0, num_spec_tokens)
+        self._draft_budget = self.max_num_batched_tokens if num_spec_tokens else 0
         self._schedule_running(step)
         if not step.preempted_seq_ids:
             self._schedule_waiting(step)
+        step.num_spec_tokens = max((e.num_spec_tokens for e in step.scheduled), default=0)
         return step
 
     def _budget(self, step: SchedulerOutput) -> int:
@@ -102,7 +109,7 @@ class Scheduler:
                and len(step.scheduled) < self.max_num_seqs):
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, self._budget(step))
-            num_spec = self._num_spec_tokens(seq, num_new, self._budget(step))
+            num_spec = self._num_spec_tokens(step, seq, seq.num_computed_tokens, num_new)
             allocated = self._allocate_or_preempt(seq, num_new, num_spec, step.preempted_seq_ids)
             if allocated is None:
                 break  # seq itself was preempted: nothing after it runs either
@@ -116,29 +123,33 @@ class Scheduler:
             hits = self.block_manager.get_computed_blocks(seq.token_ids)
             num_computed = len(hits) * self.block_manager.block_size
             num_new = min(seq.num_tokens - num_computed, self._budget(step))
-            num_spec = self._num_spec_tokens(seq, num_new, self._budget(step), num_computed)
+            num_spec = self._num_spec_tokens(step, seq, num_computed, num_new, 0)
             allocated = self._allocate_with_drafts(seq, num_computed, num_new, num_spec, hits)
             if allocated is None:
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
             if seq.num_output_tokens == 0:
                 seq.num_cached_tokens = num_computed
-            seq.num_computed_tokens = seq.num_draft_computed_tokens = num_computed
+            # Cached blocks hold the target's KV; the draft's may be missing: it recomputes.
+            seq.num_computed_tokens, seq.num_draft_computed_tokens = num_computed, 0
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.arrival)
             self._add(step, seq, num_new, *allocated)
 
-    def _num_spec_tokens(self, seq: Sequence, num_new: int, budget: int,
-                         num_computed: int | None = None) -> int:
-        """Draft slots for seq this step: only once its last real token is computed, within the
-        budget and what max_tokens leaves, and never while forking or below min_tokens."""
-        computed = seq.num_computed_tokens if num_computed is None else num_computed
-        if (not self.num_speculative_tokens or computed + num_new < seq.num_tokens
-                or seq.num_pending_forks
-                or seq.num_output_tokens < seq.sampling_params.min_tokens):
+    def _num_spec_tokens(self, step: SchedulerOutput, seq: Sequence, num_computed: int,
+                         num_new: int, num_draft_computed: int | None = None) -> int:
+        """Draft slots for seq this step: only once its last real token is computed and the
+        draft can catch up to it, within the budget and what max_tokens leaves, and never while
+        forking or below min_tokens."""
+        end_pos = num_computed + num_new
+        if num_draft_computed is None:
+            num_draft_computed = seq.num_draft_computed_tokens
+        if (not step.num_spec_tokens or end_pos < seq.num_tokens or seq.num_pending_forks
+                or seq.num_output_tokens < seq.sampling_params.min_tokens
+                or end_pos - num_draft_computed > self._draft_budget):
             return 0
         remaining = seq.max_tokens - seq.num_output_tokens - 1
-        return max(0, min(self.num_speculative_tokens, budget - num_new, remaining))
+        return max(0, min(step.num_spec_tokens, self._budget(step) - num_new, remaining))
 
     def _allocate_with_drafts(self, seq: Sequence, num_computed: int, num_new: int,
                               num_spec: int, hits: list[int] | tuple = ()
@@ -167,25 +178,33 @@ class Scheduler:
 
     def _scheduled(self, seq: Sequence, num_new: int, num_spec: int) -> ScheduledSequence:
         start = seq.num_computed_tokens
+        end = start + num_new
         entry = ScheduledSequence(
             seq_id=seq.seq_id,
-            token_ids=seq.token_ids[start : start + num_new],
+            token_ids=seq.token_ids[start:end],
             start_pos=start,
             block_table=list(self.block_manager.get_block_table(seq.seq_id)),
             num_spec_tokens=num_spec,
+            draft_start_pos=seq.num_draft_computed_tokens,
         )
-        if start + num_new == seq.num_tokens:  # caught up: its last position yields a token
-            entry.samples = [self._sample_spec(s) for s in [seq, *self._fork_pending(seq)]]
+        if self._draft_budget:  # the draft runs this step: it catches up as far as it may
+            num_catch_up = min(end - entry.draft_start_pos, self._draft_budget)
+            entry.draft_token_ids = seq.token_ids[entry.draft_start_pos :
+                                                  entry.draft_start_pos + num_catch_up]
+            self._draft_budget -= num_catch_up
+        if end == seq.num_tokens:  # caught up: its last position yields a token
+            entry.samples = [self._sample_spec(s)
+                             for s in [seq, *self._fork_pending(seq, entry.draft_end_pos)]]
         return entry
 
-    def _fork_pending(self, seq: Sequence) -> list[Sequence]:
+    def _fork_pending(self, seq: Sequence, num_draft_computed: int) -> list[Sequence]:
         """Siblings of an n > 1 request share the prompt's blocks (copy-on-write later)."""
         children = []
         for k in range(seq.num_pending_forks):
             index = seq.index + 1 + k
             child = seq.fork(self.new_seq_id(), index, self.fork_seed(seq, index))
-            # The draft's catch-up this step writes the shared blocks once, for every sibling.
-            child.num_draft_computed_tokens = seq.num_tokens
+            # The shared blocks hold the draft's KV as far as this step's catch-up takes it.
+            child.num_draft_computed_tokens = num_draft_computed
             self.block_manager.fork(seq.seq_id, child.seq_id)
             self.seqs[child.seq_id] = child
             bisect.insort(self.running, child, key=lambda s: s.arrival)
@@ -199,93 +218,50 @@ class Scheduler:
         if seq.num_output_tokens < params.min_tokens:
             banned = list(params.stop_token_ids)
             if not params.ignore_eos:
-                banned += self.eos_token_ids
+                banned += self.stop_checker.eos_token_ids
         return SampleSpec(seq.seq_id, params, seq.rng_seed, seq.num_output_tokens, banned)
 
     # ---- update ------------------------------------------------------------------------------
 
-    def update(self, output: SchedulerOutput, sampled: list[list[int]],
-               logprobs: list[list[dict[int, float]] | None]) -> list[Sequence]:
+    def update(self, output: SchedulerOutput, sampled: dict[int, list[int]]) -> list[Sequence]:
         """Advance computed counts, append sampled tokens, finish and free what stopped.
 
-        sampled[r] / logprobs[r] belong to the r-th SampleSpec in batch order (a list per spec:
-        one token normally, several when speculative tokens were accepted). Returns every
-        sequence that received tokens.
+        sampled: seq id → the tokens its row produced (one normally; its accepted drafts and a
+        recovered or bonus token with speculation). Returns every sequence that got tokens.
         """
         touched: list[Sequence] = []
-        row = 0
         for entry in output.scheduled:
-            self.seqs[entry.seq_id].num_computed_tokens = entry.end_pos
+            seq = self.seqs[entry.seq_id]
+            seq.num_computed_tokens = entry.end_pos
+            if entry.draft_token_ids:  # the draft computed its catch-up and drafts 1..k-1
+                seq.num_draft_computed_tokens = entry.draft_end_pos + max(
+                    entry.num_spec_tokens - 1, 0)
             for spec in entry.samples:
-                seq, tokens = self.seqs[spec.seq_id], sampled[row]
-                num_accepted = len(tokens) - 1  # drafts kept; the last token is recovered/bonus
-                seq.num_computed_tokens = entry.end_pos + num_accepted  # rejected: rolled back
-                if spec.seq_id == entry.seq_id:
-                    self.spec_metrics.record(len(entry.spec_token_ids), num_accepted)
-                self._append(seq, tokens, logprobs[row])
+                seq = self.seqs[spec.seq_id]
+                tokens = sampled[spec.seq_id]
+                # Drafts kept; the last token is recovered or bonus. Rejected: rolled back.
+                seq.num_computed_tokens = entry.end_pos + len(tokens) - 1
+                self._append(seq, tokens)
                 touched.append(seq)
-                row += 1
         for seq in touched:
             if not seq.is_finished:
                 self._release_rejected_slots(seq)
         return touched
 
     def _release_rejected_slots(self, seq: Sequence) -> None:
-        """Blocks past the new length go back to the pool; full blocks whose KV both models
+        """Blocks past the new length go back to the pool; full blocks whose KV the target
         computed enter the prefix cache."""
         computed = seq.num_computed_tokens
-        if self.num_speculative_tokens:
+        if self.has_draft:
             seq.num_draft_computed_tokens = min(seq.num_draft_computed_tokens, computed)
-            computed = seq.num_draft_computed_tokens
             self.block_manager.truncate(seq.seq_id, seq.num_tokens)
         self.block_manager.cache_blocks(seq.seq_id, seq.token_ids, computed)
 
-    def _append(self, seq: Sequence, token_ids: list[int],
-                logprobs: list[dict[int, float]] | None) -> None:
-        for k, token in enumerate(token_ids):
+    def _append(self, seq: Sequence, token_ids: list[int]) -> None:
+        for token in token_ids:
             seq.token_ids.append(token)
             self.num_generation_tokens_total += 1
-            if logprobs is not None:
-                seq.cumulative_logprob += logprobs[k][token]
-                if seq.logprobs is not None:
-                    seq.logprobs.append(logprobs[k])
-            stop = self.stop_checker(seq, [token])
+            stop = self.stop_checker(seq, token)
             if stop is not None:
                 self.finish(seq, *stop)
                 return
-
-
-class SpecDecodeMetrics:
-    """Draft tokens proposed and accepted, in total and per draft position."""
-
-    def __init__(self, num_speculative_tokens: int) -> None:
-        self.num_draft_tokens = 0
-        self.num_accepted_tokens = 0
-        self.num_drafts_per_pos = [0] * num_speculative_tokens
-        self.num_accepted_per_pos = [0] * num_speculative_tokens
-
-    def record(self, num_drafts: int, num_accepted: int) -> None:
-        self.num_draft_tokens += num_drafts
-        self.num_accepted_tokens += num_accepted
-        for j in range(num_drafts):
-            self.num_drafts_per_pos[j] += 1
-            self.num_accepted_per_pos[j] += j < num_accepted
-
-    def as_dict(self) -> dict:
-        return {
-            "spec_decode_num_draft_tokens": self.num_draft_tokens,
-            "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
-            # verifications that carried at least one draft
-            "spec_decode_num_verifications": self.num_drafts_per_pos[0] if self.num_drafts_per_pos
-            else 0,
-            "spec_decode_acceptance_per_position": [
-                a / d if d else 0.0
-                for a, d in zip(self.num_accepted_per_pos, self.num_drafts_per_pos)],
-        }
-
-
-def sampled_rows(token_ids: np.ndarray) -> list[list[int]]:
-    """[L] or [L, k+1] (padded with -1) sampled ids → a list of token lists per row."""
-    if token_ids.ndim == 1:
-        return [[int(t)] for t in token_ids]
-    return [[int(t) for t in row if t >= 0] for row in token_ids]

@@ -25,14 +25,16 @@ class ScheduledSequence:
     seq_id: int
     token_ids: list[int]  # tokens whose KV this step computes (num_new_tokens of them)
     start_pos: int  # position of token_ids[0] == num_computed_tokens before the step
-    block_table: list[int]  # block ids covering start_pos + len(token_ids) slots
+    block_table: list[int]  # block ids covering end_pos + num_spec_tokens slots
     # Completions that sample from this sequence's last position: empty while a chunked prefill
     # is still behind, [itself] normally, itself + its siblings on the step a fork happens.
     samples: list[SampleSpec] = field(default_factory=list)
-    # Speculative decoding: draft slots reserved for this step, and the drafts the proposer put
-    # there; the target verifies them after token_ids (the draft tokens are not in token_ids).
+    # Speculative decoding: slots reserved after the real tokens for the drafts the runner
+    # proposes on the device, and the tokens the draft model catches up on first (from its own
+    # progress, draft_start_pos, to end_pos; empty when the draft does not run for it).
     num_spec_tokens: int = 0
-    spec_token_ids: list[int] = field(default_factory=list)
+    draft_start_pos: int = 0
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_new_tokens(self) -> int:
@@ -44,9 +46,9 @@ class ScheduledSequence:
         return self.start_pos + len(self.token_ids)
 
     @property
-    def kv_len(self) -> int:
-        """Context length the target attends to this step (drafts included)."""
-        return self.end_pos + len(self.spec_token_ids)
+    def draft_end_pos(self) -> int:
+        """Position the draft model has computed up to after its catch-up."""
+        return self.draft_start_pos + len(self.draft_token_ids)
 
 
 @dataclass
@@ -56,7 +58,8 @@ class SchedulerOutput:
     scheduled: list[ScheduledSequence]  # in batch order (running first, then admitted)
     block_copies: list[tuple[int, int]]  # (src, dst) copy-on-write block copies, before the forward
     preempted_seq_ids: list[int]  # sequences sent back to waiting (recompute) this step
-    num_batched_tokens: int  # sum of num_new_tokens
+    num_batched_tokens: int  # sum of num_new_tokens and draft slots
+    num_spec_tokens: int = 0  # K: the most drafts any sequence proposes this step (0: no draft)
 
     @property
     def is_empty(self) -> bool:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from pagedjax.detokenizer import IncrementalDetokenizer
 from pagedjax.sampling_params import SamplingParams
 
 
@@ -32,14 +31,11 @@ class Sequence:
     sampling_params: SamplingParams
     max_tokens: int  # sampling_params.max_tokens, or what max_model_len leaves
     rng_seed: int  # uint32 stream of this completion's random numbers
-    detokenizer: IncrementalDetokenizer
     num_pending_forks: int = 0  # siblings to fork off once the prompt is computed (n > 1)
     num_computed_tokens: int = 0
     num_draft_computed_tokens: int = 0  # the draft model's KV progress (speculative decoding)
     num_cached_tokens: int = 0  # prompt tokens that came from the prefix cache at admission
     status: SequenceStatus = SequenceStatus.WAITING
-    cumulative_logprob: float = 0.0
-    logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
 
@@ -50,14 +46,6 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
-
-    @property
-    def prompt_token_ids(self) -> list[int]:
-        return self.token_ids[: self.num_prompt_tokens]
 
     @property
     def is_finished(self) -> bool:
@@ -75,11 +63,8 @@ class Sequence:
             sampling_params=self.sampling_params,
             max_tokens=self.max_tokens,
             rng_seed=rng_seed,
-            detokenizer=self.detokenizer.fork(),
             num_computed_tokens=self.num_computed_tokens,
             num_draft_computed_tokens=self.num_draft_computed_tokens,
             num_cached_tokens=self.num_cached_tokens,
             status=self.status,
-            cumulative_logprob=self.cumulative_logprob,
-            logprobs=None if self.logprobs is None else list(self.logprobs),
         )

@@ -1,50 +1,57 @@
-"""Speculative decoding: a small draft model proposes, the target verifies in one ragged pass.
+"""Speculative decoding: its configuration, its metrics, and how many drafts to propose.
 
-Draft and target share one BlockManager and one block table per sequence; each runner keeps its
-own KV cache indexed by the same block ids. Each step, before the target runs:
+Draft and target share one BlockManager and one block table per sequence; the runner keeps a KV
+cache per model indexed by the same block ids and runs the whole speculative step on the device
+(draft catch-up, k draft steps, one ragged target pass over k + 1 positions per sequence, exact
+rejection sampling). The core only reserves draft slots and rolls back rejected ones.
 
-1. the draft catches up on the tokens it has not computed (the target's new tokens, plus the
-   last draft when all were accepted) and proposes draft 1 from its last position;
-2. k - 1 single-token draft passes propose drafts 2..k;
-
-then the target computes its new tokens and the k drafts, and the rejection sampler keeps the
-target's distribution exactly (Leviathan et al. 2023). Rejected drafts roll back by bookkeeping
-(`num_computed_tokens`); the draft's q distributions never leave the device.
+`AdaptiveSpeculation` picks k (0..num_speculative_tokens) each step: the k that maximises the
+expected tokens per second, from the measured acceptance per draft position and the measured step
+time at the current batch size, so speculation that does not pay is switched off (k = 0).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pagedjax.batch import build_model_input
-from pagedjax.random import derive_seed
-from pagedjax.scheduler_output import SampleSpec, ScheduledSequence, SchedulerOutput
-from pagedjax.sequence import Sequence
+from pagedjax.batch import bucket
+from pagedjax.scheduler_output import SchedulerOutput
 
-_DRAFT_STREAM = 0x0D8AF7  # the draft samples from its own random stream
+_KEYS = ("model", "num_speculative_tokens", "method", "adaptive")
+_METHODS = ("draft_model",)
+MAX_SPECULATIVE_TOKENS = 16
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     model: str  # draft checkpoint directory
-    num_speculative_tokens: int  # k: drafts proposed per sequence and step
+    num_speculative_tokens: int  # k: the most drafts proposed per sequence and step
+    adaptive: bool = True  # pick k per step from measurements; False: always k
 
     @classmethod
     def from_dict(cls, config: dict) -> SpeculativeConfig:
-        unknown = set(config) - {"model", "num_speculative_tokens"}
+        unknown = set(config) - set(_KEYS)
         if unknown or "model" not in config:
-            raise ValueError(f"speculative_config={config!r} must be "
-                             "{'model': DRAFT_DIR, 'num_speculative_tokens': k}.")
-        k = config.get("num_speculative_tokens", 3)
-        if not isinstance(k, int) or not 1 <= k <= 16:
-            raise ValueError(f"num_speculative_tokens={k!r} must be an integer in [1, 16].")
+            raise ValueError(f"speculative_config={config!r}: expected the keys {_KEYS} "
+                             "with at least 'model' (a draft checkpoint directory).")
+        method = config.get("method", "draft_model")
+        if method not in _METHODS:
+            raise ValueError(f"speculative_config method={method!r} is not supported; use one of "
+                             f"{_METHODS}.")
+        k = config.get("num_speculative_tokens", 4)
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens={k!r} must be an integer in "
+                             f"[1, {MAX_SPECULATIVE_TOKENS}].")
+        adaptive = config.get("adaptive", True)
+        if not isinstance(adaptive, bool):
+            raise ValueError(f"speculative_config adaptive={adaptive!r} must be True or False.")
         if not (Path(config["model"]) / "config.json").is_file():
             raise ValueError(f"speculative model={config['model']!r} is not a Hugging Face "
                              "checkpoint directory (no config.json).")
-        return cls(str(config["model"]), k)
+        return cls(str(config["model"]), k, adaptive)
 
     def check_vocabulary(self, target_dir: str, target_tokenizer: Any, draft_tokenizer: Any,
                          target_vocab_size: int, draft_vocab_size: int) -> None:
@@ -64,57 +71,124 @@ def read_vocab_size(model_dir: str) -> int:
     return json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
 
 
-class DraftProposer:
-    """Runs the draft runner for one scheduled step and fills each entry's spec_token_ids."""
+def verified_drafts(out: SchedulerOutput, sampled: dict[int, list[int]]) -> list[tuple[int, int]]:
+    """(drafts proposed, drafts accepted) of each sequence that drafted this step."""
+    return [(e.num_spec_tokens, len(sampled[e.seq_id]) - 1)
+            for e in out.scheduled if e.num_spec_tokens]
 
-    def __init__(self, runner: Any, *, block_size: int, max_blocks_per_seq: int) -> None:
-        self.runner = runner
-        self.block_size = block_size
-        self.max_blocks_per_seq = max_blocks_per_seq
 
-    def propose(self, out: SchedulerOutput,
-                seqs: dict[int, Sequence]) -> tuple[list[Any], dict[int, list[int]]]:
-        """Returns the draft's q per pass (device handles) and, per sequence, its row in each."""
-        passes: list[Any] = []
-        draft_rows: dict[int, list[int]] = {}
-        num_passes = max((e.num_spec_tokens for e in out.scheduled), default=0)
-        for j in range(max(num_passes, 1)):
-            entries = self._pass_entries(out, seqs, j)
-            step = SchedulerOutput(entries, out.block_copies if j == 0 else [], [], 0)
-            result = self.runner.execute(build_model_input(
-                step, block_size=self.block_size, max_blocks_per_seq=self.max_blocks_per_seq,
-                return_probs=num_passes > 0))
-            passes.append(result.probs)
-            row = 0
-            for draft_entry, entry in zip(entries, self._proposing(out, j)):
-                seqs[entry.seq_id].num_draft_computed_tokens = draft_entry.end_pos
-                if draft_entry.samples:
-                    entry.spec_token_ids.append(int(result.sampled_token_ids[row]))
-                    draft_rows.setdefault(entry.seq_id, []).append(row)
-                    row += 1
-        return passes, draft_rows
+class SpecDecodeMetrics:
+    """Draft tokens proposed and accepted, in total and per draft position."""
 
-    @staticmethod
-    def _proposing(out: SchedulerOutput, j: int) -> list[ScheduledSequence]:
-        """Pass 0 runs every scheduled sequence (to catch up); pass j > 0 those drafting > j."""
-        return [e for e in out.scheduled if j == 0 or e.num_spec_tokens > j]
+    def __init__(self, num_speculative_tokens: int) -> None:
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.num_drafts_per_pos = [0] * num_speculative_tokens
+        self.num_accepted_per_pos = [0] * num_speculative_tokens
 
-    def _pass_entries(self, out: SchedulerOutput, seqs: dict[int, Sequence],
-                      j: int) -> list[ScheduledSequence]:
-        entries = []
-        for e in self._proposing(out, j):
-            seq = seqs[e.seq_id]
-            samples = [self._sample(seq, j)] if e.num_spec_tokens > j else []
-            if j == 0:
-                start = seq.num_draft_computed_tokens
-                token_ids = seq.token_ids[start : e.end_pos]
-            else:
-                start, token_ids = e.end_pos + j - 1, e.spec_token_ids[-1:]
-            entries.append(ScheduledSequence(e.seq_id, token_ids, start, e.block_table, samples))
-        return entries
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        for j in range(num_drafts):
+            self.num_drafts_per_pos[j] += 1
+            self.num_accepted_per_pos[j] += j < num_accepted
 
-    @staticmethod
-    def _sample(seq: Sequence, j: int) -> SampleSpec:
-        return SampleSpec(seq.seq_id, seq.sampling_params,
-                          derive_seed(seq.rng_seed, _DRAFT_STREAM),
-                          seq.num_output_tokens + j, banned_token_ids=[])
+    def as_dict(self) -> dict:
+        return {
+            "spec_decode_num_draft_tokens": self.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
+            # verifications that carried at least one draft
+            "spec_decode_num_verifications": self.num_drafts_per_pos[0],
+            # position j: the share of verifications with > j drafts whose first j + 1 were kept
+            "spec_decode_acceptance_per_position": [
+                a / d if d else 0.0
+                for a, d in zip(self.num_accepted_per_pos, self.num_drafts_per_pos)],
+        }
+
+
+@dataclass
+class _BatchCosts:
+    """Measured seconds per decode step at one batch-size bucket, per k (EMA)."""
+
+    seconds: dict[int, float] = field(default_factory=dict)
+    num_choices: int = 0
+    last_probe: int = 1  # direction of the last neighbour probe
+
+
+class AdaptiveSpeculation:
+    """Chooses k per step: argmax over k of E(k) / t(k), where E(k) = 1 + sum_{j<k} a_j are the
+    expected tokens per sequence (a_j: chance that the first j + 1 drafts are accepted, an EMA)
+    and t(k) the measured decode step time at this batch size (interpolated where unmeasured).
+
+    Each batch size first measures k = max and k = 0; every PROBE_EVERY steps it re-measures a
+    neighbour of the current best, so the estimates follow the workload.
+    """
+
+    EMA = 0.2  # weight of a new step-time sample
+    ACCEPTANCE_DECAY = 0.995  # per observed step: acceptance follows the recent workload
+    PROBE_EVERY = 32
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.max_k = config.num_speculative_tokens
+        self.adaptive = config.adaptive
+        self.metrics = SpecDecodeMetrics(self.max_k)
+        self.k = self.max_k  # the latest choice
+        self._drafted = [0.0] * self.max_k
+        self._accepted = [0.0] * self.max_k
+        self._costs: dict[int, _BatchCosts] = {}
+
+    def choose(self, num_seqs: int) -> int:
+        """k for a step that will run about num_seqs sequences."""
+        if not self.adaptive:
+            return self.max_k
+        costs = self._costs.setdefault(bucket(num_seqs), _BatchCosts())
+        costs.num_choices += 1
+        for k in (self.max_k, 0):  # measure both ends first
+            if k not in costs.seconds:
+                self.k = k
+                return k
+        best = max(range(self.max_k + 1), key=lambda k: self._score(costs, k))
+        if costs.num_choices % self.PROBE_EVERY == 0:
+            costs.last_probe = -costs.last_probe
+            best = min(max(best + costs.last_probe, 0), self.max_k)
+        self.k = best
+        return best
+
+    def observe(self, out: SchedulerOutput, sampled: dict[int, list[int]], seconds: float,
+                timed: bool) -> None:
+        """Record a step: its drafts' fate, and (timed: a decode step that compiled nothing)
+        its wall time under the k it ran with."""
+        for num_drafts, num_accepted in verified_drafts(out, sampled):
+            self.metrics.record(num_drafts, num_accepted)
+            for j in range(num_drafts):
+                self._drafted[j] = self._drafted[j] * self.ACCEPTANCE_DECAY + 1
+                self._accepted[j] = self._accepted[j] * self.ACCEPTANCE_DECAY + (j < num_accepted)
+        if timed and self.adaptive:
+            costs = self._costs.setdefault(bucket(len(out.scheduled)), _BatchCosts())
+            k, old = out.num_spec_tokens, costs.seconds.get(out.num_spec_tokens)
+            costs.seconds[k] = seconds if old is None else old + self.EMA * (seconds - old)
+
+    def expected_tokens(self, k: int) -> float:
+        """Tokens per sequence and step with k drafts: 1 + sum_{j<k} P(first j + 1 accepted)."""
+        total, rate = 1.0, 1.0
+        for j in range(k):
+            if self._drafted[j] > 0:
+                rate = self._accepted[j] / self._drafted[j]
+            total += rate  # unmeasured positions: as the last measured one
+        return total
+
+    def _score(self, costs: _BatchCosts, k: int) -> float:
+        return self.expected_tokens(k) / _interpolate(costs.seconds, k)
+
+    def as_dict(self) -> dict:
+        return {**self.metrics.as_dict(), "spec_decode_num_speculative_tokens": self.k}
+
+
+def _interpolate(seconds: dict[int, float], k: int) -> float:
+    """t(k): measured, else linear between the nearest measured k on either side."""
+    if k in seconds:
+        return seconds[k]
+    below = max(x for x in seconds if x < k)
+    above = min(x for x in seconds if x > k)
+    w = (k - below) / (above - below)
+    return seconds[below] * (1 - w) + seconds[above] * w

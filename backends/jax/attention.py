@@ -9,12 +9,14 @@ from pagedjax.kernels_pallas.reference import (
     ragged_paged_attention_reference,
     write_kv_reference,
 )
+from pagedjax.kernels_pallas.tiled_attention import ragged_paged_attention_tiled
 
-ATTENTION_IMPLS = ("auto", "pallas", "reference")
+ATTENTION_IMPLS = ("auto", "pallas", "tiled", "reference")
 
 
 def resolve_attention(attention_impl: str) -> tuple[AttentionFn, WriteKVFn, str]:
-    """"auto" is the Pallas kernel on GPU and the jnp reference on CPU (interpret mode is slow).
+    """"auto" is the Pallas kernel on GPU and the tiled jnp version on CPU (interpret mode is
+    slow; benchmarks/cpu_attention.py compares it with the reference).
 
     Returns (attention_fn, write_kv_fn, resolved name).
     """
@@ -22,7 +24,9 @@ def resolve_attention(attention_impl: str) -> tuple[AttentionFn, WriteKVFn, str]
         raise ValueError(f"attention_impl={attention_impl!r} is unknown; use one of "
                          f"{ATTENTION_IMPLS}.")
     if attention_impl == "auto":
-        attention_impl = "reference" if jax.default_backend() == "cpu" else "pallas"
+        attention_impl = "tiled" if jax.default_backend() == "cpu" else "pallas"
+    if attention_impl == "tiled":
+        return ragged_paged_attention_tiled, write_kv_reference, "tiled"
     if attention_impl == "reference":
         return ragged_paged_attention_reference, write_kv_reference, "reference"
     from pagedjax.kernels_pallas import ragged_paged_attention, write_kv

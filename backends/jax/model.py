@@ -27,10 +27,11 @@ class AttentionMetadata(NamedTuple):
     block_tables: jax.Array  # [S, M] int32
     rope_cos: jax.Array  # [max_model_len, D] float32
     rope_sin: jax.Array  # [max_model_len, D] float32
+    decode: bool = False  # static: one query token per sequence, T == S (attention's fast path)
 
 
 # (q [T, Hq, D], k_cache, v_cache, kv_lens, block_tables, query_start_loc, *, sm_scale,
-#  sliding_window) -> [T, Hq, D]
+#  sliding_window, decode) -> [T, Hq, D]
 AttentionFn = Callable[..., jax.Array]
 # (k [T, Hkv, D], v [T, Hkv, D], k_cache, v_cache, slot_mapping) -> (k_cache, v_cache)
 WriteKVFn = Callable[..., KVCache]
@@ -46,6 +47,16 @@ class RMSNorm(nn.Module):
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         return weight * x32.astype(self.dtype)
+
+
+def matmul_precision(dtype: jnp.dtype) -> jax.lax.Precision | None:
+    """float32 means float32: NVIDIA GPUs would otherwise round matmul inputs to TF32."""
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
+def dense(features: int, name: str, dtype: jnp.dtype, bias: bool = False) -> nn.Dense:
+    return nn.Dense(features, use_bias=bias, dtype=dtype, param_dtype=dtype,
+                    precision=matmul_precision(dtype), name=name)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -69,9 +80,7 @@ class Attention(nn.Module):
         d, hq, hkv = cfg.head_dim, cfg.num_q_heads, cfg.num_kv_heads
 
         def proj(name: str, heads: int, bias: bool) -> jax.Array:
-            dense = nn.Dense(heads * d, use_bias=bias, dtype=self.dtype, param_dtype=self.dtype,
-                             name=name)
-            return dense(x).reshape(num_tokens, heads, d)
+            return dense(heads * d, name, self.dtype, bias)(x).reshape(num_tokens, heads, d)
 
         q = proj("q_proj", hq, cfg.attention_bias)  # [T, Hq, D]
         k = proj("k_proj", hkv, cfg.attention_bias)  # [T, Hkv, D]
@@ -81,9 +90,8 @@ class Attention(nn.Module):
         k_cache, v_cache = self.write_kv_fn(k, v, *kv_cache, meta.slot_mapping)
         out = self.attention_fn(q, k_cache, v_cache, meta.kv_lens, meta.block_tables,
                                 meta.query_start_loc, sm_scale=d**-0.5,
-                                sliding_window=cfg.sliding_window)  # [T, Hq, D]
-        out = nn.Dense(cfg.hidden_size, use_bias=False, dtype=self.dtype, param_dtype=self.dtype,
-                       name="o_proj")(out.reshape(num_tokens, hq * d))
+                                sliding_window=cfg.sliding_window, decode=meta.decode)  # [T, Hq, D]
+        out = dense(cfg.hidden_size, "o_proj", self.dtype)(out.reshape(num_tokens, hq * d))
         return out, (k_cache, v_cache)
 
 
@@ -93,13 +101,9 @@ class MLP(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        def dense(features: int, name: str) -> nn.Dense:
-            return nn.Dense(features, use_bias=False, dtype=self.dtype, param_dtype=self.dtype,
-                            name=name)
-
-        inter = self.config.intermediate_size
-        gate, up = dense(inter, "gate_proj")(x), dense(inter, "up_proj")(x)
-        return dense(self.config.hidden_size, "down_proj")(nn.silu(gate) * up)
+        inter, dtype = self.config.intermediate_size, self.dtype
+        gate, up = dense(inter, "gate_proj", dtype)(x), dense(inter, "up_proj", dtype)(x)
+        return dense(self.config.hidden_size, "down_proj", dtype)(nn.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -142,8 +146,7 @@ class LlamaForCausalLM(nn.Module):
             new_caches.append(cache)
         x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="norm")(x[logits_indices])  # [L, H]
         if cfg.tie_word_embeddings:
-            logits = embed.attend(x)
+            logits = jnp.dot(x, embed.embedding.T, precision=matmul_precision(self.dtype))
         else:
-            logits = nn.Dense(cfg.vocab_size, use_bias=False, dtype=self.dtype,
-                              param_dtype=self.dtype, name="lm_head")(x)
+            logits = dense(cfg.vocab_size, "lm_head", self.dtype)(x)
         return logits.astype(jnp.float32), new_caches  # [L, V]

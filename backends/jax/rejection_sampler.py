@@ -43,13 +43,14 @@ def sampling_probs(logits: jax.Array, sampling: dict, *, all_greedy: bool,
 
 
 def rejection_sample(target_logits: jax.Array, draft_token_ids: jax.Array,
-                     draft_probs: jax.Array, num_draft_tokens: jax.Array, sampling: dict, *,
-                     all_greedy: bool, use_filters: bool) -> tuple[jax.Array, jax.Array]:
+                     draft_probs: jax.Array | None, num_draft_tokens: jax.Array, sampling: dict,
+                     *, all_greedy: bool, use_filters: bool) -> tuple[jax.Array, jax.Array]:
     """Verify each row's drafts against the target; jit-compatible (K, V static from shapes).
 
     target_logits    [L, K+1, V] float32: position j scores draft j; j = k is the bonus position
     draft_token_ids  [L, K] int32, valid for j < num_draft_tokens[l] (anything, e.g. -1, after)
     draft_probs      [L, K, V] float32: q_j, the draft's sampling distribution for draft j
+                     (unused, may be None, when all_greedy)
     num_draft_tokens [L] int32 in [0, K]
     sampling         [L] arrays as in the sampler; banned_* pairs, if present, ban at every
                      position of their row (the scheduler never drafts under min_tokens)

@@ -1,22 +1,19 @@
-"""Host→device uploads (pinned buffers on CUDA) and CUDA graphs of decode forwards.
+"""Host→device uploads (pinned buffers on CUDA) and CUDA graphs of whole steps.
 
 UNVERIFIED on a GPU: written without one at hand. CPU runs only use HostToDevice's CPU branch
-(which shares the NumPy arrays' memory); DecodeGraphs and the pinned path are CUDA-only.
+(which shares the NumPy arrays' memory); StepGraphs and the pinned path are CUDA-only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable
 
 import numpy as np
 import torch
 
-from pagedjax.batch import ModelInput
-
 
 class HostToDevice:
-    """NumPy → device tensors. On CUDA through pinned staging buffers (one per field, grown on
+    """NumPy → device tensors. On CUDA through pinned staging buffers (one per name, grown on
     demand, reused every step) and non_blocking copies; on CPU the array's memory is shared.
 
     Reusing a staging buffer is safe: every step ends by synchronising on its sampled tokens, so
@@ -46,85 +43,46 @@ class HostToDevice:
         return buf[: src.numel()].view(src.shape).copy_(src)
 
 
-@dataclass
-class StaticBatch:
-    """A decode graph's input buffers: fixed addresses, refilled before every replay.
+# (ints [I] int32, floats [F] float32) on the device -> the step's output tensors
+StepFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor | None, ...]]
 
-    Zero-filled with slot -1 everywhere, it is all padding: a capture run writes and reads nothing.
+
+class StepGraphs:
+    """Whole steps (draft loop, target pass, sampling) replayed from CUDA graphs, captured
+    lazily, one per key (the step's BatchLayout and launch bounds). A graph reads the packed
+    inputs from two fixed device buffers, refilled before each replay; its outputs are views of
+    the graph's own buffers, valid until the next replay.
     """
 
-    input_ids: torch.Tensor  # [T] int32
-    positions: torch.Tensor  # [T] int32
-    slot_mapping: torch.Tensor  # [T] int32
-    query_start_loc: torch.Tensor  # [S+1] int32
-    kv_lens: torch.Tensor  # [S] int32
-    block_tables: torch.Tensor  # [S, M] int32
-
-    @classmethod
-    def empty(cls, num_tokens: int, num_seqs: int, max_blocks: int,
-              device: torch.device) -> StaticBatch:
-        def zeros(*shape: int) -> torch.Tensor:
-            return torch.zeros(shape, dtype=torch.int32, device=device)
-
-        slot_mapping = torch.full((num_tokens,), -1, dtype=torch.int32, device=device)
-        return cls(zeros(num_tokens), zeros(num_tokens), slot_mapping, zeros(num_seqs + 1),
-                   zeros(num_seqs), zeros(num_seqs, max_blocks))
-
-    def fill(self, model_input: ModelInput, upload: HostToDevice) -> None:
-        """Copy a batch of the same padded shapes in (non_blocking)."""
-        for name, buffer in vars(self).items():
-            upload(name, getattr(model_input, name), out=buffer)
-
-
-# (StaticBatch, row indices [T]) -> logits [T, V] float32; the model forward on fixed buffers.
-GraphForward = Callable[[StaticBatch, torch.Tensor], torch.Tensor]
-
-
-class DecodeGraphs:
-    """Model forwards of decode batches (one new token per sequence) replayed from CUDA graphs,
-    captured lazily, one per padded shape (T, S). Keying on S too (rather than padding sequences
-    up to T) keeps the attention grid and its split-K choice those of the eager launch.
-
-    A graph computes logits for all T rows (a decode row is a sequence's last token); the sampled
-    rows are picked after the replay, so forks (more samples than sequences) need no graph of
-    their own. Sampling stays eager.
-    """
-
-    def __init__(self, forward: GraphForward, max_blocks_per_seq: int,
-                 device: torch.device) -> None:
-        self.forward = forward
-        self.max_blocks_per_seq = max_blocks_per_seq
+    def __init__(self, device: torch.device) -> None:
         self.device = device
         self.pool = torch.cuda.graph_pool_handle()  # graphs share one memory pool
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, StaticBatch,
-                                                  torch.Tensor]] = {}
+        self.graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor,
+                                          tuple[torch.Tensor | None, ...]]] = {}
 
-    @staticmethod
-    def applies(model_input: ModelInput) -> bool:
-        return model_input.num_tokens == model_input.num_seqs
-
-    def run(self, model_input: ModelInput, upload: HostToDevice) -> torch.Tensor:
-        """Logits [T, V] float32 of every token row (a view of the graph's output buffer)."""
-        shape = (len(model_input.input_ids), len(model_input.kv_lens))  # padded (T, S)
-        if shape not in self.graphs:
-            self.graphs[shape] = self._capture(*shape)
-        graph, batch, logits = self.graphs[shape]
-        batch.fill(model_input, upload)
+    def run(self, key: Hashable, step: StepFn, ints: np.ndarray, floats: np.ndarray,
+            upload: HostToDevice) -> tuple[torch.Tensor | None, ...]:
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(step, ints, floats, upload)
+        graph, ints_buffer, floats_buffer, outputs = self.graphs[key]
+        upload("ints", ints, out=ints_buffer)
+        upload("floats", floats, out=floats_buffer)
         graph.replay()
-        return logits
+        return outputs
 
-    def _capture(self, num_tokens: int,
-                 num_seqs: int) -> tuple[torch.cuda.CUDAGraph, StaticBatch, torch.Tensor]:
-        batch = StaticBatch.empty(num_tokens, num_seqs, self.max_blocks_per_seq, self.device)
-        rows = torch.arange(num_tokens, dtype=torch.int32, device=self.device)
+    def _capture(self, step: StepFn, ints: np.ndarray, floats: np.ndarray,
+                 upload: HostToDevice) -> tuple:
+        # Captured on this step's real inputs: the warm-up run writes exactly what the step
+        # would (KV of its own slots), so it is harmless; the replay that follows repeats it.
+        ints_buffer, floats_buffer = upload("ints", ints), upload("floats", floats)
         # One eager run on a side stream first: lazy initialisation (cuBLAS handles and
-        # workspaces) must not happen inside the capture. The batch is all padding: a no-op.
+        # workspaces) must not happen inside the capture.
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            self.forward(batch, rows)
+            step(ints_buffer, floats_buffer)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits = self.forward(batch, rows)  # [T, V]
-        return graph, batch, logits
+            outputs = step(ints_buffer, floats_buffer)
+        return graph, ints_buffer, floats_buffer, outputs

@@ -12,11 +12,10 @@ import pytest
 import torch
 
 from pagedjax.backends.jax.runner import JaxModelRunner
-from pagedjax.backends.torch.cuda_graphs import DecodeGraphs, StaticBatch
 from pagedjax.backends.torch.runner import TorchModelRunner
 from pagedjax.batch import ModelInput, ModelOutput
 from pagedjax.config import EngineConfig, ModelConfig
-from pagedjax.kv_cache import num_kv_blocks_for_budget
+from pagedjax.kv_cache import num_kv_blocks_for_budget, warm_up_input
 from pagedjax.llm import LLM
 from pagedjax.sampling_params import SamplingParams
 from tests import hf_reference
@@ -60,8 +59,8 @@ def _record_schedule(llm: LLM) -> list[tuple]:
     scheduler, log = llm.engine.scheduler, []
     schedule = scheduler.schedule
 
-    def recording_schedule():
-        out = schedule()
+    def recording_schedule(*args):
+        out = schedule(*args)
         log.append((
             [(e.seq_id, e.start_pos, e.num_new_tokens, tuple(e.block_table),
               tuple(s.seq_id for s in e.samples)) for e in out.scheduled],
@@ -197,14 +196,16 @@ def test_kv_pool_sizing_matches_jax(checkpoints: dict[str, Path]) -> None:
     model_config = ModelConfig.from_pretrained(model_dir)
     config = EngineConfig(model=model_dir, backend="torch", max_model_len=256, max_num_seqs=4)
     config.validate(model_config)
-    runner = TorchModelRunner(model_dir, model_config, config)
+    runner = TorchModelRunner(config, model_config)
     expected = num_kv_blocks_for_budget(model_config, config, None)
-    assert runner.num_kv_blocks == expected == JaxModelRunner(model_dir, model_config,
-                                                              config).num_kv_blocks
-    assert runner.kv_caches[0][0].shape == (expected, 2, BLOCK_SIZE, model_config.head_dim)
+    assert runner.num_kv_blocks == expected == JaxModelRunner(config, model_config).num_kv_blocks
+    assert runner.models[0].kv_caches[0][0].shape == (expected, 2, BLOCK_SIZE,
+                                                      model_config.head_dim)
     assert runner.num_compiles == 0  # CPU runs eagerly: no CUDA graphs
-    runner.warm_up()  # the batch that sizes the pool on CUDA is a valid one
-    assert runner.kv_caches[0][0].shape[0] == expected  # and the pool is back in place
+    model_input = warm_up_input(config)  # the step that sizes the pool on CUDA is a valid one
+    output = runner.execute(model_input)
+    assert output.sampled_token_ids.shape == (model_input.num_logits, 1)
+    assert (output.sampled_token_ids >= 0).all()
 
 
 def test_bfloat16_runs(checkpoints: dict[str, Path], runs) -> None:
@@ -224,34 +225,32 @@ def test_bfloat16_runs(checkpoints: dict[str, Path], runs) -> None:
             assert fp32_tokens[0][diverged[0]] in bf16.logprobs[diverged[0]]
 
 
-def test_decode_graph_forward_matches_eager(checkpoints: dict[str, Path]) -> None:
-    """What a decode CUDA graph captures (static buffers, logits of all T rows, q_len hint 1),
-    run eagerly on CPU, gives the eager path's logits. The capture itself needs a GPU."""
+def test_graph_step_matches_eager(checkpoints: dict[str, Path]) -> None:
+    """What a CUDA graph captures (the whole step, with the layout's static launch bound instead
+    of the batch's own), run eagerly on CPU, gives the eager step's tokens and logprobs. The
+    capture itself needs a GPU."""
     llm = LLM(str(checkpoints["llama"]), backend="torch", **BASIC)
-    runner, decode_inputs = llm.engine.runner, []
+    runner, recorded = llm.engine.runner, []
     execute = runner.execute
 
-    def recording_execute(model_input: ModelInput, **kwargs) -> ModelOutput:
-        if DecodeGraphs.applies(model_input):
-            decode_inputs.append(model_input)
-        return execute(model_input, **kwargs)
+    def recording_execute(model_input: ModelInput) -> ModelOutput:
+        output = execute(model_input)
+        recorded.append((model_input, output))
+        return output
 
     runner.execute = recording_execute
     # A 1-token prompt with n=2: its first step is decode-shaped and forks (2 samples, 1 row).
     llm.generate({"prompt_token_ids": BASIC_PROMPTS[0]}, _greedy(n=2), use_tqdm=False)
-    model_input = decode_inputs[0]  # the KV it reads is still in the pool: replaying is exact
-    num_tokens, num_seqs = len(model_input.input_ids), len(model_input.kv_lens)
+    graphable = [(i, o) for i, o in recorded if runner._graphable(i, 1)]
+    assert graphable and graphable[0][0].num_logits > graphable[0][0].num_seqs  # the fork step
+    model_input, eager = graphable[-1]  # the last decode step: its KV is still in the pool
     with torch.inference_mode():
-        logits_indices = torch.from_numpy(model_input.logits_indices)
-        batch = {name: torch.from_numpy(getattr(model_input, name)) for name in
-                 ("input_ids", "positions", "slot_mapping", "query_start_loc", "kv_lens",
-                  "block_tables")}
-        eager = runner._run_model(batch, logits_indices, max_query_len=1)
-        static = StaticBatch.empty(num_tokens, num_seqs, BASIC_MAX_BLOCKS, runner.device)
-        static.fill(model_input, runner.upload)
-        rows = torch.arange(num_tokens, dtype=torch.int32)
-        graph = runner._graph_forward(static, rows).index_select(0, logits_indices)
-    assert model_input.num_logits > model_input.num_seqs  # n=2: two samples per sequence row
-    # Not bitwise: the lm_head matmul has T rows instead of L (another GEMM blocking).
-    torch.testing.assert_close(graph, eager, rtol=1e-4, atol=1e-4)
-    assert torch.equal(graph.argmax(-1), eager.argmax(-1))
+        out = runner._step(torch.from_numpy(model_input.ints),
+                           torch.from_numpy(model_input.floats), layout=model_input.layout,
+                           max_query_len=1, max_draft_query_len=1)
+    n = model_input.num_logits
+    assert np.array_equal(out[0][:n].numpy(), eager.sampled_token_ids)
+    np.testing.assert_allclose(out[1][:n].numpy(), eager.sampled_logprobs, rtol=0, atol=1e-6)
+    num_steps = len(recorded)
+    llm.generate({"prompt_token_ids": BASIC_PROMPTS[7]}, _greedy(), use_tqdm=False)
+    assert not runner._graphable(recorded[num_steps][0], 1)  # a 130-token prefill

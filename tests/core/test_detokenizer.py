@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import random
 
+import numpy as np
 import pytest
 
+from pagedjax.batch import ModelOutput
+from pagedjax.block_manager import BlockManager
 from pagedjax.checkpoints import MULTIBYTE_TEXT
 from pagedjax.detokenizer import IncrementalDetokenizer, find_stop_string
-from pagedjax.sampling_params import SamplingParams
+from pagedjax.output_processor import OutputProcessor
+from pagedjax.outputs import CompletionOutput, RequestOutput
+from pagedjax.sampling_params import RequestOutputKind, SamplingParams
+from pagedjax.scheduler import Scheduler
 from pagedjax.sequence import Sequence
 from pagedjax.stopping import StopChecker
 
@@ -35,21 +43,49 @@ def test_incremental_equals_full_decode(tokenizer, seed: int) -> None:
     assert text == detok.output_text == tokenizer.decode(ids) == TEXT
 
 
+def make_processor(tokenizer) -> tuple[Scheduler, OutputProcessor]:
+    ids = itertools.count(1)
+    scheduler = Scheduler(BlockManager(64, 16), max_num_seqs=4, max_num_batched_tokens=64,
+                          stop_checker=StopChecker((tokenizer.eos_token_id,), 4096),
+                          new_seq_id=lambda: next(ids), fork_seed=lambda s, i: i)
+    return scheduler, OutputProcessor(tokenizer, scheduler)
+
+
 def make_seq(tokenizer, params: SamplingParams, prompt: str = "x = ") -> Sequence:
     prompt_ids = tokenizer.encode(prompt)
     return Sequence(seq_id=0, request_id="r", index=0, arrival=(0, 0), token_ids=list(prompt_ids),
-                    num_prompt_tokens=len(prompt_ids), sampling_params=params, max_tokens=1000,
-                    rng_seed=0, detokenizer=IncrementalDetokenizer(tokenizer, prompt_ids))
+                    num_prompt_tokens=len(prompt_ids), sampling_params=params,
+                    max_tokens=params.max_tokens or 1000, rng_seed=0)
 
 
-def run_until_stop(tokenizer, params: SamplingParams, text: str):
-    seq, checker = make_seq(tokenizer, params), StopChecker((tokenizer.eos_token_id,), 4096)
-    for token in tokenizer.encode(text):
-        seq.token_ids.append(token)
-        stop = checker(seq, [token])
-        if stop is not None:
-            return seq, stop
-    return seq, None
+def stream(tokenizer, params: SamplingParams, chunks: list[list[int]]) -> list[RequestOutput]:
+    """Feed each chunk as one step's sampled tokens (several when drafts were accepted), through
+    the scheduler's token-level stops and the output processor; returns every output."""
+    scheduler, processor = make_processor(tokenizer)
+    seq = make_seq(tokenizer, params)
+    scheduler.add_sequence(seq)
+    processor.add_request("r", "x = ", seq)
+    outputs = []
+    for chunk in chunks:
+        for token in chunk:
+            seq.token_ids.append(token)
+            stop = scheduler.stop_checker(seq, token)
+            if stop is not None:
+                scheduler.finish(seq, *stop)
+                break
+        row = np.full((1, max(map(len, chunks))), -1, np.int32)
+        row[0, : len(chunk)] = chunk
+        output = ModelOutput([seq.seq_id], row, np.zeros(row.shape, np.float32), None, None)
+        outputs += processor.process([seq], output)
+        if seq.is_finished:
+            break
+    return outputs
+
+
+def run_until_stop(tokenizer, params: SamplingParams, text: str) -> CompletionOutput:
+    final = stream(tokenizer, params, [[t] for t in tokenizer.encode(text)])[-1]
+    assert final.finished
+    return final.outputs[0]
 
 
 def token_texts(tokenizer, text: str) -> list[str]:
@@ -61,9 +97,9 @@ def test_stop_string_across_tokens(tokenizer) -> None:
     pieces = token_texts(tokenizer, text)
     boundary = len(pieces[0]) + len(pieces[1])
     stop = text[boundary - 2 : boundary + 2]  # straddles the end of the second token
-    seq, reason = run_until_stop(tokenizer, SamplingParams(stop=[stop]), text)
-    assert reason == ("stop", stop)
-    assert seq.detokenizer.output_text == text[: text.index(stop)]
+    out = run_until_stop(tokenizer, SamplingParams(stop=[stop]), text)
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop)
+    assert out.text == text[: text.index(stop)]
 
 
 def test_stop_string_inside_one_token(tokenizer) -> None:
@@ -73,17 +109,17 @@ def test_stop_string_inside_one_token(tokenizer) -> None:
     assert len(pieces[k]) >= 3
     start = len("".join(pieces[:k])) + 1
     stop = text[start : start + 1 + (len(pieces[k]) >= 4)]  # strictly inside token k
-    seq, reason = run_until_stop(tokenizer, SamplingParams(stop=stop), text)
-    assert reason == ("stop", stop)
-    assert seq.detokenizer.output_text == text[: text.index(stop)]
-    assert seq.num_output_tokens == k + 1
+    out = run_until_stop(tokenizer, SamplingParams(stop=stop), text)
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop)
+    assert out.text == text[: text.index(stop)]
+    assert len(out.token_ids) == k + 1
 
 
 def test_include_stop_str_and_earliest_of_several(tokenizer) -> None:
     text = "one two three four"
     params = SamplingParams(stop=["four", "two"], include_stop_str_in_output=True)
-    seq, reason = run_until_stop(tokenizer, params, text)
-    assert reason == ("stop", "two") and seq.detokenizer.output_text == "one two"
+    out = run_until_stop(tokenizer, params, text)
+    assert (out.stop_reason, out.text) == ("two", "one two")
 
 
 def test_stop_tokens_eos_and_min_tokens(tokenizer) -> None:
@@ -91,17 +127,54 @@ def test_stop_tokens_eos_and_min_tokens(tokenizer) -> None:
     checker = StopChecker((eos,), 4096)
     seq = make_seq(tokenizer, SamplingParams(min_tokens=2, stop_token_ids=[7]))
     seq.token_ids.append(eos)
-    assert checker(seq, [eos]) is None  # below min_tokens
+    assert checker(seq, eos) is None  # below min_tokens
     seq.token_ids += [5, eos]
-    assert checker(seq, [eos]) == ("stop", None)
+    assert checker(seq, eos) == ("stop", None)
     seq = make_seq(tokenizer, SamplingParams(stop_token_ids=[7], ignore_eos=True, max_tokens=3))
     seq.max_tokens = 3
     seq.token_ids.append(eos)
-    assert checker(seq, [eos]) is None
+    assert checker(seq, eos) is None
     seq.token_ids.append(7)
-    assert checker(seq, [7]) == ("stop", 7)
+    assert checker(seq, 7) == ("stop", 7)
+    seq.token_ids.append(8)
+    assert checker(seq, 8) == ("length", None)
 
 
 def test_find_stop_string_only_looks_at_new_text() -> None:
     assert find_stop_string("abcabc", 1, ("abc",), False) == ("abc", 3)
     assert find_stop_string("abcxyz", 2, ("abc",), False) is None
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_streamed_deltas_equal_one_shot_decode(tokenizer, seed: int) -> None:
+    """DELTA outputs of steps carrying 1-4 tokens (speculative steps) join to the full decode,
+    with multi-byte characters split across tokens and steps."""
+    ids = tokenizer.encode(TEXT)
+    rng, chunks, i = random.Random(seed), [], 0
+    while i < len(ids):
+        n = rng.randint(1, 4)
+        chunks.append(ids[i : i + n])
+        i += n
+    params = SamplingParams(max_tokens=len(ids), output_kind=RequestOutputKind.DELTA)
+    outputs = stream(tokenizer, params, chunks)
+    assert "".join(o.outputs[0].text for o in outputs) == TEXT == tokenizer.decode(ids)
+    assert sum((o.outputs[0].token_ids for o in outputs), []) == ids
+    assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "length"
+    cumulative = stream(tokenizer, SamplingParams(max_tokens=len(ids)), chunks)
+    assert [o.outputs[0].text for o in cumulative][-1] == TEXT
+    final = stream(tokenizer, dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY),
+                   chunks)
+    assert len(final) == 1 and final[0].outputs[0].text == TEXT
+
+
+def test_stop_string_spanning_a_multi_token_step_cuts_the_tokens_after_it(tokenizer) -> None:
+    """A stop string completed by the second of four tokens accepted in one step: the text ends
+    before it and the two tokens after it are dropped."""
+    text = "alpha beta gamma delta epsilon zeta"
+    ids, pieces = tokenizer.encode(text), token_texts(tokenizer, text)
+    boundary = len(pieces[0]) + len(pieces[1])
+    stop = text[boundary - 2 : boundary + 1]  # spans tokens 1 and 2
+    chunks = [ids[:1], ids[1:5], ids[5:]]
+    out = stream(tokenizer, SamplingParams(stop=stop), chunks)[-1].outputs[0]
+    assert (out.finish_reason, out.stop_reason, out.text) == ("stop", stop, text[: boundary - 2])
+    assert out.token_ids == ids[:3]

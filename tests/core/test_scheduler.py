@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 
 from pagedjax.block_manager import BlockManager
-from pagedjax.detokenizer import IncrementalDetokenizer
 from pagedjax.sampling_params import SamplingParams
 from pagedjax.scheduler import Scheduler
 from pagedjax.sequence import Sequence, SequenceStatus
@@ -19,7 +18,7 @@ def make_scheduler(num_blocks: int, *, max_num_seqs: int = 8, budget: int = 16,
     ids = itertools.count(100)
     return Scheduler(BlockManager(num_blocks, BS, prefix_caching), max_num_seqs=max_num_seqs,
                      max_num_batched_tokens=budget, stop_checker=StopChecker((), 10_000),
-                     eos_token_ids=(), new_seq_id=lambda: next(ids), fork_seed=lambda s, i: i)
+                     new_seq_id=lambda: next(ids), fork_seed=lambda s, i: i)
 
 
 def add(sched: Scheduler, seq_id: int, prompt_len: int, max_tokens: int = 100,
@@ -28,7 +27,7 @@ def add(sched: Scheduler, seq_id: int, prompt_len: int, max_tokens: int = 100,
     seq = Sequence(seq_id=seq_id, request_id=f"r{seq_id}", index=0, arrival=(seq_id, 0),
                    token_ids=prompt, num_prompt_tokens=prompt_len,
                    sampling_params=SamplingParams(max_tokens=max_tokens), max_tokens=max_tokens,
-                   rng_seed=0, detokenizer=IncrementalDetokenizer(None, prompt))
+                   rng_seed=0)
     sched.add_sequence(seq)
     return seq
 
@@ -36,8 +35,7 @@ def add(sched: Scheduler, seq_id: int, prompt_len: int, max_tokens: int = 100,
 def step(sched: Scheduler, token: int = 7) -> list[tuple[int, int, int]]:
     """One step with a fake model that always samples `token`; returns (seq, start, n) triples."""
     out = sched.schedule()
-    num_samples = sum(len(e.samples) for e in out.scheduled)
-    sched.update(out, [[token]] * num_samples, [[{token: 0.0}]] * num_samples)
+    sched.update(out, {s.seq_id: [token] for e in out.scheduled for s in e.samples})
     return [(e.seq_id, e.start_pos, e.num_new_tokens) for e in out.scheduled]
 
 
@@ -109,8 +107,8 @@ def test_fork_on_prompt_completion_shares_blocks_then_copies_on_write() -> None:
     assert [s.seq_id for s in out.scheduled[0].samples] == [0, 100, 101]
     table = list(sched.block_manager.get_block_table(0))
     assert all(sched.block_manager.ref_count(b) == 3 for b in table)
-    sched.update(out, [[1], [2], [3]], [[{1: 0.0}], [{2: 0.0}], [{3: 0.0}]])
+    sched.update(out, {0: [1], 100: [2], 101: [3]})
     out = sched.schedule()  # every child writes into the shared partial block
     assert len(out.block_copies) == 2
     assert {src for src, _ in out.block_copies} == {table[1]}
-    assert [sched.seqs[i].output_token_ids for i in (0, 100, 101)] == [[1], [2], [3]]
+    assert [sched.seqs[i].token_ids[6:] for i in (0, 100, 101)] == [[1], [2], [3]]

@@ -1,0 +1,171 @@
+"""OutputProcessor: token ids from the scheduler → text, stop strings, logprobs and outputs.
+
+Off the scheduler's path: it detokenizes each completion's new tokens incrementally, finishes a
+completion through the scheduler when a stop string appears (cutting the tokens after it), keeps
+logprobs, and builds RequestOutputs as each request's `output_kind` asks (everything so far, only
+what is new, or one output at the end). Work per step is proportional to the new tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedjax.batch import ModelOutput
+from pagedjax.detokenizer import IncrementalDetokenizer, find_stop_string
+from pagedjax.outputs import CompletionOutput, Logprobs, RequestOutput
+from pagedjax.sampling_params import RequestOutputKind, SamplingParams
+from pagedjax.scheduler import Scheduler
+from pagedjax.sequence import Sequence
+
+
+@dataclass
+class CompletionState:
+    """What one completion has produced so far beyond its token ids."""
+
+    detokenizer: IncrementalDetokenizer
+    logprobs: Logprobs | None  # per output token, when requested
+    cumulative_logprob: float | None
+    num_processed: int = 0  # output tokens seen
+    num_sent_tokens: int = 0  # DELTA: what earlier outputs carried
+    num_sent_chars: int = 0
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: dict[int, Sequence] = field(default_factory=dict)  # by completion index
+    completions: dict[int, CompletionState] = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        return (len(self.seqs) == self.params.n
+                and all(s.is_finished for s in self.seqs.values()))
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any, scheduler: Scheduler) -> None:
+        self.tokenizer = tokenizer
+        self.scheduler = scheduler
+        self.requests: dict[str, RequestState] = {}
+
+    def add_request(self, request_id: str, prompt: str | None, seq: Sequence) -> None:
+        state = RequestState(request_id, prompt, list(seq.token_ids), seq.sampling_params)
+        self.requests[request_id] = state
+        self._track(state, seq)
+
+    def abort_request(self, request_id: str) -> list[Sequence]:
+        """Forget the request; returns its sequences (for the scheduler to finish)."""
+        state = self.requests.pop(request_id, None)
+        return [] if state is None else list(state.seqs.values())
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def _track(self, state: RequestState, seq: Sequence) -> None:
+        params = state.params
+        state.seqs[seq.index] = seq
+        want = params.logprobs is not None
+        state.completions[seq.index] = CompletionState(
+            IncrementalDetokenizer(self.tokenizer, state.prompt_token_ids,
+                                   params.skip_special_tokens),
+            logprobs=[] if want else None, cumulative_logprob=0.0 if want else None)
+
+    # ---- one step ----------------------------------------------------------------------------
+
+    def process(self, touched: list[Sequence], output: ModelOutput) -> list[RequestOutput]:
+        """Take the step's new tokens of each touched sequence; return the outputs due."""
+        rows = {seq_id: r for r, seq_id in enumerate(output.seq_ids)}
+        requests: dict[str, RequestState] = {}
+        for seq in touched:
+            state = self.requests[seq.request_id]
+            if seq.index not in state.seqs:  # a sibling forked this step
+                self._track(state, seq)
+            self._process_seq(state, seq, output, rows[seq.seq_id])
+            requests[seq.request_id] = state
+        outputs = []
+        for state in requests.values():
+            finished = state.finished
+            if finished:
+                del self.requests[state.request_id]
+                for seq in state.seqs.values():
+                    self.scheduler.remove(seq)
+            if finished or state.params.output_kind is not RequestOutputKind.FINAL_ONLY:
+                outputs.append(self._request_output(state, finished))
+        return outputs
+
+    def _process_seq(self, state: RequestState, seq: Sequence, output: ModelOutput,
+                     row: int) -> None:
+        completion, params = state.completions[seq.index], state.params
+        start = seq.num_prompt_tokens + completion.num_processed
+        new_tokens = seq.token_ids[start:]
+        completion.num_processed += len(new_tokens)
+        if completion.logprobs is not None:
+            self._add_logprobs(completion, output, row, new_tokens, params.logprobs)
+        detokenizer = completion.detokenizer
+        if not params.stop_strings:
+            detokenizer.append(new_tokens)
+            return
+        longest = max(map(len, params.stop_strings))
+        for j, token in enumerate(new_tokens):  # one at a time: the stop may end at any token
+            delta = detokenizer.append([token])
+            if not delta:
+                continue
+            window = detokenizer.tail(len(delta) + longest - 1)
+            hit = find_stop_string(window, len(delta), params.stop_strings,
+                                   params.include_stop_str_in_output)
+            if hit is not None:
+                stop, cut = hit
+                detokenizer.truncate(detokenizer.num_chars - len(window) + cut)
+                num_output = completion.num_processed - len(new_tokens) + j + 1
+                self.scheduler.finish(seq, "stop", stop, num_output_tokens=num_output)
+                completion.num_processed = num_output
+                if completion.logprobs is not None:
+                    del completion.logprobs[num_output:]
+                return
+
+    @staticmethod
+    def _add_logprobs(completion: CompletionState, output: ModelOutput, row: int,
+                      tokens: list[int], num_top: int) -> None:
+        token_lps = output.sampled_logprobs[row]
+        for j, token in enumerate(tokens):
+            entry = {token: float(token_lps[j])}
+            if num_top and output.top_logprob_ids is not None:
+                for top, lp in zip(output.top_logprob_ids[row, j, :num_top].tolist(),
+                                   output.top_logprobs[row, j, :num_top].tolist()):
+                    entry.setdefault(top, lp)
+            completion.logprobs.append(entry)
+            completion.cumulative_logprob += entry[token]
+
+    # ---- outputs -----------------------------------------------------------------------------
+
+    def _request_output(self, state: RequestState, finished: bool) -> RequestOutput:
+        delta = state.params.output_kind is RequestOutputKind.DELTA
+        outputs = [self._completion_output(state.seqs[i], state.completions[i], delta)
+                   for i in sorted(state.seqs)]
+        first = state.seqs[0]
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outputs,
+                             finished=finished, num_cached_tokens=first.num_cached_tokens)
+
+    @staticmethod
+    def _completion_output(seq: Sequence, completion: CompletionState,
+                           delta: bool) -> CompletionOutput:
+        detokenizer, start = completion.detokenizer, seq.num_prompt_tokens
+        logprobs = completion.logprobs
+        if delta:  # O(new) work: only what earlier outputs did not carry
+            text = detokenizer.tail(detokenizer.num_chars - completion.num_sent_chars)
+            token_ids = seq.token_ids[start + completion.num_sent_tokens :]
+            if logprobs is not None:
+                logprobs = logprobs[completion.num_sent_tokens :]
+            completion.num_sent_tokens = seq.num_output_tokens
+            completion.num_sent_chars = detokenizer.num_chars
+        else:
+            text, token_ids = detokenizer.output_text, seq.token_ids[start:]
+            logprobs = None if logprobs is None else list(logprobs)
+        return CompletionOutput(
+            index=seq.index, text=text, token_ids=token_ids,
+            cumulative_logprob=completion.cumulative_logprob, logprobs=logprobs,
+            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)

@@ -89,7 +89,6 @@ class Scheduler:
         self._schedule_running(step)
         if not step.preempted_seq_ids:
             self._schedule_waiting(step)
-        step.num_spec_tokens = max((e.num_spec_tokens for e in step.scheduled), default=0)
         return step
 
     def _budget(self, step: SchedulerOutput) -> int:

@@ -59,7 +59,7 @@ class SchedulerOutput:
     block_copies: list[tuple[int, int]]  # (src, dst) copy-on-write block copies, before the forward
     preempted_seq_ids: list[int]  # sequences sent back to waiting (recompute) this step
     num_batched_tokens: int  # sum of num_new_tokens and draft slots
-    num_spec_tokens: int = 0  # K: the most drafts any sequence proposes this step (0: no draft)
+    num_spec_tokens: int = 0  # K: most drafts per sequence; 0 = the draft model does not run
 
     @property
     def is_empty(self) -> bool:

@@ -1,0 +1,126 @@
+"""The step contract: one device call per engine step (drafting included), outputs shaped
+[L, K+1] and tagged with sequence ids, and a bounded set of compiled step shapes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pagedjax import LLM, SamplingParams
+from pagedjax.batch import ModelInput, ModelOutput
+from tests.backends.test_jax_backend import make_prompts
+
+BACKENDS = ["jax", "torch"]
+
+
+def spec_llm(tiny_model, backend: str, **kwargs) -> LLM:
+    spec = {"model": tiny_model("draft"), "num_speculative_tokens": 3, "adaptive": False}
+    kwargs = {"num_kv_blocks": 128, "max_num_batched_tokens": 128, "max_model_len": 256,
+              "speculative_config": spec, **kwargs}
+    return LLM(tiny_model("llama"), backend=backend, **kwargs)
+
+
+def record_steps(llm: LLM) -> list[tuple[ModelInput, ModelOutput]]:
+    runner, steps = llm.engine.runner, []
+    execute = runner.execute
+
+    def recording_execute(model_input: ModelInput) -> ModelOutput:
+        output = execute(model_input)
+        steps.append((model_input, output))
+        return output
+
+    runner.execute = recording_execute
+    return steps
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_one_device_call_per_step_with_drafts(tiny_model, backend: str) -> None:
+    """Each engine step is one runner call; inside it the draft's k passes, verification and
+    sampling make one device computation (JAX: one call of the jitted step; torch: one transfer
+    back to the host), however many drafts were proposed."""
+    llm = spec_llm(tiny_model, backend)
+    runner, engine = llm.engine.runner, llm.engine
+    prompts = [{"prompt_token_ids": p} for p in make_prompts(512)[:3]]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    llm.generate(prompts, params, use_tqdm=False)  # compiles
+    device_calls = []
+    if backend == "jax":
+        inner = runner._step
+        runner._step = lambda *a, **kw: device_calls.append(1) or inner(*a, **kw)
+        draft_apply = runner.draft.module.apply
+        draft_calls = []
+        object.__setattr__(runner.draft.module, "apply",
+                           lambda *a, **kw: draft_calls.append(1) or draft_apply(*a, **kw))
+    else:
+        to_host = runner._to_host
+        runner._to_host = lambda *a: device_calls.append(1) or to_host(*a)
+    steps = record_steps(llm)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    num_engine_steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        num_engine_steps += 1
+    assert len(steps) == len(device_calls) == num_engine_steps
+    drafting = [i for i, _ in steps if i.layout.num_spec_tokens == 3]
+    assert len(drafting) >= num_engine_steps - 2  # every decode step drafted 3 tokens
+    if backend == "jax":
+        assert not draft_calls  # the draft ran only inside the compiled step
+    assert llm.get_metrics()["spec_decode_num_draft_tokens"] >= 3 * len(drafting)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_outputs_are_rows_of_k_plus_one_tagged_with_sequences(tiny_model, backend: str) -> None:
+    llm = spec_llm(tiny_model, backend)
+    steps = record_steps(llm)
+    params = SamplingParams(n=2, temperature=0.8, seed=1, max_tokens=8, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in make_prompts(512)[:2]], params,
+                 use_tqdm=False)
+    for model_input, output in steps:
+        k = model_input.layout.num_spec_tokens
+        assert output.sampled_token_ids.shape == (model_input.num_logits, k + 1)
+        assert output.sampled_logprobs.shape == output.sampled_token_ids.shape
+        assert output.seq_ids == model_input.seq_ids
+        assert len(set(output.seq_ids)) == len(output.seq_ids)
+        for row in output.sampled_token_ids:  # tokens, then -1 padding, at least one token
+            n = int((row >= 0).sum())
+            assert n >= 1 and (row[:n] >= 0).all() and (row[n:] == -1).all()
+    assert any(m.layout.num_spec_tokens for m, _ in steps)
+    assert any(m.num_logits > m.num_seqs for m, _ in steps)  # the n=2 fork step
+
+
+def _varied_workload(seed: int) -> tuple[list[dict], list[SamplingParams]]:
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, 120, 14)
+    prompts = [{"prompt_token_ids": rng.integers(1, 500, int(n)).tolist()} for n in lengths]
+    params = [SamplingParams(n=int(rng.integers(1, 3)), temperature=float(rng.choice([0, 0.8])),
+                             top_p=float(rng.choice([1.0, 0.9])),
+                             max_tokens=int(rng.integers(1, 24)),
+                             logprobs=int(rng.choice([0, 2])) or None, ignore_eos=True, seed=i)
+              for i in range(len(prompts))]
+    return prompts, params
+
+
+def test_compiled_step_shapes_are_bounded(tiny_model) -> None:
+    """Over a varied workload (prompt lengths 1-120, chunked prefill, n = 1-2, greedy and sampled
+    rows, logprobs, speculation) every compiled shape is a distinct power-of-two layout, compiled
+    once; running the same workload again compiles nothing new.
+
+    The bound: a layout is (T, S, L, Td, P) powers of two up to max_num_batched_tokens + K·S,
+    max_num_seqs, ... and K ∈ {0, k}, plus four flags; this workload needs fewer than 40."""
+    llm = spec_llm(tiny_model, "jax", max_num_batched_tokens=64, max_num_seqs=8,
+                   enable_prefix_caching=False)  # so the second run repeats the first's steps
+    steps = record_steps(llm)
+    prompts, params = _varied_workload(0)
+    llm.generate(prompts, params, use_tqdm=False)
+    layouts = {m.layout for m, _ in steps}
+    assert llm.engine.runner.num_compiles == len(layouts) < 40
+    for layout in layouts:
+        for size in (layout.num_tokens, layout.num_seqs, layout.num_logits, layout.num_banned):
+            assert size & (size - 1) == 0
+        assert layout.num_seqs <= 8 and layout.num_tokens <= 64 + 3 * 8
+        assert layout.num_spec_tokens in (0, 3)
+    assert {layout.all_greedy for layout in layouts} == {True, False}
+    num_compiles = llm.engine.runner.num_compiles
+    llm.generate(prompts, params, use_tqdm=False)
+    assert llm.engine.runner.num_compiles == num_compiles

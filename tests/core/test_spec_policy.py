@@ -1,0 +1,101 @@
+"""How many drafts to propose: the adaptive policy on synthetic measurements, and its config."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedjax.scheduler_output import ScheduledSequence, SchedulerOutput
+from pagedjax.spec_decode import AdaptiveSpeculation, SpeculativeConfig
+
+
+def config(tmp_path, k: int = 4, adaptive: bool = True) -> SpeculativeConfig:
+    (tmp_path / "config.json").write_text("{}")
+    return SpeculativeConfig.from_dict({"model": str(tmp_path), "num_speculative_tokens": k,
+                                        "adaptive": adaptive})
+
+
+def decode_step(num_seqs: int, k: int) -> SchedulerOutput:
+    entries = [ScheduledSequence(i, [1], 10, [0], num_spec_tokens=k) for i in range(num_seqs)]
+    return SchedulerOutput(entries, [], [], num_seqs * (1 + k), num_spec_tokens=k)
+
+
+def simulate(policy: AdaptiveSpeculation, num_seqs: int, steps: int, accepted: int,
+             seconds: callable) -> list[int]:
+    """Run the policy against a fake engine whose step costs seconds(k) and whose drafts are
+    accepted `accepted` at a time; returns the chosen k per step."""
+    chosen = []
+    for _ in range(steps):
+        k = policy.choose(num_seqs)
+        out = decode_step(num_seqs, k)
+        sampled = {i: [0] * (min(accepted, k) + 1) for i in range(num_seqs)}
+        policy.observe(out, sampled, seconds(k), timed=True)
+        chosen.append(k)
+    return chosen
+
+
+def test_drafts_that_are_never_accepted_are_switched_off(tmp_path) -> None:
+    policy = AdaptiveSpeculation(config(tmp_path))
+    chosen = simulate(policy, 32, 200, accepted=0, seconds=lambda k: 1.0 + 0.2 * k)
+    assert chosen[:2] == [4, 0]  # both ends measured first
+    assert chosen[-60:].count(0) >= 57  # then k = 0, bar the periodic probes of k = 1
+    assert policy.expected_tokens(4) == pytest.approx(1.0)
+
+
+def test_cheap_drafts_that_are_always_accepted_use_every_slot(tmp_path) -> None:
+    policy = AdaptiveSpeculation(config(tmp_path))
+    chosen = simulate(policy, 1, 200, accepted=4, seconds=lambda k: 1.0 + 0.1 * k)
+    assert chosen[-60:].count(4) >= 57
+    assert policy.expected_tokens(4) == pytest.approx(5.0)
+    metrics = policy.as_dict()
+    assert metrics["spec_decode_acceptance_per_position"] == [1.0] * 4
+    assert metrics["spec_decode_num_speculative_tokens"] == chosen[-1]
+
+
+def test_the_best_k_is_in_between(tmp_path) -> None:
+    """Two drafts accepted: more slots cost time and win nothing; fewer win less."""
+    policy = AdaptiveSpeculation(config(tmp_path))
+    chosen = simulate(policy, 4, 300, accepted=2, seconds=lambda k: 1.0 + 0.3 * k)
+    assert chosen[-60:].count(2) >= 57
+    assert policy.expected_tokens(2) == pytest.approx(3.0)
+    assert policy.expected_tokens(4) == pytest.approx(3.0)
+
+
+def test_each_batch_size_learns_its_own_k(tmp_path) -> None:
+    """The same drafts pay at batch 1 (drafting is nearly free) but not at batch 64."""
+    policy = AdaptiveSpeculation(config(tmp_path))
+    small = simulate(policy, 1, 100, accepted=1, seconds=lambda k: 1.0 + 0.05 * k)
+    large = simulate(policy, 64, 100, accepted=1, seconds=lambda k: 1.0 + 1.2 * k)
+    assert small[-30:].count(1) >= 28 and large[-30:].count(0) >= 28
+
+
+def test_fixed_k_when_not_adaptive(tmp_path) -> None:
+    policy = AdaptiveSpeculation(config(tmp_path, k=3, adaptive=False))
+    assert set(simulate(policy, 8, 50, accepted=0, seconds=lambda k: 1.0 + k)) == {3}
+    assert policy.as_dict()["spec_decode_num_draft_tokens"] == 50 * 8 * 3
+
+
+def test_untimed_steps_only_count_acceptance(tmp_path) -> None:
+    policy = AdaptiveSpeculation(config(tmp_path))
+    k = policy.choose(2)
+    policy.observe(decode_step(2, k), {0: [0, 0], 1: [0]}, 99.0, timed=False)
+    assert policy.choose(2) == k  # the compile step measured nothing: k = max again
+    assert policy.as_dict()["spec_decode_acceptance_per_position"] == [0.5, 0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("bad,match", [
+    ({"num_speculative_tokens": 0}, "num_speculative_tokens=0"),
+    ({"num_speculative_tokens": 17}, "num_speculative_tokens=17"),
+    ({"num_speculative_tokens": "4"}, "num_speculative_tokens='4'"),
+    ({"adaptive": "yes"}, "adaptive='yes'"),
+    ({"method": "eagle"}, "method='eagle' is not supported; use one of"),
+    ({"draft": "x"}, "expected the keys"),
+])
+def test_bad_speculative_config(tmp_path, bad: dict, match: str) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match=match):
+        SpeculativeConfig.from_dict({"model": str(tmp_path), **bad})
+
+
+def test_the_draft_must_be_a_checkpoint(tmp_path) -> None:
+    with pytest.raises(ValueError, match="is not a Hugging Face checkpoint directory"):
+        SpeculativeConfig.from_dict({"model": str(tmp_path / "missing")})

@@ -63,12 +63,12 @@ def _cpu_model() -> str:
 
 
 def write_json(name: str, payload: dict, out_dir: Path = RESULTS_DIR) -> Path:
-    """Write atomically, so a run killed mid-write leaves the previous complete file."""
+    """out_dir/name, written atomically: a run killed mid-write leaves the last complete file."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / name
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=2) + "\n")
+    tmp.write_text(json.dumps(payload, indent=2, default=str) + "\n")  # Paths (args) as text
     tmp.replace(path)
     return path
 

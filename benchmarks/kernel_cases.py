@@ -109,7 +109,8 @@ class CaseSpec:
         )
 
 
-def gpu_sweep(batches, contexts, shape: Shape = GPU_SHAPE, on_gpu: bool = True) -> list[CaseSpec]:
+def gpu_sweep(batches: tuple[int, ...], contexts: tuple[int, ...], shape: Shape = GPU_SHAPE,
+              on_gpu: bool = True) -> list[CaseSpec]:
     """Decode cases over batch x context, then one mixed batch."""
     specs = [CaseSpec("decode", b, c, (1,) * b, (c,) * b, shape) for b in batches for c in contexts]
     q_lens, kv_lens = (([512] * 4 + [1] * 60, [2048] * 4 + [4096] * 60) if on_gpu

@@ -24,6 +24,8 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import numpy as np
 
@@ -58,8 +60,8 @@ def _failure(error: BaseException) -> str:
     return ("oom: " if oom else "error: ") + text
 
 
-def measure_impl(fw, name: str, spec: CaseSpec, inputs, expected, copy_gbs: float,
-                 repeats: int) -> dict:
+def measure_impl(fw: ModuleType, name: str, spec: CaseSpec, inputs: Any, expected: np.ndarray,
+                 copy_gbs: float, repeats: int) -> dict:
     """One row: prepare (checks which implementation runs), check against the reference, time."""
     impl = fw.IMPLEMENTATIONS[name]
     needed = spec.cache_bytes * (1 + impl.extra_cache_copies)
@@ -81,7 +83,7 @@ def measure_impl(fw, name: str, spec: CaseSpec, inputs, expected, copy_gbs: floa
                 max_abs_err=error)
 
 
-def measure_case(fw, spec: CaseSpec, impls: list[str], copy_gbs: float, repeats: int,
+def measure_case(fw: ModuleType, spec: CaseSpec, impls: list[str], copy_gbs: float, repeats: int,
                  l2_bytes: int) -> list[dict]:
     """One row per implementation; the framework's reference output is the expected one."""
     base = dict(case=spec.name, batch=spec.batch, context=spec.context,

@@ -51,10 +51,9 @@ def ragged_paged_attention_reference(
 ) -> jax.Array:  # [T, Hq, D]
     """Online-softmax loop over KV blocks; each query row gathers its own sequence's blocks.
 
-    The loop runs to the longest context in the batch (a dynamic trip count), so short decode
-    batches do not pay for max_model_len. Accumulation is in float32 (or float64 if given), with
-    HIGHEST-precision products (not TF32 on GPU). `decode` is accepted and ignored (the
-    reference is correct for every batch), so it swaps with the kernel at one call site.
+    The loop runs to the longest context in the batch, so short decode batches do not pay for
+    max_model_len. float32 (or float64) accumulation, HIGHEST-precision products (not TF32 on
+    GPU). `decode` is ignored (always correct): it swaps with the kernel at one call site.
     """
     del decode
     num_tokens, num_q_heads, head_dim = q.shape

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 
-def cdiv(a, b):
+def cdiv(a: jax.Array | int, b: int) -> jax.Array | int:
     """Ceiling division that keeps int32 arrays int32 (pl.cdiv promotes them under x64)."""
     return (a + b - 1) // b
 

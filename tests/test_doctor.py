@@ -9,14 +9,23 @@ from pagedjax.cli import main
 
 
 def test_doctor_reports_this_machine(capsys) -> None:
+    import torch
+
+    on_gpu = torch.cuda.is_available()
     assert main(["doctor", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["jax"]["backend"] == "cpu" and report["jax"]["attention"] == "reference"
-    assert report["torch"]["cuda_available"] is False
-    assert report["ops_build"]["backend"] == "cpp"
-    assert report["ops_build"]["build_directory"].endswith("cpu")
-    assert report["smoke_torch"]["ran"] == "cpp on cpu"
-    assert report["smoke_torch"]["max_abs_err"] < 1e-5
+    assert report["torch"]["cuda_available"] is on_gpu
+    if on_gpu:
+        assert report["jax"]["backend"] == "gpu"
+        assert report["jax"]["attention"] == "pallas (compiled with Triton)"
+        assert report["ops_build"]["backend"] == "cuda" and report["ops_build"]["cuda_arch_flags"]
+        assert report["smoke_jax"]["max_abs_err"] < 1e-4
+    else:
+        assert report["jax"]["backend"] == "cpu" and report["jax"]["attention"] == "reference"
+        assert report["ops_build"]["backend"] == "cpp"
+        assert report["ops_build"]["build_directory"].endswith("cpu")
+    assert report["smoke_torch"]["ran"] == ("cuda on cuda" if on_gpu else "cpp on cpu")
+    assert report["smoke_torch"]["max_abs_err"] < 1e-4
     assert report["versions"]["jax"] and report["versions"]["torch"]
     assert report["problems"] == []
 

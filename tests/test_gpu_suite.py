@@ -85,7 +85,9 @@ def test_kernels(suite_out):
         assert {r["case"] for r in rows} == {"decode", "mixed"} and payload["environment"]
         assert all(r["status"] == "ok" or r["status"] == "skipped: decode only" for r in rows)
         assert all(isinstance(r["l2_resident"], bool) for r in rows)
-        expected_detail = {"pallas_ragged": "interpret", "torch_pagedjax_op": "cpp"}
+        on_gpu = payload["device"]["platform"] == "gpu"
+        expected_detail = {"pallas_ragged": "triton" if on_gpu else "interpret",
+                           "torch_pagedjax_op": "cuda" if on_gpu else "cpp"}
         for row in rows:
             if row["impl"] in expected_detail and row["status"] == "ok":
                 assert row["detail"] == expected_detail[row["impl"]]

@@ -11,17 +11,23 @@ from pagedjax.cli import main
 def test_doctor_reports_this_machine(capsys) -> None:
     import torch
 
+    from pagedjax.backends.jax.attention import resolve_attention
+
     on_gpu = torch.cuda.is_available()
     assert main(["doctor", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["torch"]["cuda_available"] is on_gpu
+    jax_attention = resolve_attention("auto")[2]  # what the JAX backend will use here
+    assert report["jax"]["attention"].split()[0] == jax_attention
+    if jax_attention != "reference":  # the smoke run compared it with the reference
+        assert report["smoke_jax"]["ran"] == jax_attention
+        assert report["smoke_jax"]["max_abs_err"] < 1e-4
     if on_gpu:
         assert report["jax"]["backend"] == "gpu"
         assert report["jax"]["attention"] == "pallas (compiled with Triton)"
         assert report["ops_build"]["backend"] == "cuda" and report["ops_build"]["cuda_arch_flags"]
-        assert report["smoke_jax"]["max_abs_err"] < 1e-4
     else:
-        assert report["jax"]["backend"] == "cpu" and report["jax"]["attention"] == "reference"
+        assert report["jax"]["backend"] == "cpu"
         assert report["ops_build"]["backend"] == "cpp"
         assert report["ops_build"]["build_directory"].endswith("cpu")
     assert report["smoke_torch"]["ran"] == ("cuda on cuda" if on_gpu else "cpp on cpu")

@@ -1,5 +1,7 @@
 # Two commands on a fresh machine: `make run` (generate text) and `make test` (the test suite).
-# CPU machines get torch's CPU build; on a GPU machine: make install TORCH_SPEC=torch JAX_SPEC="jax[cuda12]"
+# CPU machines get torch's CPU build. A GPU machine with a package registry:
+#   make install TORCH_SPEC=torch JAX_SPEC="jax[cuda13]"   (jax[cuda12] for CUDA 12 drivers)
+# A GPU machine with CUDA builds of torch and jax preinstalled (no registry): make gpu-check
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
@@ -7,7 +9,7 @@ JAX_SPEC ?= jax
 PROMPT ?= def main(argv):
 BACKEND ?= jax
 
-.PHONY: install run test lint bench
+.PHONY: install run test lint bench gpu-check
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -34,3 +36,12 @@ bench: install
 	$(PY) benchmarks/throughput.py --backend torch
 	$(PY) benchmarks/spec_decode.py
 	$(PY) benchmarks/kernels.py
+
+# GPU machines with CUDA builds of torch and jax already installed: the current Python, no venv,
+# no ruff, no registry. Installs the project over the installed stack, prints `pagedjax doctor`
+# (which builds the CUDA ops once), then runs the kernel tests with the gpu-marked ones.
+PYTHON ?= python3
+gpu-check:
+	$(PYTHON) -m pip install -q --no-deps --no-build-isolation --no-index -e .
+	XLA_PYTHON_CLIENT_PREALLOCATE=false $(PYTHON) -m pagedjax.cli doctor
+	XLA_PYTHON_CLIENT_PREALLOCATE=false $(PYTHON) -m pytest -m "gpu or not gpu" tests/kernels tests/test_gpu_parity.py

@@ -1,19 +1,37 @@
-"""What every benchmark records beside its numbers: machine, versions, commit."""
+"""What every benchmark records beside its numbers (machine, GPU, driver, versions, commit), and
+where it writes them (`--out DIR`, default benchmarks/results).
+
+Nothing here imports jax or torch: a benchmark process uses one framework only.
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
+import time
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
+from typing import Any
+
+from pagedjax.doctor import nvidia_gpus
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+_PACKAGES = ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "flax", "torch", "triton",
+             "transformers")
+
+
+def add_out_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR,
+                        help=f"folder for the JSON/PNG results (default {RESULTS_DIR})")
 
 
 def environment() -> dict:
-    """Machine, accelerator, package versions and git commit of this run."""
+    """Machine, GPU and driver, package versions and git commit of this run."""
     def version(pkg: str) -> str | None:
         try:
             return metadata.version(pkg)
@@ -25,11 +43,12 @@ def environment() -> dict:
                                 text=True, cwd=RESULTS_DIR.parent, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         commit = None
+    gpus = nvidia_gpus()
     return {
         "machine": platform.machine(), "processor": _cpu_model(),
         "cpu_count": os.cpu_count(), "python": platform.python_version(),
-        "accelerator": _accelerator(), "commit": commit,
-        "versions": {p: version(p) for p in ("jax", "jaxlib", "flax", "torch", "transformers")},
+        "accelerator": gpus[0]["name"] if gpus else "cpu", "gpus": gpus, "commit": commit,
+        "versions": {p: version(p) for p in _PACKAGES},
     }
 
 
@@ -43,20 +62,14 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def _accelerator() -> str:
-    try:
-        import jax
-
-        device = jax.devices()[0]
-        return "cpu" if device.platform == "cpu" else device.device_kind
-    except Exception:  # noqa: BLE001 - any import/backend failure means "no accelerator known"
-        return "unknown"
-
-
-def write_json(name: str, payload: dict) -> Path:
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    path = RESULTS_DIR / name
-    path.write_text(json.dumps(payload, indent=2) + "\n")
+def write_json(name: str, payload: dict, out_dir: Path = RESULTS_DIR) -> Path:
+    """out_dir/name, written atomically: a run killed mid-write leaves the last complete file."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / name
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=2, default=str) + "\n")  # Paths (args) as text
+    tmp.replace(path)
     return path
 
 
@@ -69,3 +82,25 @@ def print_table(rows: list[dict], columns: list[str]) -> None:
 
 def _fmt(value: object) -> str:
     return f"{value:.1f}" if isinstance(value, float) else str(value)
+
+
+def median_seconds(run: Callable[[], Any], synchronize: Callable[[Any], Any],
+                   repeats: int) -> float:
+    """Median wall time per call, synchronised on the device.
+
+    Short kernels are timed in back-to-back groups (one sync per group) so that launch
+    latency overlaps with the previous call, as it does in a model step.
+    """
+    synchronize(run())  # compile and warm up
+    start = time.perf_counter()
+    synchronize(run())
+    single = time.perf_counter() - start
+    group = max(1, min(50, int(2e-3 / max(single, 1e-7))))
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(group):
+            out = run()
+        synchronize(out)
+        samples.append((time.perf_counter() - start) / group)
+    return statistics.median(samples)

@@ -1,70 +1,151 @@
-"""The torch side of benchmarks/kernels.py: our CUDA op (C++ op on CPU), and PyTorch's
-scaled_dot_product_attention over a KV cache gathered contiguous beforehand (a non-paged
-reference: the gather is not timed)."""
+"""The torch side of benchmarks/kernels.py (this process imports no jax): our CUDA op (the C++
+op on CPU) and PyTorch's scaled_dot_product_attention over a KV cache gathered contiguous
+beforehand (a non-paged reference: the gather is not timed), on inputs built from a `CaseSpec`.
+
+Each implementation asserts what it times: the pagedjax op must be served by the CUDA extension
+on a GPU (never the pure-torch fallback), SDPA is pinned to one backend.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import gc
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
+from common import median_seconds
+from kernel_cases import CaseSpec
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from pagedjax.kernels_cuda import ops, reference
+
+
+class NotApplicable(Exception):
+    """An implementation cannot run this case (e.g. decode only)."""
+
+
+class Inputs(NamedTuple):
+    """One case on the device."""
+
+    q: torch.Tensor  # [T, Hq, D]
+    k_cache: torch.Tensor  # [N, Hkv, bs, D]
+    v_cache: torch.Tensor  # [N, Hkv, bs, D]
+    kv_lens: torch.Tensor  # [S] int32
+    block_tables: torch.Tensor  # [S, M] int32
+    query_start_loc: torch.Tensor  # [S+1] int32
+
+
+def _synchronize(out: torch.Tensor) -> torch.Tensor:
+    if out.is_cuda:
+        torch.cuda.synchronize()
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Implementation:
+    """prepare(spec, inputs) does the setup outside the timing and returns (run, detail), where
+    detail names what actually runs; extra_cache_copies sizes its memory need."""
+
+    prepare: Callable[[CaseSpec, Inputs], tuple[Callable[[], Any], str]]
+    extra_cache_copies: int = 0
+    synchronize: Callable[[Any], Any] = _synchronize
 
 
 def _device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _tensor(array: Any, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A jax array as a torch tensor on the benchmark device (bf16 goes through float32)."""
-    host = np.asarray(array)
-    if host.dtype.name == "bfloat16":
-        return torch.from_numpy(host.astype(np.float32)).to(_device(), torch.bfloat16)
-    return torch.from_numpy(np.array(host)).to(_device(), dtype)
+def device_info() -> dict:
+    if not torch.cuda.is_available():
+        return dict(name="cpu", platform="cpu", total_bytes=None, l2_bytes=0)
+    props = torch.cuda.get_device_properties(0)
+    return dict(name=props.name, platform="gpu", total_bytes=props.total_memory,
+                l2_bytes=props.L2_cache_size)
 
 
-def synchronize(out: torch.Tensor) -> torch.Tensor:
-    if out.is_cuda:
-        torch.cuda.synchronize()
-    return out
+def free_bytes() -> float:
+    return torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else float("inf")
 
 
-def prepare_pagedjax_op(case) -> Callable[[], torch.Tensor]:
-    from pagedjax.kernels_cuda import ragged_paged_attention
-
-    args = [_tensor(a) for a in case.args]
-    max_query_len = int(case.q_lens_host.max())
-    return lambda: ragged_paged_attention(*args, sm_scale=case.sm_scale,
-                                          max_query_len=max_query_len)
+def release_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
-def prepare_sdpa_gathered(case, not_applicable: type[Exception]) -> Callable[[], torch.Tensor]:
-    """Decode only: q [S, Hq, 1, D] against each sequence's KV gathered to [S, Hkv, L, D]."""
-    if not case.decode_only:
-        raise not_applicable("decode only")
-    q, k_cache, v_cache = (_tensor(a) for a in (case.q, case.k_cache, case.v_cache))
-    tables = torch.from_numpy(np.asarray(case.block_tables)).long().to(_device())  # [S, M]
-    s, m = tables.shape
-    _, hkv, bs, d = k_cache.shape
+def device_inputs(spec: CaseSpec) -> Inputs:
+    """The case's host inputs on the device; block b of each cache is pool[b % P]."""
+    host = spec.host_inputs()
+    device, dtype = _device(), getattr(torch, spec.shape.dtype)
+    pool = torch.from_numpy(host["pool"]).to(device, dtype)  # [2, P, Hkv, bs, D]
+    index = torch.arange(spec.num_blocks, device=device) % pool.shape[1]
+    return Inputs(
+        q=torch.from_numpy(host["q"]).to(device, dtype),
+        k_cache=pool[0][index], v_cache=pool[1][index],
+        kv_lens=torch.from_numpy(host["kv_lens"]).to(device),
+        block_tables=torch.from_numpy(host["block_tables"]).to(device),
+        query_start_loc=torch.from_numpy(host["query_start_loc"]).to(device),
+    )
+
+
+def reference_output(spec: CaseSpec, inputs: Inputs) -> torch.Tensor:
+    return reference.ragged_paged_attention(*inputs, sm_scale=spec.sm_scale)
+
+
+def to_numpy(out: torch.Tensor) -> np.ndarray:
+    return out.float().cpu().numpy()
+
+
+def _prepare_pagedjax_op(spec: CaseSpec, inputs: Inputs) -> tuple[Callable[[], Any], str]:
+    """Fails unless the extension serves the op: "cuda" for GPU tensors, "cpp" for CPU ones."""
+    backend, want = ops.ops_backend(), "cuda" if inputs.q.is_cuda else "cpp"
+    if backend != want:
+        raise RuntimeError(f"the pagedjax ops are served by {backend!r}, not {want!r}: "
+                           f"refusing to time a fallback")
+    run = functools.partial(ops.ragged_paged_attention, *inputs, sm_scale=spec.sm_scale,
+                            max_query_len=max(spec.q_lens))
+    return run, backend
+
+
+def _prepare_sdpa_gathered(spec: CaseSpec, inputs: Inputs) -> tuple[Callable[[], Any], str]:
+    """Decode only: the G query heads of a KV head as G queries, [S, Hkv, G, D], against its KV
+    gathered to [S, Hkv, M * bs, D]; mem-efficient attention on GPU (pinned), math on CPU."""
+    if not spec.decode_only:
+        raise NotApplicable("decode only")
+    num_seqs, hq, d = inputs.q.shape
+    _, hkv, bs, _ = inputs.k_cache.shape
+    tables = inputs.block_tables.long()  # [S, M]
+    length = tables.shape[1] * bs
 
     def gather(cache: torch.Tensor) -> torch.Tensor:  # [S, Hkv, M * bs, D]
-        return cache[tables].permute(0, 2, 1, 3, 4).reshape(s, hkv, m * bs, d)
+        return cache[tables].permute(0, 2, 1, 3, 4).reshape(num_seqs, hkv, length, d)
 
-    k, v = gather(k_cache), gather(v_cache)
-    kv_lens = torch.from_numpy(case.kv_lens_host).to(_device())
-    mask = (torch.arange(m * bs, device=_device())[None, :] < kv_lens[:, None])[:, None, None]
-    q = q[:, :, None, :]  # [S, Hq, 1, D]
-    return lambda: torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, scale=case.sm_scale, enable_gqa=True)[:, :, 0]
+    k, v = gather(inputs.k_cache), gather(inputs.v_cache)
+    visible = torch.arange(length, device=k.device)[None, :] < inputs.kv_lens[:, None].long()
+    mask = visible[:, None, None, :]  # [S, 1, 1, L]
+    q = inputs.q.view(num_seqs, hkv, hq // hkv, d)  # [S, Hkv, G, D]
+    backend = SDPBackend.EFFICIENT_ATTENTION if k.is_cuda else SDPBackend.MATH
+
+    def run() -> torch.Tensor:  # [S, Hq, D]
+        with sdpa_kernel([backend]):
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, scale=spec.sm_scale)
+        return out.reshape(num_seqs, hq, d)
+
+    return run, f"sdpa:{backend.name.lower()}"
 
 
-def to_numpy(out: Any) -> np.ndarray:
-    if isinstance(out, torch.Tensor):
-        return out.float().cpu().numpy()
-    return np.asarray(out, np.float32)
+IMPLEMENTATIONS: dict[str, Implementation] = {
+    "torch_pagedjax_op": Implementation(_prepare_pagedjax_op),
+    "torch_sdpa_gathered": Implementation(_prepare_sdpa_gathered, extra_cache_copies=1),
+}
 
 
-def register_all(register: Callable, not_applicable: type[Exception]) -> None:
-    register("torch_pagedjax_op", prepare_pagedjax_op, synchronize)
-    register("torch_sdpa_gathered", lambda case: prepare_sdpa_gathered(case, not_applicable),
-             synchronize)
+def copy_bandwidth_gbs(num_bytes: int, repeats: int) -> float:
+    """Device copy bandwidth: bytes read + written per second by a tensor copy, GB = 1e9."""
+    x = torch.ones(num_bytes // 4, device=_device())
+    y = torch.empty_like(x)
+    return 2 * x.nbytes / median_seconds(lambda: y.copy_(x), _synchronize, repeats) / 1e9

@@ -1,16 +1,24 @@
 """Python entry points of the pagedjax custom ops (`torch.ops.pagedjax.*`) and their loader.
 
 The extension (C++ CPU kernels, plus the CUDA kernels when a GPU is visible) is compiled on the
-first call with `torch.utils.cpp_extension.load` and cached in torch's extension directory, so
-later processes only load it. Without a C++ compiler, or if the build fails, every op falls back
-to the pure-torch reference in `reference.py` after a single warning.
+first call with `torch.utils.cpp_extension.load` and cached: one build folder per flavour, torch
+and CUDA version and arch list, so later processes only load it. CUDA code is compiled for
+explicit archs (sm_80 and sm_90 SASS plus compute_90 PTX; `TORCH_CUDA_ARCH_LIST` overrides).
+
+Where the build fails:
+- on a machine without a GPU, every op falls back to the pure-torch reference in `reference.py`
+  after a single warning;
+- on a GPU machine it raises `CudaBuildError`, naming nvcc, ninja, the archs and the log: a
+  silent fallback there would serve (and benchmark) the slow reference in place of the kernels.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import re
 import shutil
+import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -27,15 +35,45 @@ _NAME = "pagedjax_ops"
 _CSRC = Path(__file__).parent / "csrc"
 _CPU_SOURCES = ("ops.cpp", "attention_cpu.cpp")
 _CUDA_SOURCES = ("attention_cuda.cu", "write_kv_cuda.cu")
+DEFAULT_CUDA_ARCHS = "8.0;9.0+PTX"  # A100 and H100 SASS; PTX that newer GPUs JIT-compile
+_MIN_CAPABILITY = (8, 0)  # cp.async and bf16 paths
+
+
+class CudaBuildError(RuntimeError):
+    """The CUDA extension could not be built or loaded on a machine with a GPU."""
+
+
+def cuda_arch_flags(arch_list: str | None = None) -> list[str]:
+    """nvcc -gencode flags for "8.0;9.0+PTX"-style lists (default: TORCH_CUDA_ARCH_LIST, else
+    DEFAULT_CUDA_ARCHS). Passing them stops torch from guessing archs from the visible GPU."""
+    arch_list = arch_list or os.environ.get("TORCH_CUDA_ARCH_LIST") or DEFAULT_CUDA_ARCHS
+    flags = []
+    for arch in re.split(r"[;\s]+", arch_list.strip()):
+        match = re.fullmatch(r"(\d+)\.(\d+)(a?)(\+PTX)?", arch)
+        if match is None:
+            raise ValueError(f"CUDA arch {arch!r} in {arch_list!r}: use e.g. '8.0;9.0+PTX'")
+        number = f"{match[1]}{match[2]}{match[3]}"
+        flags.append(f"-gencode=arch=compute_{number},code=sm_{number}")
+        if match[4]:
+            flags.append(f"-gencode=arch=compute_{number},code=compute_{number}")
+    return flags
+
+
+def build_directory(with_cuda: bool) -> Path:
+    """The cached build of one flavour: keyed by torch version, CUDA version and archs."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    flavour = f"torch{torch.__version__}"
+    if with_cuda:
+        archs = "-".join(flag.rsplit("=", 1)[1] for flag in cuda_arch_flags())
+        flavour += f"_cuda{torch.version.cuda}_{archs}"
+    return Path(root) / f"{_NAME}_{re.sub(r'[^A-Za-z0-9.]+', '_', flavour)}"
 
 
 def _build() -> Backend:
     """Compiles the extension (or loads the cached build) into torch.ops.pagedjax; may raise."""
     with_cuda = torch.cuda.is_available()
     sources = [_CSRC / name for name in _CPU_SOURCES + (_CUDA_SOURCES if with_cuda else ())]
-    # One build folder per flavour, so a process without a GPU does not rebuild the CUDA one.
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
-    build_dir = Path(root) / f"{_NAME}_{'cuda' if with_cuda else 'cpu'}"
+    build_dir = build_directory(with_cuda)
     build_dir.mkdir(parents=True, exist_ok=True)
     library = build_dir / f"{_NAME}.so"
     newest_source = max(path.stat().st_mtime for path in [*sources, *_CSRC.glob("*.h")])
@@ -45,7 +83,7 @@ def _build() -> Backend:
         name=_NAME,
         sources=[str(path) for path in sources],
         extra_cflags=["-O3"],
-        extra_cuda_cflags=["-O3", "-lineinfo"],
+        extra_cuda_cflags=["-O3", "-lineinfo", *cuda_arch_flags()],
         build_directory=str(build_dir),
         with_cuda=with_cuda,
         is_python_module=False,  # registers torch.ops.pagedjax.* only; no Python module
@@ -53,20 +91,54 @@ def _build() -> Backend:
     return "cuda" if with_cuda else "cpp"
 
 
+def _nvcc_version() -> str:
+    nvcc = Path(cpp_extension.CUDA_HOME or "/nonexistent") / "bin" / "nvcc"
+    try:
+        out = subprocess.run([str(nvcc), "--version"], capture_output=True, text=True,
+                             timeout=30).stdout
+        return f"{nvcc}: " + (out.strip().splitlines() or ["?"])[-1]
+    except OSError:
+        return (f"not found (CUDA_HOME={cpp_extension.CUDA_HOME!r}; install the CUDA toolkit "
+                f"or set CUDA_HOME)")
+
+
+def _cuda_build_error(reason: str) -> CudaBuildError:
+    """The error a GPU machine gets: everything needed to fix the build in one message."""
+    capability = torch.cuda.get_device_capability()
+    return CudaBuildError(
+        f"pagedjax: the CUDA ops could not be built on this GPU machine ({reason}).\n"
+        f"  GPU: {torch.cuda.get_device_name()} (sm_{capability[0]}{capability[1]}); torch "
+        f"{torch.__version__} built for CUDA {torch.version.cuda}\n"
+        f"  nvcc: {_nvcc_version()}\n"
+        f"  ninja: {shutil.which('ninja') or 'not on PATH (pip install ninja)'}; C++ compiler: "
+        f"{shutil.which(os.environ.get('CXX', 'c++')) or 'not on PATH'}\n"
+        f"  archs: {' '.join(cuda_arch_flags())} (TORCH_CUDA_ARCH_LIST overrides)\n"
+        f"  build folder (log: build.ninja, rerun with it): {build_directory(True)}\n"
+        f"The pure-torch fallback serves only machines without a GPU; with one it would hide "
+        f"the kernels. attention_impl='reference' selects it on purpose."
+    )
+
+
 @functools.cache
 def ops_backend() -> Backend:
     """Which implementation serves the ops: "cuda" (CUDA + C++ CPU kernels), "cpp" or "reference".
 
-    The first call builds (or loads) the extension; a failure warns once and selects "reference".
+    The first call builds (or loads) the extension. A failure warns once and selects
+    "reference" without a GPU; with a GPU it raises CudaBuildError.
     """
+    on_gpu = torch.cuda.is_available()
     compiler = os.environ.get("CXX", "c++")
+    if on_gpu and torch.cuda.get_device_capability() < _MIN_CAPABILITY:
+        raise _cuda_build_error("compute capability below sm_80, which the kernels need")
     if shutil.which(compiler) is None:
         reason = f"no C++ compiler {compiler!r} on PATH (install g++ or set CXX)"
     else:
         try:
             return _build()
-        except Exception as error:  # any failure to build or load means: fall back
+        except Exception as error:  # any failure to build or load
             reason = f"building the extension failed with {type(error).__name__}: {error}"[:4000]
+    if on_gpu:
+        raise _cuda_build_error(reason)
     warnings.warn(
         f"pagedjax: falling back to the slow pure-torch reference ops, {reason}",
         RuntimeWarning,

@@ -7,15 +7,18 @@ Semantics: `reference.ragged_paged_attention_reference`. Design:
   laid out token-major (row = token * G + head), so a tile holds several tokens of a small group
   and no group is padded to 16 heads; only the tile's tail (and decode tiles, see below) pads.
 - **Tile map.** The wrapper computes with jnp, on device, which sequence and rows each tile
-  serves (`_TileMap`), gathers q into tiles and scatters the output back. The kernel reads the map
-  and the block tables as plain int32 inputs (no scalar prefetch: that is TPU-only).
+  serves (`tile_map.py`), gathers q into tiles and scatters the output back. The kernel reads the
+  map and the block tables as plain int32 inputs (no scalar prefetch: that is TPU-only).
 - **KV loop.** Each program walks the KV pages of its sequence in chunks of `pages_per_chunk`
   pages with an online softmax in float32, from the first page inside the sliding window to the
   page holding the tile's last position (causal skip).
-- **Paths.** Decode (every q_len <= 1): one tile per sequence, rows = the G heads of its single
-  token (padded to 16 rows for `tl.dot` on GPU). Multi-token (prefill chunks over a cached
-  prefix, speculative verification, mixed batches): tiles of `rows_per_tile` rows. Static rule:
-  T == S may be decode, checked on device with `lax.cond`; otherwise multi-token.
+- **Paths.** Decode (`decode=True`: the caller guarantees T == S and every q_len <= 1): one tile
+  per sequence, rows = the G heads of its single token (padded to 16 rows for `tl.dot` on GPU).
+  Multi-token (`decode=False`; prefill chunks over a cached prefix, speculative verification,
+  mixed batches, and decode batches too): tiles of `rows_per_tile` rows. The choice is static,
+  made on the host by the batch builder: a device-side check would sync every layer.
+- **Precision.** float32 inputs multiply at `Precision.HIGHEST` (IEEE float32): the default
+  lowers to TF32 on NVIDIA GPUs, which breaks float32 parity with HF.
 - **Split-K.** A third grid axis splits each tile's KV range into `num_splits` parts balanced
   over the sequence's *actual* length; partial (acc, max, sum) are merged by log-sum-exp in jnp.
   The default fills the GPU about twice for small batches of long contexts.
@@ -36,6 +39,14 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pagedjax.kernels_pallas.tile_map import (
+    TileMap,
+    cdiv,
+    decode_tiles,
+    multi_token_tiles,
+    num_multi_token_tiles,
+)
+
 try:  # The Triton flavour of Pallas; only needed when compiling for a GPU.
     from jax.experimental.pallas import triton as plgpu
 
@@ -44,11 +55,19 @@ try:  # The Triton flavour of Pallas; only needed when compiling for a GPU.
 except (ImportError, AttributeError):  # pragma: no cover - builds without Pallas Triton
     plgpu = _TritonParams = None
 
+# The custom call a compiled pallas_call lowers to: jaxlib 0.10.2 and 0.11 embed the Triton IR
+# (`__gpu$xla.gpu.triton`); jaxlib builds that compile to PTX while lowering emit the other.
+TRITON_CALL_TARGETS = ("__gpu$xla.gpu.triton", "triton_kernel_call_ffi")
 _MASK_VALUE = -1e30  # finite: a fully masked chunk never produces inf - inf
 _LOG2E = math.log2(math.e)  # logits are kept in base 2 so the kernel uses exp2
 _MIN_CHUNKS_PER_SPLIT = 4  # a KV split below ~4 chunks costs more in merging than it gains
 _TRITON_MIN_DIM = 16  # tl.dot needs M, N, K >= 16
 _KV_CHUNK_BYTES = 64 * 1024  # H100 has 228 KiB of shared memory per SM
+
+
+def _dot_precision(dtype) -> lax.Precision | None:
+    """HIGHEST for float32 (IEEE, not TF32 on NVIDIA GPUs); the default for other dtypes."""
+    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
 class _Tiling(NamedTuple):
@@ -61,66 +80,6 @@ class _Tiling(NamedTuple):
     num_warps: int
     num_stages: int
     interpret: bool
-
-
-def _cdiv(a, b):
-    """Ceiling division that keeps int32 arrays int32 (pl.cdiv promotes them under x64)."""
-    return (a + b - 1) // b
-
-
-class _TileMap(NamedTuple):
-    """Which rows of which sequence each program serves (device arrays)."""
-
-    info: jax.Array  # [num_tiles, 4] int32: (seq, num_valid_rows, first_pair, first_pos)
-    token: jax.Array  # [num_tiles, rows] int32: row of q for each tile row, -1 = unused
-    head: jax.Array  # [num_tiles, rows] int32: query head within the group
-
-
-def _decode_tiles(
-    query_start_loc: jax.Array,  # [S+1] int32
-    kv_lens: jax.Array,  # [S] int32
-    group: int,
-    rows: int,
-) -> _TileMap:
-    """One tile per sequence: its single query token times the G heads of the group."""
-    num_seqs = kv_lens.shape[0]
-    q_lens = query_start_loc[1:] - query_start_loc[:-1]  # [S]
-    num_valid = jnp.where(q_lens == 1, group, 0).astype(jnp.int32)  # [S]
-    info = jnp.stack([jnp.arange(num_seqs, dtype=jnp.int32), num_valid,
-                      jnp.zeros_like(num_valid), kv_lens - 1], axis=1)
-    row = jnp.arange(rows, dtype=jnp.int32)  # [rows]
-    valid = row[None, :] < num_valid[:, None]  # [S, rows]
-    token = jnp.where(valid, query_start_loc[:-1, None], -1)
-    head = jnp.broadcast_to(jnp.minimum(row, group - 1), (num_seqs, rows))
-    return _TileMap(info, token.astype(jnp.int32), head)
-
-
-def _multi_token_tiles(
-    query_start_loc: jax.Array,  # [S+1] int32
-    kv_lens: jax.Array,  # [S] int32
-    num_tokens: int,
-    group: int,
-    rows: int,
-) -> _TileMap:
-    """Tiles of `rows` consecutive (token, head) pairs, each inside one sequence."""
-    num_seqs = kv_lens.shape[0]
-    q_lens = query_start_loc[1:] - query_start_loc[:-1]  # [S]
-    num_pairs = q_lens * group  # [S]
-    tiles_per_seq = _cdiv(num_pairs, rows)  # [S]
-    tile_end = jnp.cumsum(tiles_per_seq).astype(jnp.int32)  # [S]
-    num_tiles = _num_multi_token_tiles(num_tokens, num_seqs, group, rows)
-    tile = jnp.arange(num_tiles, dtype=jnp.int32)  # [num_tiles]
-    seq = jnp.minimum(jnp.searchsorted(tile_end, tile, side="right"), num_seqs - 1)
-    seq = seq.astype(jnp.int32)
-    first_pair = (tile - (tile_end - tiles_per_seq)[seq]) * rows  # [num_tiles]
-    num_valid = jnp.where(tile < tile_end[-1], jnp.clip(num_pairs[seq] - first_pair, 0, rows), 0)
-    first_pos = kv_lens[seq] - q_lens[seq]  # position of the sequence's first query
-    info = jnp.stack([seq, num_valid, first_pair, first_pos], axis=1).astype(jnp.int32)
-    row = jnp.arange(rows, dtype=jnp.int32)  # [rows]
-    pair = first_pair[:, None] + row[None, :]  # [num_tiles, rows]
-    token = jnp.where(row[None, :] < num_valid[:, None],
-                      query_start_loc[seq][:, None] + pair // group, -1)
-    return _TileMap(info, token.astype(jnp.int32), (pair % group).astype(jnp.int32))
 
 
 def _load_kv_chunk(
@@ -163,8 +122,8 @@ def _kv_chunk_range(
     kv_start = jnp.int32(0)
     if sliding_window is not None:  # the tile's first row sees the furthest back
         kv_start = jnp.maximum(first_pos + first_pair // group - sliding_window + 1, 0)
-    chunk_lo, chunk_hi = kv_start // block_k, _cdiv(kv_end, block_k)
-    per_split = _cdiv(chunk_hi - chunk_lo, num_splits)  # balanced over the actual length
+    chunk_lo, chunk_hi = kv_start // block_k, cdiv(kv_end, block_k)
+    per_split = cdiv(chunk_hi - chunk_lo, num_splits)  # balanced over the actual length
     lo = chunk_lo + split * per_split
     return seq, row_pos, kv_end, lo, jnp.minimum(lo + per_split, chunk_hi)
 
@@ -181,7 +140,8 @@ def _masked_logits(
     logits_soft_cap: float | None,
 ) -> tuple[jax.Array, jax.Array]:  # base-2 logits [rows, block_k], visible [rows, block_k]
     """Scaled, soft-capped logits in base 2 (for exp2), masked causally and by the window."""
-    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=acc_dtype)
+    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=_dot_precision(q.dtype),
+                        preferred_element_type=acc_dtype)
     if logits_soft_cap is None:
         s = s * (sm_scale * _LOG2E)
     else:
@@ -228,7 +188,7 @@ def _kernel(
         # Slots past the context may hold stale or non-finite data: 0 * NaN would leak.
         v = jnp.where((key_pos < kv_end)[:, None], v, 0)
         pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                             preferred_element_type=acc_dtype)
+                             precision=_dot_precision(v.dtype), preferred_element_type=acc_dtype)
         return m_next, alpha * sum_prev + p.sum(axis=1), alpha[:, None] * acc_prev + pv
 
     init = (jnp.full((rows,), _MASK_VALUE, acc_dtype), jnp.zeros((rows,), acc_dtype),
@@ -261,7 +221,7 @@ def _output_specs(
 
 
 def _pallas_attention(
-    tiles: _TileMap,
+    tiles: TileMap,
     block_tables: jax.Array,  # [S, M'] int32
     q_tiles: jax.Array,  # [num_tiles, Hkv, rows, Dp]
     k_cache: jax.Array,  # [N, Hkv, bs, D]
@@ -313,7 +273,7 @@ def _attend(
     k_cache: jax.Array,  # [N, Hkv, bs, D]
     v_cache: jax.Array,  # [N, Hkv, bs, D]
     block_tables: jax.Array,  # [S, M'] int32, sanitised
-    tiles: _TileMap,
+    tiles: TileMap,
     tiling: _Tiling,
     **static,
 ) -> jax.Array:  # [T, Hq, D]
@@ -348,14 +308,8 @@ def _prepare_block_tables(
     num_pages = block_tables.shape[1]
     padded = pl.cdiv(num_pages, pages_per_chunk) * pages_per_chunk
     tables = jnp.pad(block_tables, ((0, 0), (0, padded - num_pages)))
-    used = jnp.arange(padded)[None, :] < _cdiv(kv_lens, block_size)[:, None]
+    used = jnp.arange(padded)[None, :] < cdiv(kv_lens, block_size)[:, None]
     return jnp.where(used, jnp.clip(tables, 0, num_blocks - 1), 0).astype(jnp.int32)
-
-
-def _num_multi_token_tiles(num_tokens: int, num_seqs: int, group: int, rows: int) -> int:
-    """Static bound: sum_s ceil(q_s G / rows) <= (T G + S (rows - 1)) / rows, and <= T G."""
-    pairs = num_tokens * group
-    return max(1, min(pairs, (pairs + num_seqs * (rows - 1)) // rows))
 
 
 def _default_num_splits(num_programs: int, max_chunks: int, interpret: bool) -> int:
@@ -380,8 +334,9 @@ def _make_tiling(
     num_tokens, num_q_heads, head_dim = q_shape
     _, num_kv_heads, block_size, _ = cache_shape
     num_seqs, max_pages = table_shape
-    group, head_dim_padded = num_q_heads // num_kv_heads, pl.next_power_of_2(head_dim)
     min_dim = 1 if interpret else _TRITON_MIN_DIM
+    group = num_q_heads // num_kv_heads
+    head_dim_padded = max(pl.next_power_of_2(head_dim), min_dim)  # tl.dot's K of q.k^T
     # K + V of one chunk within _KV_CHUNK_BYTES, so two pipeline stages fit in shared memory.
     max_keys = max(min_dim, _KV_CHUNK_BYTES // (2 * head_dim_padded * itemsize))
     if decode:  # the G heads of one token, padded to 16 rows for tl.dot on GPU
@@ -389,7 +344,7 @@ def _make_tiling(
         num_tiles, target_keys = num_seqs, min(128, max_keys)
     else:  # a [rows, Dp] float32 accumulator stays in registers
         rows = knobs["rows_per_tile"] or (32 if interpret or head_dim_padded > 128 else 64)
-        num_tiles = _num_multi_token_tiles(num_tokens, num_seqs, group, rows)
+        num_tiles = num_multi_token_tiles(num_tokens, num_seqs, group, rows)
         target_keys = min(64, max_keys)
     pages = knobs["num_kv_pages_per_chunk"] or max(1, max(target_keys, min_dim) // block_size)
     for name, value in (("rows_per_tile", rows), ("num_kv_pages_per_chunk", pages)):
@@ -438,8 +393,8 @@ def _check_inputs(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc) -
 @functools.partial(
     jax.jit,
     static_argnames=(
-        "sm_scale", "sliding_window", "logits_soft_cap", "interpret", "rows_per_tile",
-        "num_kv_pages_per_chunk", "num_splits", "num_warps", "num_stages", "decode",
+        "sm_scale", "sliding_window", "logits_soft_cap", "decode", "interpret", "rows_per_tile",
+        "num_kv_pages_per_chunk", "num_splits", "num_warps", "num_stages",
     ),
 )
 def ragged_paged_attention(
@@ -453,48 +408,46 @@ def ragged_paged_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    decode: bool = False,
     interpret: bool | None = None,
     rows_per_tile: int | None = None,
     num_kv_pages_per_chunk: int | None = None,
     num_splits: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    decode: bool = False,
 ) -> jax.Array:  # [T, Hq, D] in q.dtype, padding rows zero
     """Ragged paged attention (semantics: `ragged_paged_attention_reference`).
 
-    interpret=None interprets on CPU and compiles (Triton) elsewhere. Knobs: `rows_per_tile`
-    (token, head) rows per program of the multi-token path; `num_kv_pages_per_chunk` KV pages per
-    inner-loop step; `num_splits` KV splits per tile (None: fill the GPU); `num_warps`,
-    `num_stages` for Triton.
+    decode=True selects the decode path: the caller guarantees T == S (padded shapes) and at most
+    one query token per sequence (a sequence with more gets zeros). decode=False is correct for
+    any batch. interpret=None interprets on CPU and compiles (Triton) elsewhere. Knobs:
+    `rows_per_tile` (token, head) rows per program of the multi-token path;
+    `num_kv_pages_per_chunk` KV pages per inner-loop step; `num_splits` KV splits per tile
+    (None: fill the GPU); `num_warps`, `num_stages` for Triton.
     """
     _check_inputs(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc)
     if (sliding_window is not None and sliding_window < 1) or (logits_soft_cap or 1) <= 0:
         raise ValueError(f"need sliding_window >= 1 and logits_soft_cap > 0 (or None), got "
                          f"{sliding_window}, {logits_soft_cap}")
+    num_tokens, num_q_heads, _ = q.shape
+    num_blocks, num_kv_heads, block_size, _ = k_cache.shape
+    if decode and num_tokens != kv_lens.shape[0]:
+        raise ValueError(
+            f"decode=True needs one query row per sequence (T == S), got q {q.shape} and "
+            f"kv_lens {kv_lens.shape}: pad the batch to T == S, or pass decode=False"
+        )
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     knobs = dict(rows_per_tile=rows_per_tile, num_kv_pages_per_chunk=num_kv_pages_per_chunk,
                  num_splits=num_splits, num_warps=num_warps, num_stages=num_stages)
-    num_tokens, num_q_heads, _ = q.shape
-    num_blocks, num_kv_heads, block_size, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
-    static = dict(sm_scale=sm_scale, sliding_window=sliding_window,
-                  logits_soft_cap=logits_soft_cap, group=group)
-
-    def run(decode: bool) -> jax.Array:
-        tiling = _make_tiling(decode, q.shape, k_cache.shape, block_tables.shape,
-                              k_cache.dtype.itemsize, interpret, knobs)
-        tables = _prepare_block_tables(block_tables, kv_lens, num_blocks, block_size,
-                                       tiling.pages_per_chunk)
-        if decode:
-            tiles = _decode_tiles(query_start_loc, kv_lens, group, tiling.rows)
-        else:
-            tiles = _multi_token_tiles(query_start_loc, kv_lens, num_tokens, group, tiling.rows)
-        return _attend(q, k_cache, v_cache, tables, tiles, tiling, **static)
-
-    if num_tokens != kv_lens.shape[0]:
-        return run(decode=False)
-    # T == S is a decode batch unless some sequence has more than one query: check on device.
-    q_lens = query_start_loc[1:] - query_start_loc[:-1]
-    return lax.cond(jnp.all(q_lens <= 1), lambda: run(True), lambda: run(False))
+    tiling = _make_tiling(decode, q.shape, k_cache.shape, block_tables.shape,
+                          k_cache.dtype.itemsize, interpret, knobs)
+    tables = _prepare_block_tables(block_tables, kv_lens, num_blocks, block_size,
+                                   tiling.pages_per_chunk)
+    if decode:
+        tiles = decode_tiles(query_start_loc, kv_lens, group, tiling.rows)
+    else:
+        tiles = multi_token_tiles(query_start_loc, kv_lens, num_tokens, group, tiling.rows)
+    return _attend(q, k_cache, v_cache, tables, tiles, tiling, sm_scale=sm_scale,
+                   sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, group=group)

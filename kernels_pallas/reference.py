@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 _MASK_VALUE = -1e30  # finite, so a fully masked block never produces NaN
+_HIGHEST = jax.lax.Precision.HIGHEST  # float32 products in float32, never TF32
 
 
 def token_positions(
@@ -46,12 +47,13 @@ def ragged_paged_attention_reference(
     sm_scale: float,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
-    decode: bool = False,  # accepted so every implementation shares one call; always correct
+    decode: bool = False,
 ) -> jax.Array:  # [T, Hq, D]
     """Online-softmax loop over KV blocks; each query row gathers its own sequence's blocks.
 
-    The loop runs to the longest context in the batch (a dynamic trip count), so short decode
-    batches do not pay for max_model_len. Accumulation is in float32 (or float64 if given).
+    The loop runs to the longest context in the batch, so short decode batches do not pay for
+    max_model_len. float32 (or float64) accumulation, HIGHEST-precision products (not TF32 on
+    GPU). `decode` is ignored (always correct): it swaps with the kernel at one call site.
     """
     del decode
     num_tokens, num_q_heads, head_dim = q.shape
@@ -68,7 +70,7 @@ def ragged_paged_attention_reference(
         j, m, denom, acc = carry
         kb = k_cache[tables[:, j]].astype(acc_dtype)  # [T, Hkv, bs, D]
         vb = v_cache[tables[:, j]].astype(acc_dtype)  # [T, Hkv, bs, D]
-        s = jnp.einsum("thgd,thkd->thgk", qg, kb)  # [T, Hkv, G, bs]
+        s = jnp.einsum("thgd,thkd->thgk", qg, kb, precision=_HIGHEST)  # [T, Hkv, G, bs]
         if logits_soft_cap is not None:
             s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
         key_pos = j * block_size + jnp.arange(block_size)  # [bs]
@@ -80,7 +82,8 @@ def ragged_paged_attention_reference(
         p = jnp.where(visible[:, None, None, :], jnp.exp(s - m_new[..., None]), 0.0)
         alpha = jnp.exp(m - m_new)
         denom_new = alpha * denom + p.sum(-1)
-        acc_new = alpha[..., None] * acc + jnp.einsum("thgk,thkd->thgd", p, vb)
+        acc_new = alpha[..., None] * acc + jnp.einsum("thgk,thkd->thgd", p, vb,
+                                                      precision=_HIGHEST)
         return j + 1, m_new, denom_new, acc_new
 
     init = (

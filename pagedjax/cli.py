@@ -1,4 +1,5 @@
-"""pagedjax command line: `pagedjax generate --prompt TEXT [--model DIR] [--backend jax|torch]`."""
+"""pagedjax command line: `pagedjax generate --prompt TEXT [--model DIR] [--backend jax|torch]`,
+`pagedjax convert --model DIR`, `pagedjax doctor [--json]`."""
 
 from __future__ import annotations
 
@@ -33,6 +34,9 @@ def _parser() -> argparse.ArgumentParser:
                                          "reloads): DIR/orbax-DTYPE, restored automatically")
     conv.add_argument("--model", required=True)
     conv.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    doctor = sub.add_parser("doctor", help="device, versions, attention implementations and "
+                                           "the ops build; exit status 1 on a problem")
+    doctor.add_argument("--json", action="store_true", help="print the report as JSON")
     return parser
 
 
@@ -82,6 +86,10 @@ def generate(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "doctor":
+        from pagedjax.doctor import main as doctor
+
+        return doctor(as_json=args.json)
     try:
         if args.command == "generate":
             generate(args)

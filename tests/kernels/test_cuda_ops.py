@@ -1,4 +1,9 @@
-"""The pagedjax torch custom ops (C++ CPU kernels) against the float64 oracle and the references.
+"""The pagedjax torch custom ops against the float64 oracle and the references.
+
+Tensors live on `cuda` when a GPU is visible (so the CUDA kernels are what is tested there) and on
+the CPU otherwise (the C++ kernels). float64, which has no CUDA kernel, and the data checks only
+the C++ kernel makes (they would need a device sync) always run on the CPU. Tests marked `gpu`
+need one; they are deselected by default (run `python -m pytest -m "gpu or not gpu"`).
 
 Unwritten output is caught by NaN: every call writes into a NaN-filled `out`, and cache slots no
 sequence owns (past each kv_len, and spare blocks) hold NaN, so a kernel that skips a row or reads
@@ -19,6 +24,8 @@ from tests.kernels.naive import (
 )
 
 _BOUNDS = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-2}
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+_CPU = torch.device("cpu")
 _MAX_LEN = 150
 # (head_dim, block_size, GQA group): every head_dim, block size and group appears at least once.
 _SHAPES = [(64, 8, 1), (64, 32, 8), (80, 16, 2), (80, 8, 4), (128, 32, 2), (128, 16, 8)]
@@ -65,12 +72,18 @@ def _poison_unowned_slots(case: dict) -> None:
     case["v_cache"][:] = np.where(owned, case["v_cache"], np.nan)
 
 
-def _torch_args(case: dict, dtype: torch.dtype) -> dict:
-    """The case as torch tensors; q and the caches in `dtype`."""
-    args = {name: torch.from_numpy(value) for name, value in case.items()}
+def _torch_args(case: dict, dtype: torch.dtype, device: torch.device | None = None) -> dict:
+    """The case as torch tensors on `device` (default: DEVICE, the CPU for float64); q and the
+    caches in `dtype`."""
+    device = device or (_CPU if dtype == torch.float64 else DEVICE)
+    args = {name: torch.from_numpy(value).to(device) for name, value in case.items()}
     for name in ("q", "k_cache", "v_cache"):
         args[name] = args[name].to(dtype)
     return args
+
+
+def _numpy(t: torch.Tensor) -> np.ndarray:
+    return t.double().cpu().numpy()
 
 
 def _check(
@@ -83,15 +96,15 @@ def _check(
     result = ops.ragged_paged_attention(**args, sm_scale=head_dim**-0.5, out=out, **options)
     assert result is out
     # The oracle sees exactly the (rounded) inputs the op saw.
-    rounded = {name: value.double().numpy() for name, value in args.items()}
+    rounded = {name: _numpy(value) for name, value in args.items()}
     rounded.update({name: case[name] for name in ("kv_lens", "block_tables", "query_start_loc")})
     want = naive_ragged_paged_attention(**rounded, sm_scale=head_dim**-0.5, **options)
-    got = out.double().numpy()
+    got = _numpy(out)
     assert not np.isnan(got).any(), "unwritten or NaN rows"
     np.testing.assert_array_equal(got[int(case["query_start_loc"][-1]) :], 0.0)
     assert per_row_relative_error(got, want) <= _BOUNDS[dtype]
     torch_reference = reference.ragged_paged_attention(**args, sm_scale=head_dim**-0.5, **options)
-    assert per_row_relative_error(torch_reference.double().numpy(), want) <= _BOUNDS[dtype]
+    assert per_row_relative_error(_numpy(torch_reference), want) <= _BOUNDS[dtype]
 
 
 @pytest.mark.parametrize("kind", ["decode", "prefill_with_prefix", "mixed"])
@@ -122,7 +135,7 @@ def test_functional_op_matches_out_variant_on_strided_q():
     case = _case("mixed", head_dim=64, block_size=16, group=2)
     args = _torch_args(case, torch.float32)
     num_tokens, num_q_heads, head_dim = args["q"].shape
-    qkv = torch.randn(num_tokens, (num_q_heads + 4) * head_dim)
+    qkv = torch.randn(num_tokens, (num_q_heads + 4) * head_dim, device=DEVICE)
     qkv[:, : num_q_heads * head_dim] = args["q"].reshape(num_tokens, -1)
     strided_q = qkv[:, : num_q_heads * head_dim].view(num_tokens, num_q_heads, head_dim)
     assert not strided_q.is_contiguous()
@@ -153,7 +166,7 @@ def test_parity_with_jnp_reference(options):
     got = ops.ragged_paged_attention(**_torch_args(case, torch.float32), sm_scale=0.1, **options)
     jnp_args = {name: jnp.asarray(value) for name, value in case.items()}
     want = np.asarray(ragged_paged_attention_reference(**jnp_args, sm_scale=0.1, **options))
-    assert per_row_relative_error(got.numpy(), want) <= 1e-5
+    assert per_row_relative_error(_numpy(got), want) <= 1e-5
 
 
 def test_meta_tensors_trace_shapes():
@@ -169,15 +182,17 @@ def test_meta_tensors_trace_shapes():
 
 
 @pytest.mark.parametrize(
-    ("mutate", "message"),
-    [(lambda a: a.update(kv_lens=a["kv_lens"].long()), "kv_lens must be int32"),
-     (lambda a: a.update(v_cache=a["v_cache"][:, :1].contiguous()), "v_cache has shape"),
-     (lambda a: a.update(q=a["q"][:, :3]), "must be a multiple of num_kv_heads"),
-     (lambda a: a.update(kv_lens=a["kv_lens"] - 1), "q_len"),
-     (lambda a: a["block_tables"].fill_(10_000), "out of range")],
+    ("mutate", "message", "device"),
+    [(lambda a: a.update(kv_lens=a["kv_lens"].long()), "kv_lens must be int32", DEVICE),
+     (lambda a: a.update(v_cache=a["v_cache"][:, :1].contiguous()), "v_cache has shape", DEVICE),
+     (lambda a: a.update(q=a["q"][:, :3]), "must be a multiple of num_kv_heads", DEVICE),
+     # Data checks: the C++ kernel reads the metadata; the CUDA one cannot without a sync.
+     (lambda a: a.update(kv_lens=a["kv_lens"] - 1), "q_len", _CPU),
+     (lambda a: a["block_tables"].fill_(10_000), "out of range", _CPU)],
 )  # fmt: skip
-def test_attention_rejects_bad_arguments(mutate, message):
-    args = _torch_args(_case("decode", head_dim=64, block_size=8, group=2), torch.float32)
+def test_attention_rejects_bad_arguments(mutate, message, device):
+    args = _torch_args(_case("decode", head_dim=64, block_size=8, group=2), torch.float32,
+                       device)
     mutate(args)
     with pytest.raises(RuntimeError, match=message):
         ops.ragged_paged_attention(**args, sm_scale=0.125)
@@ -189,10 +204,10 @@ def test_write_kv(dtype, slot_dtype):
     num_blocks, num_kv_heads, block_size, head_dim, num_tokens = 6, 2, 8, 80, 10
     gen = torch.Generator().manual_seed(0)
     shape = (num_blocks, num_kv_heads, block_size, head_dim)
-    k_cache, v_cache = (torch.randn(shape, generator=gen).to(dtype) for _ in range(2))
-    kv = torch.randn(num_tokens, 2, num_kv_heads, head_dim, generator=gen).to(dtype)
+    k_cache, v_cache = (torch.randn(shape, generator=gen).to(DEVICE, dtype) for _ in range(2))
+    kv = torch.randn(num_tokens, 2, num_kv_heads, head_dim, generator=gen).to(DEVICE, dtype)
     k, v = kv[:, 0], kv[:, 1]  # strided views [T, Hkv, D], like a fused projection's output
-    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens].to(DEVICE)
     slots[[1, 4, 9]] = -1
     expected_k, expected_v = k_cache.clone(), v_cache.clone()
     for t, slot in enumerate(slots.tolist()):
@@ -214,13 +229,16 @@ def test_write_kv_rejects_bad_arguments():
     k_cache = torch.zeros(2, 1, 4, 8)
     k = torch.ones(3, 1, 8)
     with pytest.raises(RuntimeError, match=r"slot_mapping\[1\]=8 is out of range"):
-        ops.write_kv(k, k, k_cache, k_cache.clone(), torch.tensor([0, 8, -1]))
+        ops.write_kv(k, k, k_cache, k_cache.clone(), torch.tensor([0, 8, -1]))  # C++ data check
+    k_cache, k = k_cache.to(DEVICE), k.to(DEVICE)
     with pytest.raises(RuntimeError, match="cast it to the cache dtype"):
-        ops.write_kv(k.half(), k.half(), k_cache, k_cache.clone(), torch.tensor([0, 1, 2]))
+        ops.write_kv(k.half(), k.half(), k_cache, k_cache.clone(),
+                     torch.tensor([0, 1, 2], device=DEVICE))
 
 
 @pytest.mark.parametrize("failure", ["no_compiler", "build_error"])
-def test_failed_build_falls_back_with_one_warning(monkeypatch, failure):
+def test_failed_build_falls_back_with_one_warning_without_a_gpu(monkeypatch, failure):
+    monkeypatch.setattr(ops.torch.cuda, "is_available", lambda: False)
     if failure == "no_compiler":
         monkeypatch.setattr(ops.shutil, "which", lambda name: None)
     else:
@@ -237,4 +255,50 @@ def test_reference_backend_serves_the_wrappers(monkeypatch):
     out = torch.full_like(args["q"], float("nan"))
     assert ops.ragged_paged_attention(**args, sm_scale=0.125, out=out) is out
     want = naive_ragged_paged_attention(**case, sm_scale=0.125)
-    assert per_row_relative_error(out.numpy(), want) <= 1e-5
+    assert per_row_relative_error(_numpy(out), want) <= 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_kernels_split_long_contexts_on_gpu(torch_cuda, dtype):
+    """Few sequences with long contexts (the split-K launch), GQA 32/8, on device tensors."""
+    assert ops.ops_backend() == "cuda"
+    case = make_ragged_case(np.random.default_rng(3), [1, 1, 7], [4000, 130, 2100],
+                            num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16,
+                            num_padding_rows=2)
+    _poison_unowned_slots(case)
+    args = _torch_args(case, dtype, torch_cuda)
+    out = torch.full_like(args["q"], float("nan"))
+    ops.ragged_paged_attention(**args, sm_scale=128**-0.5, max_query_len=7, out=out)
+    assert out.is_cuda
+    rounded = {name: _numpy(value) for name, value in args.items()}
+    want = naive_ragged_paged_attention(**rounded, sm_scale=128**-0.5)
+    got = _numpy(out)
+    assert not np.isnan(got).any()
+    np.testing.assert_array_equal(got[9:], 0.0)
+    assert per_row_relative_error(got, want) <= _BOUNDS[dtype]
+
+
+@pytest.mark.gpu
+def test_attention_replays_in_a_cuda_graph(torch_cuda):
+    """With max_query_len the op never syncs, so it captures; a replay sees new inputs."""
+    case = _case("mixed", head_dim=128, block_size=16, group=4)
+    args = _torch_args(case, torch.bfloat16, torch_cuda)
+    max_query_len = int(np.diff(case["query_start_loc"]).max())
+    out = torch.full_like(args["q"], float("nan"))
+    run = lambda: ops.ragged_paged_attention(**args, sm_scale=0.1, max_query_len=max_query_len,
+                                             out=out)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    args["q"].copy_(torch.randn_like(args["q"]))
+    graph.replay()
+    torch.cuda.synchronize()
+    rounded = {name: _numpy(value) for name, value in args.items()}
+    want = naive_ragged_paged_attention(**rounded, sm_scale=0.1)
+    assert per_row_relative_error(_numpy(out), want) <= _BOUNDS[torch.bfloat16]

@@ -1,0 +1,255 @@
+"""Everything a GPU run should tell us, in parts of under 9 minutes each.
+
+    python benchmarks/gpu_suite.py --part NAME [--part NAME ...] --out DIR [--dry-run]
+
+Parts (in the order a first run should take them; `--part all` runs every one):
+- environment: `pagedjax doctor` (which builds the CUDA ops once and caches them), pip list;
+- correctness: the kernel tests with the gpu-marked ones (Pallas compiled vs the float64 oracle,
+  the CUDA op on device tensors with NaN-poisoned pools), then greedy parity jax/torch/HF in
+  float32 (exact) and bf16 (top-5 rule) on tiny models, and the backend test files;
+- kernels: benchmarks/kernels.py, B 1/8/64 x context 512/2048/8192, JAX then torch;
+- throughput, latency: on a Llama-3.2-1B-shaped random bf16 checkpoint made here;
+- spec_decode: the demo pair, one backend per process.
+
+Every step is a subprocess (JAX and torch never share one, XLA's allocator keeps what it
+freed) under a timeout; a part's timeouts add up to under 9 minutes. Logs go to OUT/PART/STEP.log
+(and stdout), results to OUT/PART/, and OUT/suite.json records each step (command, exit code,
+seconds) as soon as it ends. --dry-run runs every part at toy size, on CPU in about a minute per
+part (CI runs it). Exit status 1 when a step failed, timed out or is missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BENCHMARKS = REPO / "benchmarks"
+PART_BUDGET_S = 540  # 9 minutes: under the 10-minute limit of one command on the GPU machines
+MODEL_CACHE = REPO / "build" / "gpu_suite_models"  # build/ is git-ignored
+
+# Llama-3.2-1B's shape (random weights): 1.24B parameters, GQA 32/8, head_dim 64.
+LLAMA_3_2_1B = dict(
+    hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+    num_key_value_heads=8, head_dim=64, vocab_size=128256, max_position_embeddings=131072,
+    rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
+    rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+)
+TOY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+           num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One subprocess: `python ARGV...` run from the repository root."""
+
+    name: str
+    argv: tuple[str, ...]
+    timeout_s: int
+    stdout_file: str | None = None  # also save stdout alone to PART/stdout_file
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    out: Path
+    dry_run: bool
+    model_cache: Path
+
+    @property
+    def model_dir(self) -> Path:
+        return self.model_cache / ("toy-bf16" if self.dry_run else "llama-3.2-1b-shape-bf16")
+
+
+def _pytest(junit: Path, *args: str) -> tuple[str, ...]:
+    return ("-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", *args)
+
+
+def environment_steps(ctx: Context) -> list[Step]:
+    return [Step("doctor", ("-m", "pagedjax.cli", "doctor", "--json"), 420, "doctor.json"),
+            Step("pip_list", ("-m", "pip", "list", "--format", "json"), 60, "pip_list.json")]
+
+
+def correctness_steps(ctx: Context) -> list[Step]:
+    part = ctx.out / "correctness"
+    if ctx.dry_run:  # a sample of the same files
+        kernels = ("tests/kernels/test_pallas_lowering.py", "tests/kernels/test_cuda_ops.py",
+                   "-k", "1b or (attention_float32 and decode)")
+        parity = ("tests/test_gpu_parity.py", "-k", "float32")
+    else:  # everything, the gpu-marked tests included (nvcc: the environment part built it)
+        kernels = ("-m", "(gpu or not gpu) and not nvcc", "tests/kernels")
+        parity = ("-m", "gpu or not gpu", "tests/test_gpu_parity.py",
+                  "tests/backends/test_jax_backend.py", "tests/backends/test_torch_backend.py")
+    return [Step("kernel_tests", _pytest(part / "kernel_tests.xml", *kernels), 300),
+            Step("parity_tests", _pytest(part / "parity_tests.xml", *parity), 230)]
+
+
+def kernels_steps(ctx: Context) -> list[Step]:
+    sweep = (("--batches", "1", "2", "--contexts", "32", "--repeats", "1") if ctx.dry_run
+             else ("--batches", "1", "8", "64", "--contexts", "512", "2048", "8192"))
+    script, out = str(BENCHMARKS / "kernels.py"), str(ctx.out / "kernels")
+    return [Step(f"kernels_{fw}", (script, "--framework", fw, *sweep, "--out", out), 260)
+            for fw in ("jax", "torch")]
+
+
+def _make_model_step(ctx: Context) -> Step:
+    argv = (str(Path(__file__)), "--make-model", str(ctx.model_dir))
+    return Step("make_model", (*argv, "--dry-run") if ctx.dry_run else argv, 150)
+
+
+def throughput_steps(ctx: Context) -> list[Step]:
+    size = (("--num-requests", "4", "--max-input", "16", "--max-output", "8", "--max-num-seqs",
+             "4", "--hf-batch-size", "2") if ctx.dry_run else ())
+    script, out = str(BENCHMARKS / "throughput.py"), str(ctx.out / "throughput")
+    return [_make_model_step(ctx), *(
+        Step(f"throughput_{backend}", (script, "--model", str(ctx.model_dir), "--backend",
+                                       backend, *size, "--out", out), 190)
+        for backend in ("jax", "torch"))]
+
+
+def latency_steps(ctx: Context) -> list[Step]:
+    script, out = str(BENCHMARKS / "latency.py"), str(ctx.out / "latency")
+    max_tokens = "4" if ctx.dry_run else "128"
+    return [_make_model_step(ctx), *(
+        Step(f"latency_{backend}", (script, "--model", str(ctx.model_dir), "--backend", backend,
+                                    "--max-tokens", max_tokens, "--out", out), 190)
+        for backend in ("jax", "torch"))]
+
+
+def spec_decode_steps(ctx: Context) -> list[Step]:
+    grid = (("--batch-sizes", "1", "--ks", "1", "--max-tokens", "4") if ctx.dry_run else
+            ("--batch-sizes", "1", "4", "16", "64", "--ks", "1", "2", "4", "--max-tokens", "64"))
+    script = str(BENCHMARKS / "spec_decode.py")
+    return [Step(f"spec_decode_{backend}", (script, "--backends", backend, *grid, "--out",
+                                            str(ctx.out / "spec_decode" / backend)), 260)
+            for backend in ("jax", "torch")]
+
+
+PARTS: dict[str, Callable[[Context], list[Step]]] = {
+    "environment": environment_steps,
+    "correctness": correctness_steps,
+    "kernels": kernels_steps,
+    "throughput": throughput_steps,
+    "latency": latency_steps,
+    "spec_decode": spec_decode_steps,
+}
+
+
+def make_model(out_dir: Path, dry_run: bool) -> Path:
+    """A random bf16 Llama checkpoint (Llama-3.2-1B's shape, or a toy one) with the test
+    tokenizer; reused when a complete one is already there."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from pagedjax.checkpoints import MULTIBYTE_TEXT, stdlib_corpus, train_tokenizer
+
+    if (out_dir / "config.json").exists():
+        print(f"reusing {out_dir}")
+        return out_dir
+    tokenizer = train_tokenizer(stdlib_corpus() + [MULTIBYTE_TEXT])
+    shape = dict(TOY, vocab_size=len(tokenizer)) if dry_run else LLAMA_3_2_1B
+    config = LlamaConfig(**shape, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+                         pad_token_id=tokenizer.pad_token_id, initializer_range=0.02)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM._from_config(config, dtype=torch.bfloat16).eval()
+    partial = out_dir.with_name(out_dir.name + ".partial")
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    partial.rename(out_dir)  # complete or absent, never half-written
+    print(f"wrote {out_dir} ({sum(p.numel() for p in model.parameters()) / 1e9:.2f}B params)")
+    return out_dir
+
+
+def run_step(step: Step, part_dir: Path, env: dict[str, str]) -> dict:
+    """Runs one step (its own process group, killed whole on timeout), teeing output to a log."""
+    record = dict(step=step.name, command=[sys.executable, *step.argv], timeout_s=step.timeout_s)
+    script = Path(step.argv[0])
+    if script.suffix == ".py" and not script.exists():
+        return dict(record, status="missing", detail=f"{script} does not exist")
+    start = time.monotonic()
+    with (part_dir / f"{step.name}.log").open("w") as log:
+        proc = subprocess.Popen(record["command"], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+        stdout = _tee(proc, log, start + step.timeout_s)
+        try:
+            rc, timed_out = proc.wait(timeout=max(0.0, start + step.timeout_s
+                                                  - time.monotonic())), False
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            rc, timed_out = proc.wait(), True
+    if step.stdout_file:
+        (part_dir / step.stdout_file).write_text("".join(stdout))
+    status = "timeout" if timed_out else ("ok" if rc == 0 else "failed")
+    return dict(record, status=status, returncode=rc, seconds=round(time.monotonic() - start, 1))
+
+
+def _tee(proc: subprocess.Popen, log, deadline: float) -> list[str]:
+    """Copies the child's stdout and stderr to log and to our stdout until both close or the
+    deadline passes; returns the stdout lines."""
+    stdout_lines, selector = [], selectors.DefaultSelector()
+    selector.register(proc.stdout, selectors.EVENT_READ)
+    selector.register(proc.stderr, selectors.EVENT_READ)
+    while selector.get_map() and time.monotonic() < deadline:
+        for key, _ in selector.select(timeout=min(1.0, max(0.0, deadline - time.monotonic()))):
+            line = key.fileobj.readline()
+            if not line:
+                selector.unregister(key.fileobj)
+                continue
+            if key.fileobj is proc.stdout:
+                stdout_lines.append(line)
+            log.write(line)
+            log.flush()
+            print(line, end="", flush=True)
+    return stdout_lines
+
+
+def run_parts(names: list[str], ctx: Context) -> list[dict]:
+    """Every step of every named part; OUT/suite.json is rewritten after each step."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    records: list[dict] = []
+    summary = ctx.out / "suite.json"
+    for name in names:
+        part_dir = ctx.out / name
+        part_dir.mkdir(parents=True, exist_ok=True)
+        for step in PARTS[name](ctx):
+            print(f"=== gpu_suite {name}/{step.name} (timeout {step.timeout_s}s)", flush=True)
+            records.append(dict(run_step(step, part_dir, env), part=name))
+            print(f"=== {name}/{step.name}: {records[-1]['status']}", flush=True)
+            summary.write_text(json.dumps(dict(dry_run=ctx.dry_run, steps=records), indent=2))
+    return records
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", action="append", choices=[*PARTS, "all"])
+    parser.add_argument("--out", type=Path, help="output folder (logs, JSON, PNG)")
+    parser.add_argument("--dry-run", action="store_true", help="toy sizes: any machine, CPU too")
+    parser.add_argument("--model-cache", type=Path, default=MODEL_CACHE,
+                        help=f"where the random checkpoints are made once (default {MODEL_CACHE})")
+    parser.add_argument("--make-model", type=Path, metavar="DIR", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.make_model:
+        make_model(args.make_model, args.dry_run)
+        return 0
+    if not args.part or args.out is None:
+        parser.error("--part NAME and --out DIR are required")
+    names = list(PARTS) if "all" in args.part else list(dict.fromkeys(args.part))
+    ctx = Context(out=args.out.resolve(), dry_run=args.dry_run,
+                  model_cache=args.model_cache.resolve())
+    records = run_parts(names, ctx)
+    bad = [f"{r['part']}/{r['step']}: {r['status']}" for r in records if r["status"] != "ok"]
+    print("gpu_suite: " + ("all steps ok" if not bad else "; ".join(bad)))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

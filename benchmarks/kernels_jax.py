@@ -1,0 +1,162 @@
+"""The JAX side of benchmarks/kernels.py (this process imports no torch): our Pallas kernel,
+JAX's own Pallas paged attention and the jnp reference, on inputs built from a `CaseSpec`.
+
+On a GPU each Pallas implementation proves it is the compiled Triton kernel before it is timed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import gc
+import os
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+# JAX allocates on demand instead of taking 75 % of the GPU up front.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from common import median_seconds  # noqa: E402
+from kernel_cases import CaseSpec, pallas_options  # noqa: E402
+
+from pagedjax.kernels_pallas import (  # noqa: E402
+    ragged_paged_attention,
+    ragged_paged_attention_reference,
+)
+from pagedjax.kernels_pallas.ragged_paged_attention import TRITON_CALL_TARGETS  # noqa: E402
+
+# L2 per GPU (the working set of a case below it is served from cache, not HBM).
+_L2_BYTES = {"H200": 60 * 2**20, "H100": 50 * 2**20, "A100": 40 * 2**20}
+_DEFAULT_L2_BYTES = 50 * 2**20
+
+
+class NotApplicable(Exception):
+    """An implementation cannot run this case (e.g. decode only)."""
+
+
+class Inputs(NamedTuple):
+    """One case on the device."""
+
+    q: jax.Array  # [T, Hq, D]
+    k_cache: jax.Array  # [N, Hkv, bs, D]
+    v_cache: jax.Array  # [N, Hkv, bs, D]
+    kv_lens: jax.Array  # [S] int32
+    block_tables: jax.Array  # [S, M] int32
+    query_start_loc: jax.Array  # [S+1] int32
+
+
+@dataclasses.dataclass(frozen=True)
+class Implementation:
+    """prepare(spec, inputs) does the setup outside the timing and returns (run, detail), where
+    detail names what actually runs; extra_cache_copies sizes its memory need."""
+
+    prepare: Callable[[CaseSpec, Inputs], tuple[Callable[[], Any], str]]
+    extra_cache_copies: int = 0
+    synchronize: Callable[[Any], Any] = jax.block_until_ready
+
+
+def device_info() -> dict:
+    device = jax.devices()[0]
+    stats = device.memory_stats() or {}
+    l2 = next((size for kind, size in _L2_BYTES.items() if kind in device.device_kind),
+              _DEFAULT_L2_BYTES) if device.platform == "gpu" else 0
+    return dict(name=device.device_kind, platform=jax.default_backend(),
+                total_bytes=stats.get("bytes_limit"), l2_bytes=l2)
+
+
+def free_bytes() -> float:
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" not in stats:
+        return float("inf")  # CPU: tiny shapes only
+    return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+
+
+def release_memory() -> None:
+    gc.collect()
+
+
+@functools.partial(jax.jit, static_argnames=("num_blocks",))
+def _cache_from_pool(pool: jax.Array, num_blocks: int) -> jax.Array:
+    """[N, Hkv, bs, D] with block b = pool[b % P]: no full-size random temporary."""
+    return pool[jnp.arange(num_blocks) % pool.shape[0]]
+
+
+def device_inputs(spec: CaseSpec) -> Inputs:
+    host = spec.host_inputs()
+    dtype = jnp.dtype(spec.shape.dtype)
+    pool = jnp.asarray(host["pool"], dtype)  # [2, P, Hkv, bs, D]
+    return Inputs(
+        q=jnp.asarray(host["q"], dtype),
+        k_cache=_cache_from_pool(pool[0], spec.num_blocks),
+        v_cache=_cache_from_pool(pool[1], spec.num_blocks),
+        kv_lens=jnp.asarray(host["kv_lens"]), block_tables=jnp.asarray(host["block_tables"]),
+        query_start_loc=jnp.asarray(host["query_start_loc"]),
+    )
+
+
+def reference_output(spec: CaseSpec, inputs: Inputs) -> jax.Array:
+    fn = jax.jit(functools.partial(ragged_paged_attention_reference, sm_scale=spec.sm_scale))
+    return fn(*inputs)
+
+
+def to_numpy(out: jax.Array) -> np.ndarray:
+    return np.asarray(out.astype(jnp.float32))
+
+
+def _checked(fn: Callable, *args) -> tuple[Callable[[], Any], str]:
+    """(run, detail); on a GPU, fails unless fn lowers to the Triton kernel (not interpret)."""
+    if jax.default_backend() == "cpu":
+        return functools.partial(fn, *args), "interpret"
+    hlo = fn.lower(*args).as_text()
+    if not any(target in hlo for target in TRITON_CALL_TARGETS):
+        raise RuntimeError("expected the compiled Triton kernel: no Triton call in the HLO")
+    return functools.partial(fn, *args), "triton"
+
+
+def _prepare_reference(spec: CaseSpec, inputs: Inputs) -> tuple[Callable[[], Any], str]:
+    fn = jax.jit(functools.partial(ragged_paged_attention_reference, sm_scale=spec.sm_scale))
+    return functools.partial(fn, *inputs), "xla"
+
+
+def _prepare_pallas(spec: CaseSpec, inputs: Inputs) -> tuple[Callable[[], Any], str]:
+    fn = jax.jit(functools.partial(ragged_paged_attention, sm_scale=spec.sm_scale,
+                                   **pallas_options(spec)))
+    return _checked(fn, *inputs)
+
+
+def _prepare_jax_paged_attention(spec: CaseSpec,
+                                 inputs: Inputs) -> tuple[Callable[[], Any], str]:
+    """jax.experimental.pallas.ops.gpu.paged_attention: decode only, caches [Hkv, N, bs, D]."""
+    from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
+
+    if not spec.decode_only:
+        raise NotApplicable("decode only")
+    num_pages = inputs.block_tables.shape[1]
+    k_splits = min(16, 1 << (num_pages.bit_length() - 1))  # pages must split evenly
+    per_split = -(-num_pages // k_splits)
+    pages_per_compute_block = min(8, per_split)
+    per_split = -(-per_split // pages_per_compute_block) * pages_per_compute_block
+    tables = jnp.pad(inputs.block_tables, ((0, 0), (0, per_split * k_splits - num_pages)))
+    k_pages = jnp.swapaxes(inputs.k_cache, 0, 1)  # [Hkv, N, bs, D]
+    v_pages = jnp.swapaxes(inputs.v_cache, 0, 1)
+    q = (inputs.q * spec.sm_scale).astype(inputs.q.dtype)  # it applies no softmax scale
+    fn = jax.jit(functools.partial(
+        paged_attention, k_splits=k_splits, pages_per_compute_block=pages_per_compute_block,
+        interpret=jax.default_backend() == "cpu"))
+    return _checked(fn, q, k_pages, v_pages, tables, inputs.kv_lens)
+
+
+IMPLEMENTATIONS: dict[str, Implementation] = {
+    "jnp_reference": Implementation(_prepare_reference),
+    "pallas_ragged": Implementation(_prepare_pallas),
+    "jax_pallas_paged": Implementation(_prepare_jax_paged_attention, extra_cache_copies=1),
+}
+
+
+def copy_bandwidth_gbs(num_bytes: int, repeats: int) -> float:
+    """Device copy bandwidth: bytes read + written per second by a jitted copy, GB = 1e9."""
+    x = jnp.ones((num_bytes // 4,), jnp.float32)
+    copy = jax.jit(jnp.copy)
+    return 2 * x.nbytes / median_seconds(lambda: copy(x), jax.block_until_ready, repeats) / 1e9

@@ -1,0 +1,131 @@
+"""How the CUDA extension is built: explicit archs, a cached build folder, a loud failure on a GPU
+machine (the pure-torch fallback only without a GPU), and CUDA sources that nvcc compiles for
+sm_80 and sm_90. A GPU is simulated where one is needed; nothing here runs a kernel.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils import cpp_extension
+
+from pagedjax.kernels_cuda import ops
+
+_ARCH_FLAGS = ["-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90",
+               "-gencode=arch=compute_90,code=compute_90"]
+
+
+@pytest.fixture
+def simulated_gpu(monkeypatch):
+    """torch sees an H100 (sm_90); the CUDA runtime is never called."""
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+
+
+def test_arch_flags(monkeypatch):
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    assert ops.cuda_arch_flags() == _ARCH_FLAGS
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.6 9.0a")
+    assert ops.cuda_arch_flags() == ["-gencode=arch=compute_86,code=sm_86",
+                                     "-gencode=arch=compute_90a,code=sm_90a"]
+    with pytest.raises(ValueError, match="sm90"):
+        ops.cuda_arch_flags("sm90")
+
+
+def test_cuda_build_passes_explicit_archs_to_a_versioned_folder(simulated_gpu, monkeypatch):
+    calls = []
+    monkeypatch.setattr(cpp_extension, "load", lambda **kwargs: calls.append(kwargs))
+    assert ops._build() == "cuda"
+    (kwargs,) = calls
+    assert kwargs["with_cuda"] and kwargs["extra_cuda_cflags"][-3:] == _ARCH_FLAGS
+    assert any(source.endswith("attention_cuda.cu") for source in kwargs["sources"])
+    # torch adds no arch of its own (it would guess from the visible GPU) when flags are given.
+    assert cpp_extension._get_cuda_arch_flags(kwargs["extra_cuda_cflags"]) == []
+    folder = Path(kwargs["build_directory"]).name
+    assert folder.startswith(f"pagedjax_ops_torch{torch.__version__}".replace("+", "_"))
+    assert folder.endswith("sm_80_sm_90_compute_90")
+    assert ops.build_directory(with_cuda=False) != ops.build_directory(with_cuda=True)
+
+
+@pytest.mark.parametrize("failure", ["build_error", "no_compiler", "old_gpu"])
+def test_a_failed_build_on_a_gpu_machine_is_loud(simulated_gpu, monkeypatch, failure):
+    """No fallback and no warning: one error that names nvcc, ninja, the archs and the folder."""
+    if failure == "build_error":
+        error = RuntimeError("nvcc fatal   : Unsupported gpu architecture 'compute_90'")
+        monkeypatch.setattr(ops, "_build", lambda: (_ for _ in ()).throw(error))
+        expected = "Unsupported gpu architecture"
+    elif failure == "no_compiler":
+        monkeypatch.setattr(ops.shutil, "which", lambda name: None)
+        expected = "no C++ compiler"
+    else:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+        expected = "below sm_80"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the CPU path's fallback warning would fail here
+        with pytest.raises(ops.CudaBuildError) as raised:
+            ops.ops_backend.__wrapped__()
+    message = str(raised.value)
+    for needed in (expected, "nvcc:", "ninja:", "sm_80", "sm_90", "build folder", "H100"):
+        assert needed in message, f"{needed!r} missing from: {message}"
+
+
+def test_a_second_process_reuses_the_cached_build():
+    """A second process loads this machine's built extension without rebuilding it."""
+    backend = ops.ops_backend()
+    assert backend == ("cuda" if torch.cuda.is_available() else "cpp")
+    code = "from pagedjax.kernels_cuda import ops; print(ops.ops_backend())"
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=300)
+    assert child.returncode == 0, child.stderr
+    assert child.stdout.strip() == backend
+    assert "building" not in child.stderr
+
+
+def _nvcc() -> str | None:
+    """nvcc from CUDA_HOME or PATH (torch's CPU wheels do not look for one)."""
+    home = os.environ.get("CUDA_HOME") or cpp_extension.CUDA_HOME
+    candidate = Path(home) / "bin" / "nvcc" if home else None
+    return str(candidate) if candidate and candidate.exists() else shutil.which("nvcc")
+
+
+def _nvcc_command(source: Path, include_dir: Path, output: Path) -> list[str]:
+    """torch's own nvcc flags for an extension, with the build's explicit archs."""
+    includes = [*cpp_extension.include_paths(), str(include_dir)]
+    return [_nvcc(), "-c", str(source), "-o", str(output),
+            *(f"-I{path}" for path in includes), *cpp_extension.COMMON_NVCC_FLAGS, "-std=c++20",
+            "-O3", "--compiler-options", "-fPIC", "-DTORCH_EXTENSION_NAME=pagedjax_ops",
+            *ops.cuda_arch_flags()]
+
+
+@pytest.mark.nvcc
+@pytest.mark.skipif(_nvcc() is None or shutil.which("c++") is None,
+                    reason="needs the CUDA toolkit (nvcc) and a C++ compiler")
+def test_cuda_sources_compile_for_sm80_and_sm90(tmp_path, monkeypatch):
+    """nvcc compiles both .cu files for the build's archs; no GPU needed (~1-2 min).
+
+    A CPU wheel of torch ships the c10/cuda headers but not the header CMake generates for them:
+    a one-line stand-in is written to tmp_path.
+    """
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    generated = tmp_path / "include" / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h"
+    generated.parent.mkdir(parents=True)
+    generated.write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
+    commands = [_nvcc_command(ops._CSRC / name, tmp_path / "include", tmp_path / f"{name}.o")
+                for name in ops._CUDA_SOURCES]
+    with ThreadPoolExecutor(len(commands)) as pool:
+        results = list(pool.map(lambda cmd: subprocess.run(cmd, capture_output=True, text=True,
+                                                           timeout=900), commands))
+    for command, result in zip(commands, results, strict=True):
+        assert result.returncode == 0, f"{command[2]}:\n{result.stderr[-4000:]}"
+        fatbin = Path(command[4]).read_bytes()  # the object's fat binary names each SASS arch
+        assert b"sm_80" in fatbin and b"sm_90" in fatbin

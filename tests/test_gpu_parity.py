@@ -1,0 +1,46 @@
+"""Greedy parity of both backends with HF transformers on a tiny model, on whatever device each
+backend picks (the GPU when there is one: gpu_suite.py's correctness part runs this file there).
+
+float32: token-identical to HF's float32 greedy. bfloat16 weights and caches: greedy may drift
+from float32, but the first token where it does is among bf16's top 5 at that position.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pagedjax import LLM, SamplingParams
+from tests.hf_reference import hf_greedy
+
+MAX_TOKENS = 12
+PROMPT_LENS = (1, 17, 40)
+
+
+@pytest.fixture(scope="module")
+def model_and_reference(tiny_model) -> tuple[str, list[list[int]], list[list[int]]]:
+    """(checkpoint, prompts, HF float32 greedy continuations)."""
+    model_dir = tiny_model("llama")
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(1, 500, n).tolist() for n in PROMPT_LENS]
+    return model_dir, prompts, hf_greedy(model_dir, prompts, MAX_TOKENS)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("backend", ["jax", "torch"])
+def test_greedy_parity_with_hf(model_and_reference, backend: str, dtype: str) -> None:
+    model_dir, prompts, expected = model_and_reference
+    llm = LLM(model_dir, backend=backend, dtype=dtype, max_model_len=128, num_kv_blocks=32)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                            logprobs=5)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for output, want in zip(outputs, expected, strict=True):
+        got = output.outputs[0]
+        if dtype == "float32":
+            assert got.token_ids == want
+            continue
+        assert len(got.token_ids) == MAX_TOKENS
+        diverged = [i for i, (a, b) in enumerate(zip(got.token_ids, want)) if a != b]
+        if diverged:
+            first = diverged[0]
+            assert want[first] in got.logprobs[first], (first, got.logprobs[first], want[first])

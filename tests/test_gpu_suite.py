@@ -1,0 +1,111 @@
+"""benchmarks/gpu_suite.py: every part runs at toy size (--dry-run) on this machine and leaves its
+results where a GPU run will look for them; every part fits its 9-minute budget."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+import xml.etree.ElementTree as ElementTree
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SUITE = REPO / "benchmarks" / "gpu_suite.py"
+
+
+def _load_suite():
+    spec = importlib.util.spec_from_file_location("gpu_suite", SUITE)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_suite"] = module  # dataclasses look their module up while it loads
+    spec.loader.exec_module(module)
+    return module
+
+
+gpu_suite = _load_suite()
+
+
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_every_part_fits_its_budget_one_framework_per_process(tmp_path, dry_run):
+    ctx = gpu_suite.Context(out=tmp_path, dry_run=dry_run, model_cache=tmp_path / "models")
+    for name, steps_of in gpu_suite.PARTS.items():
+        steps = steps_of(ctx)
+        assert sum(step.timeout_s for step in steps) <= gpu_suite.PART_BUDGET_S < 600, name
+        for step in steps:  # at most one framework named on each command line
+            assert len({arg for arg in step.argv if arg in ("jax", "torch")}) <= 1, step
+
+
+@pytest.fixture(scope="module")
+def suite_out(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("gpu_suite")
+
+
+def _run_part(name: str, out: Path) -> list[dict]:
+    """Runs one part with --dry-run; its step records from suite.json."""
+    command = [sys.executable, str(SUITE), "--part", name, "--dry-run", "--out", str(out / name),
+               "--model-cache", str(out / "models")]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900)
+    records = json.loads((out / name / "suite.json").read_text())["steps"]
+    failed = [r for r in records if r["status"] != "ok"]
+    assert done.returncode == 0 and not failed, (
+        f"{name}: {failed}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    return records
+
+
+def _json(path_glob: str, folder: Path) -> dict:
+    (path,) = folder.glob(path_glob)
+    return json.loads(path.read_text())
+
+
+def test_environment(suite_out):
+    _run_part("environment", suite_out)
+    folder = suite_out / "environment" / "environment"
+    doctor = json.loads((folder / "doctor.json").read_text())
+    assert doctor["problems"] == [] and doctor["ops_build"]["backend"] in ("cpp", "cuda")
+    assert any(p["name"] == "pagedjax" for p in json.loads((folder / "pip_list.json").read_text()))
+
+
+def test_correctness(suite_out):
+    _run_part("correctness", suite_out)
+    for report in ("kernel_tests.xml", "parity_tests.xml"):
+        suite = ElementTree.parse(suite_out / "correctness" / "correctness" / report).getroot()
+        suite = suite if suite.tag == "testsuite" else suite[0]
+        assert int(suite.get("tests")) > 0, report
+        assert suite.get("failures") == suite.get("errors") == suite.get("skipped") == "0"
+
+
+def test_kernels(suite_out):
+    _run_part("kernels", suite_out)
+    folder = suite_out / "kernels" / "kernels"
+    for framework in ("jax", "torch"):
+        payload = _json(f"kernels_{framework}_*.json", folder)
+        rows = payload["results"]
+        assert {r["case"] for r in rows} == {"decode", "mixed"} and payload["environment"]
+        assert all(r["status"] == "ok" or r["status"] == "skipped: decode only" for r in rows)
+        assert all(isinstance(r["l2_resident"], bool) for r in rows)
+        on_gpu = payload["device"]["platform"] == "gpu"
+        expected_detail = {"pallas_ragged": "triton" if on_gpu else "interpret",
+                           "torch_pagedjax_op": "cuda" if on_gpu else "cpp"}
+        for row in rows:
+            if row["impl"] in expected_detail and row["status"] == "ok":
+                assert row["detail"] == expected_detail[row["impl"]]
+                assert row["max_abs_err"] < 2e-2  # bf16 against the framework's reference
+
+
+@pytest.mark.parametrize("part", ["throughput", "latency"])
+def test_end_to_end_benchmarks_on_a_random_bf16_model(suite_out, part):
+    records = _run_part(part, suite_out)
+    assert [r["step"] for r in records] == ["make_model", f"{part}_jax", f"{part}_torch"]
+    config = json.loads((suite_out / "models" / "toy-bf16" / "config.json").read_text())
+    assert config["dtype"] == "bfloat16"
+    results = list((suite_out / part / part).glob("*.json"))
+    assert len(results) >= 2, results  # one per backend
+
+
+def test_spec_decode(suite_out):
+    _run_part("spec_decode", suite_out)
+    for backend in ("jax", "torch"):
+        payload = _json("spec_decode_*.json", suite_out / "spec_decode" / "spec_decode" / backend)
+        assert {r["backend"] for r in payload["results"]} == {backend}

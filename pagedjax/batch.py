@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -41,7 +42,9 @@ class BatchLayout:
     num_seqs: int  # S
     num_logits: int  # L
     max_blocks_per_seq: int  # M
-    num_spec_tokens: int = 0  # K: draft slots per sequence; 0 = no draft model this step
+    # K: the most draft slots per sequence (the engine's maximum, whatever k a step chose, so
+    # choosing k recompiles nothing); 0 = the draft model does not run this step.
+    num_spec_tokens: int = 0
     num_draft_tokens: int = 0  # Td: tokens the draft catches up on (0 when K == 0)
     num_banned: int = 1  # P
     decode: bool = False  # every sequence has one query token and T == S
@@ -49,48 +52,18 @@ class BatchLayout:
     all_greedy: bool = True  # no row samples: skip the random path
     use_filters: bool = False  # some random row uses top-k / top-p / min-p
 
-    @functools.cached_property
+    @property
     def int_fields(self) -> dict[str, tuple[int, ...]]:
         """Name → shape of every int32 field, in buffer order."""
-        t, s, l_, m, k = (self.num_tokens, self.num_seqs, self.num_logits,
-                          self.max_blocks_per_seq, self.num_spec_tokens)
-        fields = {
-            "input_ids": (t,),
-            "positions": (t,),
-            "slot_mapping": (t,),  # block_id * block_size + offset; -1 = padding
-            "query_start_loc": (s + 1,),
-            "kv_lens": (s,),  # context length after this step (0 for padding)
-            "block_tables": (s, m),
-            "logits_indices": (l_, k + 1),  # token rows sampled: the last real one, then drafts
-            "top_k": (l_,),  # 0 = off
-            "rng_seed": (l_,),  # uint32 bits: the completion's random stream
-            "rng_step": (l_,),  # uint32 bits: its counter (tokens generated so far)
-            "banned_rows": (self.num_banned,),  # (row, token) pairs masked to -inf; -1 = padding
-            "banned_token_ids": (self.num_banned,),
-        }
-        if k:
-            fields.update({
-                # The draft's catch-up pass: what it has not computed up to each sequence's end.
-                "draft_input_ids": (self.num_draft_tokens,),
-                "draft_positions": (self.num_draft_tokens,),
-                "draft_slot_mapping": (self.num_draft_tokens,),
-                "draft_query_start_loc": (s + 1,),
-                "draft_kv_lens": (s,),  # = end of the real tokens for a sequence that drafts
-                "num_drafts": (s,),  # drafts each sequence proposes (<= K)
-                "draft_token_index": (s, k),  # row of draft j in the target's tokens; T = none
-                "seq_sample_row": (s,),  # logits row whose sampling knobs the draft uses
-                "sample_seq": (l_,),  # sequence whose drafts logits row l verifies
-                "num_draft_tokens": (l_,),  # drafts row l verifies (0 for forked siblings)
-            })
-        return fields
+        return _int_fields(self)
 
-    @functools.cached_property
+    @property
     def float_fields(self) -> dict[str, tuple[int, ...]]:
         return {name: (self.num_logits,) for name in _FLOAT_FIELDS}
 
-    @functools.cached_property
+    @property
     def int_size(self) -> int:
-        return sum(int(np.prod(shape)) for shape in self.int_fields.values())
+        return _spans(self)[1]
 
     @property
     def float_size(self) -> int:
@@ -98,18 +71,57 @@ class BatchLayout:
 
     def unpack(self, ints: Array, floats: Array) -> dict[str, Array]:
         """Named views of the packed buffers (works for NumPy, jax and torch arrays)."""
-        out = _slice(ints, self.int_fields)
-        out.update(_slice(floats, self.float_fields))
+        spans, _ = _spans(self)
+        out = {name: ints[start:stop].reshape(shape) for name, (start, stop, shape) in spans}
+        n = self.num_logits
+        out.update((name, floats[i * n : (i + 1) * n]) for i, name in enumerate(_FLOAT_FIELDS))
         return out
 
 
-def _slice(buffer: Array, fields: dict[str, tuple[int, ...]]) -> dict[str, Array]:
-    out, offset = {}, 0
-    for name, shape in fields.items():
-        size = int(np.prod(shape))
-        out[name] = buffer[offset : offset + size].reshape(shape)
+@functools.lru_cache(maxsize=1024)
+def _int_fields(layout: BatchLayout) -> dict[str, tuple[int, ...]]:
+    t, s, l_, m, k = (layout.num_tokens, layout.num_seqs, layout.num_logits,
+                      layout.max_blocks_per_seq, layout.num_spec_tokens)
+    fields = {
+        "input_ids": (t,),
+        "positions": (t,),
+        "slot_mapping": (t,),  # block_id * block_size + offset; -1 = padding
+        "query_start_loc": (s + 1,),
+        "kv_lens": (s,),  # context length after this step (0 for padding)
+        "block_tables": (s, m),
+        "logits_indices": (l_, k + 1),  # token rows sampled: the last real one, then drafts
+        "top_k": (l_,),  # 0 = off
+        "rng_seed": (l_,),  # uint32 bits: the completion's random stream
+        "rng_step": (l_,),  # uint32 bits: its counter (tokens generated so far)
+        "banned_rows": (layout.num_banned,),  # (row, token) pairs masked to -inf; -1 = padding
+        "banned_token_ids": (layout.num_banned,),
+    }
+    if k:
+        fields.update({
+            # The draft's catch-up pass: what it has not computed up to each sequence's end.
+            "draft_input_ids": (layout.num_draft_tokens,),
+            "draft_positions": (layout.num_draft_tokens,),
+            "draft_slot_mapping": (layout.num_draft_tokens,),
+            "draft_query_start_loc": (s + 1,),
+            "draft_kv_lens": (s,),  # = end of the real tokens for a sequence that drafts
+            "num_drafts": (s,),  # drafts each sequence proposes (<= K)
+            "draft_token_index": (s, k),  # row of draft j in the target's tokens; T = none
+            "seq_sample_row": (s,),  # logits row whose sampling knobs the draft uses
+            "sample_seq": (l_,),  # sequence whose drafts logits row l verifies
+            "num_draft_tokens": (l_,),  # drafts row l verifies (0 for forked siblings)
+        })
+    return fields
+
+
+@functools.lru_cache(maxsize=1024)
+def _spans(layout: BatchLayout) -> tuple[list[tuple[str, tuple[int, int, tuple[int, ...]]]], int]:
+    """(name, (start, stop, shape)) of each int field, and the buffer's size."""
+    spans, offset = [], 0
+    for name, shape in _int_fields(layout).items():
+        size = math.prod(shape)
+        spans.append((name, (offset, offset + size, shape)))
         offset += size
-    return out
+    return spans, offset
 
 
 @dataclass
@@ -125,6 +137,7 @@ class ModelInput:
     num_seqs: int  # real S
     max_query_len: int  # longest real query (drafts included): the torch op's launch bound
     max_draft_query_len: int = 0  # the same for the draft's catch-up pass
+    num_spec_tokens: int = 0  # the step's k: no sequence proposes more drafts (<= layout K)
 
     @property
     def num_logits(self) -> int:
@@ -154,12 +167,16 @@ class ModelOutput:
         return [[t for t in row if t >= 0] for row in self.sampled_token_ids.tolist()]
 
 
-def build_model_input(out: SchedulerOutput, *, block_size: int,
-                      max_blocks_per_seq: int) -> ModelInput:
-    """Flatten the scheduled sequences into the packed buffers (see BatchLayout)."""
+def build_model_input(out: SchedulerOutput, *, block_size: int, max_blocks_per_seq: int,
+                      max_spec_tokens: int = 0) -> ModelInput:
+    """Flatten the scheduled sequences into the packed buffers (see BatchLayout).
+
+    max_spec_tokens: the engine's most drafts per sequence, the layout's K when the draft runs.
+    """
     entries = out.scheduled
     samples = [(i, s) for i, e in enumerate(entries) for s in e.samples]
-    k = out.num_spec_tokens
+    assert out.num_spec_tokens <= max_spec_tokens
+    k = max_spec_tokens if out.num_spec_tokens else 0
     q_lens = [e.num_new_tokens + e.num_spec_tokens for e in entries]
     num_tokens = sum(q_lens)
     decode = k == 0 and all(n == 1 for n in q_lens)
@@ -179,7 +196,8 @@ def build_model_input(out: SchedulerOutput, *, block_size: int,
     model_input = ModelInput(
         layout, np.zeros(layout.int_size, np.int32), np.zeros(layout.float_size, np.float32),
         np.asarray(out.block_copies, np.int32).reshape(-1, 2), [s.seq_id for _, s in samples],
-        num_tokens, len(entries), max(q_lens, default=0), max(draft_lens, default=0))
+        num_tokens, len(entries), max(q_lens, default=0), max(draft_lens, default=0),
+        out.num_spec_tokens)
     f = model_input.fields()
     ends = _fill_tokens(f, entries, q_lens, block_size)
     _fill_samples(f, entries, samples, ends, k)

@@ -31,6 +31,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
     sliding_window: int | None
+    dtype: str | None = None  # the checkpoint's torch_dtype ("bfloat16", ...), if it names one
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> ModelConfig:
@@ -70,6 +71,7 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
             sliding_window=window,
+            dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
         )
 
     def kv_bytes_per_block(self, block_size: int, dtype_bytes: int) -> int:
@@ -100,7 +102,7 @@ class EngineConfig:
 
     model: str
     backend: str = "jax"
-    dtype: str = "float32"
+    dtype: str = "float32"  # or "auto": the checkpoint's dtype (float32 if it names none)
     block_size: int = 16
     num_kv_blocks: int | None = None
     memory_utilization: float = 0.9
@@ -115,8 +117,11 @@ class EngineConfig:
 
     def validate(self, model_config: ModelConfig) -> None:
         """Check user-facing values; fill max_model_len from the model if unset."""
+        if self.dtype == "auto":
+            self.dtype = model_config.dtype if model_config.dtype in DTYPES else "float32"
         if self.dtype not in DTYPES:
-            raise ValueError(f"dtype={self.dtype!r} is unsupported; use one of {DTYPES}.")
+            raise ValueError(f"dtype={self.dtype!r} is unsupported; use one of "
+                             f"{('auto', *DTYPES)}.")
         if self.block_size not in (8, 16, 32):
             raise ValueError(f"block_size={self.block_size} is unsupported; use 8, 16 or 32.")
         if not 0.0 < self.memory_utilization <= 1.0:

@@ -172,7 +172,8 @@ class LLMEngine:
             return []
         stamps.append(time.perf_counter())
         model_input = build_model_input(out, block_size=self.config.block_size,
-                                        max_blocks_per_seq=self.config.max_blocks_per_seq)
+                                        max_blocks_per_seq=self.config.max_blocks_per_seq,
+                                        max_spec_tokens=self.max_spec_tokens)
         stamps.append(time.perf_counter())
         num_compiles = self.runner.num_compiles
         model_output = self.runner.execute(model_input)
@@ -188,6 +189,10 @@ class LLMEngine:
             self.speculation.observe(out, sampled, stamps[-1] - stamps[0],
                                      timed=decode and self.runner.num_compiles == num_compiles)
         return outputs
+
+    @property
+    def max_spec_tokens(self) -> int:
+        return 0 if self.speculation is None else self.speculation.max_k
 
     def _choose_num_spec_tokens(self) -> int:
         if self.speculation is None:

@@ -112,7 +112,10 @@ class _BatchCosts:
 
     seconds: dict[int, float] = field(default_factory=dict)
     num_choices: int = 0
+    next_probe: int = 0  # choice count at which to probe a neighbour of the best k
+    probe_interval: int = 0
     last_probe: int = 1  # direction of the last neighbour probe
+    best: int = -1
 
 
 class AdaptiveSpeculation:
@@ -120,19 +123,22 @@ class AdaptiveSpeculation:
     expected tokens per sequence (a_j: chance that the first j + 1 drafts are accepted, an EMA)
     and t(k) the measured decode step time at this batch size (interpolated where unmeasured).
 
-    Each batch size first measures k = max and k = 0; every PROBE_EVERY steps it re-measures a
-    neighbour of the current best, so the estimates follow the workload.
+    Each batch size first measures k = max and k = 0; then it re-measures a neighbour of the
+    current best now and then, so the estimates follow the workload: after PROBE_EVERY steps,
+    and twice as long after each probe that changed nothing (up to MAX_PROBE_EVERY).
     """
 
     EMA = 0.2  # weight of a new step-time sample
-    ACCEPTANCE_DECAY = 0.995  # per observed step: acceptance follows the recent workload
+    ACCEPTANCE_DECAY = 0.9  # per step: acceptance follows the last ~10 steps' drafts
     PROBE_EVERY = 32
+    MAX_PROBE_EVERY = 512
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.max_k = config.num_speculative_tokens
         self.adaptive = config.adaptive
         self.metrics = SpecDecodeMetrics(self.max_k)
         self.k = self.max_k  # the latest choice
+        self.steps_per_k = [0] * (self.max_k + 1)  # steps run with each k
         self._drafted = [0.0] * self.max_k
         self._accepted = [0.0] * self.max_k
         self._costs: dict[int, _BatchCosts] = {}
@@ -148,9 +154,15 @@ class AdaptiveSpeculation:
                 self.k = k
                 return k
         best = max(range(self.max_k + 1), key=lambda k: self._score(costs, k))
-        if costs.num_choices % self.PROBE_EVERY == 0:
-            costs.last_probe = -costs.last_probe
-            best = min(max(best + costs.last_probe, 0), self.max_k)
+        if best != costs.best:  # the estimates moved: probe again soon
+            costs.best, costs.probe_interval = best, self.PROBE_EVERY
+            costs.next_probe = costs.num_choices + self.PROBE_EVERY
+        elif costs.num_choices >= costs.next_probe:
+            costs.probe_interval = min(2 * costs.probe_interval, self.MAX_PROBE_EVERY)
+            costs.next_probe = costs.num_choices + costs.probe_interval
+            costs.last_probe = -costs.last_probe if 0 < best < self.max_k else (
+                1 if best == 0 else -1)
+            best = best + costs.last_probe
         self.k = best
         return best
 
@@ -158,11 +170,16 @@ class AdaptiveSpeculation:
                 timed: bool) -> None:
         """Record a step: its drafts' fate, and (timed: a decode step that compiled nothing)
         its wall time under the k it ran with."""
-        for num_drafts, num_accepted in verified_drafts(out, sampled):
+        self.steps_per_k[out.num_spec_tokens] += 1
+        verified = verified_drafts(out, sampled)
+        if verified:
+            self._drafted = [d * self.ACCEPTANCE_DECAY for d in self._drafted]
+            self._accepted = [a * self.ACCEPTANCE_DECAY for a in self._accepted]
+        for num_drafts, num_accepted in verified:
             self.metrics.record(num_drafts, num_accepted)
             for j in range(num_drafts):
-                self._drafted[j] = self._drafted[j] * self.ACCEPTANCE_DECAY + 1
-                self._accepted[j] = self._accepted[j] * self.ACCEPTANCE_DECAY + (j < num_accepted)
+                self._drafted[j] += 1
+                self._accepted[j] += j < num_accepted
         if timed and self.adaptive:
             costs = self._costs.setdefault(bucket(len(out.scheduled)), _BatchCosts())
             k, old = out.num_spec_tokens, costs.seconds.get(out.num_spec_tokens)
@@ -181,7 +198,8 @@ class AdaptiveSpeculation:
         return self.expected_tokens(k) / _interpolate(costs.seconds, k)
 
     def as_dict(self) -> dict:
-        return {**self.metrics.as_dict(), "spec_decode_num_speculative_tokens": self.k}
+        return {**self.metrics.as_dict(), "spec_decode_num_speculative_tokens": self.k,
+                "spec_decode_steps_per_k": list(self.steps_per_k)}
 
 
 def _interpolate(seconds: dict[int, float], k: int) -> float:

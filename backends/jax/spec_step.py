@@ -2,7 +2,9 @@
 
 1. catch-up: one ragged draft pass over the tokens the draft has not computed, up to each
    sequence's last real token, whose logits give draft 1;
-2. k - 1 single-token draft passes in a `lax.fori_loop`, each feeding the previous draft.
+2. k - 1 single-token draft passes in a `lax.fori_loop`, each feeding the previous draft. The
+   layout's K is the engine's maximum; a step that chose a smaller k runs only its k - 1 passes
+   (CPU) or masks the rest (GPU), so choosing k never recompiles.
 
 The draft writes its KV into its own cache at the target's slots (same block ids). Returns the
 drafts and, unless every row is greedy, their sampling distributions q for rejection sampling.
@@ -65,7 +67,7 @@ def propose_drafts(forward: DraftForward, kv_caches: list[KVCache], b: dict[str,
     slots = b["slot_mapping"][index]  # [S, K]: the target's slot of draft j, the draft's too
     seq_rows = jnp.arange(num_seqs, dtype=jnp.int32)
 
-    def body(j: jax.Array, carry: tuple) -> tuple:
+    def draft_step(j: jax.Array, carry: tuple) -> tuple:
         """Feed draft j (at position end + j - 1) and sample draft j + 1."""
         kv_caches, drafts, probs = carry
         # A sequence that drafts fewer than j + 1 tokens writes nothing and reads one key.
@@ -81,5 +83,15 @@ def propose_drafts(forward: DraftForward, kv_caches: list[KVCache], b: dict[str,
         if probs is not None:
             probs = probs.at[:, j].set(q)
         return kv_caches, drafts, probs
+
+    step_k = jnp.max(b["num_drafts"])  # this step's k (<= K): later passes propose nothing
+    skip = jax.default_backend() == "cpu"
+
+    def body(j: jax.Array, carry: tuple) -> tuple:
+        # On CPU a conditional is free, so passes past the step's k are skipped; on a GPU it
+        # would wait for the host to read its predicate, so they run masked instead.
+        if skip:
+            return jax.lax.cond(j < step_k, draft_step, lambda j, carry: carry, j, carry)
+        return draft_step(j, carry)
 
     return jax.lax.fori_loop(1, k, body, (kv_caches, drafts, probs))

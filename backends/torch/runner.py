@@ -143,16 +143,14 @@ class TorchModelRunner:
         """Run one step (see the module docstring)."""
         if len(model_input.block_copies):
             self._copy_blocks(self.upload("block_copies", model_input.block_copies))
-        layout = model_input.layout
+        layout, k = model_input.layout, model_input.num_spec_tokens
         draft_bound = bucket(model_input.max_draft_query_len)
-        step = functools.partial(self._step, layout=layout,
+        step = functools.partial(self._step, layout=layout, num_spec_tokens=k,
                                  max_query_len=model_input.max_query_len,
                                  max_draft_query_len=draft_bound)
         if self.graphs is not None and self._graphable(model_input, draft_bound):
-            step = functools.partial(self._step, layout=layout,
-                                     max_query_len=layout.num_spec_tokens + 1,
-                                     max_draft_query_len=draft_bound)
-            out = self.graphs.run((layout, draft_bound), step, model_input.ints,
+            step = functools.partial(step, max_query_len=k + 1)
+            out = self.graphs.run((layout, k, draft_bound), step, model_input.ints,
                                   model_input.floats, self.upload)
         else:
             out = step(self.upload("ints", model_input.ints),
@@ -162,14 +160,15 @@ class TorchModelRunner:
     @staticmethod
     def _graphable(model_input: ModelInput, draft_bound: int) -> bool:
         """Decode steps (one token per sequence, plus its drafts) with a short draft catch-up."""
-        layout = model_input.layout
-        return (model_input.max_query_len <= layout.num_spec_tokens + 1
-                and (not layout.num_spec_tokens or draft_bound <= _MAX_GRAPH_DRAFT_QUERY))
+        k = model_input.num_spec_tokens
+        return (model_input.max_query_len <= k + 1
+                and (not k or draft_bound <= _MAX_GRAPH_DRAFT_QUERY))
 
     def _step(self, ints: torch.Tensor, floats: torch.Tensor, *, layout: BatchLayout,
-              max_query_len: int, max_draft_query_len: int) -> tuple[torch.Tensor | None, ...]:
+              num_spec_tokens: int, max_query_len: int,
+              max_draft_query_len: int) -> tuple[torch.Tensor | None, ...]:
         """The whole step on the device → (tokens [L, K+1], logprobs [L, K+1], top ids
-        [L, K+1, N] | None, top logprobs | None)."""
+        [L, K+1, N] | None, top logprobs | None). num_spec_tokens: the step's k (<= K)."""
         b = layout.unpack(ints, floats)
         sampling = {name: b[name] for name in _SAMPLING_FIELDS}
         for name in ("rng_seed", "rng_step"):  # uint32 counters, emulated in int64
@@ -180,7 +179,7 @@ class TorchModelRunner:
             draft = self.models[1]
             drafts, draft_probs = propose_drafts(
                 draft.forward, draft.kv_caches, b, sampling, draft.rope, layout=layout,
-                max_query_len=max_draft_query_len)
+                num_steps=num_spec_tokens, max_query_len=max_draft_query_len)
             # Draft slots get their drafts; index T (no draft) lands in a discarded extra row.
             input_ids = torch.cat([input_ids, input_ids.new_zeros(1)])
             input_ids[b["draft_token_index"].reshape(-1).long()] = drafts.reshape(-1)

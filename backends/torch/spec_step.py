@@ -27,12 +27,13 @@ _KNOBS = ("temperature", "top_k", "top_p", "min_p")
 
 def propose_drafts(forward: DraftForward, kv_caches: list[KVCache], b: dict[str, torch.Tensor],
                    sampling: dict[str, torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor], *,
-                   layout: BatchLayout, max_query_len: int
+                   layout: BatchLayout, num_steps: int, max_query_len: int
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Returns (drafts [S, K] int32, q [S, K, V] float32 or None when every row is greedy).
 
     b: the step's unpacked fields on the device; sampling: per-row knobs [L] (seeds int64);
-    max_query_len: a host bound on the catch-up pass's longest query (the attention launch).
+    num_steps: this step's k (<= K), host-known, so only k - 1 passes run and later columns stay
+    zero; max_query_len: a host bound on the catch-up pass's longest query (the launch).
     """
     num_seqs, k = layout.num_seqs, layout.num_spec_tokens
     rows = b["seq_sample_row"].long()  # [S]: each sequence samples with its row's knobs
@@ -59,7 +60,7 @@ def propose_drafts(forward: DraftForward, kv_caches: list[KVCache], b: dict[str,
     slots = b["slot_mapping"][index]  # [S, K]: the target's slot of draft j, the draft's too
     seq_rows = torch.arange(num_seqs, device=end.device)
     query_start_loc = torch.arange(num_seqs + 1, dtype=torch.int32, device=end.device)
-    for j in range(1, k):  # feed draft j (at position end + j - 1), sample draft j + 1
+    for j in range(1, num_steps):  # feed draft j (at position end + j - 1), sample draft j + 1
         # A sequence that drafts fewer than j + 1 tokens writes nothing and reads one key.
         active = j < b["num_drafts"]  # [S]
         positions = torch.where(active, end + j - 1, 0)
@@ -69,5 +70,8 @@ def propose_drafts(forward: DraftForward, kv_caches: list[KVCache], b: dict[str,
         token, q = sample(forward(drafts[-1], kv_caches, step_meta, seq_rows), j)
         drafts.append(token)
         probs.append(q)
-    return (torch.stack(drafts, dim=1),
-            None if layout.all_greedy else torch.stack(probs, dim=1))
+    pad = [torch.zeros_like(drafts[0])] * (k - num_steps)
+    if layout.all_greedy:
+        return torch.stack(drafts + pad, dim=1), None
+    return (torch.stack(drafts + pad, dim=1),
+            torch.stack(probs + [torch.zeros_like(probs[0])] * (k - num_steps), dim=1))

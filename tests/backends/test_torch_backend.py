@@ -247,7 +247,7 @@ def test_graph_step_matches_eager(checkpoints: dict[str, Path]) -> None:
     with torch.inference_mode():
         out = runner._step(torch.from_numpy(model_input.ints),
                            torch.from_numpy(model_input.floats), layout=model_input.layout,
-                           max_query_len=1, max_draft_query_len=1)
+                           num_spec_tokens=0, max_query_len=1, max_draft_query_len=1)
     n = model_input.num_logits
     assert np.array_equal(out[0][:n].numpy(), eager.sampled_token_ids)
     np.testing.assert_allclose(out[1][:n].numpy(), eager.sampled_logprobs, rtol=0, atol=1e-6)

@@ -31,7 +31,7 @@ def test_mixed_step_with_drafts() -> None:
                           draft_start_pos=3, draft_token_ids=[30, 31]),
     ]
     out = SchedulerOutput(entries, [(6, 9)], [], 1 + 2 + 3 + 2, num_spec_tokens=2)
-    model_input = build_model_input(out, block_size=BS, max_blocks_per_seq=3)
+    model_input = build_model_input(out, block_size=BS, max_blocks_per_seq=3, max_spec_tokens=2)
     layout, f = model_input.layout, model_input.fields()
     assert (layout.num_tokens, layout.num_seqs, layout.num_logits) == (8, 4, 4)
     assert (layout.num_spec_tokens, layout.num_draft_tokens, layout.num_banned) == (2, 8, 1)

@@ -39,6 +39,8 @@ def test_drafts_that_are_never_accepted_are_switched_off(tmp_path) -> None:
     assert chosen[:2] == [4, 0]  # both ends measured first
     assert chosen[-60:].count(0) >= 57  # then k = 0, bar the periodic probes of k = 1
     assert policy.expected_tokens(4) == pytest.approx(1.0)
+    later = simulate(policy, 32, 1000, accepted=0, seconds=lambda k: 1.0 + 0.2 * k)
+    assert sum(k != 0 for k in later) <= 4  # probes back off while they change nothing
 
 
 def test_cheap_drafts_that_are_always_accepted_use_every_slot(tmp_path) -> None:

@@ -1,0 +1,129 @@
+"""Single-request latency: time to first token and ms per output token at batch 1, pagedjax beside
+HF transformers' `generate` on the same model, device and dtype, with a breakdown of where each
+engine step's time goes (schedule, prepare, execute on the device, update, output processing).
+
+Five seeded prompts of 24-90 tokens, greedy, EOS ignored. TTFT is the time of a 1-token request;
+decode ms/token is (t(N tokens) - t(1 token)) / (N - 1), summed over the prompts. pagedjax is
+timed after a warm-up of the same shapes (no compiles in the timed runs).
+
+    python benchmarks/latency.py [--model DIR | --random-llama] [--backend jax|torch]
+                                 [--max-tokens 64] [--dtype auto] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import add_out_argument, environment, print_table, write_json  # noqa: E402
+from hf_baseline import hf_generate, load_hf  # noqa: E402
+
+PROMPT_LENGTHS = (24, 40, 57, 73, 90)
+# The issue's "random 6-layer Llama": hidden 256, GQA 8/2, float32.
+RANDOM_LLAMA = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=6,
+                    num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
+                    initializer_range=0.02)
+
+
+def make_prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1, vocab_size, n).tolist() for n in PROMPT_LENGTHS]
+
+
+def time_pagedjax(args, prompts: list[list[int]]) -> tuple[dict, dict]:
+    """(row, breakdown): TTFT and decode ms/token; seconds per step in each engine phase."""
+    from pagedjax import LLM, SamplingParams
+
+    llm = LLM(args.model, backend=args.backend, dtype=args.dtype,
+              max_model_len=max(PROMPT_LENGTHS) + args.max_tokens + 16,
+              max_num_seqs=8, enable_prefix_caching=False)
+
+    def run(prompt: list[int], num_tokens: int) -> float:
+        params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
+        start = time.perf_counter()
+        llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+        return time.perf_counter() - start
+
+    for prompt in prompts:  # compiles: every shape the timed runs use
+        run(prompt, args.max_tokens), run(prompt, 1)
+    first = sum(run(p, 1) for p in prompts)
+    timings = llm.engine.step_timings
+    timings.__init__()
+    full = sum(run(p, args.max_tokens) for p in prompts)
+    steps = max(timings.num_steps, 1)
+    breakdown = {phase: 1e3 * seconds / steps for phase, seconds in timings.seconds.items()}
+    step_ms = sum(breakdown.values())
+    breakdown["step"] = step_ms
+    breakdown["host share"] = (step_ms - breakdown["execute"]) / step_ms
+    name = f"pagedjax ({args.backend}, {llm.engine.config.dtype})"
+    return _row(name, first, full, args.max_tokens, len(prompts)), breakdown
+
+
+def time_hf(args, prompts: list[list[int]], dtype: str) -> dict:
+    model = load_hf(args.model, dtype)
+    hf_generate(model, prompts[:1], 4)  # warm-up (lazy initialisation, CUDA context)
+    first = sum(hf_generate(model, [p], 1) for p in prompts)
+    full = sum(hf_generate(model, [p], args.max_tokens) for p in prompts)
+    return _row(f"HF generate ({model.device.type}, {dtype})", first, full, args.max_tokens,
+                len(prompts))
+
+
+def _row(system: str, first: float, full: float, num_tokens: int, num_prompts: int) -> dict:
+    return {"system": system, "TTFT ms": 1e3 * first / num_prompts,
+            "decode ms/token": 1e3 * (full - first) / (num_prompts * (num_tokens - 1)),
+            "end-to-end ms/token": 1e3 * full / (num_prompts * num_tokens)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="HF checkpoint dir (default: the demo target)")
+    parser.add_argument("--random-llama", action="store_true",
+                        help="a random 6-layer Llama (hidden 256, GQA 8/2) made in a temp dir")
+    parser.add_argument("--backend", choices=("jax", "torch"), default="jax")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--dtype", default="auto", help="auto = the checkpoint's dtype")
+    parser.add_argument("--no-hf", action="store_true", help="skip the HF baseline")
+    add_out_argument(parser)
+    args = parser.parse_args()
+    if args.max_tokens < 2:
+        parser.error("--max-tokens must be >= 2 (decode time is t(N) - t(1))")
+
+    from pagedjax.config import ModelConfig
+    from pagedjax.demo import demo_model_dirs
+
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.random_llama:
+            from pagedjax.checkpoints import make_tiny_checkpoint
+
+            args.model = str(make_tiny_checkpoint(Path(tmp) / "random-llama", "llama",
+                                                  **RANDOM_LLAMA))
+        args.model = args.model or demo_model_dirs()[0]
+        model_config = ModelConfig.from_pretrained(args.model)
+        prompts = make_prompts(model_config.vocab_size)
+        row, breakdown = time_pagedjax(args, prompts)
+        rows = [row]
+        if not args.no_hf:
+            rows.append(time_hf(args, prompts, row["system"].split(", ")[-1].rstrip(")")))
+            for r in rows:
+                r["speed-up vs HF"] = rows[1]["decode ms/token"] / r["decode ms/token"]
+    print(f"batch 1, prompts of {PROMPT_LENGTHS} tokens, {args.max_tokens} greedy tokens each")
+    print_table(rows, ["system", "TTFT ms", "decode ms/token", "end-to-end ms/token",
+                       "speed-up vs HF"])
+    print("per engine step (ms):", {k: round(v, 3) for k, v in breakdown.items()})
+    env = environment()
+    model_name = "random-llama" if args.random_llama else Path(args.model).name
+    path = write_json(
+        f"latency_{args.backend}_{model_name}_{env['accelerator'].replace(' ', '_')}.json",
+        {"args": vars(args), "prompt_lengths": PROMPT_LENGTHS, "results": rows,
+         "step_breakdown_ms": breakdown, "environment": env}, args.out)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -30,6 +30,14 @@ def add_out_argument(parser: argparse.ArgumentParser) -> None:
                         help=f"folder for the JSON/PNG results (default {RESULTS_DIR})")
 
 
+def add_dtype_argument(parser: argparse.ArgumentParser) -> None:
+    """--dtype: the checkpoint's ("auto") on a GPU, float32 on CPU (where bf16 matmuls are slow
+    and HF's float32 is the reference)."""
+    parser.add_argument("--dtype", default="auto" if nvidia_gpus() else "float32",
+                        help="auto (the checkpoint's), float32, bfloat16 or float16 "
+                             "(default: auto on a GPU, float32 on CPU)")
+
+
 def environment() -> dict:
     """Machine, GPU and driver, package versions and git commit of this run."""
     def version(pkg: str) -> str | None:

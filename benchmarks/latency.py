@@ -21,7 +21,13 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import add_out_argument, environment, print_table, write_json  # noqa: E402
+from common import (  # noqa: E402
+    add_dtype_argument,
+    add_out_argument,
+    environment,
+    print_table,
+    write_json,
+)
 from hf_baseline import hf_generate, load_hf  # noqa: E402
 
 PROMPT_LENGTHS = (24, 40, 57, 73, 90)
@@ -87,7 +93,7 @@ def main() -> None:
                         help="a random 6-layer Llama (hidden 256, GQA 8/2) made in a temp dir")
     parser.add_argument("--backend", choices=("jax", "torch"), default="jax")
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--dtype", default="auto", help="auto = the checkpoint's dtype")
+    add_dtype_argument(parser)
     parser.add_argument("--no-hf", action="store_true", help="skip the HF baseline")
     add_out_argument(parser)
     args = parser.parse_args()

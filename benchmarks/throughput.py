@@ -17,7 +17,14 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import environment, print_table, write_json  # noqa: E402
+from common import (  # noqa: E402
+    add_dtype_argument,
+    add_out_argument,
+    environment,
+    print_table,
+    write_json,
+)
+from hf_baseline import hf_generate, load_hf  # noqa: E402
 
 
 def synthetic_workload(num_requests: int, vocab_size: int, *, seed: int, max_input: int,
@@ -29,11 +36,13 @@ def synthetic_workload(num_requests: int, vocab_size: int, *, seed: int, max_inp
     return [(rng.integers(1, vocab_size, n).tolist(), int(m)) for n, m in zip(inputs, outputs)]
 
 
-def run_pagedjax(model: str, backend: str, workload, warmup, args) -> float:
+def run_pagedjax(model: str, backend: str, workload, warmup, args) -> tuple[float, str]:
+    """Seconds for the workload (after a warm-up with the same shapes), and the dtype used."""
     from pagedjax import LLM, SamplingParams
 
-    llm = LLM(model, backend=backend, max_model_len=args.max_input + args.max_output,
-              max_num_seqs=args.max_num_seqs, enable_prefix_caching=False)
+    llm = LLM(model, backend=backend, dtype=args.dtype,
+              max_model_len=args.max_input + args.max_output, max_num_seqs=args.max_num_seqs,
+              enable_prefix_caching=False)
 
     def run(items) -> float:
         prompts = [{"prompt_token_ids": ids} for ids, _ in items]
@@ -44,26 +53,14 @@ def run_pagedjax(model: str, backend: str, workload, warmup, args) -> float:
         return time.perf_counter() - start
 
     run(warmup)  # same shapes as the timed run: compiles happen here
-    return run(workload)
+    return run(workload), llm.engine.config.dtype
 
 
-def run_hf(model: str, workload, batch_size: int) -> float:
+def run_hf(model, workload, batch_size: int) -> float:
     """HF generate over the workload, batch_size requests at a time (left-padded)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
-    start = time.perf_counter()
-    with torch.no_grad():
-        for i in range(0, len(workload), batch_size):
-            batch = workload[i : i + batch_size]
-            width = max(len(ids) for ids, _ in batch)
-            ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in batch])
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch])
-            new = max(m for _, m in batch)
-            hf.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                        do_sample=False, eos_token_id=None, pad_token_id=0)
-    return time.perf_counter() - start
+    return sum(hf_generate(model, [ids for ids, _ in workload[i : i + batch_size]],
+                           max(m for _, m in workload[i : i + batch_size]))
+               for i in range(0, len(workload), batch_size))
 
 
 def main() -> None:
@@ -76,6 +73,8 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--hf-batch-size", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
+    add_dtype_argument(parser)
+    add_out_argument(parser)
     args = parser.parse_args()
 
     from pagedjax.config import ModelConfig
@@ -89,20 +88,26 @@ def main() -> None:
     num_in = sum(len(ids) for ids, _ in workload)
     num_out = sum(m for _, m in workload)
 
-    timings = {f"pagedjax ({args.backend})": run_pagedjax(model, args.backend, workload,
-                                                          warmup, args),
-               "HF generate, batch 1": run_hf(model, workload, 1),
-               f"HF generate, padded batch {args.hf_batch_size}":
-                   run_hf(model, workload, args.hf_batch_size)}
+    seconds, dtype = run_pagedjax(model, args.backend, workload, warmup, args)
+    hf = load_hf(model, dtype)
+    run_hf(hf, workload[:1], 1)  # warm-up (lazy initialisation, CUDA context)
+    device = f"{hf.device.type}, {dtype}"
+    timings = {f"pagedjax ({args.backend}, {dtype})": seconds,
+               f"HF generate, batch 1 ({device})": run_hf(hf, workload, 1),
+               f"HF generate, padded batch {args.hf_batch_size} ({device})":
+                   run_hf(hf, workload, args.hf_batch_size)}
     rows = [{"system": name, "seconds": t, "output tok/s": num_out / t,
              "total tok/s": (num_in + num_out) / t} for name, t in timings.items()]
+    for row in rows:
+        row["× pagedjax"] = rows[0]["output tok/s"] / row["output tok/s"]
     print(f"{args.num_requests} requests, {num_in} prompt + {num_out} output tokens, "
           f"model {model}")
-    print_table(rows, ["system", "seconds", "output tok/s", "total tok/s"])
+    print_table(rows, ["system", "seconds", "output tok/s", "total tok/s", "× pagedjax"])
     env = environment()
     path = write_json(f"throughput_{args.backend}_{env['accelerator'].replace(' ', '_')}.json",
                       {"args": vars(args), "model": model, "num_prompt_tokens": num_in,
-                       "num_output_tokens": num_out, "results": rows, "environment": env})
+                       "num_output_tokens": num_out, "results": rows, "environment": env},
+                      args.out)
     print(f"wrote {path}")
 
 

@@ -5,7 +5,7 @@ The core imports neither jax nor torch; a backend's framework loads when an engi
 
 from pagedjax.llm import LLM
 from pagedjax.outputs import CompletionOutput, RequestOutput
-from pagedjax.sampling_params import SamplingParams
+from pagedjax.sampling_params import RequestOutputKind, SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"

@@ -29,7 +29,10 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--speculative-model", help="draft checkpoint for speculative decoding")
     gen.add_argument("--speculate", action="store_true",
                      help="speculate with the demo draft (when --model is the demo target)")
-    gen.add_argument("--num-speculative-tokens", type=int, default=4)
+    gen.add_argument("--num-speculative-tokens", type=int, default=4,
+                     help="the most drafts per step (adaptive: each step picks 0..this)")
+    gen.add_argument("--no-adaptive", action="store_true",
+                     help="always propose --num-speculative-tokens drafts")
     conv = sub.add_parser("convert", help="save a checkpoint's JAX parameters as Orbax (faster "
                                          "reloads): DIR/orbax-DTYPE, restored automatically")
     conv.add_argument("--model", required=True)
@@ -60,7 +63,8 @@ def generate(args: argparse.Namespace) -> None:
         model, draft = model or demo_target, draft or (demo_draft if args.speculate else None)
     spec = None
     if draft:
-        spec = {"model": draft, "num_speculative_tokens": args.num_speculative_tokens}
+        spec = {"model": draft, "num_speculative_tokens": args.num_speculative_tokens,
+                "adaptive": not args.no_adaptive}
     llm = LLM(model, backend=args.backend, dtype=args.dtype, max_model_len=args.max_model_len,
               num_kv_blocks=args.num_kv_blocks, speculative_config=spec)
     params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p,

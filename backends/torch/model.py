@@ -55,6 +55,21 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
+class Linear(nn.Module):
+    """y = x @ weight (+ bias) with weight stored [in, out]: a single-token (GEMV) step streams
+    the weight row by row into the output, ~1.6x faster on CPU than nn.Linear's [out, in]."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(in_features, out_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bias is None:
+            return x @ self.weight
+        return torch.addmm(self.bias, x, self.weight)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [T, H, D] rotated by per-token cos/sin [T, D] (HF's rotate_half), in float32."""
     half = x.shape[-1] // 2
@@ -70,8 +85,8 @@ class Attention(nn.Module):
         self.config = config
         d, hq, hkv = config.head_dim, config.num_q_heads, config.num_kv_heads
         self.sizes = [hq * d, hkv * d, hkv * d]
-        self.qkv_proj = nn.Linear(config.hidden_size, sum(self.sizes), bias=config.attention_bias)
-        self.o_proj = nn.Linear(hq * d, config.hidden_size, bias=False)
+        self.qkv_proj = Linear(config.hidden_size, sum(self.sizes), bias=config.attention_bias)
+        self.o_proj = Linear(hq * d, config.hidden_size)
         self.attention_fn = attention_fn
         self.write_kv_fn = write_kv_fn
 
@@ -94,9 +109,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size,
-                                      bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # 2 x [T, I]
@@ -130,7 +144,7 @@ class LlamaForCausalLM(nn.Module):
                                     for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = (None if config.tie_word_embeddings
-                        else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
+                        else Linear(config.hidden_size, config.vocab_size))
 
     def forward(self, input_ids: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
@@ -141,8 +155,9 @@ class LlamaForCausalLM(nn.Module):
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, kv_cache, meta)
         x = self.norm(x.index_select(0, logits_indices))  # [L, H]
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(x, weight).to(torch.float32)  # [L, V]
+        if self.lm_head is None:  # tied: the embedding is [V, H]
+            return F.linear(x, self.embed_tokens.weight).to(torch.float32)  # [L, V]
+        return self.lm_head(x).to(torch.float32)  # [L, V]
 
 
 def load_model(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
@@ -160,22 +175,23 @@ def load_model(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
 
 def _fused_state_dict(weights: dict[str, np.ndarray],
                       config: ModelConfig) -> dict[str, np.ndarray]:
-    """Canonical names (backends/weights.py) → this module tree, q/k/v and gate/up fused."""
+    """Canonical names (backends/weights.py) → this module tree: q/k/v and gate/up fused, linear
+    weights transposed to [in, out]."""
     state = {"embed_tokens.weight": weights["embed_tokens"], "norm.weight": weights["norm"]}
     if not config.tie_word_embeddings:
-        state["lm_head.weight"] = weights["lm_head"]
+        state["lm_head.weight"] = weights["lm_head"].T  # [H, V]
     for i in range(config.num_layers):
         layer = f"layers.{i}"  # the same prefix in both trees
         qkv = [f"{layer}.{p}_proj" for p in "qkv"]
         state[f"{layer}.self_attn.qkv_proj.weight"] = np.concatenate(
-            [weights[f"{p}.weight"] for p in qkv])  # [(Hq + 2 Hkv) D, H]
+            [weights[f"{p}.weight"] for p in qkv]).T  # [H, (Hq + 2 Hkv) D]
         if config.attention_bias:
             state[f"{layer}.self_attn.qkv_proj.bias"] = np.concatenate(
                 [weights[f"{p}.bias"] for p in qkv])
-        state[f"{layer}.self_attn.o_proj.weight"] = weights[f"{layer}.o_proj.weight"]
+        state[f"{layer}.self_attn.o_proj.weight"] = weights[f"{layer}.o_proj.weight"].T
         state[f"{layer}.mlp.gate_up_proj.weight"] = np.concatenate(
-            [weights[f"{layer}.gate_proj.weight"], weights[f"{layer}.up_proj.weight"]])  # [2I, H]
-        state[f"{layer}.mlp.down_proj.weight"] = weights[f"{layer}.down_proj.weight"]
+            [weights[f"{layer}.gate_proj.weight"], weights[f"{layer}.up_proj.weight"]]).T  # [H, 2I]
+        state[f"{layer}.mlp.down_proj.weight"] = weights[f"{layer}.down_proj.weight"].T
         for norm in ("input_layernorm", "post_attention_layernorm"):
             state[f"{layer}.{norm}.weight"] = weights[f"{layer}.{norm}"]
     return state
@@ -183,7 +199,7 @@ def _fused_state_dict(weights: dict[str, np.ndarray],
 
 def _to_tensor(array: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A (possibly memory-mapped, possibly ml_dtypes bfloat16) array → an owned device tensor."""
-    array = np.array(array)  # own, writable copy: the checkpoint may be a read-only memmap
+    array = np.array(array, order="C")  # own, writable, C-contiguous (transposes laid out)
     if array.dtype == ml_dtypes.bfloat16:
         return torch.from_numpy(array.view(np.uint16)).view(torch.bfloat16).to(device, dtype)
     return torch.from_numpy(array).to(device, dtype)

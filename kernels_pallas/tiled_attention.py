@@ -9,8 +9,12 @@ query rows of one sequence, `chunk_blocks` blocks per loop iteration:
   ceil(T / rows) + S tiles, a static bound).
 
 The loop runs to the longest context in the batch with an online softmax in float32; rows past
-each sequence's queries and padding rows come out as zeros. `benchmarks/cpu_attention.py`
-measures it against the reference.
+each sequence's queries and padding rows come out as zeros.
+
+`ragged_paged_attention_cpu`, the JAX backend's attention on CPU, keeps the fastest correct one
+per shape, as `benchmarks/cpu_attention.py` measured (RESULTS.md): the reference's loop for
+decode and short queries (T < 128), where its per-row gathers are small; the tiled version
+(16 rows, 4 blocks per chunk) for prefill and mixed batches, where it is ~1.8x faster.
 """
 
 from __future__ import annotations
@@ -18,7 +22,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pagedjax.kernels_pallas.reference import ragged_paged_attention_reference
+
 _MASK_VALUE = -1e30  # finite, so a fully masked chunk never produces NaN
+_MIN_TILED_TOKENS = 128  # below this many query rows the reference's loop is faster on CPU
 
 
 def _tile_map(query_start_loc: jax.Array, num_tokens: int, num_seqs: int, rows: int,
@@ -63,14 +70,17 @@ def ragged_paged_attention_tiled(
     tile_seq, tile_first = _tile_map(query_start_loc, num_tokens, num_seqs, rows, decode)
     num_tiles = tile_seq.shape[0]
 
-    row = tile_first[:, None] + jnp.arange(rows, dtype=jnp.int32)[None, :]  # [N, R] rows of q
-    valid = row < query_start_loc[tile_seq + 1][:, None]
+    if decode:  # tile s is query row s: no gather of q, no scatter of the output
+        row = jnp.arange(num_tokens, dtype=jnp.int32)[:, None]  # [N, 1]
+    else:
+        row = tile_first[:, None] + jnp.arange(rows, dtype=jnp.int32)[None, :]  # [N, R]
+    valid = (row >= tile_first[:, None]) & (row < query_start_loc[tile_seq + 1][:, None])
     first_row = query_start_loc[tile_seq]  # [N]
     context_start = kv_lens[tile_seq] - (query_start_loc[tile_seq + 1] - first_row)  # [N]
     position = context_start[:, None] + row - first_row[:, None]
     position = jnp.where(valid, position, -1)  # [N, R]; -1 sees no key
-    qt = q[jnp.clip(row, 0, num_tokens - 1)].astype(acc_dtype) * sm_scale  # [N, R, Hq, D]
-    qt = qt.reshape(num_tiles, rows, num_kv_heads, group, head_dim)
+    qt = q if decode else q[jnp.clip(row, 0, num_tokens - 1)]  # [N, R, Hq, D] ([T, Hq, D])
+    qt = qt.astype(acc_dtype).reshape(num_tiles, rows, num_kv_heads, group, head_dim) * sm_scale
 
     chunk = chunk_blocks * block_size
     tables = jnp.pad(block_tables, ((0, 0), (0, -max_blocks % chunk_blocks)))[tile_seq]
@@ -103,7 +113,18 @@ def ragged_paged_attention_tiled(
     init = (jnp.int32(0), jnp.full(shape, _MASK_VALUE, acc_dtype), jnp.zeros(shape, acc_dtype),
             jnp.zeros((*shape, head_dim), acc_dtype))
     _, _, denom, acc = jax.lax.while_loop(lambda c: c[0] < num_chunks, body, init)
-    out = (acc / jnp.where(denom > 0, denom, 1.0)[..., None]).reshape(-1, num_q_heads, head_dim)
+    out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]  # [N, R, Hkv, G, D]
+    out = jnp.where(valid[:, :, None, None, None], out, 0.0).reshape(-1, num_q_heads, head_dim)
+    if decode:
+        return out.astype(q.dtype)
     target = jnp.where(valid, row, num_tokens).reshape(-1)  # out of range: dropped
     result = jnp.zeros((num_tokens, num_q_heads, head_dim), acc_dtype)
     return result.at[target].set(out, mode="drop").astype(q.dtype)
+
+
+def ragged_paged_attention_cpu(q: jax.Array, *args: jax.Array, decode: bool = False,
+                               **kwargs) -> jax.Array:  # [T, Hq, D]
+    """The faster of the reference and the tiled version for this (static) shape on CPU."""
+    if decode or q.shape[0] < _MIN_TILED_TOKENS:
+        return ragged_paged_attention_reference(q, *args, **kwargs)
+    return ragged_paged_attention_tiled(q, *args, rows_per_tile=16, chunk_blocks=4, **kwargs)

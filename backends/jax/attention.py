@@ -9,14 +9,18 @@ from pagedjax.kernels_pallas.reference import (
     ragged_paged_attention_reference,
     write_kv_reference,
 )
-from pagedjax.kernels_pallas.tiled_attention import ragged_paged_attention_tiled
+from pagedjax.kernels_pallas.tiled_attention import (
+    ragged_paged_attention_cpu,
+    ragged_paged_attention_tiled,
+)
 
-ATTENTION_IMPLS = ("auto", "pallas", "tiled", "reference")
+ATTENTION_IMPLS = ("auto", "pallas", "cpu", "tiled", "reference")
 
 
 def resolve_attention(attention_impl: str) -> tuple[AttentionFn, WriteKVFn, str]:
-    """"auto" is the Pallas kernel on GPU and the tiled jnp version on CPU (interpret mode is
-    slow; benchmarks/cpu_attention.py compares it with the reference).
+    """"auto" is the Pallas kernel on GPU and "cpu" on CPU (interpret mode is slow): the jnp
+    reference for decode and short queries, the tiled jnp version for long ones, whichever
+    benchmarks/cpu_attention.py measured faster.
 
     Returns (attention_fn, write_kv_fn, resolved name).
     """
@@ -24,7 +28,9 @@ def resolve_attention(attention_impl: str) -> tuple[AttentionFn, WriteKVFn, str]
         raise ValueError(f"attention_impl={attention_impl!r} is unknown; use one of "
                          f"{ATTENTION_IMPLS}.")
     if attention_impl == "auto":
-        attention_impl = "tiled" if jax.default_backend() == "cpu" else "pallas"
+        attention_impl = "cpu" if jax.default_backend() == "cpu" else "pallas"
+    if attention_impl == "cpu":
+        return ragged_paged_attention_cpu, write_kv_reference, "cpu"
     if attention_impl == "tiled":
         return ragged_paged_attention_tiled, write_kv_reference, "tiled"
     if attention_impl == "reference":

@@ -9,7 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pagedjax.kernels_pallas.tiled_attention import ragged_paged_attention_tiled
+from pagedjax.kernels_pallas.tiled_attention import (
+    ragged_paged_attention_cpu,
+    ragged_paged_attention_tiled,
+)
 from tests.kernels.naive import (
     make_ragged_case,
     naive_ragged_paged_attention,
@@ -19,18 +22,18 @@ from tests.kernels.naive import (
 _BOUNDS = {np.float32: 1e-5, jnp.bfloat16: 2e-2}
 
 
-def _run(case: dict, **kwargs) -> np.ndarray:
-    fn = jax.jit(functools.partial(ragged_paged_attention_tiled, **kwargs))
+def _run(case: dict, impl=ragged_paged_attention_tiled, **kwargs) -> np.ndarray:
+    fn = jax.jit(functools.partial(impl, **kwargs))
     out = fn(**{name: jnp.asarray(value) for name, value in case.items()})
     assert out.dtype == case["q"].dtype and out.shape == case["q"].shape
     return np.asarray(out.astype(jnp.float32), np.float64)
 
 
-def _check(case: dict, bound: float, **kwargs) -> None:
+def _check(case: dict, bound: float, impl=ragged_paged_attention_tiled, **kwargs) -> None:
     oracle_kwargs = {k: v for k, v in kwargs.items() if k in ("sm_scale", "sliding_window",
                                                               "logits_soft_cap")}
     ref = naive_ragged_paged_attention(**case, **oracle_kwargs)
-    out = _run(case, **kwargs)
+    out = _run(case, impl, **kwargs)
     num_valid = int(case["query_start_loc"][-1])
     assert not np.isnan(out).any()
     np.testing.assert_array_equal(out[num_valid:], 0.0)  # padding rows
@@ -75,3 +78,13 @@ def test_decode_needs_one_row_per_sequence() -> None:
                             head_dim=8, block_size=8)
     with pytest.raises(ValueError, match="decode=True needs one query row per sequence"):
         _run(case, sm_scale=1.0, decode=True)
+
+
+@pytest.mark.parametrize("q_lens,kv_lens", [([1] * 4, [9, 40, 1, 17]),  # decode: the loop
+                                            ([100, 1, 30], [130, 50, 30])])  # tiled (T >= 128)
+def test_cpu_dispatch(q_lens: list[int], kv_lens: list[int]) -> None:
+    rng = np.random.default_rng(4)
+    decode = max(q_lens) == 1
+    case = make_ragged_case(rng, q_lens, kv_lens, num_q_heads=4, num_kv_heads=2, head_dim=16,
+                            block_size=16, num_padding_rows=0 if decode else 2)
+    _check(case, 1e-5, ragged_paged_attention_cpu, sm_scale=0.25, decode=decode)

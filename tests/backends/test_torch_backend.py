@@ -13,12 +13,12 @@ import torch
 
 from pagedjax.backends.jax.runner import JaxModelRunner
 from pagedjax.backends.torch.runner import TorchModelRunner
-from pagedjax.batch import ModelInput, ModelOutput
 from pagedjax.config import EngineConfig, ModelConfig
 from pagedjax.kv_cache import num_kv_blocks_for_budget, warm_up_input
 from pagedjax.llm import LLM
 from pagedjax.sampling_params import SamplingParams
 from tests import hf_reference
+from tests.backends.test_engine_step import record_steps
 
 BLOCK_SIZE = 16
 MAX_TOKENS = 12
@@ -230,15 +230,7 @@ def test_graph_step_matches_eager(checkpoints: dict[str, Path]) -> None:
     of the batch's own), run eagerly on CPU, gives the eager step's tokens and logprobs. The
     capture itself needs a GPU."""
     llm = LLM(str(checkpoints["llama"]), backend="torch", **BASIC)
-    runner, recorded = llm.engine.runner, []
-    execute = runner.execute
-
-    def recording_execute(model_input: ModelInput) -> ModelOutput:
-        output = execute(model_input)
-        recorded.append((model_input, output))
-        return output
-
-    runner.execute = recording_execute
+    runner, recorded = llm.engine.runner, record_steps(llm)
     # A 1-token prompt with n=2: its first step is decode-shaped and forks (2 samples, 1 row).
     llm.generate({"prompt_token_ids": BASIC_PROMPTS[0]}, _greedy(n=2), use_tqdm=False)
     graphable = [(i, o) for i, o in recorded if runner._graphable(i, 1)]

@@ -4,16 +4,19 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pagedjax", description=__doc__)
+    from pagedjax.engine_args import EngineArgs, FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser(prog="pagedjax", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate completions for one or more prompts")
     gen.add_argument("--model", help="HF checkpoint directory (default: the demo target)")
-    gen.add_argument("--backend", choices=("jax", "torch"), default="jax")
+    EngineArgs.add_cli_args(gen, skip=("model",))  # vllm serve's engine flags
     gen.add_argument("--prompt", action="append", required=True,
                      help="a prompt; repeat the flag for a batch")
     gen.add_argument("--max-tokens", type=int, default=64)
@@ -21,12 +24,9 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--n", type=int, default=1)
-    gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=None)
-    gen.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    gen.add_argument("--max-model-len", type=int, default=None)
-    gen.add_argument("--num-kv-blocks", type=int, default=None)
-    gen.add_argument("--speculative-model", help="draft checkpoint for speculative decoding")
+    gen.add_argument("--speculative-model", help="draft checkpoint for speculative decoding "
+                                                 "(short for --speculative-config)")
     gen.add_argument("--speculate", action="store_true",
                      help="speculate with the demo draft (when --model is the demo target)")
     gen.add_argument("--num-speculative-tokens", type=int, default=4,
@@ -56,19 +56,22 @@ def convert(args: argparse.Namespace) -> None:
 def generate(args: argparse.Namespace) -> None:
     from pagedjax import LLM, SamplingParams
     from pagedjax.demo import demo_model_dirs
+    from pagedjax.engine_args import EngineArgs
 
     model, draft = args.model, args.speculative_model
     if model is None or (args.speculate and draft is None):
         demo_target, demo_draft = demo_model_dirs()
         model, draft = model or demo_target, draft or (demo_draft if args.speculate else None)
-    spec = None
+    args.model = model
     if draft:
-        spec = {"model": draft, "num_speculative_tokens": args.num_speculative_tokens,
-                "adaptive": not args.no_adaptive}
-    llm = LLM(model, backend=args.backend, dtype=args.dtype, max_model_len=args.max_model_len,
-              num_kv_blocks=args.num_kv_blocks, speculative_config=spec)
+        args.speculative_config = {"model": draft,
+                                   "num_speculative_tokens": args.num_speculative_tokens,
+                                   "adaptive": not args.no_adaptive}
+    engine_args = EngineArgs.from_cli_args(args)
+    spec = engine_args.speculative_config
+    llm = LLM(**dataclasses.asdict(engine_args))
     params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed, max_tokens=args.max_tokens,
+                            top_k=args.top_k, max_tokens=args.max_tokens,
                             stop=args.stop)
     start = time.perf_counter()
     outputs = llm.generate(args.prompt, params, use_tqdm=False)

@@ -32,6 +32,7 @@ class ModelConfig:
     attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
     sliding_window: int | None
     dtype: str | None = None  # the checkpoint's torch_dtype ("bfloat16", ...), if it names one
+    has_remote_code: bool = False  # config.json maps classes to the checkpoint's own code
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> ModelConfig:
@@ -72,6 +73,7 @@ class ModelConfig:
             attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
             sliding_window=window,
             dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+            has_remote_code="auto_map" in cfg,
         )
 
     def kv_bytes_per_block(self, block_size: int, dtype_bytes: int) -> int:
@@ -98,34 +100,56 @@ def _parse_rope(cfg: dict) -> tuple[float, dict | None]:
 
 @dataclass
 class EngineConfig:
-    """Everything the engine needs besides the model itself."""
+    """Everything the engine needs besides the model itself, under vLLM's names (EngineArgs
+    adds the command-line side). Options vLLM has that pagedjax cannot honour yet fail in
+    validate() with a ValueError that names them."""
 
     model: str
-    backend: str = "jax"
-    dtype: str = "float32"  # or "auto": the checkpoint's dtype (float32 if it names none)
+    tokenizer: str | None = None  # a tokenizer directory (default: the model's)
+    backend: str = "jax"  # pagedjax's own: "jax" | "torch"
+    # "auto": the checkpoint's dtype on a GPU, float32 on CPU (where bf16 matmuls are slow and
+    # float32 is what HF parity is checked in); or "float32" | "bfloat16" | "float16"
+    dtype: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None  # default: the model's, at most 4096
     block_size: int = 16
-    num_kv_blocks: int | None = None
-    memory_utilization: float = 0.9
-    max_model_len: int | None = None
+    # Share of the accelerator's memory for weights, activations and the KV pool; on CPU, the
+    # share of a fixed 4 GiB KV budget (kv_cache.CPU_KV_CACHE_BYTES).
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None  # the KV pool's size in blocks, not measured
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     enable_prefix_caching: bool = True
-    seed: int = 0
-    attention_impl: str = "auto"
-    # {"model": draft_dir, "num_speculative_tokens": k, "adaptive": True}; see spec_decode.py
+    enforce_eager: bool = False  # no CUDA graphs (torch); harmless elsewhere
+    tensor_parallel_size: int = 1
+    # {"model": draft_dir, "num_speculative_tokens": k, "method": "draft_model",
+    #  "adaptive": True}; see spec_decode.py
     speculative_config: dict | None = None
+    trust_remote_code: bool = False  # accepted; checkpoints with custom code are refused
+    attention_impl: str = "auto"  # pagedjax's own; see the backends' resolve_attention
 
-    def validate(self, model_config: ModelConfig) -> None:
-        """Check user-facing values; fill max_model_len from the model if unset."""
+    def validate(self, model_config: ModelConfig, default_dtype: str = "float32") -> None:
+        """Check user-facing values; fill what depends on the model (max_model_len, dtype).
+
+        default_dtype: what "auto" means on the runner's device.
+        """
         if self.dtype == "auto":
-            self.dtype = model_config.dtype if model_config.dtype in DTYPES else "float32"
+            self.dtype = default_dtype
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is unsupported; use one of "
                              f"{('auto', *DTYPES)}.")
         if self.block_size not in (8, 16, 32):
             raise ValueError(f"block_size={self.block_size} is unsupported; use 8, 16 or 32.")
-        if not 0.0 < self.memory_utilization <= 1.0:
-            raise ValueError(f"memory_utilization={self.memory_utilization} must be in (0, 1].")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in "
+                             "(0, 1].")
+        if self.tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} is not "
+                             "supported yet; use tensor_parallel_size=1 (one device).")
+        if self.trust_remote_code and model_config.has_remote_code:
+            raise ValueError(f"model {self.model!r} needs its own code (auto_map), which "
+                             f"pagedjax does not run (trust_remote_code=True); supported "
+                             f"architectures: {', '.join(SUPPORTED_ARCHITECTURES)}.")
         if self.max_model_len is None:
             self.max_model_len = min(model_config.max_position_embeddings, 4096)
         if self.max_model_len > model_config.max_position_embeddings:
@@ -134,11 +158,12 @@ class EngineConfig:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1.")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < self.max_blocks_per_seq:
+        blocks = self.num_gpu_blocks_override
+        if blocks is not None and blocks < self.max_blocks_per_seq:
             raise ValueError(
-                f"num_kv_blocks={self.num_kv_blocks} cannot hold one sequence of max_model_len="
+                f"num_gpu_blocks_override={blocks} cannot hold one sequence of max_model_len="
                 f"{self.max_model_len} ({self.max_blocks_per_seq} blocks of {self.block_size}); "
-                "raise num_kv_blocks or lower max_model_len.")
+                "raise num_gpu_blocks_override or lower max_model_len.")
 
     @property
     def max_blocks_per_seq(self) -> int:

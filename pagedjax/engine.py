@@ -7,6 +7,7 @@ OutputProcessor (text, stop strings, logprobs, outputs).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -56,8 +57,8 @@ class LLMEngine:
         runner_cls = get_runner_cls(config.backend)
         self.config = config
         self.model_config = ModelConfig.from_pretrained(config.model)
-        config.validate(self.model_config)
-        self.tokenizer = load_tokenizer(config.model)
+        config.validate(self.model_config, runner_cls.default_dtype(self.model_config))
+        self.tokenizer = load_tokenizer(config.tokenizer or config.model)
         self.eos_token_ids = load_eos_token_ids(config.model, self.tokenizer)
         self.speculation: AdaptiveSpeculation | None = None
         draft_model_config = None
@@ -79,6 +80,12 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler)
         self.prompt_tokens_total = 0
         self.step_timings = StepTimings()
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineConfig) -> LLMEngine:
+        """An engine for EngineArgs (validated on a copy: the caller's stay as given)."""
+        return cls(EngineConfig(**{f.name: getattr(engine_args, f.name)
+                                   for f in dataclasses.fields(EngineConfig)}))
 
     def _check_draft(self, spec_config: SpeculativeConfig) -> ModelConfig:
         draft_model_config = ModelConfig.from_pretrained(spec_config.model)

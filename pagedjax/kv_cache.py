@@ -21,18 +21,18 @@ def num_kv_blocks_for_budget(model_config: ModelConfig, config: EngineConfig,
     per_block = model_config.kv_bytes_per_block(config.block_size, config.dtype_bytes)
     per_block += extra_bytes_per_block
     if memory_stats is None:
-        budget = int(CPU_KV_CACHE_BYTES * config.memory_utilization)
+        budget = int(CPU_KV_CACHE_BYTES * config.gpu_memory_utilization)
         wanted = config.max_num_seqs * config.max_blocks_per_seq
         num_blocks = min(budget // per_block, wanted)
     else:
         limit, used = memory_stats["bytes_limit"], memory_stats["bytes_in_use"]
-        budget = int(limit * config.memory_utilization) - used
+        budget = int(limit * config.gpu_memory_utilization) - used
         num_blocks = budget // per_block
     if num_blocks < config.max_blocks_per_seq:
         raise ValueError(
             f"the KV pool gets {num_blocks} blocks ({per_block} bytes each, budget {budget} "
             f"bytes) but one sequence of max_model_len={config.max_model_len} needs "
-            f"{config.max_blocks_per_seq}; raise memory_utilization or lower max_model_len.")
+            f"{config.max_blocks_per_seq}; raise gpu_memory_utilization or lower max_model_len.")
     return int(num_blocks)
 
 

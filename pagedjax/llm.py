@@ -6,11 +6,12 @@ import dataclasses
 import itertools
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from tqdm.auto import tqdm
 
-from pagedjax.config import EngineConfig
 from pagedjax.engine import LLMEngine, PromptType
+from pagedjax.engine_args import EngineArgs
 from pagedjax.outputs import RequestOutput
 from pagedjax.sampling_params import RequestOutputKind, SamplingParams
 
@@ -23,21 +24,10 @@ class LLM:
     >>> print(outs[0].outputs[0].text)
     """
 
-    def __init__(self, model: str, backend: str = "jax", dtype: str = "float32",
-                 block_size: int = 16, num_kv_blocks: int | None = None,
-                 memory_utilization: float = 0.9, max_model_len: int | None = None,
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
-                 enable_prefix_caching: bool = True, seed: int = 0,
-                 attention_impl: str = "auto",
-                 speculative_config: dict | None = None) -> None:
-        config = EngineConfig(
-            model=str(model), backend=backend, dtype=dtype, block_size=block_size,
-            num_kv_blocks=num_kv_blocks, memory_utilization=memory_utilization,
-            max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            enable_prefix_caching=enable_prefix_caching, seed=seed,
-            attention_impl=attention_impl, speculative_config=speculative_config)
-        self.engine = LLMEngine(config)
+    def __init__(self, model: str, **kwargs: Any) -> None:
+        """kwargs: EngineArgs' options under vLLM's names (backend, dtype, max_model_len,
+        gpu_memory_utilization, max_num_seqs, speculative_config, ...)."""
+        self.engine = LLMEngine.from_engine_args(EngineArgs.from_kwargs(model, **kwargs))
         self._request_ids = itertools.count()
 
     def get_tokenizer(self):

@@ -11,7 +11,7 @@ import importlib
 from typing import Protocol
 
 from pagedjax.batch import ModelInput, ModelOutput
-from pagedjax.config import EngineConfig, ModelConfig
+from pagedjax.config import DTYPES, EngineConfig, ModelConfig
 
 # backend name → "module:class" of its runner, imported only when chosen (a backend's framework
 # never loads for the other one).
@@ -42,6 +42,17 @@ class RunnerFactory(Protocol):
         """A runner for config.model, plus the draft model of config.speculative_config (whose
         config is draft_model_config) sharing its block ids."""
         ...
+
+    def default_dtype(self, model_config: ModelConfig) -> str:
+        """What dtype="auto" means on this backend's device for this checkpoint."""
+        ...
+
+
+def auto_dtype(model_config: ModelConfig, on_accelerator: bool) -> str:
+    """The checkpoint's dtype on an accelerator; float32 on CPU, or if it names none."""
+    if on_accelerator and model_config.dtype in DTYPES:
+        return model_config.dtype
+    return "float32"
 
 
 def get_runner_cls(backend: str) -> RunnerFactory:

@@ -30,7 +30,8 @@ def model_and_reference(tiny_model) -> tuple[str, list[list[int]], list[list[int
 @pytest.mark.parametrize("backend", ["jax", "torch"])
 def test_greedy_parity_with_hf(model_and_reference, backend: str, dtype: str) -> None:
     model_dir, prompts, expected = model_and_reference
-    llm = LLM(model_dir, backend=backend, dtype=dtype, max_model_len=128, num_kv_blocks=32)
+    llm = LLM(model_dir, backend=backend, dtype=dtype, max_model_len=128,
+              num_gpu_blocks_override=32)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
                             logprobs=5)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)

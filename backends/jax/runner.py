@@ -25,6 +25,7 @@ from pagedjax.backends.rope import rope_cos_sin
 from pagedjax.batch import BatchLayout, ModelInput, ModelOutput
 from pagedjax.config import EngineConfig, ModelConfig
 from pagedjax.kv_cache import num_kv_blocks_for_budget, warm_up_input
+from pagedjax.model_runner import auto_dtype
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 _SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "banned_rows", "banned_token_ids")
@@ -75,8 +76,12 @@ class JaxModelRunner:
         self._step = jax.jit(self._step_fn, donate_argnums=(2, 3), static_argnames=("layout",))
         self.kv_caches: list[KVCache] = []
         self.draft_kv_caches: list[KVCache] = []
-        self.num_kv_blocks = config.num_kv_blocks or self._blocks_from_memory()
+        self.num_kv_blocks = config.num_gpu_blocks_override or self._blocks_from_memory()
         self._allocate_kv_caches(self.num_kv_blocks)
+
+    @staticmethod
+    def default_dtype(model_config: ModelConfig) -> str:
+        return auto_dtype(model_config, jax.default_backend() != "cpu")
 
     def _allocate_kv_caches(self, num_blocks: int) -> None:
         block_size = self.config.block_size
@@ -85,7 +90,7 @@ class JaxModelRunner:
                                 else self.draft.allocate_kv_caches(num_blocks, block_size))
 
     def _blocks_from_memory(self) -> int:
-        """On an accelerator: what memory_utilization leaves after the weights and the peak of
+        """On an accelerator: what gpu_memory_utilization leaves after the weights and the peak of
         the heaviest step (run once on throwaway caches). UNVERIFIED on a GPU."""
         device = jax.devices()[0]
         stats = None

@@ -32,6 +32,7 @@ from pagedjax.batch import BatchLayout, ModelInput, ModelOutput, bucket
 from pagedjax.config import EngineConfig, ModelConfig
 from pagedjax.kernels_cuda import ragged_paged_attention, reference, write_kv
 from pagedjax.kv_cache import num_kv_blocks_for_budget, warm_up_input
+from pagedjax.model_runner import auto_dtype
 
 ATTENTION_IMPLS = ("auto", "reference")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -97,10 +98,14 @@ class TorchModelRunner:
                                            draft_model_config, config, self.device))
         self.upload = HostToDevice(self.device)
         self.graphs: StepGraphs | None = None  # none while the pool is sized
-        self.num_kv_blocks = config.num_kv_blocks or self._blocks_from_memory()
+        self.num_kv_blocks = config.num_gpu_blocks_override or self._blocks_from_memory()
         self._allocate_kv_caches(self.num_kv_blocks)
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and not config.enforce_eager:
             self.graphs = StepGraphs(self.device)
+
+    @staticmethod
+    def default_dtype(model_config: ModelConfig) -> str:
+        return auto_dtype(model_config, torch.cuda.is_available())
 
     @property
     def num_compiles(self) -> int:
@@ -123,7 +128,7 @@ class TorchModelRunner:
         torch's allocator does not hold (CUDA context, other processes such as JAX).
 
         UNVERIFIED on a GPU. CUDA graphs captured later take their own (decode-sized) pool out
-        of the 1 - memory_utilization headroom.
+        of the 1 - gpu_memory_utilization headroom.
         """
         torch.cuda.reset_peak_memory_stats()
         model_input = warm_up_input(self.config)

@@ -15,7 +15,7 @@ BACKENDS = ["jax", "torch"]
 
 def spec_llm(tiny_model, backend: str, **kwargs) -> LLM:
     spec = {"model": tiny_model("draft"), "num_speculative_tokens": 3, "adaptive": False}
-    kwargs = {"num_kv_blocks": 128, "max_num_batched_tokens": 128, "max_model_len": 256,
+    kwargs = {"num_gpu_blocks_override": 128, "max_num_batched_tokens": 128, "max_model_len": 256,
               "speculative_config": spec, **kwargs}
     return LLM(tiny_model("llama"), backend=backend, **kwargs)
 

@@ -17,8 +17,10 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 # budget) and preemption (24 blocks for ~40 blocks of demand); preempted sequences then re-find
 # their own blocks in the prefix cache.
 SCENARIOS = {
-    "roomy": dict(max_num_batched_tokens=512, num_kv_blocks=128, enable_prefix_caching=True),
-    "stress": dict(max_num_batched_tokens=32, num_kv_blocks=24, enable_prefix_caching=True),
+    "roomy": dict(max_num_batched_tokens=512, num_gpu_blocks_override=128,
+                  enable_prefix_caching=True),
+    "stress": dict(max_num_batched_tokens=32, num_gpu_blocks_override=24,
+                   enable_prefix_caching=True),
 }
 
 
@@ -66,7 +68,7 @@ def test_greedy_matches_hf(tiny_model, name: str, scenario: str) -> None:
 def test_parallel_sampling_forks_share_the_prompt(tiny_model) -> None:
     """n=3 greedy completions fork one prefill (copy-on-write) and all equal HF's greedy."""
     model_dir = tiny_model("llama")
-    llm = make_llm(model_dir, num_kv_blocks=64)
+    llm = make_llm(model_dir, num_gpu_blocks_override=64)
     prompts = make_prompts(llm.engine.model_config.vocab_size)[:3]  # lengths 1, 15, 16
     expected = hf_greedy(model_dir, prompts, MAX_TOKENS)
     params = SamplingParams(n=3, temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -80,7 +82,7 @@ def test_parallel_sampling_forks_share_the_prompt(tiny_model) -> None:
 
 
 def test_seeded_sampling_is_reproducible_whatever_the_batch(tiny_model) -> None:
-    llm = make_llm(tiny_model("llama"), num_kv_blocks=64)
+    llm = make_llm(tiny_model("llama"), num_gpu_blocks_override=64)
     params = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.02, seed=1234,
                             max_tokens=16, ignore_eos=True, n=2)
     alone = llm.generate("def main():", params, use_tqdm=False)[0]
@@ -92,7 +94,7 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(tiny_model) -> None:
 
 
 def test_logprobs_are_the_raw_model_distribution(tiny_model) -> None:
-    llm = make_llm(tiny_model("llama"), num_kv_blocks=64)
+    llm = make_llm(tiny_model("llama"), num_gpu_blocks_override=64)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3)
     completion = llm.generate("print(", params, use_tqdm=False)[0].outputs[0]
     assert len(completion.logprobs) == 6
@@ -108,7 +110,7 @@ def test_logprobs_are_the_raw_model_distribution(tiny_model) -> None:
 def test_pallas_kernel_end_to_end(tiny_model) -> None:
     """attention_impl="pallas" (interpret mode on CPU) gives the same greedy tokens as HF."""
     model_dir = tiny_model("mistral")  # sliding window through the kernel too
-    llm = make_llm(model_dir, attention_impl="pallas", num_kv_blocks=64,
+    llm = make_llm(model_dir, attention_impl="pallas", num_gpu_blocks_override=64,
                    max_num_batched_tokens=64)
     assert llm.engine.runner.attention_impl == "pallas"
     prompts = [p for p in make_prompts(llm.engine.model_config.vocab_size) if len(p) in (1, 17, 53)]

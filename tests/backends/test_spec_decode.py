@@ -14,7 +14,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 def make_llm(target: str, backend: str, draft: str | None = None, k: int = 3, **kwargs) -> LLM:
     spec = None if draft is None else {"model": draft, "num_speculative_tokens": k}
-    kwargs = {"num_kv_blocks": 96, "max_num_batched_tokens": 256, **kwargs}
+    kwargs = {"num_gpu_blocks_override": 96, "max_num_batched_tokens": 256, **kwargs}
     return LLM(target, backend=backend, max_model_len=256, speculative_config=spec, **kwargs)
 
 
@@ -109,7 +109,7 @@ def test_parallel_sampling_with_speculation(tiny_model, reference, backend: str)
 def test_speculation_under_pressure(tiny_model, reference, backend: str) -> None:
     """Chunked prefill, a pool short enough to drop drafts and preempt, prefix-cache hits,
     aborts and sampled requests: still exact for greedy, and nothing leaks."""
-    pressure = dict(num_kv_blocks=16, max_num_batched_tokens=48)
+    pressure = dict(num_gpu_blocks_override=16, max_num_batched_tokens=48)
     plain = make_llm(tiny_model("llama"), backend, **pressure)
     inputs = prompts(plain, 10) + prompts(plain, 3)  # the repeats hit the prefix cache
     want = [o.outputs[0].token_ids for o in plain.generate(inputs, GREEDY, use_tqdm=False)]

@@ -25,11 +25,11 @@ MAX_TOKENS = 12
 ARCHS = ("llama", "mistral", "qwen2")
 COMMON = dict(block_size=BLOCK_SIZE, max_model_len=256, enable_prefix_caching=True)
 # One step prefills everything; then every step decodes every sequence.
-BASIC = dict(COMMON, num_kv_blocks=64, max_num_batched_tokens=512)
+BASIC = dict(COMMON, num_gpu_blocks_override=64, max_num_batched_tokens=512)
 BASIC_MAX_BLOCKS = 256 // BLOCK_SIZE
 # A 64-token budget (chunked prefill); 20 blocks (320 slots) for ~560 slots of demand
 # (preemption).
-STRESS = dict(COMMON, num_kv_blocks=20, max_num_batched_tokens=64)
+STRESS = dict(COMMON, num_gpu_blocks_override=20, max_num_batched_tokens=64)
 
 
 def _prompts() -> tuple[list[list[int]], list[list[int]]]:
@@ -191,7 +191,7 @@ def test_reference_attention_matches_ops(checkpoints: dict[str, Path], runs) -> 
 
 
 def test_kv_pool_sizing_matches_jax(checkpoints: dict[str, Path]) -> None:
-    """Without num_kv_blocks both backends size the pool by the same rule."""
+    """Without num_gpu_blocks_override both backends size the pool by the same rule."""
     model_dir = str(checkpoints["qwen2"])
     model_config = ModelConfig.from_pretrained(model_dir)
     config = EngineConfig(model=model_dir, backend="torch", max_model_len=256, max_num_seqs=4)

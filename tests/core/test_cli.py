@@ -27,13 +27,13 @@ def test_user_errors_are_one_line(capsys, tmp_path) -> None:
 def test_convert_to_orbax_and_restore(tiny_model, tmp_path, capsys) -> None:
     model_dir = shutil.copytree(tiny_model("qwen2"), tmp_path / "model")
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    fresh = LLM(str(model_dir), max_model_len=64, num_kv_blocks=8)
+    fresh = LLM(str(model_dir), max_model_len=64, num_gpu_blocks_override=8)
     assert fresh.engine.runner.target.params_source == "safetensors"
     want = fresh.generate("def main():", params, use_tqdm=False)[0].outputs[0].token_ids
 
     assert main(["convert", "--model", str(model_dir)]) == 0
     assert "orbax-float32" in capsys.readouterr().out
-    restored = LLM(str(model_dir), max_model_len=64, num_kv_blocks=8)
+    restored = LLM(str(model_dir), max_model_len=64, num_gpu_blocks_override=8)
     assert restored.engine.runner.target.params_source == "orbax"
     got = restored.generate("def main():", params, use_tqdm=False)[0].outputs[0].token_ids
     assert got == want

@@ -11,7 +11,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def llm(tiny_model) -> LLM:
-    return LLM(tiny_model("llama"), backend="jax", max_model_len=64, num_kv_blocks=16)
+    return LLM(tiny_model("llama"), backend="jax", max_model_len=64, num_gpu_blocks_override=16)
 
 
 @pytest.mark.parametrize("prompt, params, match", [
@@ -70,7 +70,7 @@ def test_abort_frees_blocks_and_reports_abort(llm: LLM) -> None:
     (dict(backend="tensorflow"), "backend='tensorflow' is unknown"),
     (dict(dtype="int8"), "dtype='int8'"),
     (dict(block_size=12), "block_size=12"),
-    (dict(num_kv_blocks=3), "num_kv_blocks=3 cannot hold one sequence"),
+    (dict(num_gpu_blocks_override=3), "num_gpu_blocks_override=3 cannot hold one sequence"),
     (dict(max_model_len=10**6), "max_position_embeddings"),
     (dict(attention_impl="flash"), "attention_impl='flash'"),
 ])

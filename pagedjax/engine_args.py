@@ -1,0 +1,114 @@
+"""EngineArgs: the engine's options under vLLM's names, on the command line with `vllm serve`'s
+flag spellings, and FlexibleArgumentParser (which also takes `--max_model_len`)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pagedjax.config import DTYPES, EngineConfig
+from pagedjax.model_runner import BACKENDS
+
+# option → (help, extra argparse keywords); the flag is --option-with-dashes
+_FLAGS: dict[str, tuple[str, dict]] = {
+    "model": ("HF checkpoint directory", {}),
+    "tokenizer": ("tokenizer directory (default: the model's)", {}),
+    "backend": ("pagedjax backend", {"choices": tuple(BACKENDS)}),
+    "dtype": ("weights and KV cache dtype; auto: the checkpoint's on a GPU, float32 on CPU",
+              {"choices": ("auto", *DTYPES)}),
+    "seed": ("seed of requests that give none", {"type": int}),
+    "max_model_len": ("longest prompt + output (default: the model's, at most 4096)",
+                      {"type": int}),
+    "block_size": ("tokens per KV block", {"type": int, "choices": (8, 16, 32)}),
+    "gpu_memory_utilization": ("share of the accelerator's memory to use (on CPU: of a 4 GiB "
+                               "KV budget)", {"type": float}),
+    "num_gpu_blocks_override": ("KV pool size in blocks (instead of measuring memory)",
+                                {"type": int}),
+    "max_num_seqs": ("most sequences per step", {"type": int}),
+    "max_num_batched_tokens": ("token budget per step", {"type": int}),
+    "enable_prefix_caching": ("reuse cached prompt blocks",
+                              {"action": argparse.BooleanOptionalAction}),
+    "enforce_eager": ("no CUDA graphs", {"action": "store_true"}),
+    "tensor_parallel_size": ("devices to shard the model over", {"type": int}),
+    "speculative_config": ("JSON, e.g. '{\"model\": DIR, \"num_speculative_tokens\": 4}'",
+                           {"type": json.loads}),
+    "trust_remote_code": ("accepted; checkpoints with custom code are refused",
+                          {"action": "store_true"}),
+    "attention_impl": ("attention implementation (auto: the backend's fastest)", {}),
+}
+
+
+class FlexibleArgumentParser(argparse.ArgumentParser):
+    """An ArgumentParser that also accepts underscores in long options (`--max_model_len`), as
+    vLLM's does."""
+
+    def parse_known_args(self, args: Sequence[str] | None = None,
+                         namespace: argparse.Namespace | None = None):
+        import sys
+
+        args = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args([_dashes(a) for a in args], namespace)
+
+
+def _dashes(arg: str) -> str:
+    if not arg.startswith("--"):
+        return arg
+    name, eq, value = arg.partition("=")
+    return name.replace("_", "-") + eq + value
+
+
+@dataclass
+class EngineArgs(EngineConfig):
+    """The engine's options (EngineConfig's fields) with a command-line side."""
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser,
+                     skip: Sequence[str] = ()) -> argparse.ArgumentParser:
+        """Add a flag per option (defaults: EngineArgs'); `skip` leaves some to the caller."""
+        defaults = {f.name: f.default for f in dataclasses.fields(EngineArgs)
+                    if f.default is not dataclasses.MISSING}
+        for name, (help_text, extra) in _FLAGS.items():
+            if name in skip:
+                continue
+            flag = "--" + name.replace("_", "-")
+            kwargs = {"default": defaults.get(name), "help": help_text, **extra}
+            if name == "model":
+                kwargs["required"] = True
+            if name == "tensor_parallel_size":
+                parser.add_argument(flag, "-tp", dest=name, **kwargs)
+                continue
+            parser.add_argument(flag, dest=name, **kwargs)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
+                      if hasattr(args, f.name)})
+
+    def to_cli_args(self) -> list[str]:
+        """Flags that parse back to these EngineArgs (options left at their defaults omitted)."""
+        argv = []
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if value == field.default:
+                continue
+            flag = "--" + field.name.replace("_", "-")
+            if isinstance(value, bool):
+                argv.append(flag if value else "--no-" + flag[2:])
+            else:
+                argv += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
+        return argv
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs: Any) -> EngineArgs:
+        """EngineArgs(model, **kwargs), naming an unknown option and the known ones."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown engine option(s) {unknown}; pagedjax takes "
+                             f"{sorted(known - {'model'})}.")
+        return cls(model=str(model), **kwargs)

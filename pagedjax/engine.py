@@ -19,6 +19,7 @@ import numpy as np
 from pagedjax.batch import build_model_input
 from pagedjax.block_manager import BlockManager
 from pagedjax.config import EngineConfig, ModelConfig
+from pagedjax.distributed import register_engine
 from pagedjax.model_runner import ModelRunner, get_runner_cls
 from pagedjax.output_processor import OutputProcessor
 from pagedjax.outputs import RequestOutput
@@ -66,7 +67,8 @@ class LLMEngine:
             spec_config = SpeculativeConfig.from_dict(config.speculative_config)
             draft_model_config = self._check_draft(spec_config)
             self.speculation = AdaptiveSpeculation(spec_config)
-        self.runner: ModelRunner = runner_cls(config, self.model_config, draft_model_config)
+        self.runner: ModelRunner | None = runner_cls(config, self.model_config,
+                                                     draft_model_config)
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size,
                                           config.enable_prefix_caching)
         self._seq_ids = itertools.count()
@@ -80,6 +82,17 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler)
         self.prompt_tokens_total = 0
         self.step_timings = StepTimings()
+        register_engine(self)
+
+    def shutdown(self) -> None:
+        """Abort what is in flight and free the device memory (weights, KV caches, compiled
+        steps). The engine cannot step afterwards."""
+        if self.runner is None:
+            return
+        for request_id in list(self.output_processor.requests):
+            self.abort_request(request_id)
+        self.runner.shutdown()
+        self.runner = None
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineConfig) -> LLMEngine:
@@ -172,6 +185,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One scheduler step and one device step; outputs of the requests that progressed."""
+        if self.runner is None:
+            raise RuntimeError("this engine was shut down; make a new one")
         stamps = [time.perf_counter()]
         k = self._choose_num_spec_tokens()
         out = self.scheduler.schedule(k)

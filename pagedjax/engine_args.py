@@ -76,8 +76,6 @@ class EngineArgs(EngineConfig):
                 continue
             flag = "--" + name.replace("_", "-")
             kwargs = {"default": defaults.get(name), "help": help_text, **extra}
-            if name == "model":
-                kwargs["required"] = True
             if name == "tensor_parallel_size":
                 parser.add_argument(flag, "-tp", dest=name, **kwargs)
                 continue

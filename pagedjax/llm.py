@@ -14,6 +14,7 @@ from pagedjax.engine import LLMEngine, PromptType
 from pagedjax.engine_args import EngineArgs
 from pagedjax.outputs import RequestOutput
 from pagedjax.sampling_params import RequestOutputKind, SamplingParams
+from pagedjax.tokenizer import default_sampling_kwargs
 
 
 class LLM:
@@ -33,10 +34,27 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the checkpoint's generation_config.json defaults (temperature,
+        top_p, top_k, min_p, max_new_tokens), as vLLM's."""
+        return SamplingParams(**default_sampling_kwargs(self.engine.config.model))
+
+    def shutdown(self) -> None:
+        """Free this LLM's device memory now (also done by `del llm` and at exit)."""
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
+
+    def __del__(self) -> None:
+        if getattr(self, "engine", None) is not None:
+            self.shutdown()
+
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Outputs in input order. Invalid prompts raise before anything is queued."""
+        if self.engine is None:
+            raise RuntimeError("this LLM was shut down; make a new one")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):

@@ -35,6 +35,10 @@ class ModelRunner(Protocol):
         """Run one step: copy-on-write copies, the forward(s) and sampling."""
         ...
 
+    def shutdown(self) -> None:
+        """Free the device memory (and worker processes); no step runs afterwards."""
+        ...
+
 
 class RunnerFactory(Protocol):
     def __call__(self, config: EngineConfig, model_config: ModelConfig,

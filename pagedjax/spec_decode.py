@@ -20,7 +20,7 @@ from typing import Any
 from pagedjax.batch import bucket
 from pagedjax.scheduler_output import SchedulerOutput
 
-_KEYS = ("model", "num_speculative_tokens", "method", "adaptive")
+_KEYS = ("model", "num_speculative_tokens", "method", "adaptive", "draft_tensor_parallel_size")
 _METHODS = ("draft_model",)
 MAX_SPECULATIVE_TOKENS = 16
 
@@ -45,6 +45,10 @@ class SpeculativeConfig:
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens={k!r} must be an integer in "
                              f"[1, {MAX_SPECULATIVE_TOKENS}].")
+        draft_tp = config.get("draft_tensor_parallel_size", 1)
+        if draft_tp != 1:
+            raise ValueError(f"speculative_config draft_tensor_parallel_size={draft_tp!r} is not "
+                             "supported yet; use 1 (the draft on one device).")
         adaptive = config.get("adaptive", True)
         if not isinstance(adaptive, bool):
             raise ValueError(f"speculative_config adaptive={adaptive!r} must be True or False.")

@@ -29,3 +29,18 @@ def load_eos_token_ids(model_dir: str, tokenizer: Any | None) -> tuple[int, ...]
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         return (tokenizer.eos_token_id,)
     return ()
+
+
+# generation_config.json key → SamplingParams field
+_GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                        "min_p": "min_p", "max_new_tokens": "max_tokens"}
+
+
+def default_sampling_kwargs(model_dir: str) -> dict[str, Any]:
+    """The sampling defaults a checkpoint's generation_config.json sets."""
+    path = Path(model_dir) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    config = json.loads(path.read_text())
+    return {ours: config[theirs] for theirs, ours in _GENERATION_DEFAULTS.items()
+            if config.get(theirs) is not None}

@@ -107,6 +107,16 @@ class JaxModelRunner:
         return num_kv_blocks_for_budget(self.target.config, self.config, stats,
                                         extra_bytes_per_block=extra)
 
+    def shutdown(self) -> None:
+        """Delete every device array now (weights, caches) rather than when garbage is
+        collected, and drop the compiled steps."""
+        models = [m for m in (self.target, self.draft) if m is not None]
+        for array in jax.tree.leaves(([m.params for m in models], [m.rope for m in models],
+                                      self.kv_caches, self.draft_kv_caches)):
+            array.delete()
+        self.kv_caches, self.draft_kv_caches, self.target, self.draft = [], [], None, None
+        self._step = None
+
     # ---- execute -----------------------------------------------------------------------------
 
     def execute(self, model_input: ModelInput) -> ModelOutput:

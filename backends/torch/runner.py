@@ -141,6 +141,15 @@ class TorchModelRunner:
         return {"bytes_limit": total,
                 "bytes_in_use": torch.cuda.max_memory_allocated() + outside_torch}
 
+    def shutdown(self) -> None:
+        """Drop the models, caches and graphs, and return the cached CUDA memory."""
+        self.models, self.graphs, self.upload = [], None, None
+        if self.device.type == "cuda":
+            import gc
+
+            gc.collect()
+            torch.cuda.empty_cache()
+
     # ---- execute -----------------------------------------------------------------------------
 
     @torch.inference_mode()

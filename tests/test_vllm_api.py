@@ -1,0 +1,128 @@
+"""vLLM's usage patterns with only the import changed: each test is written the way vLLM's
+examples and docs use its API (names, call shapes, output shapes), against a tiny checkpoint."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import pytest
+
+from pagedjax import LLM, EngineArgs, LLMEngine, RequestOutputKind, SamplingParams
+from pagedjax.distributed import cleanup_dist_env_and_memory
+from pagedjax.engine_args import FlexibleArgumentParser
+
+SMALL = dict(max_model_len=256, num_gpu_blocks_override=64)
+PROMPTS = ["def fibonacci(n):", "import os\n", "class Config(object):", "for i in range("]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model) -> str:
+    return tiny_model("llama")
+
+
+def test_generate_a_list_of_prompts(model) -> None:
+    llm = LLM(model=model, **SMALL)
+    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.8, top_p=0.95, seed=0))
+    for prompt, output in zip(PROMPTS, outputs, strict=True):
+        assert output.prompt == prompt and output.outputs[0].text
+        assert output.finished and output.outputs[0].finish_reason in ("stop", "length")
+
+
+def test_engine_args_on_the_command_line(model) -> None:
+    """vLLM's generate.py: engine flags in an argument group, sampling flags beside them,
+    everything else passed to LLM(**args), default sampling params adjusted in place."""
+    parser = FlexibleArgumentParser()
+    engine_group = parser.add_argument_group("Engine arguments")
+    EngineArgs.add_cli_args(engine_group)
+    engine_group.set_defaults(model=model)
+    sampling_group = parser.add_argument_group("Sampling parameters")
+    sampling_group.add_argument("--max-tokens", type=int)
+    sampling_group.add_argument("--temperature", type=float)
+    args = vars(parser.parse_args(["--max_model_len", "256", "--max-tokens", "5",
+                                   "--temperature", "0", "--num-gpu-blocks-override", "64"]))
+    max_tokens, temperature = args.pop("max_tokens"), args.pop("temperature")
+    llm = LLM(**args)
+    sampling_params = llm.get_default_sampling_params()
+    sampling_params.max_tokens, sampling_params.temperature = max_tokens, temperature
+    outputs = llm.generate(PROMPTS[:2], sampling_params)
+    assert all(len(o.outputs[0].token_ids) <= 5 for o in outputs)
+
+
+def test_prefix_caching_on_and_off_two_engines_in_one_process(model) -> None:
+    """vLLM's prefix-caching example: one engine with caching, released, then one without;
+    greedy output is the same, and the second engine reuses the freed memory."""
+    shared = "You are a helpful assistant for Python code. " * 8
+    prompts = [shared + "Question: what does zip do?", shared + "Question: what is a set?"]
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    cached = LLM(model=model, enable_prefix_caching=True, **SMALL)
+    with_cache = [o.outputs[0].text for o in cached.generate(prompts, params)]
+    assert cached.generate(prompts[1], params)[0].num_cached_tokens > 0
+    runner = cached.engine.runner
+    arrays = [runner.kv_caches[0][0], *jax.tree.leaves(runner.target.params)]
+    del cached, runner
+    cleanup_dist_env_and_memory()
+    assert all(a.is_deleted() for a in arrays)  # the first engine's weights and caches are gone
+    del arrays
+    uncached = LLM(model=model, enable_prefix_caching=False, **SMALL)
+    assert [o.outputs[0].text for o in uncached.generate(prompts, params)] == with_cache
+    uncached.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        uncached.generate(prompts, params)
+
+
+def test_engine_loop_with_n_and_logprobs(model) -> None:
+    """vLLM's llm_engine_example: add requests, step until none is unfinished."""
+    engine = LLMEngine.from_engine_args(EngineArgs(model=model, **SMALL))
+    requests = [("a", PROMPTS[0], SamplingParams(n=2, temperature=0.8, seed=1, max_tokens=6,
+                                                  logprobs=2)),
+                ("b", PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=4))]
+    finished = {}
+    while requests or engine.has_unfinished_requests():
+        if requests:
+            engine.add_request(*requests.pop(0))
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+    sampled = finished["a"].outputs
+    assert len(sampled) == 2 and all(len(c.logprobs) == len(c.token_ids) == 6 for c in sampled)
+    assert all(c.token_ids[0] in c.logprobs[0] for c in sampled)
+    assert len(finished["b"].outputs[0].token_ids) == 4
+
+
+def test_speculative_decoding_with_vllms_config(model, tiny_model) -> None:
+    llm = LLM(model=model, speculative_config={"method": "draft_model",
+                                               "model": tiny_model("draft"),
+                                               "num_speculative_tokens": 3}, **SMALL)
+    plain = LLM(model=model, **SMALL)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    assert ([o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+            == [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params)])
+    assert llm.get_metrics()["spec_decode_num_draft_tokens"] > 0
+
+
+def test_delta_streaming(model) -> None:
+    engine = LLMEngine.from_engine_args(EngineArgs(model=model, **SMALL))
+    delta = SamplingParams(temperature=0.0, max_tokens=10,
+                           output_kind=RequestOutputKind.DELTA)
+    engine.add_request("s", PROMPTS[2], delta)
+    pieces, tokens = [], []
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            pieces.append(output.outputs[0].text)
+            tokens += output.outputs[0].token_ids
+    whole = LLM(model=model, **SMALL).generate(PROMPTS[2], SamplingParams(temperature=0.0,
+                                                                          max_tokens=10))
+    assert "".join(pieces) == whole[0].outputs[0].text
+    assert tokens == whole[0].outputs[0].token_ids
+
+
+def test_default_sampling_params_come_from_the_generation_config(model, tmp_path) -> None:
+    import shutil
+
+    shutil.copytree(model, tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "generation_config.json").read_text())
+    config.update(temperature=0.6, top_p=0.9, max_new_tokens=7)
+    (tmp_path / "m" / "generation_config.json").write_text(json.dumps(config))
+    params = LLM(model=str(tmp_path / "m"), **SMALL).get_default_sampling_params()
+    assert (params.temperature, params.top_p, params.max_tokens) == (0.6, 0.9, 7)

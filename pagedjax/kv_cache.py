@@ -3,23 +3,21 @@
 from __future__ import annotations
 
 from pagedjax.batch import ModelInput, build_model_input
-from pagedjax.config import EngineConfig, ModelConfig
+from pagedjax.config import EngineConfig
 from pagedjax.sampling_params import MAX_LOGPROBS, SamplingParams
 from pagedjax.scheduler_output import SampleSpec, ScheduledSequence, SchedulerOutput
 
 CPU_KV_CACHE_BYTES = 4 << 30  # host memory the CPU backends may give the KV pool at utilization 1
 
 
-def num_kv_blocks_for_budget(model_config: ModelConfig, config: EngineConfig,
-                             memory_stats: dict | None, *,
-                             extra_bytes_per_block: int = 0) -> int:
+def num_kv_blocks_for_budget(per_block: int, config: EngineConfig,
+                             memory_stats: dict | None) -> int:
     """Blocks that fit the memory budget, after weights and a warm-up pass are resident.
 
+    per_block: KV bytes one block takes on a device, every model's (a draft's too) and this
+    device's share of the heads under tensor parallelism.
     memory_stats: the accelerator's {"bytes_limit", "bytes_in_use"} (None on CPU).
-    extra_bytes_per_block: what a speculative draft model's KV adds per block.
     """
-    per_block = model_config.kv_bytes_per_block(config.block_size, config.dtype_bytes)
-    per_block += extra_bytes_per_block
     if memory_stats is None:
         budget = int(CPU_KV_CACHE_BYTES * config.gpu_memory_utilization)
         wanted = config.max_num_seqs * config.max_blocks_per_seq

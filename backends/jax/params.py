@@ -3,14 +3,20 @@ and its Orbax checkpoint: converted once with `pagedjax convert`, restored direc
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
+from pagedjax.backends.jax.sharding import param_specs, shardings
 from pagedjax.backends.weights import load_weights
 from pagedjax.config import ModelConfig
+from pagedjax.parallel import TensorParallelPlan
 
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
@@ -21,16 +27,64 @@ def orbax_dir(model_dir: str, dtype: jnp.dtype) -> Path:
     return Path(model_dir) / f"orbax-{jnp.dtype(dtype).name}"
 
 
-def load_params(model_dir: str, config: ModelConfig, dtype: jnp.dtype) -> tuple[dict, str]:
-    """({"params": ...} for LlamaForCausalLM.apply in `dtype`, "orbax" | "safetensors")."""
+def load_params(model_dir: str, config: ModelConfig, dtype: jnp.dtype, *,
+                plan: TensorParallelPlan | None = None,
+                mesh: Mesh | None = None) -> tuple[dict, str]:
+    """({"params": ...} for LlamaForCausalLM.apply in `dtype`, "orbax" | "safetensors").
+
+    With a mesh, each device receives only its shard (from the host arrays, or straight from
+    the Orbax checkpoint); KV heads are repeated plan.kv_replicas times (see pagedjax.parallel).
+    """
+    plan = plan or TensorParallelPlan(1)
     path = orbax_dir(model_dir, dtype)
     if (path / "_CHECKPOINT_METADATA").is_file():
-        import orbax.checkpoint as ocp
+        return _restore_orbax(path, model_dir, config, dtype, plan, mesh), "orbax"
+    params = convert_weights(model_dir, config, dtype, kv_replicas=plan.kv_replicas)
+    if mesh is None:
+        return jax.device_put(params), "safetensors"
+    return jax.device_put(params, shardings(mesh, param_specs(params, plan))), "safetensors"
 
-        abstract = jax.eval_shape(lambda: convert_weights(model_dir, config, dtype, lazy=True))
-        with ocp.StandardCheckpointer() as checkpointer:
-            return checkpointer.restore(path.resolve(), abstract), "orbax"
-    return convert_weights(model_dir, config, dtype), "safetensors"
+
+def _restore_orbax(path: Path, model_dir: str, config: ModelConfig, dtype: jnp.dtype,
+                   plan: TensorParallelPlan, mesh: Mesh | None) -> dict:
+    """The saved (unrepeated) parameters, each restored into its sharding; k/v repeated after."""
+    import orbax.checkpoint as ocp
+
+    abstract = jax.eval_shape(lambda: convert_weights(model_dir, config, dtype, lazy=True))
+    if mesh is not None:
+        saved_plan = dataclasses.replace(plan, kv_replicas=1)
+        specs = param_specs(abstract, saved_plan)
+        if plan.kv_replicas > 1:  # the saved k/v do not split by device: restore them whole
+            specs = jax.tree_util.tree_map_with_path(
+                lambda p, s: P() if _is_kv(p) else s, specs, is_leaf=lambda x: isinstance(x, P))
+        abstract = jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract,
+            shardings(mesh, specs))
+    with ocp.StandardCheckpointer() as checkpointer:
+        params = checkpointer.restore(path.resolve(), abstract)
+    if plan.kv_replicas == 1:
+        return params
+    out = shardings(mesh, param_specs(params, plan))
+    repeat = jax.jit(functools.partial(_repeat_kv_tree, replicas=plan.kv_replicas,
+                                       head_dim=config.head_dim), out_shardings=out)
+    return repeat(params)
+
+
+def _is_kv(path: tuple) -> bool:
+    keys = [str(getattr(k, "key", k)) for k in path]
+    return any(k in ("k_proj", "v_proj") for k in keys)
+
+
+def _repeat_kv_tree(params: dict, *, replicas: int, head_dim: int) -> dict:
+    return jax.tree_util.tree_map_with_path(
+        lambda p, a: _repeat_heads(a, replicas, head_dim) if _is_kv(p) else a, params)
+
+
+def _repeat_heads(a, replicas: int, head_dim: int):
+    """k/v kernel [H, Hkv * D] or bias [Hkv * D] → each head repeated: [..., Hkv * r * D]."""
+    xp = np if isinstance(a, np.ndarray) else jnp
+    heads = a.reshape(*a.shape[:-1], -1, head_dim)
+    return xp.repeat(heads, replicas, axis=-2).reshape(*a.shape[:-1], -1)
 
 
 def save_orbax(model_dir: str, config: ModelConfig, dtype: jnp.dtype) -> Path:
@@ -39,27 +93,30 @@ def save_orbax(model_dir: str, config: ModelConfig, dtype: jnp.dtype) -> Path:
 
     path = orbax_dir(model_dir, dtype).resolve()
     with ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(path, convert_weights(model_dir, config, dtype), force=True)
+        checkpointer.save(path, jax.device_put(convert_weights(model_dir, config, dtype)),
+                          force=True)
     return path
 
 
 def convert_weights(model_dir: str, config: ModelConfig, dtype: jnp.dtype, *,
-                    lazy: bool = False) -> dict:
-    """The parameter tree from the HF safetensors (lazy: shapes only, for eval_shape)."""
+                    lazy: bool = False, kv_replicas: int = 1) -> dict:
+    """The parameter tree from the HF safetensors as host arrays in `dtype` (lazy: device
+    zeros of the right shapes, for eval_shape); kv_replicas repeats each KV head."""
     w = load_weights(model_dir, config)
 
-    def arr(name: str, transpose: bool = False) -> jax.Array:
+    def arr(name: str, transpose: bool = False):
         a = w[name]
         if lazy:
-            shape = a.shape[::-1] if transpose else a.shape
-            return jnp.zeros(shape, dtype)
+            return jnp.zeros(a.shape[::-1] if transpose else a.shape, dtype)
         a = np.asarray(a)
-        return jnp.asarray(a.T if transpose else a, dtype=dtype)
+        return np.ascontiguousarray(a.T if transpose else a, dtype=jnp.dtype(dtype))
 
     def dense(prefix: str) -> dict:
         out = {"kernel": arr(f"{prefix}.weight", transpose=True)}
         if f"{prefix}.bias" in w:
             out["bias"] = arr(f"{prefix}.bias")
+        if kv_replicas > 1 and prefix.endswith(("k_proj", "v_proj")):
+            out = {k: _repeat_heads(a, kv_replicas, config.head_dim) for k, a in out.items()}
         return out
 
     params: dict = {"embed_tokens": {"embedding": arr("embed_tokens")},

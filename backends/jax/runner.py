@@ -14,18 +14,21 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding
 
 from pagedjax.backends.jax.attention import resolve_attention
 from pagedjax.backends.jax.model import AttentionMetadata, KVCache, LlamaForCausalLM
 from pagedjax.backends.jax.params import load_params
 from pagedjax.backends.jax.rejection_sampler import rejection_sample
 from pagedjax.backends.jax.sampler import gather_logprobs, sample
+from pagedjax.backends.jax.sharding import KV_CACHE, REPLICATED, make_mesh, per_shard
 from pagedjax.backends.jax.spec_step import propose_drafts
 from pagedjax.backends.rope import rope_cos_sin
 from pagedjax.batch import BatchLayout, ModelInput, ModelOutput
 from pagedjax.config import EngineConfig, ModelConfig
 from pagedjax.kv_cache import num_kv_blocks_for_budget, warm_up_input
 from pagedjax.model_runner import auto_dtype
+from pagedjax.parallel import TensorParallelPlan
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 _SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "banned_rows", "banned_token_ids")
@@ -33,31 +36,49 @@ _SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "banned_rows", "ba
 
 @dataclasses.dataclass(frozen=True)
 class _Model:
-    """One model on the device: module, params and rope tables."""
+    """One model on the device(s): module, params, rope tables and how it is split."""
 
     module: LlamaForCausalLM
     params: dict
     rope: tuple[jax.Array, jax.Array]  # cos, sin: [max_model_len, D]
-    config: ModelConfig
+    config: ModelConfig  # as the devices hold it (KV heads repeated under tensor parallelism)
+    plan: TensorParallelPlan
     params_source: str  # "orbax" | "safetensors"
 
     @classmethod
-    def load(cls, model_dir: str, model_config: ModelConfig, config: EngineConfig) -> _Model:
+    def load(cls, model_dir: str, model_config: ModelConfig, config: EngineConfig,
+             plan: TensorParallelPlan, mesh: Mesh | None) -> _Model:
         dtype = _DTYPES[config.dtype]
         attention_fn, write_kv_fn, _ = resolve_attention(config.attention_impl)
-        module = LlamaForCausalLM(model_config, dtype, attention_fn, write_kv_fn)
-        params, source = load_params(model_dir, model_config, dtype)
+        shard_config = plan.shard_config(model_config)
+        module = LlamaForCausalLM(shard_config, dtype,
+                                  *per_shard(attention_fn, write_kv_fn, mesh, plan))
+        params, source = load_params(model_dir, model_config, dtype, plan=plan, mesh=mesh)
         cos, sin = rope_cos_sin(model_config, config.max_model_len)
-        return cls(module, params, (jnp.asarray(cos), jnp.asarray(sin)), model_config, source)
+        return cls(module, params, (jnp.asarray(cos), jnp.asarray(sin)), shard_config, plan,
+                   source)
 
     def forward(self, params: dict) -> functools.partial:
         """(input_ids, kv_caches, meta, logits_indices) -> (logits, kv_caches) with params."""
         return functools.partial(self.module.apply, params)
 
-    def allocate_kv_caches(self, num_blocks: int, block_size: int) -> list[KVCache]:
+    def allocate_kv_caches(self, num_blocks: int, block_size: int,
+                           mesh: Mesh | None) -> list[KVCache]:
+        """Zeroed caches, each device holding its heads' share."""
         cfg, dtype = self.config, self.module.dtype
         shape = (num_blocks, cfg.num_kv_heads, block_size, cfg.head_dim)
-        return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers)]
+        if mesh is None:
+            zeros = lambda: jnp.zeros(shape, dtype)
+        else:
+            spec = KV_CACHE if self.plan.shard_heads else REPLICATED
+            zeros = jax.jit(lambda: jnp.zeros(shape, dtype),
+                            out_shardings=NamedSharding(mesh, spec))
+        return [(zeros(), zeros()) for _ in range(cfg.num_layers)]
+
+    def kv_bytes_per_block(self, block_size: int, dtype_bytes: int) -> int:
+        """KV bytes of one block on each device."""
+        shards = self.plan.size if self.plan.shard_heads else 1
+        return self.config.kv_bytes_per_block(block_size, dtype_bytes) // shards
 
 
 class JaxModelRunner:
@@ -67,11 +88,16 @@ class JaxModelRunner:
                  draft_model_config: ModelConfig | None = None) -> None:
         self.config = config
         self.attention_impl = resolve_attention(config.attention_impl)[2]
-        self.target = _Model.load(config.model, model_config, config)
+        size = config.tensor_parallel_size
+        self.mesh = make_mesh(size)
+        self.target = _Model.load(config.model, model_config, config,
+                                  TensorParallelPlan.for_model(model_config, size), self.mesh)
         self.draft = None
-        if draft_model_config is not None:
+        if draft_model_config is not None:  # split like the target, or replicated if too small
+            plan = TensorParallelPlan.for_model(draft_model_config, size,
+                                                replicate_if_indivisible=True)
             self.draft = _Model.load(config.speculative_config["model"], draft_model_config,
-                                     config)
+                                     config, plan, self.mesh)
         self.num_compiles = 0  # traces of the step function: must stay bounded
         self._step = jax.jit(self._step_fn, donate_argnums=(2, 3), static_argnames=("layout",))
         self.kv_caches: list[KVCache] = []
@@ -84,10 +110,10 @@ class JaxModelRunner:
         return auto_dtype(model_config, jax.default_backend() != "cpu")
 
     def _allocate_kv_caches(self, num_blocks: int) -> None:
-        block_size = self.config.block_size
-        self.kv_caches = self.target.allocate_kv_caches(num_blocks, block_size)
+        block_size, mesh = self.config.block_size, self.mesh
+        self.kv_caches = self.target.allocate_kv_caches(num_blocks, block_size, mesh)
         self.draft_kv_caches = ([] if self.draft is None
-                                else self.draft.allocate_kv_caches(num_blocks, block_size))
+                                else self.draft.allocate_kv_caches(num_blocks, block_size, mesh))
 
     def _blocks_from_memory(self) -> int:
         """On an accelerator: what gpu_memory_utilization leaves after the weights and the peak of
@@ -102,10 +128,9 @@ class JaxModelRunner:
             memory = device.memory_stats()
             stats = {"bytes_limit": memory["bytes_limit"],
                      "bytes_in_use": memory.get("peak_bytes_in_use", memory["bytes_in_use"])}
-        extra = 0 if self.draft is None else self.draft.config.kv_bytes_per_block(
-            self.config.block_size, self.config.dtype_bytes)
-        return num_kv_blocks_for_budget(self.target.config, self.config, stats,
-                                        extra_bytes_per_block=extra)
+        per_block = sum(m.kv_bytes_per_block(self.config.block_size, self.config.dtype_bytes)
+                        for m in (self.target, self.draft) if m is not None)
+        return num_kv_blocks_for_budget(per_block, self.config, stats)
 
     def shutdown(self) -> None:
         """Delete every device array now (weights, caches) rather than when garbage is

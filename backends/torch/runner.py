@@ -90,6 +90,9 @@ class TorchModelRunner:
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig,
                  draft_model_config: ModelConfig | None = None) -> None:
+        if config.tensor_parallel_size > 1:
+            raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size} is not "
+                             "supported on the torch backend yet; use backend='jax' or 1.")
         self.config = config
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.models = [_Model.load(config.model, model_config, config, self.device)]
@@ -118,10 +121,10 @@ class TorchModelRunner:
 
     def _blocks_from_memory(self) -> int:
         stats = self._cuda_memory_after_warm_up() if self.device.type == "cuda" else None
-        extra = sum(m.config.kv_bytes_per_block(self.config.block_size, self.config.dtype_bytes)
-                    for m in self.models[1:])
-        return num_kv_blocks_for_budget(self.models[0].config, self.config, stats,
-                                        extra_bytes_per_block=extra)
+        per_block = sum(m.config.kv_bytes_per_block(self.config.block_size,
+                                                    self.config.dtype_bytes)
+                        for m in self.models)
+        return num_kv_blocks_for_budget(per_block, self.config, stats)
 
     def _cuda_memory_after_warm_up(self) -> dict[str, int]:
         """{"bytes_limit", "bytes_in_use"}: weights + the largest step's activation peak + what

@@ -47,7 +47,8 @@ def test_llm_and_engine_take_the_same_names(tiny_model) -> None:
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(gpu_memory_utilization=1.5), r"gpu_memory_utilization=1.5 must be in \(0, 1\]"),
-    (dict(tensor_parallel_size=2), "tensor_parallel_size=2 is not supported yet"),
+    (dict(tensor_parallel_size=2), r"tensor_parallel_size=2 exceeds the 1 cpu device\(s\)"),
+    (dict(tensor_parallel_size=3), "tensor_parallel_size=3 does not split this model"),
     (dict(dtype="int8"), "dtype='int8' is unsupported; use one of"),
     (dict(max_num_seqs=0), "max_num_seqs=0 must be >= 1"),
     (dict(speculative_config={"model": "x", "method": "eagle"}), "method='eagle'"),

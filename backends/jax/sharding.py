@@ -1,0 +1,83 @@
+"""Tensor parallelism for the JAX backend: XLA SPMD over a 1-D device mesh ("tp").
+
+Weights and KV caches carry NamedShardings from one table of rules (parameter path → partition
+spec); the jitted step then runs SPMD and XLA inserts the all-reduces after the row-parallel
+layers. Attention and the KV write run per shard under `shard_map` (each device attends with its
+own heads; a Pallas kernel cannot be partitioned by XLA).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Callable
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from pagedjax.parallel import TensorParallelPlan
+
+AXIS = "tp"
+# Parameter path (".../self_attn/q_proj/kernel") → partition spec, first match wins. Kernels
+# are [in, out]: column-parallel layers split `out`, row-parallel layers split `in`.
+RULES: tuple[tuple[str, P], ...] = (
+    (r"(q_proj|k_proj|v_proj)/kernel$", P(None, AXIS)),
+    (r"(q_proj|k_proj|v_proj)/bias$", P(AXIS)),
+    (r"o_proj/kernel$", P(AXIS, None)),
+    (r"(gate_proj|up_proj)/kernel$", P(None, AXIS)),
+    (r"down_proj/kernel$", P(AXIS, None)),
+    (r"lm_head/kernel$", P(None, AXIS)),
+)
+HEADS = P(None, AXIS, None)  # [T, H, D]: split by head
+KV_CACHE = P(None, AXIS, None, None)  # [num_blocks, Hkv, block_size, D]
+REPLICATED = P()
+
+
+def make_mesh(size: int) -> Mesh | None:
+    """A mesh of the first `size` devices (None for one device)."""
+    devices = jax.devices()
+    if size > len(devices):
+        raise ValueError(f"tensor_parallel_size={size} exceeds the {len(devices)} "
+                         f"{devices[0].platform} device(s) present; use at most {len(devices)}.")
+    return None if size == 1 else Mesh(np.array(devices[:size]), (AXIS,))
+
+
+def param_specs(params: dict, plan: TensorParallelPlan) -> dict:
+    """The partition spec of every parameter (replicated where no rule applies)."""
+    def spec(path: tuple, _leaf) -> P:
+        name = "/".join(str(getattr(key, "key", key)) for key in path)
+        if not plan.shard_heads or (name.endswith("lm_head/kernel") and not plan.split_vocab):
+            return REPLICATED
+        return next((s for pattern, s in RULES if re.search(pattern, name)), REPLICATED)
+
+    return jax.tree_util.tree_map_with_path(spec, params)
+
+
+def shardings(mesh: Mesh, specs) -> object:
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                        is_leaf=lambda x: isinstance(x, P))
+
+
+def per_shard(attention_fn: Callable, write_kv_fn: Callable, mesh: Mesh | None,
+              plan: TensorParallelPlan) -> tuple[Callable, Callable]:
+    """The attention and KV-write functions run on each device's heads (unchanged on one
+    device or for a replicated model)."""
+    if mesh is None or not plan.shard_heads:
+        return attention_fn, write_kv_fn
+
+    def attention(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, **static):
+        fn = functools.partial(attention_fn, **static)
+        return jax.shard_map(fn, mesh=mesh, check_vma=False,
+                             in_specs=(HEADS, KV_CACHE, KV_CACHE, REPLICATED, REPLICATED,
+                                       REPLICATED), out_specs=HEADS,
+                             )(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc)
+
+    def write_kv(k, v, k_cache, v_cache, slot_mapping):
+        return jax.shard_map(write_kv_fn, mesh=mesh, check_vma=False,
+                             in_specs=(HEADS, HEADS, KV_CACHE, KV_CACHE, REPLICATED),
+                             out_specs=(KV_CACHE, KV_CACHE),
+                             )(k, v, k_cache, v_cache, slot_mapping)
+
+    return attention, write_kv

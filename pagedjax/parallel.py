@@ -1,0 +1,72 @@
+"""Tensor parallelism, decided once for both backends: how a model splits over N devices.
+
+Megatron-style: attention heads and MLP columns split (column-parallel q/k/v and gate/up,
+row-parallel o and down, one all-reduce after each of the latter), the LM head split by
+vocabulary when it divides. KV heads split too; when there are fewer KV heads than devices, each
+is stored N / num_kv_heads times so every device holds the KV heads its query heads read (vLLM's
+rule): KV memory per device then stays that of one KV head, at N / num_kv_heads times the total.
+The scheduler and block manager are unchanged: every device holds every block, for its heads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from pagedjax.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class TensorParallelPlan:
+    size: int  # devices
+    kv_replicas: int = 1  # copies of each KV head (size / num_kv_heads when that is > 1)
+    shard_heads: bool = True  # False: the whole model is replicated (a draft too small to split)
+    split_vocab: bool = True  # the LM head is column-split by vocabulary
+
+    @classmethod
+    def for_model(cls, model_config: ModelConfig, size: int, *,
+                  replicate_if_indivisible: bool = False) -> TensorParallelPlan:
+        """The plan for `size` devices; a model whose shapes do not divide is a ValueError (or,
+        with replicate_if_indivisible, replicated whole)."""
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"tensor_parallel_size={size!r} must be an integer >= 1.")
+        problem = _indivisible(model_config, size)
+        if problem is None:
+            hkv = model_config.num_kv_heads
+            return cls(size, kv_replicas=max(1, size // hkv),
+                       split_vocab=model_config.vocab_size % size == 0)
+        if replicate_if_indivisible:
+            return cls(size, shard_heads=False, split_vocab=False)
+        raise ValueError(f"tensor_parallel_size={size} does not split this model: {problem}; "
+                         f"use a size that divides num_attention_heads="
+                         f"{model_config.num_q_heads}.")
+
+    def shard_config(self, model_config: ModelConfig) -> ModelConfig:
+        """The model as the devices hold it: KV heads repeated kv_replicas times."""
+        return dataclasses.replace(model_config,
+                                   num_kv_heads=model_config.num_kv_heads * self.kv_replicas)
+
+    def kv_bytes_per_block(self, model_config: ModelConfig, block_size: int,
+                           dtype_bytes: int) -> int:
+        """KV bytes one block takes on each device (its share of the heads)."""
+        total = self.shard_config(model_config).kv_bytes_per_block(block_size, dtype_bytes)
+        return total // self.size if self.shard_heads else total
+
+    def all_reduce_bytes_per_layer(self, num_tokens: int, hidden_size: int,
+                                   dtype_bytes: int) -> int:
+        """Payload all-reduced per decoder layer for num_tokens tokens: the row-parallel
+        outputs of o_proj and down_proj, [T, H] each (0 on one device or when replicated)."""
+        if self.size == 1 or not self.shard_heads:
+            return 0
+        return 2 * num_tokens * hidden_size * dtype_bytes
+
+
+def _indivisible(config: ModelConfig, size: int) -> str | None:
+    hq, hkv, inter = config.num_q_heads, config.num_kv_heads, config.intermediate_size
+    if hq % size:
+        return f"num_attention_heads={hq} is not a multiple of {size}"
+    if hkv % size and size % hkv:
+        return f"num_key_value_heads={hkv} neither divides nor is a multiple of {size}"
+    if inter % size:
+        return f"intermediate_size={inter} is not a multiple of {size}"
+    return None

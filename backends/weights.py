@@ -103,3 +103,17 @@ def expected_names(config: ModelConfig) -> list[str]:
         if config.attention_bias:
             names += [f"layers.{i}.{p}.bias" for p in ("q_proj", "k_proj", "v_proj")]
     return names
+
+
+def repeat_kv_heads(array, replicas: int, head_dim: int, axis: int = 0):
+    """Each KV head of a k/v projection repeated `replicas` times along `axis` (the heads axis:
+    0 for HF's [Hkv * D, H] weights and [Hkv * D] biases, -1 for [H, Hkv * D] kernels), for
+    tensor parallelism past the KV head count (pagedjax.parallel). NumPy, jax or torch arrays."""
+    if replicas == 1:
+        return array
+    axis = axis % array.ndim
+    shape = array.shape
+    heads = array.reshape(*shape[:axis], -1, head_dim, *shape[axis + 1:])
+    repeated = (heads.repeat_interleave(replicas, dim=axis) if hasattr(heads, "repeat_interleave")
+                else heads.repeat(replicas, axis=axis))
+    return repeated.reshape(*shape[:axis], -1, *shape[axis + 1:])

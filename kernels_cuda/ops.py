@@ -77,8 +77,12 @@ def _build() -> Backend:
     build_dir.mkdir(parents=True, exist_ok=True)
     library = build_dir / f"{_NAME}.so"
     newest_source = max(path.stat().st_mtime for path in [*sources, *_CSRC.glob("*.h")])
-    if not library.exists() or library.stat().st_mtime < newest_source:
-        print(f"pagedjax: building {_NAME} in {build_dir} (once, ~1-3 min)", file=sys.stderr)
+    if library.exists() and library.stat().st_mtime >= newest_source:
+        # Up to date: load it straight away (cpp_extension.load would run ninja to check, which
+        # takes seconds, in every process, tensor-parallel workers included).
+        torch.ops.load_library(str(library))
+        return "cuda" if with_cuda else "cpp"
+    print(f"pagedjax: building {_NAME} in {build_dir} (once, ~1-3 min)", file=sys.stderr)
     cpp_extension.load(
         name=_NAME,
         sources=[str(path) for path in sources],

@@ -14,7 +14,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from pagedjax.backends.jax.sharding import param_specs, shardings
-from pagedjax.backends.weights import load_weights
+from pagedjax.backends.weights import load_weights, repeat_kv_heads
 from pagedjax.config import ModelConfig
 from pagedjax.parallel import TensorParallelPlan
 
@@ -76,15 +76,10 @@ def _is_kv(path: tuple) -> bool:
 
 
 def _repeat_kv_tree(params: dict, *, replicas: int, head_dim: int) -> dict:
+    """k/v kernels [H, Hkv * D] and biases [Hkv * D]: each head repeated (on the last axis)."""
     return jax.tree_util.tree_map_with_path(
-        lambda p, a: _repeat_heads(a, replicas, head_dim) if _is_kv(p) else a, params)
-
-
-def _repeat_heads(a, replicas: int, head_dim: int):
-    """k/v kernel [H, Hkv * D] or bias [Hkv * D] → each head repeated: [..., Hkv * r * D]."""
-    xp = np if isinstance(a, np.ndarray) else jnp
-    heads = a.reshape(*a.shape[:-1], -1, head_dim)
-    return xp.repeat(heads, replicas, axis=-2).reshape(*a.shape[:-1], -1)
+        lambda p, a: repeat_kv_heads(a, replicas, head_dim, axis=-1) if _is_kv(p) else a,
+        params)
 
 
 def save_orbax(model_dir: str, config: ModelConfig, dtype: jnp.dtype) -> Path:
@@ -116,7 +111,8 @@ def convert_weights(model_dir: str, config: ModelConfig, dtype: jnp.dtype, *,
         if f"{prefix}.bias" in w:
             out["bias"] = arr(f"{prefix}.bias")
         if kv_replicas > 1 and prefix.endswith(("k_proj", "v_proj")):
-            out = {k: _repeat_heads(a, kv_replicas, config.head_dim) for k, a in out.items()}
+            out = {k: repeat_kv_heads(a, kv_replicas, config.head_dim, axis=-1)
+                   for k, a in out.items()}
         return out
 
     params: dict = {"embed_tokens": {"embedding": arr("embed_tokens")},

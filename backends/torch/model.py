@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedjax.backends.weights import load_weights
+from pagedjax.backends.torch.parallel import Shard
+from pagedjax.backends.weights import load_weights, repeat_kv_heads
 from pagedjax.config import ModelConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # k, v: [num_blocks, Hkv, block_size, D]
@@ -79,14 +80,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, attention_fn: AttentionFn,
-                 write_kv_fn: WriteKVFn) -> None:
+    """Column-parallel q/k/v (this shard's heads), row-parallel o_proj (all-reduced)."""
+
+    def __init__(self, config: ModelConfig, attention_fn: AttentionFn, write_kv_fn: WriteKVFn,
+                 shard: Shard) -> None:
         super().__init__()
-        self.config = config
-        d, hq, hkv = config.head_dim, config.num_q_heads, config.num_kv_heads
-        self.sizes = [hq * d, hkv * d, hkv * d]
+        self.config, self.shard = config, shard
+        d = config.head_dim
+        self.num_q_heads = shard.part(config.num_q_heads)
+        self.num_kv_heads = shard.part(config.num_kv_heads)
+        self.sizes = [self.num_q_heads * d, self.num_kv_heads * d, self.num_kv_heads * d]
         self.qkv_proj = Linear(config.hidden_size, sum(self.sizes), bias=config.attention_bias)
-        self.o_proj = Linear(hq * d, config.hidden_size)
+        self.o_proj = Linear(self.num_q_heads * d, config.hidden_size)
         self.attention_fn = attention_fn
         self.write_kv_fn = write_kv_fn
 
@@ -95,36 +100,60 @@ class Attention(nn.Module):
         cfg, num_tokens = self.config, x.shape[0]
         d = cfg.head_dim
         q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)  # [T, Hq * D], 2 x [T, Hkv * D]
-        q = apply_rope(q.view(num_tokens, cfg.num_q_heads, d), cos, sin)  # [T, Hq, D]
-        k = apply_rope(k.view(num_tokens, cfg.num_kv_heads, d), cos, sin)  # [T, Hkv, D]
-        v = v.view(num_tokens, cfg.num_kv_heads, d)  # [T, Hkv, D]
+        q = apply_rope(q.view(num_tokens, self.num_q_heads, d), cos, sin)  # [T, Hq, D]
+        k = apply_rope(k.view(num_tokens, self.num_kv_heads, d), cos, sin)  # [T, Hkv, D]
+        v = v.view(num_tokens, self.num_kv_heads, d)  # [T, Hkv, D]
         self.write_kv_fn(k, v, *kv_cache, meta.slot_mapping)
         out = self.attention_fn(q, *kv_cache, meta.kv_lens, meta.block_tables,
                                 meta.query_start_loc, sm_scale=d**-0.5,
                                 sliding_window=cfg.sliding_window,
                                 max_query_len=meta.max_query_len)  # [T, Hq, D]
-        return self.o_proj(out.reshape(num_tokens, cfg.num_q_heads * d))
+        return self.shard.all_reduce(self.o_proj(out.reshape(num_tokens, -1)))
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """Column-parallel gate/up, row-parallel down (all-reduced)."""
+
+    def __init__(self, config: ModelConfig, shard: Shard) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size)
+        self.shard = shard
+        inter = shard.part(config.intermediate_size)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * inter)
+        self.down_proj = Linear(inter, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # 2 x [T, I]
-        return self.down_proj(F.silu(gate) * up)
+        return self.shard.all_reduce(self.down_proj(F.silu(gate) * up))
+
+
+class VocabEmbedding(nn.Module):
+    """The embedding rows of this shard's vocabulary range; other ids embed to zero and the
+    ranks' sums (all-reduce) give every token its row."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, shard: Shard) -> None:
+        super().__init__()
+        self.shard = shard
+        self.start, end = shard.vocab_range(vocab_size)
+        self.split = (self.start, end) != (0, vocab_size)
+        self.weight = nn.Parameter(torch.empty(end - self.start, hidden_size))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if not self.split:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.start
+        inside = (local >= 0) & (local < self.weight.shape[0])
+        x = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight)
+        return self.shard.all_reduce(x * inside[:, None].to(x.dtype))
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, attention_fn: AttentionFn,
-                 write_kv_fn: WriteKVFn) -> None:
+                 write_kv_fn: WriteKVFn, shard: Shard) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, attention_fn, write_kv_fn)
+        self.self_attn = Attention(config, attention_fn, write_kv_fn, shard)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, shard)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
@@ -136,15 +165,16 @@ class LlamaForCausalLM(nn.Module):
     """Returns logits only for the rows in logits_indices (the positions that get sampled)."""
 
     def __init__(self, config: ModelConfig, attention_fn: AttentionFn,
-                 write_kv_fn: WriteKVFn) -> None:
+                 write_kv_fn: WriteKVFn, shard: Shard) -> None:
         super().__init__()
-        self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, attention_fn, write_kv_fn)
+        self.config, self.shard = config, shard
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, shard)
+        self.layers = nn.ModuleList(DecoderLayer(config, attention_fn, write_kv_fn, shard)
                                     for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        start, end = shard.vocab_range(config.vocab_size)
         self.lm_head = (None if config.tie_word_embeddings
-                        else Linear(config.hidden_size, config.vocab_size))
+                        else Linear(config.hidden_size, end - start))
 
     def forward(self, input_ids: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
@@ -156,42 +186,58 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, cos, sin, kv_cache, meta)
         x = self.norm(x.index_select(0, logits_indices))  # [L, H]
         if self.lm_head is None:  # tied: the embedding is [V, H]
-            return F.linear(x, self.embed_tokens.weight).to(torch.float32)  # [L, V]
-        return self.lm_head(x).to(torch.float32)  # [L, V]
+            logits = F.linear(x, self.embed_tokens.weight)  # [L, V / shards]
+        else:
+            logits = self.lm_head(x)  # [L, V / shards]
+        return self.shard.all_gather_vocab(logits, self.config.vocab_size).to(torch.float32)
 
 
 def load_model(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
-               device: torch.device, attention_fn: AttentionFn,
-               write_kv_fn: WriteKVFn) -> LlamaForCausalLM:
-    """The checkpoint's weights in `dtype` on `device` (modules built on meta: no random init)."""
+               device: torch.device, attention_fn: AttentionFn, write_kv_fn: WriteKVFn,
+               shard: Shard) -> LlamaForCausalLM:
+    """This shard of the checkpoint's weights in `dtype` on `device` (modules built on meta: no
+    random init). config: the model as the devices hold it (KV heads repeated, see
+    pagedjax.parallel)."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, attention_fn, write_kv_fn)
+        model = LlamaForCausalLM(config, attention_fn, write_kv_fn, shard)
     weights = load_weights(model_dir, config)
     state = {name: _to_tensor(array, dtype, device)
-             for name, array in _fused_state_dict(weights, config).items()}
+             for name, array in _fused_state_dict(weights, config, shard).items()}
     model.load_state_dict(state, strict=True, assign=True)
     return model.eval().requires_grad_(False)
 
 
-def _fused_state_dict(weights: dict[str, np.ndarray],
-                      config: ModelConfig) -> dict[str, np.ndarray]:
+def _fused_state_dict(weights: dict[str, np.ndarray], config: ModelConfig,
+                      shard: Shard) -> dict[str, np.ndarray]:
     """Canonical names (backends/weights.py) → this module tree: q/k/v and gate/up fused, linear
-    weights transposed to [in, out]."""
-    state = {"embed_tokens.weight": weights["embed_tokens"], "norm.weight": weights["norm"]}
+    weights transposed to [in, out], each cut to this shard's heads, columns and vocabulary."""
+    d, replicas = config.head_dim, shard.plan.kv_replicas
+    q_rows, kv_rows = shard.part(config.num_q_heads) * d, shard.part(config.num_kv_heads) * d
+    inter = shard.part(config.intermediate_size)
+    vocab = slice(*shard.vocab_range(config.vocab_size))
+    state = {"embed_tokens.weight": weights["embed_tokens"][vocab], "norm.weight": weights["norm"]}
     if not config.tie_word_embeddings:
-        state["lm_head.weight"] = weights["lm_head"].T  # [H, V]
+        state["lm_head.weight"] = weights["lm_head"][vocab].T  # [H, V / shards]
+
+    def kv(name: str):  # the k/v rows of this shard, heads repeated past their count first
+        return shard.slice(repeat_kv_heads(weights[name], replicas, d), kv_rows)
+
     for i in range(config.num_layers):
         layer = f"layers.{i}"  # the same prefix in both trees
-        qkv = [f"{layer}.{p}_proj" for p in "qkv"]
+        q, k, v = (f"{layer}.{p}_proj" for p in "qkv")
         state[f"{layer}.self_attn.qkv_proj.weight"] = np.concatenate(
-            [weights[f"{p}.weight"] for p in qkv]).T  # [H, (Hq + 2 Hkv) D]
+            [shard.slice(weights[f"{q}.weight"], q_rows), kv(f"{k}.weight"),
+             kv(f"{v}.weight")]).T  # [H, (Hq + 2 Hkv) D / shards]
         if config.attention_bias:
             state[f"{layer}.self_attn.qkv_proj.bias"] = np.concatenate(
-                [weights[f"{p}.bias"] for p in qkv])
-        state[f"{layer}.self_attn.o_proj.weight"] = weights[f"{layer}.o_proj.weight"].T
+                [shard.slice(weights[f"{q}.bias"], q_rows), kv(f"{k}.bias"), kv(f"{v}.bias")])
+        state[f"{layer}.self_attn.o_proj.weight"] = shard.slice(
+            weights[f"{layer}.o_proj.weight"], q_rows, axis=1).T
         state[f"{layer}.mlp.gate_up_proj.weight"] = np.concatenate(
-            [weights[f"{layer}.gate_proj.weight"], weights[f"{layer}.up_proj.weight"]]).T  # [H, 2I]
-        state[f"{layer}.mlp.down_proj.weight"] = weights[f"{layer}.down_proj.weight"].T
+            [shard.slice(weights[f"{layer}.{p}_proj.weight"], inter) for p in ("gate", "up")]
+        ).T  # [H, 2I / shards]
+        state[f"{layer}.mlp.down_proj.weight"] = shard.slice(
+            weights[f"{layer}.down_proj.weight"], inter, axis=1).T
         for norm in ("input_layernorm", "post_attention_layernorm"):
             state[f"{layer}.{norm}.weight"] = weights[f"{layer}.{norm}"]
     return state

@@ -25,6 +25,7 @@ from pagedjax.backends.torch.model import (
     WriteKVFn,
     load_model,
 )
+from pagedjax.backends.torch.parallel import Shard, Workers
 from pagedjax.backends.torch.rejection_sampler import rejection_sample
 from pagedjax.backends.torch.sampler import gather_logprobs, sample
 from pagedjax.backends.torch.spec_step import propose_drafts
@@ -33,6 +34,7 @@ from pagedjax.config import EngineConfig, ModelConfig
 from pagedjax.kernels_cuda import ragged_paged_attention, reference, write_kv
 from pagedjax.kv_cache import num_kv_blocks_for_budget, warm_up_input
 from pagedjax.model_runner import auto_dtype
+from pagedjax.parallel import TensorParallelPlan
 
 ATTENTION_IMPLS = ("auto", "reference")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -58,27 +60,34 @@ def _reference_attention(*args, max_query_len: int | None = None, **kwargs) -> t
 
 @dataclass
 class _Model:
-    """One model on the device with its rope tables and KV caches."""
+    """One model on this rank's device: its shard, rope tables and KV caches."""
 
     module: LlamaForCausalLM
     rope: tuple[torch.Tensor, torch.Tensor]  # cos, sin: [max_model_len, D]
-    config: ModelConfig
+    config: ModelConfig  # as the devices hold it (KV heads repeated under tensor parallelism)
+    shard: Shard
     kv_caches: list[KVCache]
 
     @classmethod
     def load(cls, model_dir: str, model_config: ModelConfig, config: EngineConfig,
-             device: torch.device) -> _Model:
-        module = load_model(model_dir, model_config, _DTYPES[config.dtype], device,
-                            *resolve_attention(config.attention_impl))
+             device: torch.device, shard: Shard) -> _Model:
+        shard_config = shard.plan.shard_config(model_config)
+        module = load_model(model_dir, shard_config, _DTYPES[config.dtype], device,
+                            *resolve_attention(config.attention_impl), shard=shard)
         cos, sin = rope_cos_sin(model_config, config.max_model_len)  # [max_model_len, D] each
         rope = (torch.from_numpy(cos).to(device), torch.from_numpy(sin).to(device))
-        return cls(module, rope, model_config, [])
+        return cls(module, rope, shard_config, shard, [])
 
     def allocate_kv_caches(self, num_blocks: int, block_size: int) -> list[KVCache]:
+        """Zeroed caches for this rank's KV heads."""
         cfg, weight = self.config, self.module.norm.weight
-        shape = (num_blocks, cfg.num_kv_heads, block_size, cfg.head_dim)
+        shape = (num_blocks, self.shard.part(cfg.num_kv_heads), block_size, cfg.head_dim)
         zeros = lambda: torch.zeros(shape, dtype=weight.dtype, device=weight.device)
         return [(zeros(), zeros()) for _ in range(cfg.num_layers)]
+
+    def kv_bytes_per_block(self, block_size: int, dtype_bytes: int) -> int:
+        """KV bytes of one block on this rank."""
+        return self.config.kv_bytes_per_block(block_size, dtype_bytes) // self.shard.size
 
     def forward(self, input_ids: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
@@ -86,23 +95,35 @@ class _Model:
 
 
 class TorchModelRunner:
-    """Executes ModelInputs; returns sampled token ids and logprobs (nothing else leaves)."""
+    """Executes ModelInputs; returns sampled token ids and logprobs (nothing else leaves).
+
+    With tensor_parallel_size N > 1 this is rank 0 of N processes (parallel.py): it starts the
+    others, broadcasts every step to them and runs its own shard of it.
+    """
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig,
-                 draft_model_config: ModelConfig | None = None) -> None:
-        if config.tensor_parallel_size > 1:
-            raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size} is not "
-                             "supported on the torch backend yet; use backend='jax' or 1.")
-        self.config = config
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self.models = [_Model.load(config.model, model_config, config, self.device)]
-        if draft_model_config is not None:
+                 draft_model_config: ModelConfig | None = None, *, rank: int = 0) -> None:
+        self.config, self.rank = config, rank
+        size = config.tensor_parallel_size
+        if size > 1 and torch.cuda.is_available() and size > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size={size} exceeds the "
+                             f"{torch.cuda.device_count()} GPU(s) present.")
+        self.workers = (Workers((config, model_config, draft_model_config), size)
+                        if size > 1 and rank == 0 else None)
+        self.device = (torch.device("cuda", rank) if torch.cuda.is_available()
+                       else torch.device("cpu"))
+        target = Shard(rank, TensorParallelPlan.for_model(model_config, size))
+        self.models = [_Model.load(config.model, model_config, config, self.device, target)]
+        if draft_model_config is not None:  # split like the target, or replicated if too small
+            draft = Shard(rank, TensorParallelPlan.for_model(
+                draft_model_config, size, replicate_if_indivisible=True))
             self.models.append(_Model.load(config.speculative_config["model"],
-                                           draft_model_config, config, self.device))
+                                           draft_model_config, config, self.device, draft))
         self.upload = HostToDevice(self.device)
         self.graphs: StepGraphs | None = None  # none while the pool is sized
-        self.num_kv_blocks = config.num_gpu_blocks_override or self._blocks_from_memory()
-        self._allocate_kv_caches(self.num_kv_blocks)
+        self.num_kv_blocks = 0
+        if rank == 0:  # rank 0 sizes the pool; the others allocate when told to
+            self.allocate_kv_caches(config.num_gpu_blocks_override or self._blocks_from_memory())
         if self.device.type == "cuda" and not config.enforce_eager:
             self.graphs = StepGraphs(self.device)
 
@@ -115,14 +136,17 @@ class TorchModelRunner:
         """CUDA graphs captured, one per step key; 0 on CPU (all eager)."""
         return 0 if self.graphs is None else len(self.graphs.graphs)
 
-    def _allocate_kv_caches(self, num_blocks: int) -> None:
+    def allocate_kv_caches(self, num_blocks: int) -> None:
+        """The KV pool of num_blocks blocks, on every rank."""
+        if self.workers is not None:
+            self.workers.send("allocate_kv_caches", num_blocks)
+        self.num_kv_blocks = num_blocks
         for model in self.models:
             model.kv_caches = model.allocate_kv_caches(num_blocks, self.config.block_size)
 
     def _blocks_from_memory(self) -> int:
         stats = self._cuda_memory_after_warm_up() if self.device.type == "cuda" else None
-        per_block = sum(m.config.kv_bytes_per_block(self.config.block_size,
-                                                    self.config.dtype_bytes)
+        per_block = sum(m.kv_bytes_per_block(self.config.block_size, self.config.dtype_bytes)
                         for m in self.models)
         return num_kv_blocks_for_budget(per_block, self.config, stats)
 
@@ -135,9 +159,9 @@ class TorchModelRunner:
         """
         torch.cuda.reset_peak_memory_stats()
         model_input = warm_up_input(self.config)
-        self._allocate_kv_caches(int(model_input.fields()["block_tables"].max()) + 1)
+        self.allocate_kv_caches(int(model_input.fields()["block_tables"].max()) + 1)
         self.execute(model_input)
-        self._allocate_kv_caches(0)
+        self.allocate_kv_caches(0)
         torch.cuda.synchronize()
         free, total = torch.cuda.mem_get_info()
         outside_torch = total - free - torch.cuda.memory_reserved()
@@ -145,7 +169,11 @@ class TorchModelRunner:
                 "bytes_in_use": torch.cuda.max_memory_allocated() + outside_torch}
 
     def shutdown(self) -> None:
-        """Drop the models, caches and graphs, and return the cached CUDA memory."""
+        """Stop the other ranks, drop the models, caches and graphs, and return the cached CUDA
+        memory."""
+        if self.workers is not None:
+            self.workers.shutdown()
+            self.workers = None
         self.models, self.graphs, self.upload = [], None, None
         if self.device.type == "cuda":
             import gc
@@ -155,9 +183,15 @@ class TorchModelRunner:
 
     # ---- execute -----------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def execute(self, model_input: ModelInput) -> ModelOutput:
-        """Run one step (see the module docstring)."""
+        """Run one step (see the module docstring), on every rank."""
+        if self.workers is not None:
+            self.workers.send("execute_local", model_input)
+        return self.execute_local(model_input)
+
+    @torch.inference_mode()
+    def execute_local(self, model_input: ModelInput) -> ModelOutput:
+        """This rank's part of the step."""
         if len(model_input.block_copies):
             self._copy_blocks(self.upload("block_copies", model_input.block_copies))
         layout, k = model_input.layout, model_input.num_spec_tokens

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -83,3 +84,42 @@ def test_bad_tensor_parallel_sizes(tiny_model, tmp_path) -> None:
     assert "tensor_parallel_size=3 does not split this model" in out["3"]
     assert "num_attention_heads=4 is not a multiple of 3" in out["3"]
     assert "tensor_parallel_size=8 exceeds the 4 cpu device(s)" in out["8"]
+
+
+def test_torch_tp_2_gives_the_same_tokens_and_its_workers_exit(tiny_model) -> None:
+    """TP=2 through the public LLM: rank 0 here, rank 1 a process the engine starts (gloo); with
+    and without a draft (split like the target); the worker exits when the engine is closed."""
+    from tests.backends.tp_scenarios import greedy
+
+    for arch, draft in (("qwen2", None), ("llama", tiny_model("draft"))):
+        out = greedy(tiny_model(arch), [1, 2], PROMPTS, draft=draft, backend="torch",
+                     keep_workers=True)
+        assert_same_greedy(out[2], out[1])
+        assert all(process.poll() == 0 for process in out["2_workers"])  # exited, cleanly
+        if draft is not None:
+            assert out["2_drafts"] > 0
+
+
+def test_torch_workers_die_with_the_engine_process(tiny_model) -> None:
+    """An engine process killed outright (SIGKILL, no cleanup) takes its workers with it."""
+    code = ("import os, sys; from pagedjax import LLM; "
+            f"llm = LLM({tiny_model('llama')!r}, backend='torch', tensor_parallel_size=2, "
+            "max_model_len=128, num_gpu_blocks_override=40); "
+            "print(*[p.pid for p in llm.engine.runner.workers.processes], flush=True); "
+            "os.kill(os.getpid(), 9)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    pids = [int(p) for p in done.stdout.split()]
+    assert done.returncode == -9 and pids
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
+        time.sleep(0.2)
+    assert not any(_alive(pid) for pid in pids)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/status").read_text().find("State:\tZ") < 0  # not a zombie

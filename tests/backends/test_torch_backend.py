@@ -197,7 +197,8 @@ def test_kv_pool_sizing_matches_jax(checkpoints: dict[str, Path]) -> None:
     config = EngineConfig(model=model_dir, backend="torch", max_model_len=256, max_num_seqs=4)
     config.validate(model_config)
     runner = TorchModelRunner(config, model_config)
-    expected = num_kv_blocks_for_budget(model_config, config, None)
+    expected = num_kv_blocks_for_budget(
+        model_config.kv_bytes_per_block(BLOCK_SIZE, config.dtype_bytes), config, None)
     assert runner.num_kv_blocks == expected == JaxModelRunner(config, model_config).num_kv_blocks
     assert runner.models[0].kv_caches[0][0].shape == (expected, 2, BLOCK_SIZE,
                                                       model_config.head_dim)

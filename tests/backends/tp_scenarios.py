@@ -12,8 +12,9 @@ GREEDY = dict(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
 
 
 def greedy(model: str, sizes: list[int], prompts: list[list[int]], draft: str | None = None,
-           backend: str = "jax") -> dict:
-    """Per tensor_parallel_size: each prompt's greedy tokens and per-token top-2 logprobs."""
+           backend: str = "jax", keep_workers: bool = False) -> dict:
+    """Per tensor_parallel_size: each prompt's greedy tokens and per-token top-2 logprobs
+    (keep_workers: also the torch worker processes, after shutdown)."""
     from pagedjax import LLM, SamplingParams
 
     spec = None if draft is None else {"model": draft, "num_speculative_tokens": 3}
@@ -28,7 +29,10 @@ def greedy(model: str, sizes: list[int], prompts: list[list[int]], draft: str | 
                                for lp in r.outputs[0].logprobs]} for r in results]
         if draft is not None:
             out[f"{size}_drafts"] = llm.get_metrics()["spec_decode_num_draft_tokens"]
+        workers = getattr(llm.engine.runner, "workers", None)
         llm.shutdown()
+        if keep_workers and workers is not None:
+            out[f"{size}_workers"] = workers.processes
     return out
 
 

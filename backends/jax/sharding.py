@@ -81,3 +81,19 @@ def per_shard(attention_fn: Callable, write_kv_fn: Callable, mesh: Mesh | None,
                              )(k, v, k_cache, v_cache, slot_mapping)
 
     return attention, write_kv
+
+
+_SHAPE = re.compile(r"(\w+)\[([\d,]*)\]")
+
+
+def all_reduce_operands(hlo_text: str) -> list[tuple[str, tuple[int, ...]]]:
+    """(dtype, shape) of every operand all-reduced in compiled HLO text (XLA may combine
+    several into one tuple all-reduce, whose type then spans `/*index=N*/` comments)."""
+    operands = []
+    for line in hlo_text.splitlines():
+        result_type, found, _ = line.partition(" all-reduce(")
+        if not found or " = " not in result_type:
+            continue
+        for dtype, dims in _SHAPE.findall(result_type.split(" = ", 1)[1]):
+            operands.append((dtype, tuple(int(d) for d in dims.split(",") if d)))
+    return operands

@@ -5,7 +5,6 @@ line with the result."""
 from __future__ import annotations
 
 import json
-import re
 import sys
 
 GREEDY = dict(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
@@ -55,6 +54,7 @@ def comm(model: str, size: int) -> dict:
     import jax.numpy as jnp
 
     from pagedjax import LLM, SamplingParams
+    from pagedjax.backends.jax.sharding import all_reduce_operands
     from pagedjax.batch import build_model_input
 
     llm = LLM(model, tensor_parallel_size=size, max_model_len=128, num_gpu_blocks_override=40)
@@ -66,10 +66,9 @@ def comm(model: str, size: int) -> dict:
     hlo = runner._step.lower(runner.target.params, None, runner.kv_caches, [],
                              jnp.asarray(model_input.ints), jnp.asarray(model_input.floats),
                              layout=model_input.layout).compile().as_text()
-    shapes = [m.groups() for m in re.finditer(r"= (\w+)\[([\d,]*)\][^=]*? all-reduce\(", hlo)]
-    sizes = [(dtype, [int(d) for d in dims.split(",") if d]) for dtype, dims in shapes]
     cfg, plan = engine.model_config, runner.target.plan
-    return {"all_reduces": sizes, "num_tokens": model_input.layout.num_tokens,
+    return {"all_reduces": [[dtype, list(shape)] for dtype, shape in all_reduce_operands(hlo)],
+            "num_tokens": model_input.layout.num_tokens,
             "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
             "planned_bytes_per_layer": plan.all_reduce_bytes_per_layer(
                 model_input.layout.num_tokens, cfg.hidden_size, 4)}

@@ -6,9 +6,9 @@ The core imports neither jax nor torch; a backend's framework loads when an engi
 from pagedjax.engine import LLMEngine
 from pagedjax.engine_args import EngineArgs, FlexibleArgumentParser
 from pagedjax.llm import LLM
-from pagedjax.outputs import CompletionOutput, RequestOutput
+from pagedjax.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedjax.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = ["LLM", "LLMEngine", "EngineArgs", "FlexibleArgumentParser", "SamplingParams",
-           "RequestOutputKind", "RequestOutput", "CompletionOutput"]
+           "RequestOutputKind", "RequestOutput", "CompletionOutput", "Logprob"]
 __version__ = "0.1.0"

@@ -8,12 +8,13 @@ what is new, or one output at the end). Work per step is proportional to the new
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from pagedjax.batch import ModelOutput
 from pagedjax.detokenizer import IncrementalDetokenizer, find_stop_string
-from pagedjax.outputs import CompletionOutput, Logprobs, RequestOutput
+from pagedjax.outputs import CompletionOutput, Logprob, Logprobs, RequestOutput
 from pagedjax.sampling_params import RequestOutputKind, SamplingParams
 from pagedjax.scheduler import Scheduler
 from pagedjax.sequence import Sequence
@@ -104,7 +105,8 @@ class OutputProcessor:
         new_tokens = seq.token_ids[start:]
         completion.num_processed += len(new_tokens)
         if completion.logprobs is not None:
-            self._add_logprobs(completion, output, row, new_tokens, params.logprobs)
+            self._add_logprobs(completion, output, row, new_tokens, params.logprobs,
+                               self._decode_token)
         detokenizer = completion.detokenizer
         if not params.stop_strings:
             detokenizer.append(new_tokens)
@@ -127,18 +129,26 @@ class OutputProcessor:
                     del completion.logprobs[num_output:]
                 return
 
+    def _decode_token(self, token: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([token])
+
     @staticmethod
     def _add_logprobs(completion: CompletionState, output: ModelOutput, row: int,
-                      tokens: list[int], num_top: int) -> None:
+                      tokens: list[int], num_top: int,
+                      decode: Callable[[int], str | None]) -> None:
+        """The sampled token first, then the top num_top (ranks 1..num_top), as vLLM orders."""
         token_lps = output.sampled_logprobs[row]
         for j, token in enumerate(tokens):
-            entry = {token: float(token_lps[j])}
+            top: dict[int, Logprob] = {}
             if num_top and output.top_logprob_ids is not None:
-                for top, lp in zip(output.top_logprob_ids[row, j, :num_top].tolist(),
-                                   output.top_logprobs[row, j, :num_top].tolist()):
-                    entry.setdefault(top, lp)
-            completion.logprobs.append(entry)
-            completion.cumulative_logprob += entry[token]
+                for rank, (tid, lp) in enumerate(
+                        zip(output.top_logprob_ids[row, j, :num_top].tolist(),
+                            output.top_logprobs[row, j, :num_top].tolist()), start=1):
+                    top[tid] = Logprob(lp, rank, decode(tid))
+            rank = top[token].rank if token in top else None
+            sampled = Logprob(float(token_lps[j]), rank, decode(token))
+            completion.logprobs.append({token: sampled, **top})
+            completion.cumulative_logprob += sampled.logprob
 
     # ---- outputs -----------------------------------------------------------------------------
 

@@ -4,8 +4,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# One generated position: token id -> logprob (the sampled token plus the top-N).
-Logprobs = list[dict[int, float]]
+
+@dataclass
+class Logprob:
+    """One token's log probability at one position, as vLLM's."""
+
+    logprob: float
+    rank: int | None = None  # 1 = the most likely token; None where it was not computed
+    decoded_token: str | None = None
+
+
+# One generated position: token id -> Logprob (the sampled token plus the top-N).
+Logprobs = list[dict[int, Logprob]]
 
 
 @dataclass

@@ -8,7 +8,7 @@ import json
 import jax
 import pytest
 
-from pagedjax import LLM, EngineArgs, LLMEngine, RequestOutputKind, SamplingParams
+from pagedjax import LLM, EngineArgs, LLMEngine, Logprob, RequestOutputKind, SamplingParams
 from pagedjax.distributed import cleanup_dist_env_and_memory
 from pagedjax.engine_args import FlexibleArgumentParser
 
@@ -87,6 +87,8 @@ def test_engine_loop_with_n_and_logprobs(model) -> None:
     sampled = finished["a"].outputs
     assert len(sampled) == 2 and all(len(c.logprobs) == len(c.token_ids) == 6 for c in sampled)
     assert all(c.token_ids[0] in c.logprobs[0] for c in sampled)
+    first = sampled[0].logprobs[0][sampled[0].token_ids[0]]
+    assert isinstance(first, Logprob) and first.logprob <= 0.0 and first.decoded_token is not None
     assert len(finished["b"].outputs[0].token_ids) == 4
 
 

@@ -100,10 +100,12 @@ def test_logprobs_are_the_raw_model_distribution(tiny_model) -> None:
     assert len(completion.logprobs) == 6
     total = 0.0
     for token, entry in zip(completion.token_ids, completion.logprobs):
-        assert 3 <= len(entry) <= 4 and token in entry
-        assert max(entry.values()) == entry[token]  # greedy picks the top logprob
-        assert all(lp <= 0.0 for lp in entry.values())
-        total += entry[token]
+        assert len(entry) == 3 and token in entry  # greedy: the sampled token is the top one
+        assert max(lp.logprob for lp in entry.values()) == entry[token].logprob
+        assert sorted(lp.rank for lp in entry.values()) == [1, 2, 3] and entry[token].rank == 1
+        assert entry[token].decoded_token == llm.get_tokenizer().decode([token])
+        assert all(lp.logprob <= 0.0 for lp in entry.values())
+        total += entry[token].logprob
     assert completion.cumulative_logprob == pytest.approx(total, rel=1e-6)
 
 

@@ -78,8 +78,8 @@ def _run(model_dir: Path, backend: str, engine_kwargs: dict, prompts: list[list[
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     completions = [o.outputs for o in outs]
     return Run(token_ids=[[c.token_ids for c in cs] for cs in completions],
-               logprobs=[[[lp[t] for lp, t in zip(c.logprobs or [], c.token_ids)] for c in cs]
-                         for cs in completions],
+               logprobs=[[[lp[t].logprob for lp, t in zip(c.logprobs or [], c.token_ids)]
+                          for c in cs] for cs in completions],
                metrics=llm.get_metrics(), schedule=log)
 
 
@@ -220,7 +220,7 @@ def test_bfloat16_runs(checkpoints: dict[str, Path], runs) -> None:
     for out, fp32_tokens in zip(outs, fp32):
         bf16 = out.outputs[0]
         assert len(bf16.token_ids) == MAX_TOKENS
-        assert all(np.isfinite(lp) for entry in bf16.logprobs for lp in entry.values())
+        assert all(np.isfinite(lp.logprob) for entry in bf16.logprobs for lp in entry.values())
         diverged = [i for i, (a, b) in enumerate(zip(bf16.token_ids, fp32_tokens[0])) if a != b]
         if diverged:
             assert fp32_tokens[0][diverged[0]] in bf16.logprobs[diverged[0]]

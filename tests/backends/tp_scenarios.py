@@ -24,7 +24,7 @@ def greedy(model: str, sizes: list[int], prompts: list[list[int]], draft: str | 
         results = llm.generate([{"prompt_token_ids": p} for p in prompts],
                                SamplingParams(**GREEDY), use_tqdm=False)
         out[size] = [{"tokens": r.outputs[0].token_ids,
-                      "top2": [sorted(lp.values(), reverse=True)[:2]
+                      "top2": [sorted((x.logprob for x in lp.values()), reverse=True)[:2]
                                for lp in r.outputs[0].logprobs]} for r in results]
         if draft is not None:
             out[f"{size}_drafts"] = llm.get_metrics()["spec_decode_num_draft_tokens"]

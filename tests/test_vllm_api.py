@@ -10,7 +10,7 @@ import pytest
 
 from pagedjax import LLM, EngineArgs, LLMEngine, Logprob, RequestOutputKind, SamplingParams
 from pagedjax.distributed import cleanup_dist_env_and_memory
-from pagedjax.engine_args import FlexibleArgumentParser
+from pagedjax.utils import FlexibleArgumentParser  # where vLLM keeps it (vllm.utils)
 
 SMALL = dict(max_model_len=256, num_gpu_blocks_override=64)
 PROMPTS = ["def fibonacci(n):", "import os\n", "class Config(object):", "for i in range("]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pagedjax.backends.jax.sampler import filter_logits, uniform
+from pagedjax.backends.jax.sampler import filter_logits, process_logits, uniform
 
 PLACEHOLDER_TOKEN_ID = -1  # pads output_token_ids after the recovered / bonus token
 _PER_ROW_KNOBS = ("temperature", "top_k", "top_p", "min_p")
@@ -52,13 +52,14 @@ def rejection_sample(target_logits: jax.Array, draft_token_ids: jax.Array,
     draft_probs      [L, K, V] float32: q_j, the draft's sampling distribution for draft j
                      (unused, may be None, when all_greedy)
     num_draft_tokens [L] int32 in [0, K]
-    sampling         [L] arrays as in the sampler; banned_* pairs, if present, ban at every
-                     position of their row (the scheduler never drafts under min_tokens)
+    sampling         [L] arrays as in the sampler; banned tokens, logit_bias and penalties, if
+                     present, apply at every position of their row (such rows have no drafts:
+                     the scheduler does not draft for them)
     Returns output_token_ids [L, K+1] int32 (accepted, then recovered or bonus, then -1) and
     num_accepted [L] int32.
     """
     num_drafts = draft_token_ids.shape[1]  # K
-    target_logits = _mask_banned(target_logits, sampling)
+    target_logits = process_logits(target_logits, sampling)
     target_argmax = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [L, K+1]
     accepted = target_argmax[:, :num_drafts] == draft_token_ids  # [L, K], the greedy rule
     if not all_greedy:
@@ -74,15 +75,6 @@ def rejection_sample(target_logits: jax.Array, draft_token_ids: jax.Array,
                                     sampling)
         next_token = jnp.where(random_rows[:, 0], sampled, next_token)
     return _assemble(draft_token_ids, next_token, num_accepted), num_accepted.astype(jnp.int32)
-
-
-def _mask_banned(target_logits: jax.Array, sampling: dict) -> jax.Array:
-    """target_logits [L, K+1, V] with banned (row, token) pairs [P] at -inf; row -1 pads."""
-    if "banned_rows" not in sampling:
-        return target_logits
-    rows = sampling["banned_rows"]
-    rows = jnp.where(rows >= 0, rows, target_logits.shape[0])  # padding lands out of range
-    return target_logits.at[rows, :, sampling["banned_token_ids"]].set(-jnp.inf, mode="drop")
 
 
 def _target_probs(target_logits: jax.Array, sampling: dict, *, use_filters: bool) -> jax.Array:

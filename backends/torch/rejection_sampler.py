@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedjax.backends.torch.sampler import banned_mask, filter_logits, uniform
+from pagedjax.backends.torch.sampler import filter_logits, process_logits, uniform
 
 PLACEHOLDER_TOKEN_ID = -1  # pads output_token_ids after the recovered / bonus token
 _PER_ROW_KNOBS = ("temperature", "top_k", "top_p", "min_p")
@@ -45,13 +45,14 @@ def rejection_sample(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
     draft_token_ids  [L, K] int32, valid for j < num_draft_tokens[l] (anything, e.g. -1, after)
     draft_probs      [L, K, V] float32: q_j, the draft's sampling distribution for draft j
     num_draft_tokens [L] int32 in [0, K]
-    sampling         [L] tensors as in the sampler (rng_seed / rng_step int64); banned_* pairs,
-                     if present, ban at every position of their row (no drafts under min_tokens)
+    sampling         [L] tensors as in the sampler (rng_seed / rng_step int64); banned tokens,
+                     logit_bias and penalties, if present, apply at every position of their row
+                     (such rows have no drafts: the scheduler does not draft for them)
     Returns output_token_ids [L, K+1] int32 (accepted, then recovered or bonus, then -1) and
     num_accepted [L] int32.
     """
     num_drafts = draft_token_ids.shape[1]  # K
-    target_logits = _mask_banned(target_logits, sampling)
+    target_logits = process_logits(target_logits, sampling)
     target_argmax = torch.argmax(target_logits, dim=-1)  # [L, K+1] int64
     accepted = target_argmax[:, :num_drafts] == draft_token_ids.long()  # [L, K], greedy rule
     if not all_greedy:
@@ -68,16 +69,6 @@ def rejection_sample(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
                                     sampling)
         next_token = torch.where(random_rows[:, 0], sampled, next_token)
     return _assemble(draft_token_ids, next_token, num_accepted), num_accepted.to(torch.int32)
-
-
-def _mask_banned(target_logits: torch.Tensor,
-                 sampling: dict[str, torch.Tensor]) -> torch.Tensor:
-    """target_logits [L, K+1, V] with banned (row, token) pairs [P] at -inf; row -1 pads."""
-    if "banned_rows" not in sampling:
-        return target_logits
-    num_rows, _, vocab = target_logits.shape
-    banned = banned_mask(sampling, num_rows, vocab, target_logits.device)  # [L, V]
-    return target_logits.masked_fill(banned[:, None, :], float("-inf"))
 
 
 def _target_probs(target_logits: torch.Tensor, sampling: dict[str, torch.Tensor], *,

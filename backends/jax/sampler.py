@@ -58,28 +58,25 @@ def _row_counts(sampling: dict, num_rows: int, vocab: int) -> tuple[jax.Array, j
 
 
 def process_logits(logits: jax.Array, sampling: dict) -> jax.Array:
-    """The logits rows sample from: banned tokens at -inf, logit_bias added, then repetition,
-    frequency and presence penalties (vLLM's definitions). logits [L, V], or [L, K+1, V] where
-    every position of a row is processed alike. Inputs the layout lacks are skipped."""
-    num_rows, vocab = logits.shape[0], logits.shape[-1]
-    per_row = (lambda x: x[:, None]) if logits.ndim == 3 else (lambda x: x)  # [L, ...] → logits'
+    """The logits [L, V] rows sample from: banned tokens at -inf, logit_bias added, then
+    repetition, frequency and presence penalties (vLLM's definitions). Inputs the layout lacks
+    are skipped."""
+    num_rows, vocab = logits.shape
     if "banned_rows" in sampling:
         rows = jnp.where(sampling["banned_rows"] >= 0, sampling["banned_rows"], num_rows)
-        index = (rows, sampling["banned_token_ids"])
-        if logits.ndim == 3:
-            index = (rows, slice(None), sampling["banned_token_ids"])
-        logits = logits.at[index].set(-jnp.inf, mode="drop")
+        logits = logits.at[rows, sampling["banned_token_ids"]].set(-jnp.inf, mode="drop")
     if "bias_rows" in sampling:
         rows = jnp.where(sampling["bias_rows"] >= 0, sampling["bias_rows"], num_rows)
-        bias = jnp.zeros((num_rows, vocab), jnp.float32).at[rows, sampling["bias_token_ids"]].add(
-            sampling["logit_bias"], mode="drop")  # [L, V]
-        logits = logits + per_row(bias)
+        logits = logits + jnp.zeros((num_rows, vocab), jnp.float32).at[
+            rows, sampling["bias_token_ids"]].add(sampling["logit_bias"], mode="drop")
     if "penalty_rows" in sampling:
         counts, seen = _row_counts(sampling, num_rows, vocab)  # [L, V]
-        penalty = jnp.where(seen, sampling["repetition_penalty"][:, None], 1.0)  # [L, V]
-        logits = jnp.where(logits > 0, logits / per_row(penalty), logits * per_row(penalty))
-        logits = logits - per_row(sampling["frequency_penalty"][:, None] * counts)
-        logits = logits - per_row(sampling["presence_penalty"][:, None] * (counts > 0))
+        # [L, V], not a broadcast: XLA would turn a division by a broadcast into an inexact
+        # multiplication by its reciprocal.
+        penalty = jnp.where(seen, sampling["repetition_penalty"][:, None], 1.0)
+        logits = jnp.where(logits > 0, logits / penalty, logits * penalty)
+        logits = logits - sampling["frequency_penalty"][:, None] * counts
+        logits = logits - sampling["presence_penalty"][:, None] * (counts > 0)
     return logits
 
 

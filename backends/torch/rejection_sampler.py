@@ -12,7 +12,6 @@ import torch
 from pagedjax.backends.torch.sampler import filter_logits, process_logits, uniform
 
 PLACEHOLDER_TOKEN_ID = -1  # pads output_token_ids after the recovered / bonus token
-_PER_ROW_KNOBS = ("temperature", "top_k", "top_p", "min_p")
 _MASK32 = 0xFFFFFFFF  # rng counters are uint32 values held in int64
 
 
@@ -52,11 +51,14 @@ def rejection_sample(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
     num_accepted [L] int32.
     """
     num_drafts = draft_token_ids.shape[1]  # K
-    target_logits = process_logits(target_logits, sampling)
+    num_rows, num_positions, vocab = target_logits.shape
+    positions = _per_position(sampling, num_positions)  # [L * (K+1)] rows
+    target_logits = process_logits(target_logits.reshape(-1, vocab), positions).view(
+        num_rows, num_positions, vocab)
     target_argmax = torch.argmax(target_logits, dim=-1)  # [L, K+1] int64
     accepted = target_argmax[:, :num_drafts] == draft_token_ids.long()  # [L, K], greedy rule
     if not all_greedy:
-        target_probs = _target_probs(target_logits, sampling, use_filters=use_filters)
+        target_probs = _target_probs(target_logits, positions, use_filters=use_filters)
         random_rows = (sampling["temperature"] > 0)[:, None]  # [L, 1]
         accepted = torch.where(random_rows, _accept_random(target_probs, draft_token_ids,
                                                            draft_probs, sampling), accepted)
@@ -71,13 +73,29 @@ def rejection_sample(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
     return _assemble(draft_token_ids, next_token, num_accepted), num_accepted.to(torch.int32)
 
 
-def _target_probs(target_logits: torch.Tensor, sampling: dict[str, torch.Tensor], *,
+def _per_position(sampling: dict[str, torch.Tensor], num_positions: int
+                  ) -> dict[str, torch.Tensor]:
+    """The sampling inputs of rows [L] for rows [L * (K+1)], position j of row l being row
+    l * (K+1) + j: per-row knobs repeated, (row, token) pairs once per position."""
+    out = {}
+    for name, x in sampling.items():
+        if name.startswith("rng_"):
+            continue
+        if name.endswith("_rows"):  # -1 pads
+            rows = x[:, None] * num_positions + torch.arange(num_positions, dtype=x.dtype,
+                                                             device=x.device)
+            out[name] = torch.where(x[:, None] >= 0, rows, -1).reshape(-1)  # [P * (K+1)]
+        else:
+            out[name] = x.repeat_interleave(num_positions)
+    return out
+
+
+def _target_probs(target_logits: torch.Tensor, positions: dict[str, torch.Tensor], *,
                   use_filters: bool) -> torch.Tensor:
-    """p_j for every position: target_logits [L, K+1, V] → [L, K+1, V], as the sampler sees it."""
+    """p_j for every position: target_logits [L, K+1, V] → [L, K+1, V], as the sampler sees it.
+    positions: the knobs per position (_per_position)."""
     num_rows, num_positions, vocab = target_logits.shape
-    knobs = {name: sampling[name].repeat_interleave(num_positions)  # [L * (K+1)]
-             for name in _PER_ROW_KNOBS if name in sampling}
-    probs = sampling_probs(target_logits.reshape(-1, vocab), knobs, all_greedy=False,
+    probs = sampling_probs(target_logits.reshape(-1, vocab), positions, all_greedy=False,
                            use_filters=use_filters)
     return probs.reshape(num_rows, num_positions, vocab)
 

@@ -71,25 +71,22 @@ def _scatter(sampling: dict[str, torch.Tensor], prefix: str, num_rows: int, voca
 
 
 def process_logits(logits: torch.Tensor, sampling: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The logits rows sample from: banned tokens at -inf, logit_bias added, then repetition,
-    frequency and presence penalties (vLLM's definitions). logits [L, V], or [L, K+1, V] where
-    every position of a row is processed alike. Inputs the layout lacks are skipped."""
-    num_rows, vocab = logits.shape[0], logits.shape[-1]
-    per_row = (lambda x: x[:, None]) if logits.dim() == 3 else (lambda x: x)  # [L, ...] → logits'
+    """The logits [L, V] rows sample from: banned tokens at -inf, logit_bias added, then
+    repetition, frequency and presence penalties (vLLM's definitions). Inputs the layout lacks
+    are skipped."""
+    num_rows, vocab = logits.shape
     if "banned_rows" in sampling:
-        banned = _scatter(sampling, "banned", num_rows, vocab)  # [L, V]
-        logits = logits.masked_fill(per_row(banned), float("-inf"))
+        logits = logits.masked_fill(_scatter(sampling, "banned", num_rows, vocab), float("-inf"))
     if "bias_rows" in sampling:
-        bias = _scatter(sampling, "bias", num_rows, vocab, sampling["logit_bias"])  # [L, V]
-        logits = logits + per_row(bias)
+        logits = logits + _scatter(sampling, "bias", num_rows, vocab, sampling["logit_bias"])
     if "penalty_rows" in sampling:
         # [L, V]: output occurrences, and whether a token is in the prompt or the output
         counts = _scatter(sampling, "penalty", num_rows, vocab, sampling["penalty_counts"])
         seen = _scatter(sampling, "penalty", num_rows, vocab)
         penalty = torch.where(seen, sampling["repetition_penalty"][:, None], 1.0)  # [L, V]
-        logits = torch.where(logits > 0, logits / per_row(penalty), logits * per_row(penalty))
-        logits = logits - per_row(sampling["frequency_penalty"][:, None] * counts)
-        logits = logits - per_row(sampling["presence_penalty"][:, None] * (counts > 0))
+        logits = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits = logits - sampling["frequency_penalty"][:, None] * counts
+        logits = logits - sampling["presence_penalty"][:, None] * (counts > 0)
     return logits
 
 

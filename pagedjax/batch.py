@@ -75,19 +75,18 @@ class BatchLayout:
 
     @property
     def int_size(self) -> int:
-        return _spans(self, "int")[1]
+        return _spans(self)[1]
 
     @property
     def float_size(self) -> int:
-        return _spans(self, "float")[1]
+        return _spans(self)[2]
 
     def unpack(self, ints: Array, floats: Array) -> dict[str, Array]:
         """Named views of the packed buffers (works for NumPy, jax and torch arrays)."""
-        out = {}
-        for kind, buffer in (("int", ints), ("float", floats)):
-            out.update((name, buffer[start:stop].reshape(shape))
-                       for name, (start, stop, shape) in _spans(self, kind)[0])
-        return out
+        buffers = (ints, floats)
+        return {name: buffers[kind][start:stop] if shape is None
+                else buffers[kind][start:stop].reshape(shape)
+                for name, kind, start, stop, shape in _spans(self)[0]}
 
 
 @functools.lru_cache(maxsize=1024)
@@ -150,17 +149,19 @@ def _float_fields(layout: BatchLayout) -> dict[str, tuple[int, ...]]:
     return fields
 
 
-@functools.lru_cache(maxsize=2048)
-def _spans(layout: BatchLayout,
-           kind: str) -> tuple[list[tuple[str, tuple[int, int, tuple[int, ...]]]], int]:
-    """(name, (start, stop, shape)) of each "int" or "float" field, and the buffer's size."""
-    spans, offset = [], 0
-    fields = _int_fields(layout) if kind == "int" else _float_fields(layout)
-    for name, shape in fields.items():
-        size = math.prod(shape)
-        spans.append((name, (offset, offset + size, shape)))
-        offset += size
-    return spans, offset
+@functools.lru_cache(maxsize=1024)
+def _spans(layout: BatchLayout) -> tuple[list[tuple[str, int, int, int, tuple | None]], int, int]:
+    """(name, buffer (0 = ints, 1 = floats), start, stop, shape or None if 1-D) of each field,
+    and the two buffers' sizes."""
+    spans, sizes = [], []
+    for kind, fields in enumerate((_int_fields(layout), _float_fields(layout))):
+        offset = 0
+        for name, shape in fields.items():
+            size = math.prod(shape)
+            spans.append((name, kind, offset, offset + size, shape if len(shape) > 1 else None))
+            offset += size
+        sizes.append(offset)
+    return spans, *sizes
 
 
 @dataclass

@@ -30,6 +30,9 @@ from pagedjax.scheduler_output import SampleSpec, ScheduledSequence, SchedulerOu
 Array = TypeVar("Array")  # np.ndarray on the host, jax.Array or torch.Tensor on a device
 
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p")
+# Q grows with every output token of a penalised row: starting at 16 saves the first four
+# recompiles of a new request.
+_MIN_PENALTY_TOKENS = 16
 PENALTY_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty")
 # What the samplers read: every field of these a layout has.
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "banned_rows", "banned_token_ids",
@@ -289,7 +292,7 @@ def build_model_input(out: SchedulerOutput, *, block_size: int, max_blocks_per_s
         num_top_logprobs=MAX_LOGPROBS if any(p.logprobs is not None for p in params) else 0,
         all_greedy=not sampled,
         use_filters=any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in sampled),
-        num_penalty_tokens=bucket(num_penalty) if num_penalty else 0,
+        num_penalty_tokens=bucket(max(num_penalty, _MIN_PENALTY_TOKENS)) if num_penalty else 0,
         num_logit_bias=bucket(num_bias) if num_bias else 0,
         num_prompt_logprobs=bucket(num_prompt) if num_prompt else 0)
     model_input = ModelInput(

@@ -129,8 +129,8 @@ def test_penalties_logit_bias_and_prompt_logprobs_are_packed() -> None:
                                     max_blocks_per_seq=2)
     layout, f = model_input.layout, model_input.fields()
     assert (layout.num_penalty_tokens, layout.num_logit_bias, layout.num_prompt_logprobs) == (
-        8, 2, 2)
-    np.testing.assert_array_equal(f["penalty_rows"], [0, 0, 0, 0, 0, -1, -1, -1])
+        16, 2, 2)  # Q starts at 16
+    np.testing.assert_array_equal(f["penalty_rows"], [0] * 5 + [-1] * 11)
     np.testing.assert_array_equal(f["penalty_token_ids"][:5], [4, 8, 8, 8, 5])
     np.testing.assert_array_equal(f["penalty_counts"][:5], [0, 0, 1, 1, 1])
     np.testing.assert_allclose(f["repetition_penalty"], [1.5, 1.0, 1.0, 1.0])

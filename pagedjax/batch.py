@@ -8,6 +8,9 @@ buffer back into named fields on the host (NumPy) or on the device (jax.Array, t
 Shapes are padded to powers of two so compilers see a bounded set of them:
 T tokens, S sequences, L logits rows (samples), M = max blocks per sequence (fixed),
 K draft slots per sequence, Td draft catch-up tokens, P banned (row, token) pairs.
+Features that only some requests use add their fields only to steps that have such rows (0 in
+the layout = absent), so a plain step's shapes and compiled code do not change:
+Q penalty (row, token) pairs, B logit_bias entries, Pl prompt positions scored (prompt_logprobs).
 """
 
 from __future__ import annotations
@@ -16,8 +19,8 @@ import functools
 import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TypeVar
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
@@ -27,6 +30,14 @@ from pagedjax.scheduler_output import SampleSpec, ScheduledSequence, SchedulerOu
 Array = TypeVar("Array")  # np.ndarray on the host, jax.Array or torch.Tensor on a device
 
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p")
+# Q grows with every output token of a penalised row: starting at 16 saves the first four
+# recompiles of a new request.
+_MIN_PENALTY_TOKENS = 16
+PENALTY_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty")
+# What the samplers read: every field of these a layout has.
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "banned_rows", "banned_token_ids",
+                   "penalty_rows", "penalty_token_ids", "penalty_counts", *PENALTY_FIELDS,
+                   "bias_rows", "bias_token_ids", "logit_bias")
 
 
 def bucket(n: int) -> int:
@@ -51,6 +62,9 @@ class BatchLayout:
     num_top_logprobs: int = 0  # 0, or MAX_LOGPROBS when a row asks for logprobs
     all_greedy: bool = True  # no row samples: skip the random path
     use_filters: bool = False  # some random row uses top-k / top-p / min-p
+    num_penalty_tokens: int = 0  # Q: (row, token) pairs penalties count; 0 = no penalties
+    num_logit_bias: int = 0  # B: (row, token, bias) entries; 0 = no logit_bias
+    num_prompt_logprobs: int = 0  # Pl: prompt tokens scored (prompt_logprobs); 0 = none
 
     @property
     def int_fields(self) -> dict[str, tuple[int, ...]]:
@@ -59,7 +73,8 @@ class BatchLayout:
 
     @property
     def float_fields(self) -> dict[str, tuple[int, ...]]:
-        return {name: (self.num_logits,) for name in _FLOAT_FIELDS}
+        """Name → shape of every float32 field, in buffer order."""
+        return _float_fields(self)
 
     @property
     def int_size(self) -> int:
@@ -67,15 +82,14 @@ class BatchLayout:
 
     @property
     def float_size(self) -> int:
-        return len(_FLOAT_FIELDS) * self.num_logits
+        return _spans(self)[2]
 
     def unpack(self, ints: Array, floats: Array) -> dict[str, Array]:
         """Named views of the packed buffers (works for NumPy, jax and torch arrays)."""
-        spans, _ = _spans(self)
-        out = {name: ints[start:stop].reshape(shape) for name, (start, stop, shape) in spans}
-        n = self.num_logits
-        out.update((name, floats[i * n : (i + 1) * n]) for i, name in enumerate(_FLOAT_FIELDS))
-        return out
+        buffers = (ints, floats)
+        return {name: buffers[kind][start:stop] if shape is None
+                else buffers[kind][start:stop].reshape(shape)
+                for name, kind, start, stop, shape in _spans(self)[0]}
 
 
 @functools.lru_cache(maxsize=1024)
@@ -110,18 +124,47 @@ def _int_fields(layout: BatchLayout) -> dict[str, tuple[int, ...]]:
             "sample_seq": (l_,),  # sequence whose drafts logits row l verifies
             "num_draft_tokens": (l_,),  # drafts row l verifies (0 for forked siblings)
         })
+    if layout.num_penalty_tokens:
+        q = (layout.num_penalty_tokens,)
+        fields.update({
+            "penalty_rows": q,  # -1 = padding
+            "penalty_token_ids": q,
+            "penalty_counts": q,  # 1: an output token (one per occurrence); 0: a prompt token
+        })
+    if layout.num_logit_bias:
+        fields.update({"bias_rows": (layout.num_logit_bias,),  # -1 = padding
+                       "bias_token_ids": (layout.num_logit_bias,)})
+    if layout.num_prompt_logprobs:
+        fields.update({
+            "prompt_logprobs_indices": (layout.num_prompt_logprobs,),  # token row scoring it
+            "prompt_logprobs_token_ids": (layout.num_prompt_logprobs,),  # the prompt token
+        })
     return fields
 
 
 @functools.lru_cache(maxsize=1024)
-def _spans(layout: BatchLayout) -> tuple[list[tuple[str, tuple[int, int, tuple[int, ...]]]], int]:
-    """(name, (start, stop, shape)) of each int field, and the buffer's size."""
-    spans, offset = [], 0
-    for name, shape in _int_fields(layout).items():
-        size = math.prod(shape)
-        spans.append((name, (offset, offset + size, shape)))
-        offset += size
-    return spans, offset
+def _float_fields(layout: BatchLayout) -> dict[str, tuple[int, ...]]:
+    fields = {name: (layout.num_logits,) for name in _FLOAT_FIELDS}
+    if layout.num_penalty_tokens:
+        fields.update((name, (layout.num_logits,)) for name in PENALTY_FIELDS)
+    if layout.num_logit_bias:
+        fields["logit_bias"] = (layout.num_logit_bias,)  # of bias_rows / bias_token_ids
+    return fields
+
+
+@functools.lru_cache(maxsize=1024)
+def _spans(layout: BatchLayout) -> tuple[list[tuple[str, int, int, int, tuple | None]], int, int]:
+    """(name, buffer (0 = ints, 1 = floats), start, stop, shape or None if 1-D) of each field,
+    and the two buffers' sizes."""
+    spans, sizes = [], []
+    for kind, fields in enumerate((_int_fields(layout), _float_fields(layout))):
+        offset = 0
+        for name, shape in fields.items():
+            size = math.prod(shape)
+            spans.append((name, kind, offset, offset + size, shape if len(shape) > 1 else None))
+            offset += size
+        sizes.append(offset)
+    return spans, *sizes
 
 
 @dataclass
@@ -138,14 +181,51 @@ class ModelInput:
     max_query_len: int  # longest real query (drafts included): the torch op's launch bound
     max_draft_query_len: int = 0  # the same for the draft's catch-up pass
     num_spec_tokens: int = 0  # the step's k: no sequence proposes more drafts (<= layout K)
+    # prompt_logprobs rows in order: (seq id, prompt position of its first token scored, count)
+    prompt_logprobs_rows: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def num_logits(self) -> int:
         return len(self.seq_ids)
 
+    @property
+    def num_prompt_logprobs(self) -> int:
+        """Prompt tokens scored this step (real rows of the Pl fields)."""
+        return sum(count for _, _, count in self.prompt_logprobs_rows)
+
     def fields(self) -> dict[str, np.ndarray]:
         """Named views into ints / floats (writable: the builder fills them)."""
         return self.layout.unpack(self.ints, self.floats)
+
+
+class StepOutput(NamedTuple):
+    """A runner's device step result (jax.Array or torch.Tensor; None where not computed)."""
+
+    tokens: Any  # [L, K+1] int32, -1 padded
+    logprobs: Any  # [L, K+1] float32: each token's logprob under the raw model
+    top_ids: Any = None  # [L, K+1, N] int32 when the layout asks for top logprobs
+    top_logprobs: Any = None  # [L, K+1, N] float32
+    ranks: Any = None  # [L, K+1] int32: each token's rank in the vocabulary (1 = most likely)
+    prompt_logprobs: Any = None  # [Pl] float32: each scored prompt token given its prefix
+    prompt_top_ids: Any = None  # [Pl, N] int32
+    prompt_top_logprobs: Any = None  # [Pl, N] float32
+    prompt_ranks: Any = None  # [Pl] int32
+
+    def cut(self, model_input: ModelInput) -> StepOutput:
+        """Each field without its padding rows (any array type)."""
+        sizes = (model_input.num_logits,) * 5 + (model_input.num_prompt_logprobs,) * 4
+        return StepOutput(*(None if x is None else x[:n] for x, n in zip(self, sizes)))
+
+
+@dataclass
+class PromptLogprobsOutput:
+    """The step's scored prompt tokens, one row each."""
+
+    rows: list[tuple[int, int, int]]  # ModelInput.prompt_logprobs_rows: (seq id, position, n)
+    logprobs: np.ndarray  # [n] float32: the prompt token given its prefix
+    top_ids: np.ndarray  # [n, N] int32: the most likely tokens at its position
+    top_logprobs: np.ndarray  # [n, N] float32
+    ranks: np.ndarray  # [n] int32: its rank in the vocabulary
 
 
 @dataclass
@@ -161,6 +241,17 @@ class ModelOutput:
     sampled_logprobs: np.ndarray  # [L, K+1] float32: logprob of each token under the raw model
     top_logprob_ids: np.ndarray | None  # [L, K+1, N] int32 when requested
     top_logprobs: np.ndarray | None  # [L, K+1, N] float32 when requested
+    sampled_ranks: np.ndarray | None = None  # [L, K+1] int32 rank of each token, when requested
+    prompt_logprobs: PromptLogprobsOutput | None = None  # when prompt_logprobs_rows has any
+
+    @classmethod
+    def from_step(cls, model_input: ModelInput, out: StepOutput) -> ModelOutput:
+        """The host copy (NumPy) of a step's output on the host, cut to the real rows."""
+        out = StepOutput(*(None if x is None else np.asarray(x) for x in out.cut(model_input)))
+        prompt = None
+        if model_input.prompt_logprobs_rows:
+            prompt = PromptLogprobsOutput(model_input.prompt_logprobs_rows, *out[5:])
+        return cls(model_input.seq_ids, *out[:5], prompt)
 
     def token_lists(self) -> list[list[int]]:
         """Each row's tokens without the padding."""
@@ -186,13 +277,24 @@ def build_model_input(out: SchedulerOutput, *, block_size: int, max_blocks_per_s
     sampled = [p for p in params if not p.is_greedy]
     banned = [(r, t) for r, (_, s) in enumerate(samples) for t in s.banned_token_ids]
     draft_lens = [len(e.draft_token_ids) for e in entries] if k else []
+    penalised = [(r, s) for r, (_, s) in enumerate(samples) if s.params.has_penalties]
+    num_penalty = sum(len(s.penalty_prompt_token_ids) + len(s.output_token_ids)
+                      for _, s in penalised)
+    biased = [(r, p.logit_bias) for r, p in enumerate(params) if p.logit_bias]
+    num_bias = sum(len(bias) for _, bias in biased)
+    prompt_rows = [(i, e) for i, e in enumerate(entries) if e.prompt_logprob_token_ids]
+    num_prompt = sum(len(e.prompt_logprob_token_ids) for _, e in prompt_rows)
     layout = BatchLayout(
         num_tokens=t_pad, num_seqs=s_pad, num_logits=max(s_pad, bucket(len(samples))),
         max_blocks_per_seq=max_blocks_per_seq, num_spec_tokens=k,
         num_draft_tokens=bucket(sum(draft_lens)) if k else 0, num_banned=bucket(len(banned)),
-        decode=decode, num_top_logprobs=MAX_LOGPROBS if any(p.logprobs for p in params) else 0,
+        decode=decode,
+        num_top_logprobs=MAX_LOGPROBS if any(p.logprobs is not None for p in params) else 0,
         all_greedy=not sampled,
-        use_filters=any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in sampled))
+        use_filters=any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in sampled),
+        num_penalty_tokens=bucket(max(num_penalty, _MIN_PENALTY_TOKENS)) if num_penalty else 0,
+        num_logit_bias=bucket(num_bias) if num_bias else 0,
+        num_prompt_logprobs=bucket(num_prompt) if num_prompt else 0)
     model_input = ModelInput(
         layout, np.zeros(layout.int_size, np.int32), np.zeros(layout.float_size, np.float32),
         np.asarray(out.block_copies, np.int32).reshape(-1, 2), [s.seq_id for _, s in samples],
@@ -202,6 +304,12 @@ def build_model_input(out: SchedulerOutput, *, block_size: int, max_blocks_per_s
     ends = _fill_tokens(f, entries, q_lens, block_size)
     _fill_samples(f, entries, samples, ends, k)
     _fill_banned(f, banned)
+    if num_penalty:
+        _fill_penalties(f, penalised)
+    if num_bias:
+        _fill_logit_bias(f, biased)
+    if num_prompt:
+        model_input.prompt_logprobs_rows = _fill_prompt_logprobs(f, prompt_rows, q_lens, ends)
     if k:
         _fill_drafts(f, entries, samples, draft_lens, ends, block_size)
     return model_input
@@ -254,6 +362,50 @@ def _fill_banned(f: dict[str, np.ndarray], banned: list[tuple[int, int]]) -> Non
         rows, tokens = zip(*banned)
         f["banned_rows"][: len(rows)] = rows
         f["banned_token_ids"][: len(tokens)] = tokens
+
+
+def _fill_penalties(f: dict[str, np.ndarray], penalised: list[tuple[int, SampleSpec]]) -> None:
+    """Each penalised row's knobs and the tokens its penalties count, as (row, token, count)
+    triples: a prompt token once with count 0, each output token occurrence with count 1. The
+    device sums them into per-row counts (O(tokens) here, never O(vocabulary))."""
+    f["repetition_penalty"][:] = 1.0
+    rows = [r for r, _ in penalised]
+    specs = [s for _, s in penalised]
+    f["presence_penalty"][rows] = [s.params.presence_penalty for s in specs]
+    f["frequency_penalty"][rows] = [s.params.frequency_penalty for s in specs]
+    f["repetition_penalty"][rows] = [s.params.repetition_penalty for s in specs]
+    # Lengths of the prompt part and the output part of each row, interleaved.
+    lengths = [n for s in specs for n in (len(s.penalty_prompt_token_ids),
+                                          len(s.output_token_ids))]
+    n = sum(lengths)
+    f["penalty_rows"][:] = -1
+    f["penalty_rows"][:n] = np.repeat(np.repeat(rows, 2), lengths)
+    f["penalty_token_ids"][:n] = list(itertools.chain.from_iterable(
+        itertools.chain(s.penalty_prompt_token_ids, s.output_token_ids) for s in specs))
+    f["penalty_counts"][:n] = np.repeat(np.tile([0, 1], len(specs)), lengths)
+
+
+def _fill_logit_bias(f: dict[str, np.ndarray], biased: list[tuple[int, dict[int, float]]]) -> None:
+    """(row, token, bias) entries of every row with a logit_bias."""
+    n = sum(len(bias) for _, bias in biased)
+    f["bias_rows"][:] = -1
+    f["bias_rows"][:n] = np.repeat([r for r, _ in biased], [len(bias) for _, bias in biased])
+    f["bias_token_ids"][:n] = list(itertools.chain.from_iterable(b for _, b in biased))
+    f["logit_bias"][:n] = list(itertools.chain.from_iterable(b.values() for _, b in biased))
+
+
+def _fill_prompt_logprobs(f: dict[str, np.ndarray],
+                          prompt_rows: list[tuple[int, ScheduledSequence]], q_lens: list[int],
+                          ends: np.ndarray) -> list[tuple[int, int, int]]:
+    """The token rows that score a prompt token (the first new tokens of each such sequence)
+    and those tokens; returns ModelInput.prompt_logprobs_rows. Padding scores row 0."""
+    counts = [len(e.prompt_logprob_token_ids) for _, e in prompt_rows]
+    firsts = [int(ends[i]) - q_lens[i] for i, _ in prompt_rows]
+    n = sum(counts)
+    f["prompt_logprobs_indices"][:n] = _ragged_positions(firsts, counts)
+    f["prompt_logprobs_token_ids"][:n] = list(itertools.chain.from_iterable(
+        e.prompt_logprob_token_ids for _, e in prompt_rows))
+    return [(e.seq_id, e.start_pos + 1, count) for (_, e), count in zip(prompt_rows, counts)]
 
 
 def _fill_drafts(f: dict[str, np.ndarray], entries: Sequence[ScheduledSequence],

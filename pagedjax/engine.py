@@ -122,6 +122,7 @@ class LLMEngine:
             raise ValueError(f"request_id={request_id!r} is already in use; pick a unique id.")
         text, token_ids = self._tokenize(prompt)
         max_tokens = self._check_lengths(token_ids, params)
+        self._check_logit_bias(params)
         arrival = next(self._arrivals)
         seq = Sequence(
             seq_id=next(self._seq_ids), request_id=request_id, index=0, arrival=(arrival, 0),
@@ -171,6 +172,13 @@ class LLMEngine:
                 f"max_model_len={max_len}; shorten the prompt, lower max_tokens or raise "
                 "max_model_len.")
         return max_tokens
+
+    def _check_logit_bias(self, params: SamplingParams) -> None:
+        vocab = self.model_config.vocab_size
+        bad = sorted(t for t in params.logit_bias or () if t >= vocab)
+        if bad:
+            raise ValueError(f"SamplingParams.logit_bias has token ids {bad[:5]} outside the "
+                             f"vocabulary [0, {vocab}); use this model's token ids.")
 
     def abort_request(self, request_id: str) -> None:
         """Finish a request now (finish_reason "abort") and free its blocks. Unknown ids: no-op."""

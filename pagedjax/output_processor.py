@@ -8,13 +8,12 @@ what is new, or one output at the end). Work per step is proportional to the new
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedjax.batch import ModelOutput
+from pagedjax.batch import ModelOutput, PromptLogprobsOutput
 from pagedjax.detokenizer import IncrementalDetokenizer, find_stop_string
-from pagedjax.outputs import CompletionOutput, Logprob, Logprobs, RequestOutput
+from pagedjax.outputs import CompletionOutput, Logprob, Logprobs, PromptLogprobs, RequestOutput
 from pagedjax.sampling_params import RequestOutputKind, SamplingParams
 from pagedjax.scheduler import Scheduler
 from pagedjax.sequence import Sequence
@@ -40,6 +39,8 @@ class RequestState:
     params: SamplingParams
     seqs: dict[int, Sequence] = field(default_factory=dict)  # by completion index
     completions: dict[int, CompletionState] = field(default_factory=dict)
+    prompt_logprobs: PromptLogprobs | None = None  # filled as the prompt's chunks are computed
+    prompt_logprobs_sent: bool = False  # DELTA: the first output carried them
 
     @property
     def finished(self) -> bool:
@@ -52,9 +53,12 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.scheduler = scheduler
         self.requests: dict[str, RequestState] = {}
+        self._decoded: dict[int, str | None] = {}  # token id → its text alone
 
     def add_request(self, request_id: str, prompt: str | None, seq: Sequence) -> None:
         state = RequestState(request_id, prompt, list(seq.token_ids), seq.sampling_params)
+        if state.params.prompt_logprobs is not None:
+            state.prompt_logprobs = [None]  # the first token has no prefix to score it
         self.requests[request_id] = state
         self._track(state, seq)
 
@@ -79,6 +83,8 @@ class OutputProcessor:
 
     def process(self, touched: list[Sequence], output: ModelOutput) -> list[RequestOutput]:
         """Take the step's new tokens of each touched sequence; return the outputs due."""
+        if output.prompt_logprobs is not None:
+            self._add_prompt_logprobs(output.prompt_logprobs)
         rows = {seq_id: r for r, seq_id in enumerate(output.seq_ids)}
         requests: dict[str, RequestState] = {}
         for seq in touched:
@@ -105,8 +111,7 @@ class OutputProcessor:
         new_tokens = seq.token_ids[start:]
         completion.num_processed += len(new_tokens)
         if completion.logprobs is not None:
-            self._add_logprobs(completion, output, row, new_tokens, params.logprobs,
-                               self._decode_token)
+            self._add_logprobs(completion, output, row, new_tokens, params.logprobs)
         detokenizer = completion.detokenizer
         if not params.stop_strings:
             detokenizer.append(new_tokens)
@@ -130,25 +135,52 @@ class OutputProcessor:
                 return
 
     def _decode_token(self, token: int) -> str | None:
-        return None if self.tokenizer is None else self.tokenizer.decode([token])
+        if self.tokenizer is None:
+            return None
+        if token not in self._decoded:
+            self._decoded[token] = self.tokenizer.decode([token])
+        return self._decoded[token]
 
-    @staticmethod
-    def _add_logprobs(completion: CompletionState, output: ModelOutput, row: int,
-                      tokens: list[int], num_top: int,
-                      decode: Callable[[int], str | None]) -> None:
-        """The sampled token first, then the top num_top (ranks 1..num_top), as vLLM orders."""
-        token_lps = output.sampled_logprobs[row]
+    def _logprob_dict(self, token: int, logprob: float, rank: int | None, top_ids: list[int],
+                      top_logprobs: list[float]) -> dict[int, Logprob]:
+        """The token's Logprob first, then the top ones (ranks 1..N), as vLLM orders them."""
+        top = {tid: Logprob(lp, r, self._decode_token(tid))
+               for r, (tid, lp) in enumerate(zip(top_ids, top_logprobs), start=1)}
+        return {token: Logprob(logprob, rank, self._decode_token(token)), **top}
+
+    def _add_logprobs(self, completion: CompletionState, output: ModelOutput, row: int,
+                      tokens: list[int], num_top: int) -> None:
+        """Each new token's logprob and rank (computed on the device) plus the top num_top."""
+        token_lps = output.sampled_logprobs[row].tolist()
+        ranks = None if output.sampled_ranks is None else output.sampled_ranks[row].tolist()
+        has_top = num_top and output.top_logprob_ids is not None
         for j, token in enumerate(tokens):
-            top: dict[int, Logprob] = {}
-            if num_top and output.top_logprob_ids is not None:
-                for rank, (tid, lp) in enumerate(
-                        zip(output.top_logprob_ids[row, j, :num_top].tolist(),
-                            output.top_logprobs[row, j, :num_top].tolist()), start=1):
-                    top[tid] = Logprob(lp, rank, decode(tid))
-            rank = top[token].rank if token in top else None
-            sampled = Logprob(float(token_lps[j]), rank, decode(token))
-            completion.logprobs.append({token: sampled, **top})
-            completion.cumulative_logprob += sampled.logprob
+            top_ids = output.top_logprob_ids[row, j, :num_top].tolist() if has_top else []
+            top_lps = output.top_logprobs[row, j, :num_top].tolist() if has_top else []
+            entry = self._logprob_dict(token, token_lps[j], None if ranks is None else ranks[j],
+                                       top_ids, top_lps)
+            completion.logprobs.append(entry)
+            completion.cumulative_logprob += token_lps[j]
+
+    def _add_prompt_logprobs(self, prompt: PromptLogprobsOutput) -> None:
+        """Scored prompt tokens into their requests' prompt_logprobs, by position: one scored
+        again (its prompt recomputed after a preemption) is kept as first computed."""
+        lps, ranks = prompt.logprobs.tolist(), prompt.ranks.tolist()
+        first_row = 0
+        for seq_id, first_position, count in prompt.rows:
+            seq = self.scheduler.seqs.get(seq_id)
+            state = None if seq is None else self.requests.get(seq.request_id)
+            rows = range(first_row, first_row + count)
+            first_row += count
+            if state is None or state.prompt_logprobs is None:
+                continue
+            num_top, scored = state.params.prompt_logprobs, state.prompt_logprobs
+            for row, position in zip(rows, range(first_position, first_position + count)):
+                if position == len(scored):
+                    scored.append(self._logprob_dict(
+                        state.prompt_token_ids[position], lps[row], ranks[row],
+                        prompt.top_ids[row, :num_top].tolist(),
+                        prompt.top_logprobs[row, :num_top].tolist()))
 
     # ---- outputs -----------------------------------------------------------------------------
 
@@ -157,8 +189,13 @@ class OutputProcessor:
         outputs = [self._completion_output(state.seqs[i], state.completions[i], delta)
                    for i in sorted(state.seqs)]
         first = state.seqs[0]
+        prompt_logprobs = state.prompt_logprobs
+        if delta and state.prompt_logprobs_sent:
+            prompt_logprobs = None  # DELTA: only the first output carries them
+        state.prompt_logprobs_sent = True
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outputs,
-                             finished=finished, num_cached_tokens=first.num_cached_tokens)
+                             finished=finished, num_cached_tokens=first.num_cached_tokens,
+                             prompt_logprobs=prompt_logprobs)
 
     @staticmethod
     def _completion_output(seq: Sequence, completion: CompletionState,

@@ -16,6 +16,8 @@ class Logprob:
 
 # One generated position: token id -> Logprob (the sampled token plus the top-N).
 Logprobs = list[dict[int, Logprob]]
+# One per prompt token: the token plus the top-N given its prefix; None for the first (vLLM's).
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -44,3 +46,4 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    prompt_logprobs: PromptLogprobs | None = None  # with SamplingParams.prompt_logprobs

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import enum
+import numbers
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5  # temperatures below this sample greedily, as in vLLM
 MAX_LOGPROBS = 20  # most top logprobs a request may ask for per token
+MAX_LOGIT_BIAS = 100.0  # logit_bias values are clamped to [-100, 100], as OpenAI's and vLLM's
 
 
 class RequestOutputKind(enum.Enum):
@@ -22,7 +24,11 @@ class SamplingParams:
     """How to sample one request's completions.
 
     temperature 0 is greedy; top_k 0 or -1 disables top-k; top_p 1.0 and min_p 0.0 are off.
-    `logprobs=N` returns the N most likely tokens (plus the sampled one) per generated token.
+    `logprobs=N` returns the N most likely tokens (plus the sampled one, with its rank) per
+    generated token; `prompt_logprobs=N` the same for each prompt token given its prefix.
+    presence_penalty and frequency_penalty count output tokens (OpenAI's definition);
+    repetition_penalty divides positive logits and multiplies negative ones of every token seen
+    in the prompt or the output (HF's). logit_bias {token id: bias} is added to the logits first.
     """
 
     n: int = 1
@@ -30,6 +36,10 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
     seed: int | None = None
     max_tokens: int | None = 16
     min_tokens: int = 0
@@ -39,6 +49,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     _stop: tuple[str, ...] = field(init=False, repr=False, default=())
 
@@ -50,6 +61,7 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        self.logit_bias = _normalize_logit_bias(self.logit_bias)
         self._validate()
 
     def _validate(self) -> None:
@@ -59,6 +71,11 @@ class SamplingParams:
         _check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", self.top_k,
                "an integer >= 1, or 0 / -1 to disable")
         _check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "a float in [0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_is_real(value) and -2.0 <= value <= 2.0, name, value, "a float in [-2, 2]")
+        _check(_is_real(self.repetition_penalty) and self.repetition_penalty > 0.0,
+               "repetition_penalty", self.repetition_penalty, "a float > 0 (1.0 disables it)")
         _check(self.seed is None or isinstance(self.seed, int), "seed", self.seed,
                "an integer or None")
         max_tokens_ok = self.max_tokens is None or (
@@ -75,6 +92,10 @@ class SamplingParams:
         _check(self.logprobs is None or (isinstance(self.logprobs, int)
                                          and 0 <= self.logprobs <= MAX_LOGPROBS),
                "logprobs", self.logprobs, f"None or an integer in [0, {MAX_LOGPROBS}]")
+        _check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int)
+                                                and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+               "prompt_logprobs", self.prompt_logprobs,
+               f"None or an integer in [0, {MAX_LOGPROBS}]")
         _check(isinstance(self.output_kind, RequestOutputKind), "output_kind", self.output_kind,
                "a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY)")
 
@@ -85,6 +106,35 @@ class SamplingParams:
     @property
     def stop_strings(self) -> tuple[str, ...]:
         return self._stop
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether presence, frequency or repetition penalties change the logits."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+
+def _is_real(value: object) -> bool:
+    """A real number, not a bool, not NaN."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and value == value
+
+
+def _normalize_logit_bias(logit_bias: object) -> dict[int, float] | None:
+    """{token id: bias} with int ids (JSON gives strings) and biases clamped to [-100, 100]."""
+    if logit_bias is None:
+        return None
+    expected = "a dict {token id: bias} with token ids >= 0 and finite biases"
+    _check(isinstance(logit_bias, dict), "logit_bias", logit_bias, expected)
+    out = {}
+    for token, bias in logit_bias.items():
+        try:
+            token_id = int(token)
+        except (TypeError, ValueError):
+            token_id = -1
+        _check(token_id >= 0 and not isinstance(token, (bool, float)) and _is_real(bias)
+               and abs(bias) != float("inf"), "logit_bias", {token: bias}, expected)
+        out[token_id] = min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, float(bias)))
+    return out
 
 
 def _check(ok: bool, name: str, value: object, expected: str) -> None:

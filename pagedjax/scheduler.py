@@ -119,7 +119,9 @@ class Scheduler:
     def _schedule_waiting(self, step: SchedulerOutput) -> None:
         while self.waiting and self._budget(step) > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            hits = self.block_manager.get_computed_blocks(seq.token_ids)
+            # A prompt whose logprobs are due is computed whole, as vLLM does: no cache hits.
+            hits = ([] if seq.needs_prompt_logprobs
+                    else self.block_manager.get_computed_blocks(seq.token_ids))
             num_computed = len(hits) * self.block_manager.block_size
             num_new = min(seq.num_tokens - num_computed, self._budget(step))
             num_spec = self._num_spec_tokens(step, seq, num_computed, num_new, 0)
@@ -139,12 +141,15 @@ class Scheduler:
                          num_new: int, num_draft_computed: int | None = None) -> int:
         """Draft slots for seq this step: only once its last real token is computed and the
         draft can catch up to it, within the budget and what max_tokens leaves, and never while
-        forking or below min_tokens."""
+        forking or below min_tokens. Penalties and logit_bias change the target's distribution
+        per position (counts grow with each accepted draft): their sequences do not draft."""
         end_pos = num_computed + num_new
+        params = seq.sampling_params
         if num_draft_computed is None:
             num_draft_computed = seq.num_draft_computed_tokens
         if (not step.num_spec_tokens or end_pos < seq.num_tokens or seq.num_pending_forks
-                or seq.num_output_tokens < seq.sampling_params.min_tokens
+                or params.has_penalties or params.logit_bias
+                or seq.num_output_tokens < params.min_tokens
                 or end_pos - num_draft_computed > self._draft_budget):
             return 0
         remaining = seq.max_tokens - seq.num_output_tokens - 1
@@ -185,6 +190,7 @@ class Scheduler:
             block_table=list(self.block_manager.get_block_table(seq.seq_id)),
             num_spec_tokens=num_spec,
             draft_start_pos=seq.num_draft_computed_tokens,
+            prompt_logprob_token_ids=seq.prompt_logprob_token_ids(start, end),
         )
         if self._draft_budget:  # the draft runs this step: it catches up as far as it may
             num_catch_up = min(end - entry.draft_start_pos, self._draft_budget)
@@ -218,7 +224,8 @@ class Scheduler:
             banned = list(params.stop_token_ids)
             if not params.ignore_eos:
                 banned += self.stop_checker.eos_token_ids
-        return SampleSpec(seq.seq_id, params, seq.rng_seed, seq.num_output_tokens, banned)
+        return SampleSpec(seq.seq_id, params, seq.rng_seed, seq.num_output_tokens, banned,
+                          *seq.penalty_token_ids())
 
     # ---- update ------------------------------------------------------------------------------
 

@@ -16,6 +16,9 @@ class SampleSpec:
     rng_seed: int  # uint32 stream of this completion
     rng_step: int  # tokens it generated so far: the counter of its random numbers
     banned_token_ids: list[int]  # EOS / stop ids masked while below min_tokens
+    # Penalties (SamplingParams.has_penalties; empty otherwise): what they count.
+    penalty_prompt_token_ids: list[int] = field(default_factory=list)  # distinct; repetition only
+    output_token_ids: list[int] = field(default_factory=list)  # every output token so far
 
 
 @dataclass
@@ -35,6 +38,9 @@ class ScheduledSequence:
     num_spec_tokens: int = 0
     draft_start_pos: int = 0
     draft_token_ids: list[int] = field(default_factory=list)
+    # prompt_logprobs: the prompt token after each of the first len(...) new tokens, whose
+    # logprob given its prefix this step computes (empty once the prompt is scored).
+    prompt_logprob_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_new_tokens(self) -> int:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pagedjax.sampling_params import SamplingParams
 
@@ -38,6 +38,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
+    _distinct_prompt_token_ids: list[int] | None = field(default=None, repr=False)
 
     @property
     def num_tokens(self) -> int:
@@ -50,6 +51,32 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """prompt_logprobs asked for and the prompt not scored yet (no output so far)."""
+        return self.sampling_params.prompt_logprobs is not None and not self.num_output_tokens
+
+    def prompt_logprob_token_ids(self, start: int, end: int) -> list[int]:
+        """The prompt tokens that positions [start, end) score (each the token after it), while
+        the prompt's logprobs are still due."""
+        if not self.needs_prompt_logprobs:
+            return []
+        return self.token_ids[start + 1 : min(end + 1, self.num_prompt_tokens)]
+
+    def penalty_token_ids(self) -> tuple[list[int], list[int]]:
+        """(distinct prompt tokens, output tokens with repeats): what the penalties count. Both
+        empty without penalties; the prompt's only matter to repetition_penalty."""
+        params = self.sampling_params
+        if not params.has_penalties:
+            return [], []
+        prompt = []
+        if params.repetition_penalty != 1.0:
+            if self._distinct_prompt_token_ids is None:  # the prompt never changes: once
+                self._distinct_prompt_token_ids = sorted(set(
+                    self.token_ids[: self.num_prompt_tokens]))
+            prompt = self._distinct_prompt_token_ids
+        return prompt, self.token_ids[self.num_prompt_tokens :]
 
     def fork(self, seq_id: int, index: int, rng_seed: int) -> Sequence:
         """A sibling completion that shares everything computed so far."""
@@ -67,4 +94,5 @@ class Sequence:
             num_draft_computed_tokens=self.num_draft_computed_tokens,
             num_cached_tokens=self.num_cached_tokens,
             status=self.status,
+            _distinct_prompt_token_ids=self._distinct_prompt_token_ids,
         )

@@ -75,7 +75,7 @@ def test_engine_loop_with_n_and_logprobs(model) -> None:
     """vLLM's llm_engine_example: add requests, step until none is unfinished."""
     engine = LLMEngine.from_engine_args(EngineArgs(model=model, **SMALL))
     requests = [("a", PROMPTS[0], SamplingParams(n=2, temperature=0.8, seed=1, max_tokens=6,
-                                                  logprobs=2)),
+                                                  logprobs=2, prompt_logprobs=1)),
                 ("b", PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=4))]
     finished = {}
     while requests or engine.has_unfinished_requests():
@@ -89,6 +89,13 @@ def test_engine_loop_with_n_and_logprobs(model) -> None:
     assert all(c.token_ids[0] in c.logprobs[0] for c in sampled)
     first = sampled[0].logprobs[0][sampled[0].token_ids[0]]
     assert isinstance(first, Logprob) and first.logprob <= 0.0 and first.decoded_token is not None
+    assert first.rank >= 1
+    prompt_logprobs = finished["a"].prompt_logprobs  # vLLM's shape: None, then one dict a token
+    assert len(prompt_logprobs) == len(finished["a"].prompt_token_ids)
+    assert prompt_logprobs[0] is None and all(
+        token in entry and len(entry) <= 2 and isinstance(entry[token], Logprob)
+        for token, entry in zip(finished["a"].prompt_token_ids[1:], prompt_logprobs[1:]))
+    assert finished["b"].prompt_logprobs is None
     assert len(finished["b"].outputs[0].token_ids) == 4
 
 

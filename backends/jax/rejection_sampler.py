@@ -18,10 +18,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pagedjax.backends.jax.sampler import filter_logits, uniform
+from pagedjax.backends.jax.sampler import filter_logits, process_logits, uniform
 
 PLACEHOLDER_TOKEN_ID = -1  # pads output_token_ids after the recovered / bonus token
-_PER_ROW_KNOBS = ("temperature", "top_k", "top_p", "min_p")
 
 
 def sampling_probs(logits: jax.Array, sampling: dict, *, all_greedy: bool,
@@ -52,17 +51,21 @@ def rejection_sample(target_logits: jax.Array, draft_token_ids: jax.Array,
     draft_probs      [L, K, V] float32: q_j, the draft's sampling distribution for draft j
                      (unused, may be None, when all_greedy)
     num_draft_tokens [L] int32 in [0, K]
-    sampling         [L] arrays as in the sampler; banned_* pairs, if present, ban at every
-                     position of their row (the scheduler never drafts under min_tokens)
+    sampling         [L] arrays as in the sampler; banned tokens, logit_bias and penalties, if
+                     present, apply at every position of their row (such rows have no drafts:
+                     the scheduler does not draft for them)
     Returns output_token_ids [L, K+1] int32 (accepted, then recovered or bonus, then -1) and
     num_accepted [L] int32.
     """
     num_drafts = draft_token_ids.shape[1]  # K
-    target_logits = _mask_banned(target_logits, sampling)
+    num_rows, num_positions, vocab = target_logits.shape
+    positions = _per_position(sampling, num_positions)  # [L * (K+1)] rows
+    target_logits = process_logits(target_logits.reshape(-1, vocab), positions).reshape(
+        num_rows, num_positions, vocab)
     target_argmax = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [L, K+1]
     accepted = target_argmax[:, :num_drafts] == draft_token_ids  # [L, K], the greedy rule
     if not all_greedy:
-        target_probs = _target_probs(target_logits, sampling, use_filters=use_filters)
+        target_probs = _target_probs(target_logits, positions, use_filters=use_filters)
         random_rows = (sampling["temperature"] > 0)[:, None]  # [L, 1]
         accepted = jnp.where(random_rows, _accept_random(target_probs, draft_token_ids,
                                                          draft_probs, sampling), accepted)
@@ -76,21 +79,26 @@ def rejection_sample(target_logits: jax.Array, draft_token_ids: jax.Array,
     return _assemble(draft_token_ids, next_token, num_accepted), num_accepted.astype(jnp.int32)
 
 
-def _mask_banned(target_logits: jax.Array, sampling: dict) -> jax.Array:
-    """target_logits [L, K+1, V] with banned (row, token) pairs [P] at -inf; row -1 pads."""
-    if "banned_rows" not in sampling:
-        return target_logits
-    rows = sampling["banned_rows"]
-    rows = jnp.where(rows >= 0, rows, target_logits.shape[0])  # padding lands out of range
-    return target_logits.at[rows, :, sampling["banned_token_ids"]].set(-jnp.inf, mode="drop")
+def _per_position(sampling: dict, num_positions: int) -> dict:
+    """The sampling inputs of rows [L] for rows [L * (K+1)], position j of row l being row
+    l * (K+1) + j: per-row knobs repeated, (row, token) pairs once per position."""
+    out = {}
+    for name, x in sampling.items():
+        if name.startswith("rng_"):
+            continue
+        if name.endswith("_rows"):  # -1 pads
+            rows = x[:, None] * num_positions + jnp.arange(num_positions, dtype=x.dtype)
+            out[name] = jnp.where(x[:, None] >= 0, rows, -1).reshape(-1)  # [P * (K+1)]
+        else:
+            out[name] = jnp.repeat(x, num_positions)
+    return out
 
 
-def _target_probs(target_logits: jax.Array, sampling: dict, *, use_filters: bool) -> jax.Array:
-    """p_j for every position: target_logits [L, K+1, V] → [L, K+1, V], as the sampler sees it."""
+def _target_probs(target_logits: jax.Array, positions: dict, *, use_filters: bool) -> jax.Array:
+    """p_j for every position: target_logits [L, K+1, V] → [L, K+1, V], as the sampler sees it.
+    positions: the knobs per position (_per_position)."""
     num_rows, num_positions, vocab = target_logits.shape
-    knobs = {name: jnp.repeat(sampling[name], num_positions)  # [L * (K+1)]
-             for name in _PER_ROW_KNOBS if name in sampling}
-    probs = sampling_probs(target_logits.reshape(-1, vocab), knobs, all_greedy=False,
+    probs = sampling_probs(target_logits.reshape(-1, vocab), positions, all_greedy=False,
                            use_filters=use_filters)
     return probs.reshape(num_rows, num_positions, vocab)
 

@@ -13,25 +13,23 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from pagedjax.backends.jax.attention import resolve_attention
 from pagedjax.backends.jax.model import AttentionMetadata, KVCache, LlamaForCausalLM
 from pagedjax.backends.jax.params import load_params
 from pagedjax.backends.jax.rejection_sampler import rejection_sample
-from pagedjax.backends.jax.sampler import gather_logprobs, sample
+from pagedjax.backends.jax.sampler import gather_logprobs, sample, score_prompt_tokens
 from pagedjax.backends.jax.sharding import KV_CACHE, REPLICATED, make_mesh, per_shard
 from pagedjax.backends.jax.spec_step import propose_drafts
 from pagedjax.backends.rope import rope_cos_sin
-from pagedjax.batch import BatchLayout, ModelInput, ModelOutput
+from pagedjax.batch import SAMPLING_FIELDS, BatchLayout, ModelInput, ModelOutput, StepOutput
 from pagedjax.config import EngineConfig, ModelConfig
 from pagedjax.kv_cache import num_kv_blocks_for_budget, warm_up_input
 from pagedjax.model_runner import auto_dtype
 from pagedjax.parallel import TensorParallelPlan
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-_SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "banned_rows", "banned_token_ids")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,22 +154,16 @@ class JaxModelRunner:
             self.target.params, draft_params, self.kv_caches, self.draft_kv_caches,
             jnp.asarray(model_input.ints), jnp.asarray(model_input.floats),
             layout=model_input.layout)
-        tokens, logprobs, top_ids, top_lps = jax.device_get(out)
-        n = model_input.num_logits
-        return ModelOutput(
-            seq_ids=model_input.seq_ids, sampled_token_ids=np.asarray(tokens[:n]),
-            sampled_logprobs=np.asarray(logprobs[:n]),
-            top_logprob_ids=None if top_ids is None else np.asarray(top_ids[:n]),
-            top_logprobs=None if top_lps is None else np.asarray(top_lps[:n]))
+        return ModelOutput.from_step(model_input, jax.device_get(out))
 
     def _step_fn(self, params: dict, draft_params: dict | None, kv_caches: list[KVCache],
                  draft_kv_caches: list[KVCache], ints: jax.Array, floats: jax.Array, *,
                  layout: BatchLayout) -> tuple:
-        """The whole step on the device → (caches, draft caches, (tokens [L, K+1],
-        logprobs [L, K+1], top ids [L, K+1, N] | None, top logprobs | None))."""
+        """The whole step on the device → (caches, draft caches, StepOutput with tokens and
+        logprobs [L, K+1], and what the layout asks for besides)."""
         self.num_compiles += 1  # runs only while tracing
         b = layout.unpack(ints, floats)
-        sampling = {name: b[name] for name in _SAMPLING_FIELDS}
+        sampling = {name: b[name] for name in SAMPLING_FIELDS if name in b}
         for name in ("rng_seed", "rng_step"):  # uint32 counters carried as int32 bits
             sampling[name] = jax.lax.bitcast_convert_type(b[name], jnp.uint32)
         input_ids, k = b["input_ids"], layout.num_spec_tokens
@@ -185,21 +177,27 @@ class JaxModelRunner:
                                  b["kv_lens"], b["block_tables"], *self.target.rope,
                                  decode=layout.decode)
         indices = b["logits_indices"]  # [L, K+1]
-        logits, kv_caches = self.target.forward(params)(input_ids, kv_caches, meta,
-                                                        indices.reshape(-1))
+        rows = indices.reshape(-1)
+        if layout.num_prompt_logprobs:  # the prompt positions scored, after the sampled rows
+            rows = jnp.concatenate([rows, b["prompt_logprobs_indices"]])
+        logits, kv_caches = self.target.forward(params)(input_ids, kv_caches, meta, rows)
+        prompt = ()
+        if layout.num_prompt_logprobs:
+            logits, prompt_logits = logits[: indices.size], logits[indices.size :]
+            prompt = score_prompt_tokens(prompt_logits, b["prompt_logprobs_token_ids"])
         flags = dict(all_greedy=layout.all_greedy, use_filters=layout.use_filters)
         if not k:
             out = sample(logits, sampling, num_top_logprobs=layout.num_top_logprobs, **flags)
-            return kv_caches, draft_kv_caches, tuple(None if x is None else x[:, None]
-                                                     for x in out)
+            out = tuple(None if x is None else x[:, None] for x in out)  # [L, 1, ...]
+            return kv_caches, draft_kv_caches, StepOutput(*out, *prompt)
         logits = logits.reshape(*indices.shape, -1)  # [L, K+1, V]
-        rows = b["sample_seq"]  # [L]: the sequence whose drafts row l verifies
+        seqs = b["sample_seq"]  # [L]: the sequence whose drafts row l verifies
         tokens, _ = rejection_sample(
-            logits, drafts[rows], None if draft_probs is None else draft_probs[rows],
+            logits, drafts[seqs], None if draft_probs is None else draft_probs[seqs],
             b["num_draft_tokens"], sampling, **flags)
         logprobs = jax.nn.log_softmax(logits, axis=-1)
-        return kv_caches, draft_kv_caches, (tokens, *gather_logprobs(
-            logprobs, tokens, layout.num_top_logprobs))
+        return kv_caches, draft_kv_caches, StepOutput(tokens, *gather_logprobs(
+            logprobs, tokens, layout.num_top_logprobs), *prompt)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))

@@ -1,8 +1,9 @@
 """On-device sampling for the JAX runner; semantics shared with the torch sampler.
 
-Order: raw logprobs (returned) → banned tokens (min_tokens) → greedy rows take the argmax;
-random rows divide by temperature, keep top-k, then top-p, then min-p, and take the argmax of
-logits + Gumbel noise from pagedjax.random's counters (an exact categorical sample).
+Order (vLLM's): raw logprobs (returned) → banned tokens (min_tokens) → logit_bias → repetition,
+frequency and presence penalties → greedy rows take the argmax; random rows divide by
+temperature, keep top-k, then top-p, then min-p, and take the argmax of logits + Gumbel noise
+from pagedjax.random's counters (an exact categorical sample).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from pagedjax import random as prng
+from pagedjax.sampling_params import MAX_LOGPROBS
 
 
 def _mix32(x: jax.Array) -> jax.Array:
@@ -44,12 +46,46 @@ def filter_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array,
     return jnp.where(logits >= threshold[:, None], logits, -jnp.inf)
 
 
+def _row_counts(sampling: dict, num_rows: int, vocab: int) -> tuple[jax.Array, jax.Array]:
+    """The penalties' (row, token, count) triples [Q] → output token counts [L, V] int32 and
+    seen-in-prompt-or-output [L, V] bool (row -1 pads: dropped)."""
+    rows = jnp.where(sampling["penalty_rows"] >= 0, sampling["penalty_rows"], num_rows)
+    tokens = sampling["penalty_token_ids"]
+    counts = jnp.zeros((num_rows, vocab), jnp.int32).at[rows, tokens].add(
+        sampling["penalty_counts"], mode="drop")
+    seen = jnp.zeros((num_rows, vocab), jnp.bool_).at[rows, tokens].set(True, mode="drop")
+    return counts, seen
+
+
+def process_logits(logits: jax.Array, sampling: dict) -> jax.Array:
+    """The logits [L, V] rows sample from: banned tokens at -inf, logit_bias added, then
+    repetition, frequency and presence penalties (vLLM's definitions). Inputs the layout lacks
+    are skipped."""
+    num_rows, vocab = logits.shape
+    if "banned_rows" in sampling:
+        rows = jnp.where(sampling["banned_rows"] >= 0, sampling["banned_rows"], num_rows)
+        logits = logits.at[rows, sampling["banned_token_ids"]].set(-jnp.inf, mode="drop")
+    if "bias_rows" in sampling:
+        rows = jnp.where(sampling["bias_rows"] >= 0, sampling["bias_rows"], num_rows)
+        logits = logits + jnp.zeros((num_rows, vocab), jnp.float32).at[
+            rows, sampling["bias_token_ids"]].add(sampling["logit_bias"], mode="drop")
+    if "penalty_rows" in sampling:
+        counts, seen = _row_counts(sampling, num_rows, vocab)  # [L, V]
+        # [L, V], not a broadcast: XLA would turn a division by a broadcast into an inexact
+        # multiplication by its reciprocal.
+        penalty = jnp.where(seen, sampling["repetition_penalty"][:, None], 1.0)
+        logits = jnp.where(logits > 0, logits / penalty, logits * penalty)
+        logits = logits - sampling["frequency_penalty"][:, None] * counts
+        logits = logits - sampling["presence_penalty"][:, None] * (counts > 0)
+    return logits
+
+
 def sample(logits: jax.Array, sampling: dict, *, num_top_logprobs: int, all_greedy: bool,
-           use_filters: bool) -> tuple[jax.Array, ...]:
-    """logits [L, V] float32 → token ids [L], logprobs [L], top ids [L, K], top logprobs [L, K]."""
+           use_filters: bool) -> tuple[jax.Array | None, ...]:
+    """logits [L, V] float32 → token ids [L], then gather_logprobs' (logprobs [L], top ids
+    [L, N], top logprobs [L, N], ranks [L]): a StepOutput's first five fields."""
     logprobs = jax.nn.log_softmax(logits, axis=-1)
-    rows = jnp.where(sampling["banned_rows"] >= 0, sampling["banned_rows"], logits.shape[0])
-    logits = logits.at[rows, sampling["banned_token_ids"]].set(-jnp.inf, mode="drop")
+    logits = process_logits(logits, sampling)
     tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if not all_greedy:
         temperature = sampling["temperature"]
@@ -63,12 +99,21 @@ def sample(logits: jax.Array, sampling: dict, *, num_top_logprobs: int, all_gree
 
 
 def gather_logprobs(logprobs: jax.Array, tokens: jax.Array,
-                    num_top_logprobs: int) -> tuple[jax.Array, ...]:
+                    num_top_logprobs: int) -> tuple[jax.Array | None, ...]:
     """logprobs [..., V], tokens [...] (-1 = none) → (token logprobs [...], top ids [..., N],
-    top logprobs [..., N]); the top ones are None when N is 0."""
+    top logprobs [..., N], ranks [...]); all but the first are None when N is 0.
+
+    A token's rank is the number of tokens at least as likely (vLLM's): 1 = the most likely."""
     safe = jnp.maximum(tokens, 0)[..., None]
     token_logprobs = jnp.take_along_axis(logprobs, safe, axis=-1)[..., 0]
     if num_top_logprobs == 0:
-        return token_logprobs, None, None
+        return token_logprobs, None, None, None
+    ranks = jnp.sum(logprobs >= token_logprobs[..., None], axis=-1, dtype=jnp.int32)
     top_lps, top_ids = jax.lax.top_k(logprobs, num_top_logprobs)
-    return token_logprobs, top_ids.astype(jnp.int32), top_lps
+    return token_logprobs, top_ids.astype(jnp.int32), top_lps, ranks
+
+
+def score_prompt_tokens(logits: jax.Array, token_ids: jax.Array) -> tuple[jax.Array, ...]:
+    """prompt_logprobs: logits [Pl, V] at prompt positions, token_ids [Pl] the prompt token
+    after each → gather_logprobs' four, with the top MAX_LOGPROBS."""
+    return gather_logprobs(jax.nn.log_softmax(logits, axis=-1), token_ids, MAX_LOGPROBS)

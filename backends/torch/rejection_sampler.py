@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from pagedjax.backends.torch.sampler import banned_mask, filter_logits, uniform
+from pagedjax.backends.torch.sampler import filter_logits, process_logits, uniform
 
 PLACEHOLDER_TOKEN_ID = -1  # pads output_token_ids after the recovered / bonus token
-_PER_ROW_KNOBS = ("temperature", "top_k", "top_p", "min_p")
 _MASK32 = 0xFFFFFFFF  # rng counters are uint32 values held in int64
 
 
@@ -45,17 +44,21 @@ def rejection_sample(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
     draft_token_ids  [L, K] int32, valid for j < num_draft_tokens[l] (anything, e.g. -1, after)
     draft_probs      [L, K, V] float32: q_j, the draft's sampling distribution for draft j
     num_draft_tokens [L] int32 in [0, K]
-    sampling         [L] tensors as in the sampler (rng_seed / rng_step int64); banned_* pairs,
-                     if present, ban at every position of their row (no drafts under min_tokens)
+    sampling         [L] tensors as in the sampler (rng_seed / rng_step int64); banned tokens,
+                     logit_bias and penalties, if present, apply at every position of their row
+                     (such rows have no drafts: the scheduler does not draft for them)
     Returns output_token_ids [L, K+1] int32 (accepted, then recovered or bonus, then -1) and
     num_accepted [L] int32.
     """
     num_drafts = draft_token_ids.shape[1]  # K
-    target_logits = _mask_banned(target_logits, sampling)
+    num_rows, num_positions, vocab = target_logits.shape
+    positions = _per_position(sampling, num_positions)  # [L * (K+1)] rows
+    target_logits = process_logits(target_logits.reshape(-1, vocab), positions).view(
+        num_rows, num_positions, vocab)
     target_argmax = torch.argmax(target_logits, dim=-1)  # [L, K+1] int64
     accepted = target_argmax[:, :num_drafts] == draft_token_ids.long()  # [L, K], greedy rule
     if not all_greedy:
-        target_probs = _target_probs(target_logits, sampling, use_filters=use_filters)
+        target_probs = _target_probs(target_logits, positions, use_filters=use_filters)
         random_rows = (sampling["temperature"] > 0)[:, None]  # [L, 1]
         accepted = torch.where(random_rows, _accept_random(target_probs, draft_token_ids,
                                                            draft_probs, sampling), accepted)
@@ -70,23 +73,29 @@ def rejection_sample(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
     return _assemble(draft_token_ids, next_token, num_accepted), num_accepted.to(torch.int32)
 
 
-def _mask_banned(target_logits: torch.Tensor,
-                 sampling: dict[str, torch.Tensor]) -> torch.Tensor:
-    """target_logits [L, K+1, V] with banned (row, token) pairs [P] at -inf; row -1 pads."""
-    if "banned_rows" not in sampling:
-        return target_logits
-    num_rows, _, vocab = target_logits.shape
-    banned = banned_mask(sampling, num_rows, vocab, target_logits.device)  # [L, V]
-    return target_logits.masked_fill(banned[:, None, :], float("-inf"))
+def _per_position(sampling: dict[str, torch.Tensor], num_positions: int
+                  ) -> dict[str, torch.Tensor]:
+    """The sampling inputs of rows [L] for rows [L * (K+1)], position j of row l being row
+    l * (K+1) + j: per-row knobs repeated, (row, token) pairs once per position."""
+    out = {}
+    for name, x in sampling.items():
+        if name.startswith("rng_"):
+            continue
+        if name.endswith("_rows"):  # -1 pads
+            rows = x[:, None] * num_positions + torch.arange(num_positions, dtype=x.dtype,
+                                                             device=x.device)
+            out[name] = torch.where(x[:, None] >= 0, rows, -1).reshape(-1)  # [P * (K+1)]
+        else:
+            out[name] = x.repeat_interleave(num_positions)
+    return out
 
 
-def _target_probs(target_logits: torch.Tensor, sampling: dict[str, torch.Tensor], *,
+def _target_probs(target_logits: torch.Tensor, positions: dict[str, torch.Tensor], *,
                   use_filters: bool) -> torch.Tensor:
-    """p_j for every position: target_logits [L, K+1, V] → [L, K+1, V], as the sampler sees it."""
+    """p_j for every position: target_logits [L, K+1, V] → [L, K+1, V], as the sampler sees it.
+    positions: the knobs per position (_per_position)."""
     num_rows, num_positions, vocab = target_logits.shape
-    knobs = {name: sampling[name].repeat_interleave(num_positions)  # [L * (K+1)]
-             for name in _PER_ROW_KNOBS if name in sampling}
-    probs = sampling_probs(target_logits.reshape(-1, vocab), knobs, all_greedy=False,
+    probs = sampling_probs(target_logits.reshape(-1, vocab), positions, all_greedy=False,
                            use_filters=use_filters)
     return probs.reshape(num_rows, num_positions, vocab)
 

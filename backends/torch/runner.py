@@ -27,9 +27,16 @@ from pagedjax.backends.torch.model import (
 )
 from pagedjax.backends.torch.parallel import Shard, Workers
 from pagedjax.backends.torch.rejection_sampler import rejection_sample
-from pagedjax.backends.torch.sampler import gather_logprobs, sample
+from pagedjax.backends.torch.sampler import gather_logprobs, sample, score_prompt_tokens
 from pagedjax.backends.torch.spec_step import propose_drafts
-from pagedjax.batch import BatchLayout, ModelInput, ModelOutput, bucket
+from pagedjax.batch import (
+    SAMPLING_FIELDS,
+    BatchLayout,
+    ModelInput,
+    ModelOutput,
+    StepOutput,
+    bucket,
+)
 from pagedjax.config import EngineConfig, ModelConfig
 from pagedjax.kernels_cuda import ragged_paged_attention, reference, write_kv
 from pagedjax.kv_cache import num_kv_blocks_for_budget, warm_up_input
@@ -38,7 +45,6 @@ from pagedjax.parallel import TensorParallelPlan
 
 ATTENTION_IMPLS = ("auto", "reference")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "banned_rows", "banned_token_ids")
 _MAX_GRAPH_DRAFT_QUERY = 4  # graphs serve steps whose draft catch-up is at most this long
 
 
@@ -218,11 +224,11 @@ class TorchModelRunner:
 
     def _step(self, ints: torch.Tensor, floats: torch.Tensor, *, layout: BatchLayout,
               num_spec_tokens: int, max_query_len: int,
-              max_draft_query_len: int) -> tuple[torch.Tensor | None, ...]:
-        """The whole step on the device → (tokens [L, K+1], logprobs [L, K+1], top ids
-        [L, K+1, N] | None, top logprobs | None). num_spec_tokens: the step's k (<= K)."""
+              max_draft_query_len: int) -> StepOutput:
+        """The whole step on the device → StepOutput: tokens and logprobs [L, K+1], and what the
+        layout asks for besides. num_spec_tokens: the step's k (<= K)."""
         b = layout.unpack(ints, floats)
-        sampling = {name: b[name] for name in _SAMPLING_FIELDS}
+        sampling = {name: b[name] for name in SAMPLING_FIELDS if name in b}
         for name in ("rng_seed", "rng_step"):  # uint32 counters, emulated in int64
             sampling[name] = b[name].to(torch.int64) & 0xFFFFFFFF
         target, k = self.models[0], layout.num_spec_tokens
@@ -240,18 +246,26 @@ class TorchModelRunner:
                                  b["kv_lens"], b["block_tables"], *target.rope,
                                  max_query_len=max_query_len)
         indices = b["logits_indices"]  # [L, K+1]
-        logits = target.forward(input_ids, target.kv_caches, meta, indices.reshape(-1))
+        rows = indices.reshape(-1)
+        if layout.num_prompt_logprobs:  # the prompt positions scored, after the sampled rows
+            rows = torch.cat([rows, b["prompt_logprobs_indices"]])
+        logits = target.forward(input_ids, target.kv_caches, meta, rows)
+        prompt = ()
+        if layout.num_prompt_logprobs:
+            logits, prompt_logits = logits[: indices.numel()], logits[indices.numel() :]
+            prompt = score_prompt_tokens(prompt_logits, b["prompt_logprobs_token_ids"])
         flags = dict(all_greedy=layout.all_greedy, use_filters=layout.use_filters)
         if not k:
             out = sample(logits, sampling, num_top_logprobs=layout.num_top_logprobs, **flags)
-            return tuple(None if x is None else x[:, None] for x in out)
+            return StepOutput(*(None if x is None else x[:, None] for x in out), *prompt)
         logits = logits.view(*indices.shape, -1)  # [L, K+1, V]
-        rows = b["sample_seq"].long()  # [L]: the sequence whose drafts row l verifies
+        seqs = b["sample_seq"].long()  # [L]: the sequence whose drafts row l verifies
         tokens, _ = rejection_sample(
-            logits, drafts[rows], None if draft_probs is None else draft_probs[rows],
+            logits, drafts[seqs], None if draft_probs is None else draft_probs[seqs],
             b["num_draft_tokens"], sampling, **flags)
         logprobs = torch.log_softmax(logits, dim=-1)
-        return (tokens, *gather_logprobs(logprobs, tokens, layout.num_top_logprobs))
+        return StepOutput(tokens, *gather_logprobs(logprobs, tokens, layout.num_top_logprobs),
+                          *prompt)
 
     def _copy_blocks(self, copies: torch.Tensor) -> None:
         """Copy-on-write: block copies[:, 1] becomes a copy of block copies[:, 0] in every layer
@@ -262,14 +276,10 @@ class TorchModelRunner:
                 k_cache[dst] = k_cache[src]  # the gather copies first, as the JAX .at[].set
                 v_cache[dst] = v_cache[src]
 
-    def _to_host(self, out: tuple[torch.Tensor | None, ...],
-                 model_input: ModelInput) -> ModelOutput:
+    def _to_host(self, out: StepOutput, model_input: ModelInput) -> ModelOutput:
         """The step's one device→host transfer (and its one synchronisation)."""
-        n = model_input.num_logits
-        host = [None if t is None else t[:n].to("cpu", non_blocking=True) for t in out]
+        host = StepOutput(*(None if t is None else t.to("cpu", non_blocking=True)
+                            for t in out.cut(model_input)))
         if self.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
-        tokens, logprobs, top_ids, top_lps = (None if t is None else t.numpy() for t in host)
-        return ModelOutput(seq_ids=model_input.seq_ids, sampled_token_ids=tokens,
-                           sampled_logprobs=logprobs, top_logprob_ids=top_ids,
-                           top_logprobs=top_lps)
+        return ModelOutput.from_step(model_input, host)

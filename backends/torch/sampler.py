@@ -1,9 +1,10 @@
 """On-device sampling for the torch runner: the semantics of backends/jax/sampler.py, op for op.
 
-Order: raw logprobs (returned) → banned tokens (min_tokens) → greedy rows take the argmax;
-random rows divide by temperature, keep top-k, then top-p, then min-p, and take the argmax of
-logits + Gumbel noise from pagedjax.random's counters (an exact categorical sample), so a seeded
-request samples the same tokens on either backend.
+Order (vLLM's): raw logprobs (returned) → banned tokens (min_tokens) → logit_bias → repetition,
+frequency and presence penalties → greedy rows take the argmax; random rows divide by
+temperature, keep top-k, then top-p, then min-p, and take the argmax of logits + Gumbel noise
+from pagedjax.random's counters (an exact categorical sample), so a seeded request samples the
+same tokens on either backend.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from pagedjax import random as prng
+from pagedjax.sampling_params import MAX_LOGPROBS
 
 _MASK32 = 0xFFFFFFFF
 
@@ -49,29 +51,55 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     return logits.masked_fill(logits < threshold[:, None], float("-inf"))
 
 
-def banned_mask(sampling: dict[str, torch.Tensor], num_rows: int, vocab: int,
-                device: torch.device) -> torch.Tensor:
-    """[L, V] bool, True at the banned (row, token) pairs [P]; row -1 is padding.
+def _scatter(sampling: dict[str, torch.Tensor], prefix: str, num_rows: int, vocab: int,
+             values: torch.Tensor | None = None) -> torch.Tensor:
+    """At the (row, token) pairs sampling[prefix + "_rows"], sampling[prefix + "_token_ids"]
+    [P] (row -1 pads): [L, V] bool, True there; or with values [P], their sums there.
 
     Padding pairs land in an extra row that is cut off (no data-dependent shapes, no host sync).
     """
-    rows = sampling["banned_rows"]
+    rows = sampling[prefix + "_rows"]
     rows = torch.where(rows >= 0, rows, num_rows).long()
-    mask = torch.zeros(num_rows + 1, vocab, dtype=torch.bool, device=device)
-    mask[rows, sampling["banned_token_ids"].long()] = True
-    return mask[:num_rows]
+    index = (rows, sampling[prefix + "_token_ids"].long())
+    dtype = torch.bool if values is None else values.dtype
+    out = torch.zeros(num_rows + 1, vocab, dtype=dtype, device=rows.device)
+    if values is None:
+        out[index] = True
+    else:
+        out.index_put_(index, values, accumulate=True)
+    return out[:num_rows]
+
+
+def process_logits(logits: torch.Tensor, sampling: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The logits [L, V] rows sample from: banned tokens at -inf, logit_bias added, then
+    repetition, frequency and presence penalties (vLLM's definitions). Inputs the layout lacks
+    are skipped."""
+    num_rows, vocab = logits.shape
+    if "banned_rows" in sampling:
+        logits = logits.masked_fill(_scatter(sampling, "banned", num_rows, vocab), float("-inf"))
+    if "bias_rows" in sampling:
+        logits = logits + _scatter(sampling, "bias", num_rows, vocab, sampling["logit_bias"])
+    if "penalty_rows" in sampling:
+        # [L, V]: output occurrences, and whether a token is in the prompt or the output
+        counts = _scatter(sampling, "penalty", num_rows, vocab, sampling["penalty_counts"])
+        seen = _scatter(sampling, "penalty", num_rows, vocab)
+        penalty = torch.where(seen, sampling["repetition_penalty"][:, None], 1.0)  # [L, V]
+        logits = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits = logits - sampling["frequency_penalty"][:, None] * counts
+        logits = logits - sampling["presence_penalty"][:, None] * (counts > 0)
+    return logits
 
 
 def sample(logits: torch.Tensor, sampling: dict[str, torch.Tensor], *, num_top_logprobs: int,
            all_greedy: bool, use_filters: bool) -> tuple[torch.Tensor | None, ...]:
-    """logits [L, V] float32 → token ids [L], logprobs [L], top ids [L, K], top logprobs [L, K].
+    """logits [L, V] float32 → token ids [L], then gather_logprobs' (logprobs [L], top ids
+    [L, N], top logprobs [L, N], ranks [L]): a StepOutput's first five fields.
 
     sampling: the SamplingMetadata arrays as tensors on logits' device (rng_seed / rng_step as
     int64 holding uint32 values).
     """
     logprobs = torch.log_softmax(logits, dim=-1)
-    logits = logits.masked_fill(banned_mask(sampling, *logits.shape, logits.device),
-                                float("-inf"))
+    logits = process_logits(logits, sampling)
     tokens = torch.argmax(logits, dim=-1).to(torch.int32)
     if not all_greedy:
         temperature = sampling["temperature"]
@@ -87,10 +115,19 @@ def sample(logits: torch.Tensor, sampling: dict[str, torch.Tensor], *, num_top_l
 def gather_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor,
                     num_top_logprobs: int) -> tuple[torch.Tensor | None, ...]:
     """logprobs [..., V], tokens [...] (-1 = none) → (token logprobs [...], top ids [..., N],
-    top logprobs [..., N]); the top ones are None when N is 0."""
+    top logprobs [..., N], ranks [...]); all but the first are None when N is 0.
+
+    A token's rank is the number of tokens at least as likely (vLLM's): 1 = the most likely."""
     safe = tokens.clamp(min=0).long()[..., None]
     token_logprobs = torch.gather(logprobs, -1, safe)[..., 0]
     if num_top_logprobs == 0:
-        return token_logprobs, None, None
+        return token_logprobs, None, None, None
+    ranks = (logprobs >= token_logprobs[..., None]).sum(dim=-1, dtype=torch.int32)
     top_lps, top_ids = torch.topk(logprobs, num_top_logprobs, dim=-1)
-    return token_logprobs, top_ids.to(torch.int32), top_lps
+    return token_logprobs, top_ids.to(torch.int32), top_lps, ranks
+
+
+def score_prompt_tokens(logits: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """prompt_logprobs: logits [Pl, V] at prompt positions, token_ids [Pl] the prompt token
+    after each → gather_logprobs' four, with the top MAX_LOGPROBS."""
+    return gather_logprobs(torch.log_softmax(logits, dim=-1), token_ids, MAX_LOGPROBS)

@@ -49,6 +49,37 @@ def _metadata(seed: int, vocab: int, logits: np.ndarray) -> dict[str, np.ndarray
     }
 
 
+def _processor_metadata(seed: int, vocab: int, logits: np.ndarray) -> dict[str, np.ndarray]:
+    """Penalties on rows 1, 3, 5, 9 and 11 (counting each row's likeliest tokens) and logit_bias
+    on rows 0, 2 and 9, packed as build_model_input packs them; -1 rows pad."""
+    rng = np.random.default_rng(seed + 100)
+    num_rows = len(ROWS)
+    top = np.argsort(-logits, axis=-1)[:, :3]  # [L, 3]
+    rows, tokens, counts = [], [], []
+    for r in (1, 3, 5, 9, 11):
+        prompt = [int(top[r, 1]), *rng.integers(0, vocab, 6).tolist()]  # count 0: prompt
+        output = [int(top[r, 0])] * 2 + [int(top[r, 2])]  # count 1 per occurrence
+        rows += [r] * (len(prompt) + len(output))
+        tokens += prompt + output
+        counts += [0] * len(prompt) + [1] * len(output)
+    bias = [(0, int(top[0, 0]), -100.0), (0, 4, 3.0), (2, 11, 100.0), (9, int(top[9, 1]), 2.5)]
+    penalties = np.zeros((3, num_rows), np.float32)
+    penalties[2] = 1.0  # repetition 1: off
+    penalties[:, [1, 3, 5, 9, 11]] = [[2.0, -1.0, 2.0, 1.0, 1.0], [1.5, 2.0, -0.5, 2.0, 2.0],
+                                      [1.3, 0.8, 1.0, 2.0, 1.1]]
+    pad = [-1, -1, -1]
+    return {
+        "penalty_rows": np.array(rows + pad, np.int32),
+        "penalty_token_ids": np.array(tokens + [0, 0, 0], np.int32),
+        "penalty_counts": np.array(counts + [1, 1, 1], np.int32),
+        "presence_penalty": penalties[0], "frequency_penalty": penalties[1],
+        "repetition_penalty": penalties[2],
+        "bias_rows": np.array([r for r, _, _ in bias] + pad, np.int32),
+        "bias_token_ids": np.array([t for _, t, _ in bias] + [0, 0, 0], np.int32),
+        "logit_bias": np.array([b for _, _, b in bias] + [0.0, 0.0, 0.0], np.float32),
+    }
+
+
 def _torch_sampling(meta: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
     out = {k: torch.from_numpy(v) for k, v in meta.items()}
     out["rng_seed"] = torch.from_numpy(meta["rng_seed"].astype(np.int64))
@@ -58,9 +89,13 @@ def _torch_sampling(meta: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("seed,vocab", [(0, 512), (1, 1000), (2, 4099)])
 @pytest.mark.parametrize("num_top_logprobs", [0, MAX_LOGPROBS])
-def test_samplers_agree(seed: int, vocab: int, num_top_logprobs: int) -> None:
+@pytest.mark.parametrize("processors", [False, True])
+def test_samplers_agree(seed: int, vocab: int, num_top_logprobs: int, processors: bool) -> None:
+    """processors: some rows also have penalties and logit_bias."""
     logits = np.random.default_rng(seed).normal(0, 3, (len(ROWS), vocab)).astype(np.float32)
     meta = _metadata(seed, vocab, logits)
+    if processors:
+        meta.update(_processor_metadata(seed, vocab, logits))
     flags = dict(num_top_logprobs=num_top_logprobs, all_greedy=False, use_filters=True)
     ref = jax_sampler.sample(jnp.asarray(logits), {k: jnp.asarray(v) for k, v in meta.items()},
                              **flags)
@@ -68,11 +103,19 @@ def test_samplers_agree(seed: int, vocab: int, num_top_logprobs: int) -> None:
     np.testing.assert_array_equal(got[0].numpy(), np.asarray(ref[0]))
     np.testing.assert_allclose(got[1].numpy(), np.asarray(ref[1]), rtol=0, atol=1e-5)
     assert got[0][0] != logits[0].argmax() and got[0][1] != logits[1].argmax()  # banned
+    if processors:  # they matter: the plain sampler picks otherwise in most processed rows
+        assert got[0][2] == 11  # logit_bias +100
+        plain = jax_sampler.sample(jnp.asarray(logits), {k: jnp.asarray(v) for k, v in
+                                                         _metadata(seed, vocab, logits).items()},
+                                   **flags)
+        assert (np.asarray(plain[0]) != got[0].numpy()).sum() >= 3
     if num_top_logprobs:
         np.testing.assert_array_equal(got[2].numpy(), np.asarray(ref[2]))
         np.testing.assert_allclose(got[3].numpy(), np.asarray(ref[3]), rtol=0, atol=1e-5)
+        np.testing.assert_array_equal(got[4].numpy(), np.asarray(ref[4]))  # ranks
+        assert got[4].min() >= 1 and (got[4][0] > 1 or got[4][1] > 1)
     else:
-        assert got[2] is None and ref[2] is None
+        assert got[2] is None and ref[2] is None and got[4] is None and ref[4] is None
 
 
 @pytest.mark.parametrize("all_greedy,use_filters", [(True, False), (False, False)])

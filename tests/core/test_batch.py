@@ -96,3 +96,51 @@ def test_output_rows_drop_padding() -> None:
     output = ModelOutput([5, 6], np.array([[3, 4, -1], [7, -1, -1]], np.int32),
                          np.zeros((2, 3), np.float32), None, None)
     assert output.token_lists() == [[3, 4], [7]]
+
+
+def test_plain_steps_carry_no_penalty_bias_or_prompt_fields() -> None:
+    """A step without such rows keeps the plain layout: same fields, same sizes, same key."""
+    entries = [ScheduledSequence(i, [i + 1], 5, [0, i + 1], [spec(i)]) for i in range(3)]
+    layout = build_model_input(SchedulerOutput(entries, [], [], 3), block_size=BS,
+                               max_blocks_per_seq=2).layout
+    assert (layout.num_penalty_tokens, layout.num_logit_bias, layout.num_prompt_logprobs) == (
+        0, 0, 0)
+    assert layout == BatchLayout(num_tokens=4, num_seqs=4, num_logits=4, max_blocks_per_seq=2,
+                                 decode=True)
+    assert list(layout.float_fields) == ["temperature", "top_p", "min_p"]
+    assert not {"penalty_rows", "bias_rows", "prompt_logprobs_indices"} & set(layout.int_fields)
+
+
+def test_penalties_logit_bias_and_prompt_logprobs_are_packed() -> None:
+    """Seq 0 decodes with penalties (repetition: its distinct prompt tokens count 0, each output
+    token 1); seq 1 is a prefill chunk scoring its prompt; seq 2 has a logit_bias and forks a
+    plain sibling (seq 3)."""
+    penalised = SamplingParams(temperature=0.0, repetition_penalty=1.5, frequency_penalty=0.5,
+                               presence_penalty=-1.0)
+    biased = SamplingParams(temperature=0.0, logit_bias={"7": 150, 9: -2.5})
+    seq0 = SampleSpec(0, penalised, 0, 3, [], penalty_prompt_token_ids=[4, 8],
+                      output_token_ids=[8, 8, 5])
+    entries = [
+        ScheduledSequence(0, [5], 6, [7, 8], [seq0]),
+        ScheduledSequence(1, [20, 21, 22], 4, [3, 4], [], prompt_logprob_token_ids=[21, 22]),
+        ScheduledSequence(2, [30], 3, [5], [spec(2, biased), spec(3)]),
+    ]
+    model_input = build_model_input(SchedulerOutput(entries, [], [], 5), block_size=BS,
+                                    max_blocks_per_seq=2)
+    layout, f = model_input.layout, model_input.fields()
+    assert (layout.num_penalty_tokens, layout.num_logit_bias, layout.num_prompt_logprobs) == (
+        16, 2, 2)  # Q starts at 16
+    np.testing.assert_array_equal(f["penalty_rows"], [0] * 5 + [-1] * 11)
+    np.testing.assert_array_equal(f["penalty_token_ids"][:5], [4, 8, 8, 8, 5])
+    np.testing.assert_array_equal(f["penalty_counts"][:5], [0, 0, 1, 1, 1])
+    np.testing.assert_allclose(f["repetition_penalty"], [1.5, 1.0, 1.0, 1.0])
+    np.testing.assert_allclose(f["frequency_penalty"], [0.5, 0.0, 0.0, 0.0])
+    np.testing.assert_allclose(f["presence_penalty"], [-1.0, 0.0, 0.0, 0.0])
+    np.testing.assert_array_equal(f["bias_rows"], [1, 1])  # sample row 1 is seq 2
+    np.testing.assert_array_equal(f["bias_token_ids"], [7, 9])
+    np.testing.assert_allclose(f["logit_bias"], [100.0, -2.5])  # clamped to [-100, 100]
+    # seq 1's tokens are rows 1..3; rows 1 and 2 score prompt tokens 21 and 22 (positions 5, 6)
+    np.testing.assert_array_equal(f["prompt_logprobs_indices"], [1, 2])
+    np.testing.assert_array_equal(f["prompt_logprobs_token_ids"], [21, 22])
+    assert model_input.prompt_logprobs_rows == [(1, 5, 2)]
+    assert model_input.num_prompt_logprobs == 2

@@ -22,6 +22,8 @@ def llm(tiny_model) -> LLM:
     ("x" * 10, SamplingParams(max_tokens=60), "max_model_len=64"),
     ({"prompt_token_ids": [5] * 64}, SamplingParams(max_tokens=None), "max_model_len=64"),
     ("hi", SamplingParams(n=1000), "n=1000.*max_num_seqs"),
+    ("hi", SamplingParams(logit_bias={3: 1.0, 10**6: -1.0}),
+     r"logit_bias has token ids \[1000000\] outside the vocabulary"),
 ])
 def test_bad_request_is_rejected_and_engine_keeps_serving(llm: LLM, prompt, params,
                                                           match: str) -> None:
@@ -97,6 +99,16 @@ def test_missing_model_dir_and_unsupported_architecture(tmp_path) -> None:
     (dict(min_tokens=5, max_tokens=2), "min_tokens=5"), (dict(stop=[""]), "stop"),
     (dict(stop_token_ids=[-1]), "stop_token_ids"), (dict(logprobs=99), "logprobs=99"),
     (dict(seed="x"), "seed='x'"),
+    (dict(presence_penalty=2.5), r"presence_penalty=2.5 .*\[-2, 2\]"),
+    (dict(frequency_penalty=-3), r"frequency_penalty=-3 .*\[-2, 2\]"),
+    (dict(frequency_penalty=float("nan")), "frequency_penalty=nan"),
+    (dict(repetition_penalty=0.0), "repetition_penalty=0.0 .*> 0"),
+    (dict(repetition_penalty="1.1"), "repetition_penalty='1.1'"),
+    (dict(logit_bias=[1, 2]), r"logit_bias=\[1, 2\]"),
+    (dict(logit_bias={"the": 1.0}), "logit_bias={'the': 1.0}"),
+    (dict(logit_bias={-4: 1.0}), "logit_bias={-4: 1.0}"),
+    (dict(logit_bias={4: float("inf")}), "logit_bias={4: inf}"),
+    (dict(prompt_logprobs=21), "prompt_logprobs=21"), (dict(prompt_logprobs=-1), "prompt_logprobs"),
 ])
 def test_invalid_sampling_params(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
@@ -106,3 +118,7 @@ def test_invalid_sampling_params(kwargs: dict, match: str) -> None:
 def test_sampling_params_normalisation() -> None:
     params = SamplingParams(stop="###", top_k=-1, temperature=0.0)
     assert params.stop_strings == ("###",) and params.top_k == 0 and params.is_greedy
+    assert not params.has_penalties and params.logit_bias is None
+    params = SamplingParams(logit_bias={"12": 250, 3: -101.5, 4: 0.25}, repetition_penalty=1.1)
+    assert params.logit_bias == {12: 100.0, 3: -100.0, 4: 0.25}  # OpenAI's JSON ids, clamped
+    assert params.has_penalties

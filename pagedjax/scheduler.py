@@ -10,13 +10,17 @@ later), never the engine.
 With a draft model the engine asks for up to k drafts per sequence each step: the scheduler
 reserves their slots, lets the draft catch up on what it has not computed (within its own token
 budget), and after verification rolls rejected drafts back by bookkeeping.
+
+Request-level behaviour (n > 1 siblings, beams) lives in request policies (request_policy.py):
+they fork and drop sequences through the block manager and hand forks over with `add_fork`. The
+scheduler only sees sequences; a sequence with nothing left to compute (a beam waiting for its
+policy to pick its next token) is simply not scheduled.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections import deque
-from collections.abc import Callable
 
 from pagedjax.block_manager import BlockManager
 from pagedjax.scheduler_output import SampleSpec, ScheduledSequence, SchedulerOutput
@@ -27,14 +31,11 @@ from pagedjax.stopping import StopChecker
 class Scheduler:
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int,
                  max_num_batched_tokens: int, stop_checker: StopChecker,
-                 new_seq_id: Callable[[], int], fork_seed: Callable[[Sequence, int], int],
                  has_draft: bool = False) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.stop_checker = stop_checker
-        self.new_seq_id = new_seq_id
-        self.fork_seed = fork_seed
         self.has_draft = has_draft  # a draft model shares the pool: track its KV progress
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # sorted by arrival
@@ -47,6 +48,15 @@ class Scheduler:
     def add_sequence(self, seq: Sequence) -> None:
         self.seqs[seq.seq_id] = seq
         self.waiting.append(seq)
+
+    def add_fork(self, seq: Sequence) -> None:
+        """Track a sequence a request policy forked: it joins its parent's queue (running, in
+        arrival order; or waiting at the front, as the preempted do)."""
+        self.seqs[seq.seq_id] = seq
+        if seq.status is SequenceStatus.RUNNING:
+            bisect.insort(self.running, seq, key=lambda s: s.arrival)
+        else:
+            self.waiting.appendleft(seq)
 
     def remove(self, seq: Sequence) -> None:
         """Forget a finished sequence once its output has been delivered."""
@@ -107,18 +117,26 @@ class Scheduler:
         while (i < len(self.running) and self._budget(step) > 0
                and len(step.scheduled) < self.max_num_seqs):
             seq = self.running[i]
+            i += 1
+            if seq.num_computed_tokens == seq.num_tokens:
+                continue  # waits for its request policy's next token (a beam)
             num_new = min(seq.num_tokens - seq.num_computed_tokens, self._budget(step))
             num_spec = self._num_spec_tokens(step, seq, seq.num_computed_tokens, num_new)
             allocated = self._allocate_or_preempt(seq, num_new, num_spec, step.preempted_seq_ids)
             if allocated is None:
                 break  # seq itself was preempted: nothing after it runs either
-            entry = self._add(step, seq, num_new, *allocated)
-            # Children forked here sit right after seq and sampled with it: skip them this step.
-            i += max(1, len(entry.samples))
+            self._add(step, seq, num_new, *allocated)  # preemption only took later arrivals
+
+    def _num_seats(self) -> int:
+        """Running sequences plus the forks their policies will add (n > 1 siblings, beams)."""
+        return sum(1 + s.num_pending_forks for s in self.running)
 
     def _schedule_waiting(self, step: SchedulerOutput) -> None:
-        while self.waiting and self._budget(step) > 0 and len(self.running) < self.max_num_seqs:
+        seats = self._num_seats()
+        while self.waiting and self._budget(step) > 0:
             seq = self.waiting[0]
+            if seats + 1 + seq.num_pending_forks > self.max_num_seqs:
+                break  # FCFS: a request takes a seat for each sequence it will fork into
             hits = self.block_manager.get_computed_blocks(seq.token_ids)
             num_computed = len(hits) * self.block_manager.block_size
             num_new = min(seq.num_tokens - num_computed, self._budget(step))
@@ -133,17 +151,19 @@ class Scheduler:
             seq.num_computed_tokens, seq.num_draft_computed_tokens = num_computed, 0
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.arrival)
+            seats += 1 + seq.num_pending_forks
             self._add(step, seq, num_new, *allocated)
 
     def _num_spec_tokens(self, step: SchedulerOutput, seq: Sequence, num_computed: int,
                          num_new: int, num_draft_computed: int | None = None) -> int:
         """Draft slots for seq this step: only once its last real token is computed and the
         draft can catch up to it, within the budget and what max_tokens leaves, and never while
-        forking or below min_tokens."""
+        forking, below min_tokens or when its policy picks its tokens (beams)."""
         end_pos = num_computed + num_new
         if num_draft_computed is None:
             num_draft_computed = seq.num_draft_computed_tokens
         if (not step.num_spec_tokens or end_pos < seq.num_tokens or seq.num_pending_forks
+                or seq.policy_picks_tokens
                 or seq.num_output_tokens < seq.sampling_params.min_tokens
                 or end_pos - num_draft_computed > self._draft_budget):
             return 0
@@ -186,32 +206,18 @@ class Scheduler:
             num_spec_tokens=num_spec,
             draft_start_pos=seq.num_draft_computed_tokens,
         )
-        if self._draft_budget:  # the draft runs this step: it catches up as far as it may
+        # The draft runs this step: it catches up as far as it may (beams never draft).
+        if self._draft_budget and not seq.policy_picks_tokens:
             num_catch_up = min(end - entry.draft_start_pos, self._draft_budget)
             entry.draft_token_ids = seq.token_ids[entry.draft_start_pos :
                                                   entry.draft_start_pos + num_catch_up]
             self._draft_budget -= num_catch_up
         if end == seq.num_tokens:  # caught up: its last position yields a token
-            entry.samples = [self._sample_spec(s)
-                             for s in [seq, *self._fork_pending(seq, entry.draft_end_pos)]]
+            entry.samples = [self.sample_spec(seq)]
         return entry
 
-    def _fork_pending(self, seq: Sequence, num_draft_computed: int) -> list[Sequence]:
-        """Siblings of an n > 1 request share the prompt's blocks (copy-on-write later)."""
-        children = []
-        for k in range(seq.num_pending_forks):
-            index = seq.index + 1 + k
-            child = seq.fork(self.new_seq_id(), index, self.fork_seed(seq, index))
-            # The shared blocks hold the draft's KV as far as this step's catch-up takes it.
-            child.num_draft_computed_tokens = num_draft_computed
-            self.block_manager.fork(seq.seq_id, child.seq_id)
-            self.seqs[child.seq_id] = child
-            bisect.insort(self.running, child, key=lambda s: s.arrival)
-            children.append(child)
-        seq.num_pending_forks = 0
-        return children
-
-    def _sample_spec(self, seq: Sequence) -> SampleSpec:
+    def sample_spec(self, seq: Sequence) -> SampleSpec:
+        """How seq samples its next token (a request policy adds rows for forks with it)."""
         params = seq.sampling_params
         banned: list[int] = []
         if seq.num_output_tokens < params.min_tokens:
@@ -226,7 +232,8 @@ class Scheduler:
         """Advance computed counts, append sampled tokens, finish and free what stopped.
 
         sampled: seq id → the tokens its row produced (one normally; its accepted drafts and a
-        recovered or bonus token with speculation). Returns every sequence that got tokens.
+        recovered or bonus token with speculation). A sequence whose request policy picks its
+        tokens (a beam) gets none here. Returns every sequence that got tokens.
         """
         touched: list[Sequence] = []
         for entry in output.scheduled:
@@ -237,10 +244,12 @@ class Scheduler:
                     entry.num_spec_tokens - 1, 0)
             for spec in entry.samples:
                 seq = self.seqs[spec.seq_id]
+                if seq.policy_picks_tokens:
+                    continue
                 tokens = sampled[spec.seq_id]
                 # Drafts kept; the last token is recovered or bonus. Rejected: rolled back.
                 seq.num_computed_tokens = entry.end_pos + len(tokens) - 1
-                self._append(seq, tokens)
+                self.append_tokens(seq, tokens)
                 touched.append(seq)
         for seq in touched:
             if not seq.is_finished:
@@ -256,7 +265,8 @@ class Scheduler:
             self.block_manager.truncate(seq.seq_id, seq.num_tokens)
         self.block_manager.cache_blocks(seq.seq_id, seq.token_ids, computed)
 
-    def _append(self, seq: Sequence, token_ids: list[int]) -> None:
+    def append_tokens(self, seq: Sequence, token_ids: list[int]) -> None:
+        """Append tokens to seq, finishing it at the first token-level stop."""
         for token in token_ids:
             seq.token_ids.append(token)
             self.num_generation_tokens_total += 1

@@ -14,7 +14,8 @@ budget), and after verification rolls rejected drafts back by bookkeeping.
 Request-level behaviour (n > 1 siblings, beams) lives in request policies (request_policy.py):
 they fork and drop sequences through the block manager and hand forks over with `add_fork`. The
 scheduler only sees sequences; a sequence with nothing left to compute (a beam waiting for its
-policy to pick its next token) is simply not scheduled.
+policy to pick its next token) is simply not scheduled, and when preempted it is parked, holding
+no blocks and queued nowhere, until tokens are appended to it.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class Scheduler:
         self.stop_checker = stop_checker
         self.has_draft = has_draft  # a draft model shares the pool: track its KV progress
         self.waiting: deque[Sequence] = deque()
+        self.parked: dict[int, Sequence] = {}  # preempted with nothing to compute, by seq id
         self.running: list[Sequence] = []  # sorted by arrival
         self.seqs: dict[int, Sequence] = {}  # every live sequence, forked children included
         self.num_preemptions_total = 0
@@ -64,7 +66,7 @@ class Scheduler:
         self.seqs.pop(seq.seq_id, None)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.parked)
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None,
                num_output_tokens: int | None = None) -> None:
@@ -81,12 +83,17 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        self.parked.pop(seq.seq_id, None)
 
     def _preempt(self, seq: Sequence) -> None:
+        idle = seq.num_computed_tokens == seq.num_tokens  # a beam whose row is in
         self.block_manager.free(seq.seq_id)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = seq.num_draft_computed_tokens = 0
-        self.waiting.appendleft(seq)  # latest preempted first, so the front stays oldest
+        if idle:
+            self.parked[seq.seq_id] = seq  # recomputing it before it has a new token is useless
+        else:
+            self.waiting.appendleft(seq)  # latest preempted first, so the front stays oldest
         self.num_preemptions_total += 1
 
     # ---- schedule ----------------------------------------------------------------------------
@@ -125,7 +132,9 @@ class Scheduler:
             allocated = self._allocate_or_preempt(seq, num_new, num_spec, step.preempted_seq_ids)
             if allocated is None:
                 break  # seq itself was preempted: nothing after it runs either
-            self._add(step, seq, num_new, *allocated)  # preemption only took later arrivals
+            self._add(step, seq, num_new, *allocated)
+            if i > len(self.running) or self.running[i - 1] is not seq:
+                i = self.running.index(seq) + 1  # an earlier, idle sequence was parked
 
     def _num_seats(self) -> int:
         """Running sequences plus the forks their policies will add (n > 1 siblings, beams)."""
@@ -142,6 +151,9 @@ class Scheduler:
             num_new = min(seq.num_tokens - num_computed, self._budget(step))
             num_spec = self._num_spec_tokens(step, seq, num_computed, num_new, 0)
             allocated = self._allocate_with_drafts(seq, num_computed, num_new, num_spec, hits)
+            while allocated is None and self._park_idle(step.preempted_seq_ids):
+                allocated = self._allocate_with_drafts(seq, num_computed, num_new, num_spec,
+                                                       hits)
             if allocated is None:
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
@@ -153,6 +165,19 @@ class Scheduler:
             bisect.insort(self.running, seq, key=lambda s: s.arrival)
             seats += 1 + seq.num_pending_forks
             self._add(step, seq, num_new, *allocated)
+
+    def _park_idle(self, preempted: list[int]) -> bool:
+        """Preempt (park) the latest running sequence with nothing to compute (a beam whose row
+        is in, waiting for a sibling's): it needs no blocks this step, and the sequences that
+        do (that sibling, maybe) must progress. False if there is none."""
+        for i in range(len(self.running) - 1, -1, -1):
+            seq = self.running[i]
+            if seq.num_computed_tokens == seq.num_tokens:
+                del self.running[i]
+                self._preempt(seq)
+                preempted.append(seq.seq_id)
+                return True
+        return False
 
     def _num_spec_tokens(self, step: SchedulerOutput, seq: Sequence, num_computed: int,
                          num_new: int, num_draft_computed: int | None = None) -> int:
@@ -184,11 +209,14 @@ class Scheduler:
 
     def _allocate_or_preempt(self, seq: Sequence, num_new: int, num_spec: int,
                              preempted: list[int]) -> tuple[int, list[tuple[int, int]]] | None:
-        """Slots for seq's new tokens, preempting the latest arrivals until they fit."""
+        """Slots for seq's new tokens, preempting idle sequences, then the latest arrivals,
+        until they fit."""
         while True:
             allocated = self._allocate_with_drafts(seq, seq.num_computed_tokens, num_new, num_spec)
             if allocated is not None:
                 return allocated
+            if self._park_idle(preempted):
+                continue
             victim = self.running.pop()
             self._preempt(victim)
             preempted.append(victim.seq_id)
@@ -266,7 +294,10 @@ class Scheduler:
         self.block_manager.cache_blocks(seq.seq_id, seq.token_ids, computed)
 
     def append_tokens(self, seq: Sequence, token_ids: list[int]) -> None:
-        """Append tokens to seq, finishing it at the first token-level stop."""
+        """Append tokens to seq, finishing it at the first token-level stop; a parked
+        sequence queues again."""
+        if self.parked.pop(seq.seq_id, None) is not None:
+            self.waiting.appendleft(seq)
         for token in token_ids:
             seq.token_ids.append(token)
             self.num_generation_tokens_total += 1

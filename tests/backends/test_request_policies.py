@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from pagedjax import LLM, BeamSearchParams, SamplingParams
+from pagedjax.block_manager import BlockManager, CopyingBlockManager
 from pagedjax.random import derive_seed
 from pagedjax.scheduler_output import SchedulerOutput
 from tests.hf_reference import hf_beam_search, hf_greedy
@@ -225,6 +226,34 @@ def test_beam_search_api_shapes(tiny_model) -> None:
             sum(lp.logprob for entry in seq.logprobs for lp in entry.values()), rel=1e-5)
     scores = [s.cum_logprob / 6 for s in outs[0].sequences]
     assert scores == sorted(scores, reverse=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_no_sharing_baseline_generates_the_same_in_more_blocks(tiny_model, backend) -> None:
+    """benchmarks/memory.py's baseline (forks copy every block) changes memory, not tokens."""
+    prompts = {"samples": SamplingParams(n=4, temperature=0.9, seed=3, max_tokens=16,
+                                         ignore_eos=True),
+               "beams": BeamSearchParams(4, 16, ignore_eos=True)}
+
+    def run(block_manager_cls) -> tuple[dict, int]:
+        llm = make_llm(tiny_model("llama"), backend, enable_prefix_caching=False)
+        engine = llm.engine
+        bm = block_manager_cls(engine.block_manager.num_blocks, engine.block_manager.block_size)
+        engine.block_manager = engine.scheduler.block_manager = bm
+        for request_id, params in prompts.items():
+            engine.add_request(request_id, {"prompt_token_ids": PROMPT_40}, params)
+        outputs, peak = {}, 0
+        while engine.has_unfinished_requests():
+            outputs.update((o.request_id, [c.token_ids for c in o.outputs])
+                           for o in engine.step())
+            peak = max(peak, used_blocks(llm))
+        assert_no_leaks(llm)
+        return outputs, peak
+
+    shared, shared_peak = run(BlockManager)
+    copied, copied_peak = run(CopyingBlockManager)
+    assert copied == shared and len({tuple(s) for s in shared["samples"]}) > 1
+    assert copied_peak > shared_peak
 
 
 # ---- prefix caching ----------------------------------------------------------------------------

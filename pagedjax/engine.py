@@ -273,7 +273,8 @@ class LLMEngine:
             if policy.done:
                 del self.policies[request_id]
             if output is not None:
-                self.output_processor.abort_request(request_id)  # ended by its policy
+                # Its policy built its output: the output processor only forgets it.
+                self.output_processor.abort_request(request_id)
                 outputs.append(output)
         return outputs
 

@@ -241,11 +241,10 @@ class Scheduler:
                                                   entry.draft_start_pos + num_catch_up]
             self._draft_budget -= num_catch_up
         if end == seq.num_tokens:  # caught up: its last position yields a token
-            entry.samples = [self.sample_spec(seq)]
+            entry.samples = [self._sample_spec(seq)]
         return entry
 
-    def sample_spec(self, seq: Sequence) -> SampleSpec:
-        """How seq samples its next token (a request policy adds rows for forks with it)."""
+    def _sample_spec(self, seq: Sequence) -> SampleSpec:
         params = seq.sampling_params
         banned: list[int] = []
         if seq.num_output_tokens < params.min_tokens:

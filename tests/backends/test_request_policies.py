@@ -184,6 +184,32 @@ def test_beams_share_blocks(tiny_model, backend) -> None:
     assert_no_leaks(llm)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_beams_never_draft_beside_requests_that_do(tiny_model, backend) -> None:
+    """With a draft model, beams get no draft slots (their policy picks one token a step) and
+    equal an engine's without one; a greedy request in the same steps drafts."""
+    speculative_config = {"model": tiny_model("draft"), "num_speculative_tokens": 3,
+                          "adaptive": False}
+
+    def run(**kwargs) -> tuple[dict, list, LLM]:
+        llm = make_llm(tiny_model("llama"), backend, **kwargs)
+        log = record_schedule(llm)
+        llm.engine.add_request("beams", {"prompt_token_ids": PROMPT_40},
+                               BeamSearchParams(3, 10, ignore_eos=True))
+        llm.engine.add_request("greedy", {"prompt_token_ids": PROMPT_40[:21]},
+                               SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
+        outputs = run_to_end(llm)
+        return {k: [c.token_ids for c in o.outputs] for k, o in outputs.items()}, log, llm
+
+    plain, _, _ = run()
+    drafted, log, llm = run(speculative_config=speculative_config)
+    assert drafted == plain
+    drafting = {request_id for out, ids in log for e, request_id in zip(out.scheduled, ids)
+                if e.num_spec_tokens or e.draft_token_ids}
+    assert drafting == {"greedy"}
+    assert_no_leaks(llm)
+
+
 def test_bad_beam_search_values(tiny_model) -> None:
     llm = make_llm(tiny_model("llama"), "torch", max_num_seqs=8)
     with pytest.raises(ValueError, match="beam_width=0"):

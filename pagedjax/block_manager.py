@@ -237,3 +237,46 @@ class BlockManager:
             assert self._ref_counts[block_id] >= 0, f"block {block_id} freed more often than taken"
             if self._ref_counts[block_id] == 0:
                 self._free[block_id] = None
+
+
+class CopyingBlockManager(BlockManager):
+    """A pool whose `fork` copies every block instead of sharing it: the no-sharing baseline
+    that benchmarks/memory.py measures PagedAttention's sharing against (same engine, forks
+    disabled). Without speculative decoding only.
+
+    The copies reach the runner with the child's next allocation, when the parent's KV is
+    complete (an n > 1 fork happens before the prompt's step); until then the child keeps its
+    reference to each block it copies from, so none is reused first.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int,
+                 enable_prefix_caching: bool = True) -> None:
+        super().__init__(num_blocks, block_size, enable_prefix_caching)
+        self._pending_copies: dict[int, list[tuple[int, int]]] = {}
+
+    def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
+        num_blocks = len(self.get_block_table(parent_seq_id))
+        if num_blocks > self.num_free_blocks:
+            raise RuntimeError(f"the pool has {self.num_free_blocks} free blocks, too few to "
+                               f"copy {num_blocks} on a fork; give the baseline more blocks")
+        super().fork(parent_seq_id, child_seq_id)  # the child holds a reference to each block
+        table = self._tables[child_seq_id]
+        copies = [(src, self._take_free_block()) for src in table]
+        table[:] = [dst for _, dst in copies]
+        self._pending_copies[child_seq_id] = copies
+
+    def allocate_slots(self, seq_id: int, num_computed_tokens: int, num_new_tokens: int,
+                       computed_blocks: Sequence[int] = ()) -> list[tuple[int, int]] | None:
+        copies = super().allocate_slots(seq_id, num_computed_tokens, num_new_tokens,
+                                        computed_blocks)
+        if copies is None or seq_id not in self._pending_copies:
+            return copies
+        pending = self._pending_copies.pop(seq_id)
+        self._release(src for src, _ in pending)  # the runner copies before this step's writes
+        return pending + copies
+
+    def free(self, seq_id: int) -> None:
+        pending = self._pending_copies.pop(seq_id, None)
+        if pending:
+            self._release(src for src, _ in pending)
+        super().free(seq_id)

@@ -1,8 +1,9 @@
 """LLMEngine: add requests, step the scheduler and a backend's runner, stream outputs.
 
-One step: the speculation policy picks k → Scheduler.schedule → build_model_input (NumPy) →
-ModelRunner.execute (one device step) → Scheduler.update (token-level stops, rollback) →
-OutputProcessor (text, stop strings, logprobs, outputs).
+One step: the speculation policy picks k → Scheduler.schedule → request policies add sample
+rows (n > 1) → build_model_input (NumPy) → ModelRunner.execute (one device step) →
+Scheduler.update (token-level stops, rollback) → OutputProcessor (text, stop strings, logprobs,
+outputs) → request policies pick tokens, fork and drop (beam search).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from pagedjax.batch import build_model_input
+from pagedjax.batch import ModelOutput, build_model_input
+from pagedjax.beam_search import BeamSearch, BeamSearchParams
 from pagedjax.block_manager import BlockManager
 from pagedjax.config import EngineConfig, ModelConfig
 from pagedjax.distributed import register_engine
@@ -24,8 +26,10 @@ from pagedjax.model_runner import ModelRunner, get_runner_cls
 from pagedjax.output_processor import OutputProcessor
 from pagedjax.outputs import RequestOutput
 from pagedjax.random import derive_seed
-from pagedjax.sampling_params import SamplingParams
+from pagedjax.request_policy import ParallelSampling, PolicyContext, RequestPolicy
+from pagedjax.sampling_params import MAX_LOGPROBS, SamplingParams
 from pagedjax.scheduler import Scheduler
+from pagedjax.scheduler_output import ScheduledSequence, SchedulerOutput
 from pagedjax.sequence import Sequence
 from pagedjax.spec_decode import AdaptiveSpeculation, SpeculativeConfig
 from pagedjax.stopping import StopChecker
@@ -78,9 +82,11 @@ class LLMEngine:
             self.block_manager, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             stop_checker=StopChecker(self.eos_token_ids, config.max_model_len),
-            new_seq_id=lambda: next(self._seq_ids), fork_seed=self._rng_seed,
             has_draft=self.speculation is not None)
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler)
+        self.policy_context = PolicyContext(self.scheduler, lambda: next(self._seq_ids),
+                                            self._rng_seed, self.eos_token_ids, self.tokenizer)
+        self.policies: dict[str, RequestPolicy] = {}  # request id → its policy, while it has one
         self.prompt_tokens_total = 0
         self.step_timings = StepTimings()
         register_engine(self)
@@ -115,12 +121,16 @@ class LLMEngine:
     # ---- requests ----------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: PromptType,
-                    params: SamplingParams | None = None) -> None:
-        """Queue a request. Invalid input raises ValueError and leaves the engine untouched."""
+                    params: SamplingParams | BeamSearchParams | None = None) -> None:
+        """Queue a request (sampled, or beam-searched with BeamSearchParams). Invalid input
+        raises ValueError and leaves the engine untouched."""
         params = params or SamplingParams()
         if request_id in self.output_processor.requests:
             raise ValueError(f"request_id={request_id!r} is already in use; pick a unique id.")
         text, token_ids = self._tokenize(prompt)
+        beam_params = params if isinstance(params, BeamSearchParams) else None
+        if beam_params is not None:
+            params = self._beam_sampling_params(beam_params)
         max_tokens = self._check_lengths(token_ids, params)
         self._check_logit_bias(params)
         arrival = next(self._arrivals)
@@ -129,9 +139,29 @@ class LLMEngine:
             token_ids=list(token_ids), num_prompt_tokens=len(token_ids), sampling_params=params,
             max_tokens=max_tokens, rng_seed=0, num_pending_forks=params.n - 1)
         seq.rng_seed = self._rng_seed(seq, 0)
+        if beam_params is not None:
+            self.policies[request_id] = BeamSearch(seq, beam_params, text, self.policy_context)
+        elif params.n > 1:
+            self.policies[request_id] = ParallelSampling(seq, self.policy_context)
         self.output_processor.add_request(request_id, text, seq)
         self.scheduler.add_sequence(seq)
         self.prompt_tokens_total += len(token_ids)
+
+    def _beam_sampling_params(self, params: BeamSearchParams) -> SamplingParams:
+        """What the beams of a request sample with; raises ValueError for a width this engine
+        cannot serve."""
+        if params.beam_width > self.config.max_num_seqs:
+            raise ValueError(f"BeamSearchParams.beam_width={params.beam_width} exceeds "
+                             f"max_num_seqs={self.config.max_num_seqs}; lower beam_width or "
+                             "raise max_num_seqs.")
+        num_candidates = params.num_candidates(len(self.eos_token_ids))
+        limit = min(MAX_LOGPROBS, self.model_config.vocab_size)
+        if num_candidates > limit:
+            per_beam = num_candidates // params.beam_width
+            raise ValueError(f"BeamSearchParams.beam_width={params.beam_width} needs the top "
+                             f"{num_candidates} logprobs per beam, over the {limit} a step "
+                             f"returns; use beam_width <= {limit // per_beam}.")
+        return params.sampling_params(num_candidates)
 
     def _rng_seed(self, seq: Sequence, index: int) -> int:
         seed = seq.sampling_params.seed
@@ -182,6 +212,9 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         """Finish a request now (finish_reason "abort") and free its blocks. Unknown ids: no-op."""
+        policy = self.policies.pop(request_id, None)
+        if policy is not None:
+            policy.abort()
         for seq in self.output_processor.abort_request(request_id):
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
@@ -201,6 +234,9 @@ class LLMEngine:
         out = self.scheduler.schedule(k)
         if out.is_empty:
             return []
+        policies = self._policies_of(out)
+        for request_id, entries in policies.items():
+            self.policies[request_id].schedule(entries)
         stamps.append(time.perf_counter())
         model_input = build_model_input(out, block_size=self.config.block_size,
                                         max_blocks_per_seq=self.config.max_blocks_per_seq,
@@ -213,12 +249,42 @@ class LLMEngine:
         touched = self.scheduler.update(out, sampled)
         stamps.append(time.perf_counter())
         outputs = self.output_processor.process(touched, model_output)
+        if policies:
+            outputs += self._update_policies(policies, model_output)
         stamps.append(time.perf_counter())
         self.step_timings.record(stamps)
         if self.speculation is not None:
             decode = all(e.num_new_tokens == 1 for e in out.scheduled)
             self.speculation.observe(out, sampled, stamps[-1] - stamps[0],
                                      timed=decode and self.runner.num_compiles == num_compiles)
+        return outputs
+
+    def _policies_of(self, out: SchedulerOutput) -> dict[str, list[ScheduledSequence]]:
+        """The scheduled sequences of each request that has a policy."""
+        policies: dict[str, list[ScheduledSequence]] = {}
+        if self.policies:
+            seqs = self.scheduler.seqs
+            for entry in out.scheduled:
+                request_id = seqs[entry.seq_id].request_id
+                if request_id in self.policies:
+                    policies.setdefault(request_id, []).append(entry)
+        return policies
+
+    def _update_policies(self, policies: dict[str, list[ScheduledSequence]],
+                         model_output: ModelOutput) -> list[RequestOutput]:
+        """Let the policies of the step's requests pick tokens, fork and drop; returns the
+        outputs of the requests they ended (the output processor forgets those)."""
+        rows = {seq_id: r for r, seq_id in enumerate(model_output.seq_ids)}
+        outputs = []
+        for request_id in policies:
+            policy = self.policies[request_id]
+            output = policy.update(model_output, rows)
+            if policy.done:
+                del self.policies[request_id]
+            if output is not None:
+                # Its policy built its output: the output processor only forgets it.
+                self.output_processor.abort_request(request_id)
+                outputs.append(output)
         return outputs
 
     @property

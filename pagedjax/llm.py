@@ -10,6 +10,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from pagedjax.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagedjax.engine import LLMEngine, PromptType
 from pagedjax.engine_args import EngineArgs
 from pagedjax.outputs import RequestOutput
@@ -65,17 +66,43 @@ class LLM:
         # One output per request, at its end: nothing is rebuilt step after step.
         sampling_params = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
                            for p in sampling_params]
+        return self._run(self._add(prompts, sampling_params), use_tqdm)
+
+    def beam_search(self, prompts: Sequence[PromptType], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """Beam-search each prompt (vLLM's API): its beams run inside the engine, batched with
+        each other and sharing their common blocks; scores and stopping follow HF's
+        generate(num_beams=...). Prompts: text, {"prompt": text} or {"prompt_token_ids": [...]}.
+        Returns, per prompt, its beam_width beams best first, each with the prompt's tokens."""
+        if self.engine is None:
+            raise RuntimeError("this LLM was shut down; make a new one")
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params={params!r} must be a BeamSearchParams.")
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = [p["prompt"] if isinstance(p, dict) and "prompt_token_ids" not in p
+                   and "prompt" in p else p for p in prompts]
+        outputs = self._run(self._add(prompts, [params] * len(prompts)), use_tqdm)
+        return [BeamSearchOutput([
+            BeamSearchSequence(tokens=out.prompt_token_ids + c.token_ids, logprobs=c.logprobs,
+                               cum_logprob=c.cumulative_logprob, text=c.text,
+                               finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+            for c in out.outputs]) for out in outputs]
+
+    def _add(self, prompts: Sequence[PromptType],
+             params: Sequence[SamplingParams | BeamSearchParams]) -> list[str]:
+        """Queue one request per prompt; if one is invalid, none stays queued."""
         ids = [f"gen-{next(self._request_ids)}" for _ in prompts]
         added = []
         try:
-            for request_id, prompt, params in zip(ids, prompts, sampling_params):
-                self.engine.add_request(request_id, prompt, params)
+            for request_id, prompt, request_params in zip(ids, prompts, params):
+                self.engine.add_request(request_id, prompt, request_params)
                 added.append(request_id)
         except Exception:
             for request_id in added:
                 self.engine.abort_request(request_id)
             raise
-        return self._run(ids, use_tqdm)
+        return ids
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

@@ -10,13 +10,18 @@ later), never the engine.
 With a draft model the engine asks for up to k drafts per sequence each step: the scheduler
 reserves their slots, lets the draft catch up on what it has not computed (within its own token
 budget), and after verification rolls rejected drafts back by bookkeeping.
+
+Request-level behaviour (n > 1 siblings, beams) lives in request policies (request_policy.py):
+they fork and drop sequences through the block manager and hand forks over with `add_fork`. The
+scheduler only sees sequences; a sequence with nothing left to compute (a beam waiting for its
+policy to pick its next token) is simply not scheduled, and when preempted it is parked, holding
+no blocks and queued nowhere, until tokens are appended to it.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections import deque
-from collections.abc import Callable
 
 from pagedjax.block_manager import BlockManager
 from pagedjax.scheduler_output import SampleSpec, ScheduledSequence, SchedulerOutput
@@ -27,16 +32,14 @@ from pagedjax.stopping import StopChecker
 class Scheduler:
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int,
                  max_num_batched_tokens: int, stop_checker: StopChecker,
-                 new_seq_id: Callable[[], int], fork_seed: Callable[[Sequence, int], int],
                  has_draft: bool = False) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.stop_checker = stop_checker
-        self.new_seq_id = new_seq_id
-        self.fork_seed = fork_seed
         self.has_draft = has_draft  # a draft model shares the pool: track its KV progress
         self.waiting: deque[Sequence] = deque()
+        self.parked: dict[int, Sequence] = {}  # preempted with nothing to compute, by seq id
         self.running: list[Sequence] = []  # sorted by arrival
         self.seqs: dict[int, Sequence] = {}  # every live sequence, forked children included
         self.num_preemptions_total = 0
@@ -48,13 +51,22 @@ class Scheduler:
         self.seqs[seq.seq_id] = seq
         self.waiting.append(seq)
 
+    def add_fork(self, seq: Sequence) -> None:
+        """Track a sequence a request policy forked: it joins its parent's queue (running, in
+        arrival order; or waiting at the front, as the preempted do)."""
+        self.seqs[seq.seq_id] = seq
+        if seq.status is SequenceStatus.RUNNING:
+            bisect.insort(self.running, seq, key=lambda s: s.arrival)
+        else:
+            self.waiting.appendleft(seq)
+
     def remove(self, seq: Sequence) -> None:
         """Forget a finished sequence once its output has been delivered."""
         assert seq.is_finished
         self.seqs.pop(seq.seq_id, None)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.parked)
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None,
                num_output_tokens: int | None = None) -> None:
@@ -71,12 +83,17 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        self.parked.pop(seq.seq_id, None)
 
     def _preempt(self, seq: Sequence) -> None:
+        idle = seq.num_computed_tokens == seq.num_tokens  # a beam whose row is in
         self.block_manager.free(seq.seq_id)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = seq.num_draft_computed_tokens = 0
-        self.waiting.appendleft(seq)  # latest preempted first, so the front stays oldest
+        if idle:
+            self.parked[seq.seq_id] = seq  # recomputing it before it has a new token is useless
+        else:
+            self.waiting.appendleft(seq)  # latest preempted first, so the front stays oldest
         self.num_preemptions_total += 1
 
     # ---- schedule ----------------------------------------------------------------------------
@@ -107,18 +124,28 @@ class Scheduler:
         while (i < len(self.running) and self._budget(step) > 0
                and len(step.scheduled) < self.max_num_seqs):
             seq = self.running[i]
+            i += 1
+            if seq.num_computed_tokens == seq.num_tokens:
+                continue  # waits for its request policy's next token (a beam)
             num_new = min(seq.num_tokens - seq.num_computed_tokens, self._budget(step))
             num_spec = self._num_spec_tokens(step, seq, seq.num_computed_tokens, num_new)
             allocated = self._allocate_or_preempt(seq, num_new, num_spec, step.preempted_seq_ids)
             if allocated is None:
                 break  # seq itself was preempted: nothing after it runs either
-            entry = self._add(step, seq, num_new, *allocated)
-            # Children forked here sit right after seq and sampled with it: skip them this step.
-            i += max(1, len(entry.samples))
+            self._add(step, seq, num_new, *allocated)
+            if i > len(self.running) or self.running[i - 1] is not seq:
+                i = self.running.index(seq) + 1  # an earlier, idle sequence was parked
+
+    def _num_seats(self) -> int:
+        """Running sequences plus the forks their policies will add (n > 1 siblings, beams)."""
+        return sum(1 + s.num_pending_forks for s in self.running)
 
     def _schedule_waiting(self, step: SchedulerOutput) -> None:
-        while self.waiting and self._budget(step) > 0 and len(self.running) < self.max_num_seqs:
+        seats = self._num_seats()
+        while self.waiting and self._budget(step) > 0:
             seq = self.waiting[0]
+            if seats + 1 + seq.num_pending_forks > self.max_num_seqs:
+                break  # FCFS: a request takes a seat for each sequence it will fork into
             # A prompt whose logprobs are due is computed whole, as vLLM does: no cache hits.
             hits = ([] if seq.needs_prompt_logprobs
                     else self.block_manager.get_computed_blocks(seq.token_ids))
@@ -126,6 +153,9 @@ class Scheduler:
             num_new = min(seq.num_tokens - num_computed, self._budget(step))
             num_spec = self._num_spec_tokens(step, seq, num_computed, num_new, 0)
             allocated = self._allocate_with_drafts(seq, num_computed, num_new, num_spec, hits)
+            while allocated is None and self._park_idle(step.preempted_seq_ids):
+                allocated = self._allocate_with_drafts(seq, num_computed, num_new, num_spec,
+                                                       hits)
             if allocated is None:
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
@@ -135,20 +165,35 @@ class Scheduler:
             seq.num_computed_tokens, seq.num_draft_computed_tokens = num_computed, 0
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.arrival)
+            seats += 1 + seq.num_pending_forks
             self._add(step, seq, num_new, *allocated)
+
+    def _park_idle(self, preempted: list[int]) -> bool:
+        """Preempt (park) the latest running sequence with nothing to compute (a beam whose row
+        is in, waiting for a sibling's): it needs no blocks this step, and the sequences that
+        do (that sibling, maybe) must progress. False if there is none."""
+        for i in range(len(self.running) - 1, -1, -1):
+            seq = self.running[i]
+            if seq.num_computed_tokens == seq.num_tokens:
+                del self.running[i]
+                self._preempt(seq)
+                preempted.append(seq.seq_id)
+                return True
+        return False
 
     def _num_spec_tokens(self, step: SchedulerOutput, seq: Sequence, num_computed: int,
                          num_new: int, num_draft_computed: int | None = None) -> int:
         """Draft slots for seq this step: only once its last real token is computed and the
         draft can catch up to it, within the budget and what max_tokens leaves, and never while
-        forking or below min_tokens. Penalties and logit_bias change the target's distribution
-        per position (counts grow with each accepted draft): their sequences do not draft."""
+        forking, below min_tokens or when its policy picks its tokens (beams). Penalties and
+        logit_bias change the target's distribution per position (counts grow with each
+        accepted draft): their sequences do not draft either."""
         end_pos = num_computed + num_new
         params = seq.sampling_params
         if num_draft_computed is None:
             num_draft_computed = seq.num_draft_computed_tokens
         if (not step.num_spec_tokens or end_pos < seq.num_tokens or seq.num_pending_forks
-                or params.has_penalties or params.logit_bias
+                or params.has_penalties or params.logit_bias or seq.policy_picks_tokens
                 or seq.num_output_tokens < params.min_tokens
                 or end_pos - num_draft_computed > self._draft_budget):
             return 0
@@ -169,11 +214,14 @@ class Scheduler:
 
     def _allocate_or_preempt(self, seq: Sequence, num_new: int, num_spec: int,
                              preempted: list[int]) -> tuple[int, list[tuple[int, int]]] | None:
-        """Slots for seq's new tokens, preempting the latest arrivals until they fit."""
+        """Slots for seq's new tokens, preempting idle sequences, then the latest arrivals,
+        until they fit."""
         while True:
             allocated = self._allocate_with_drafts(seq, seq.num_computed_tokens, num_new, num_spec)
             if allocated is not None:
                 return allocated
+            if self._park_idle(preempted):
+                continue
             victim = self.running.pop()
             self._preempt(victim)
             preempted.append(victim.seq_id)
@@ -192,30 +240,15 @@ class Scheduler:
             draft_start_pos=seq.num_draft_computed_tokens,
             prompt_logprob_token_ids=seq.prompt_logprob_token_ids(start, end),
         )
-        if self._draft_budget:  # the draft runs this step: it catches up as far as it may
+        # The draft runs this step: it catches up as far as it may (beams never draft).
+        if self._draft_budget and not seq.policy_picks_tokens:
             num_catch_up = min(end - entry.draft_start_pos, self._draft_budget)
             entry.draft_token_ids = seq.token_ids[entry.draft_start_pos :
                                                   entry.draft_start_pos + num_catch_up]
             self._draft_budget -= num_catch_up
         if end == seq.num_tokens:  # caught up: its last position yields a token
-            entry.samples = [self._sample_spec(s)
-                             for s in [seq, *self._fork_pending(seq, entry.draft_end_pos)]]
+            entry.samples = [self._sample_spec(seq)]
         return entry
-
-    def _fork_pending(self, seq: Sequence, num_draft_computed: int) -> list[Sequence]:
-        """Siblings of an n > 1 request share the prompt's blocks (copy-on-write later)."""
-        children = []
-        for k in range(seq.num_pending_forks):
-            index = seq.index + 1 + k
-            child = seq.fork(self.new_seq_id(), index, self.fork_seed(seq, index))
-            # The shared blocks hold the draft's KV as far as this step's catch-up takes it.
-            child.num_draft_computed_tokens = num_draft_computed
-            self.block_manager.fork(seq.seq_id, child.seq_id)
-            self.seqs[child.seq_id] = child
-            bisect.insort(self.running, child, key=lambda s: s.arrival)
-            children.append(child)
-        seq.num_pending_forks = 0
-        return children
 
     def _sample_spec(self, seq: Sequence) -> SampleSpec:
         params = seq.sampling_params
@@ -233,7 +266,8 @@ class Scheduler:
         """Advance computed counts, append sampled tokens, finish and free what stopped.
 
         sampled: seq id → the tokens its row produced (one normally; its accepted drafts and a
-        recovered or bonus token with speculation). Returns every sequence that got tokens.
+        recovered or bonus token with speculation). A sequence whose request policy picks its
+        tokens (a beam) gets none here. Returns every sequence that got tokens.
         """
         touched: list[Sequence] = []
         for entry in output.scheduled:
@@ -244,10 +278,12 @@ class Scheduler:
                     entry.num_spec_tokens - 1, 0)
             for spec in entry.samples:
                 seq = self.seqs[spec.seq_id]
+                if seq.policy_picks_tokens:
+                    continue
                 tokens = sampled[spec.seq_id]
                 # Drafts kept; the last token is recovered or bonus. Rejected: rolled back.
                 seq.num_computed_tokens = entry.end_pos + len(tokens) - 1
-                self._append(seq, tokens)
+                self.append_tokens(seq, tokens)
                 touched.append(seq)
         for seq in touched:
             if not seq.is_finished:
@@ -263,7 +299,11 @@ class Scheduler:
             self.block_manager.truncate(seq.seq_id, seq.num_tokens)
         self.block_manager.cache_blocks(seq.seq_id, seq.token_ids, computed)
 
-    def _append(self, seq: Sequence, token_ids: list[int]) -> None:
+    def append_tokens(self, seq: Sequence, token_ids: list[int]) -> None:
+        """Append tokens to seq, finishing it at the first token-level stop; a parked
+        sequence queues again."""
+        if self.parked.pop(seq.seq_id, None) is not None:
+            self.waiting.appendleft(seq)
         for token in token_ids:
             seq.token_ids.append(token)
             self.num_generation_tokens_total += 1

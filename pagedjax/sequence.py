@@ -31,7 +31,12 @@ class Sequence:
     sampling_params: SamplingParams
     max_tokens: int  # sampling_params.max_tokens, or what max_model_len leaves
     rng_seed: int  # uint32 stream of this completion's random numbers
-    num_pending_forks: int = 0  # siblings to fork off once the prompt is computed (n > 1)
+    # Sequences its request policy will fork off it later (n > 1 siblings, beams): they hold
+    # seats among max_num_seqs already, and it proposes no drafts meanwhile.
+    num_pending_forks: int = 0
+    # Its request policy picks its next token on the host (beam search): the scheduler appends
+    # no sampled token to it and gives it no draft slots.
+    policy_picks_tokens: bool = False
     num_computed_tokens: int = 0
     num_draft_computed_tokens: int = 0  # the draft model's KV progress (speculative decoding)
     num_cached_tokens: int = 0  # prompt tokens that came from the prefix cache at admission
@@ -95,4 +100,5 @@ class Sequence:
             num_cached_tokens=self.num_cached_tokens,
             status=self.status,
             _distinct_prompt_token_ids=self._distinct_prompt_token_ids,
+            policy_picks_tokens=self.policy_picks_tokens,
         )

@@ -55,3 +55,27 @@ def tiny_model(tmp_path_factory, tokenizer):
         return cache[name]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def eos_model(tiny_model, tmp_path_factory) -> str:
+    """The "llama" tiny checkpoint with EOS made likely: its lm_head row points along the mean
+    final hidden state, so EOS is the top token at a fair share of positions and beams end at
+    various lengths."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = tiny_model("llama")
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    config = model.config
+    ids = np.random.default_rng(1).integers(1, config.vocab_size, (8, 40))
+    with torch.no_grad():
+        hidden = model.model(torch.tensor(ids)).last_hidden_state.reshape(-1, config.hidden_size)
+        direction = hidden.mean(0) / hidden.mean(0).norm()
+        # The EOS logit is 3.5 on average over these positions (others: about N(0, 1.6)).
+        model.lm_head.weight[config.eos_token_id] = direction * 3.5 / (hidden @ direction).mean()
+    out = tmp_path_factory.mktemp("tiny-eos")
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(src).save_pretrained(out)
+    return str(out)

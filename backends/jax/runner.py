@@ -13,6 +13,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from pagedjax.backends.jax.attention import resolve_attention
@@ -23,7 +24,7 @@ from pagedjax.backends.jax.sampler import gather_logprobs, sample, score_prompt_
 from pagedjax.backends.jax.sharding import KV_CACHE, REPLICATED, make_mesh, per_shard
 from pagedjax.backends.jax.spec_step import propose_drafts
 from pagedjax.backends.rope import rope_cos_sin
-from pagedjax.batch import SAMPLING_FIELDS, BatchLayout, ModelInput, ModelOutput, StepOutput
+from pagedjax.batch import SAMPLING_FIELDS, BatchLayout, ModelInput, ModelOutput, StepOutput, bucket
 from pagedjax.config import EngineConfig, ModelConfig
 from pagedjax.kv_cache import num_kv_blocks_for_budget, warm_up_input
 from pagedjax.model_runner import auto_dtype
@@ -146,7 +147,13 @@ class JaxModelRunner:
     def execute(self, model_input: ModelInput) -> ModelOutput:
         """Run one step (see the module docstring)."""
         if len(model_input.block_copies):
-            copies = jnp.asarray(model_input.block_copies)
+            # Padded to a power of two (dst past the pool: dropped), so that beams, whose
+            # copy-on-write count changes every step, compile a few copy shapes only.
+            copies = np.full((bucket(len(model_input.block_copies)), 2), self.num_kv_blocks,
+                             np.int32)
+            copies[: len(model_input.block_copies)] = model_input.block_copies
+            copies[:, 0] = np.minimum(copies[:, 0], self.num_kv_blocks - 1)
+            copies = jnp.asarray(copies)
             self.kv_caches, self.draft_kv_caches = _copy_blocks(
                 (self.kv_caches, self.draft_kv_caches), copies)
         draft_params = None if self.draft is None else self.draft.params
@@ -203,7 +210,7 @@ class JaxModelRunner:
 @functools.partial(jax.jit, donate_argnums=(0,))
 def _copy_blocks(caches: tuple[list[KVCache], ...], copies: jax.Array) -> tuple:
     """Copy-on-write: block copies[:, 1] becomes a copy of block copies[:, 0] in every layer of
-    every model (target and draft)."""
+    every model (target and draft); a dst past the pool is padding, dropped."""
     src, dst = copies[:, 0], copies[:, 1]
-    return tuple([(k.at[dst].set(k[src]), v.at[dst].set(v[src])) for k, v in model_caches]
-                 for model_caches in caches)
+    return tuple([(k.at[dst].set(k[src], mode="drop"), v.at[dst].set(v[src], mode="drop"))
+                  for k, v in model_caches] for model_caches in caches)

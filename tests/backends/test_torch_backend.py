@@ -17,6 +17,7 @@ from pagedjax.config import EngineConfig, ModelConfig
 from pagedjax.kv_cache import num_kv_blocks_for_budget, warm_up_input
 from pagedjax.llm import LLM
 from pagedjax.sampling_params import SamplingParams
+from pagedjax.scheduler_output import SchedulerOutput
 from tests import hf_reference
 from tests.backends.test_engine_step import record_steps
 
@@ -54,21 +55,26 @@ class Run:
     schedule: list[tuple]  # one summary per step (see _record_schedule)
 
 
-def _record_schedule(llm: LLM) -> list[tuple]:
-    """Wrap the scheduler so each step appends (scheduled, block copies, preempted ids)."""
+def _record_schedule(llm: LLM) -> list[SchedulerOutput]:
+    """Wrap the scheduler so each step's SchedulerOutput is kept (see _summary)."""
     scheduler, log = llm.engine.scheduler, []
     schedule = scheduler.schedule
 
     def recording_schedule(*args):
         out = schedule(*args)
-        log.append((
-            [(e.seq_id, e.start_pos, e.num_new_tokens, tuple(e.block_table),
-              tuple(s.seq_id for s in e.samples)) for e in out.scheduled],
-            [tuple(c) for c in out.block_copies], list(out.preempted_seq_ids)))
+        log.append(out)
         return out
 
     scheduler.schedule = recording_schedule
     return log
+
+
+def _summary(out: SchedulerOutput) -> tuple:
+    """(scheduled, block copies, preempted ids) of a step, with the sample rows the request
+    policies added to it (n > 1 forks) before it ran."""
+    return ([(e.seq_id, e.start_pos, e.num_new_tokens, tuple(e.block_table),
+              tuple(s.seq_id for s in e.samples)) for e in out.scheduled],
+            [tuple(c) for c in out.block_copies], list(out.preempted_seq_ids))
 
 
 def _run(model_dir: Path, backend: str, engine_kwargs: dict, prompts: list[list[int]],
@@ -80,7 +86,7 @@ def _run(model_dir: Path, backend: str, engine_kwargs: dict, prompts: list[list[
     return Run(token_ids=[[c.token_ids for c in cs] for cs in completions],
                logprobs=[[[lp[t].logprob for lp, t in zip(c.logprobs or [], c.token_ids)]
                           for c in cs] for cs in completions],
-               metrics=llm.get_metrics(), schedule=log)
+               metrics=llm.get_metrics(), schedule=[_summary(out) for out in log])
 
 
 def _greedy(n: int = 1) -> SamplingParams:

@@ -248,6 +248,28 @@ def test_one_step_writing_several_shared_blocks_copies_each() -> None:
     assert [bm.ref_count(b) for b in range(4)] == [1, 1, 1, 1]
 
 
+def test_copying_fork_hands_its_copies_to_the_childs_next_allocation() -> None:
+    """The no-sharing baseline: the child owns copies from the start; the runner gets the
+    copies with its next allocation, and until then the blocks copied from stay referenced."""
+    bm = block_manager.CopyingBlockManager(10, 4)
+    bm.allocate_slots(0, 0, 6)
+    bm.fork(0, 1)
+    assert bm.get_block_table(1) == [2, 3]
+    assert [bm.ref_count(b) for b in range(4)] == [2, 2, 1, 1]
+    bm.free(0)  # the parent ends first: its blocks wait for the copies
+    assert [bm.ref_count(b) for b in range(4)] == [1, 1, 1, 1]
+    assert bm.allocate_slots(1, 6, 1) == [(0, 2), (1, 3)]  # no copy-on-write: nothing shared
+    assert [bm.ref_count(b) for b in range(4)] == [0, 0, 1, 1]
+    assert bm.allocate_slots(1, 7, 1) == []
+    bm.fork(1, 2)
+    bm.free(2)  # freed before its copies ran: they are dropped, the sources released
+    assert bm.num_free_blocks == 8 and [bm.ref_count(b) for b in (2, 3)] == [1, 1]
+    small = block_manager.CopyingBlockManager(3, 4)
+    small.allocate_slots(0, 0, 8)
+    with pytest.raises(RuntimeError, match="1 free blocks, too few to copy 2"):
+        small.fork(0, 1)
+
+
 def test_fork_inherits_hashing_progress() -> None:
     bm = BlockManager(10, 2)
     prompt = [1, 2, 3, 4, 5]

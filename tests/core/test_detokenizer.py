@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import random
 
 import numpy as np
@@ -44,10 +43,8 @@ def test_incremental_equals_full_decode(tokenizer, seed: int) -> None:
 
 
 def make_processor(tokenizer) -> tuple[Scheduler, OutputProcessor]:
-    ids = itertools.count(1)
     scheduler = Scheduler(BlockManager(64, 16), max_num_seqs=4, max_num_batched_tokens=64,
-                          stop_checker=StopChecker((tokenizer.eos_token_id,), 4096),
-                          new_seq_id=lambda: next(ids), fork_seed=lambda s, i: i)
+                          stop_checker=StopChecker((tokenizer.eos_token_id,), 4096))
     return scheduler, OutputProcessor(tokenizer, scheduler)
 
 

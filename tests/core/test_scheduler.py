@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 
 from pagedjax.block_manager import BlockManager
+from pagedjax.request_policy import ParallelSampling, PolicyContext
 from pagedjax.sampling_params import SamplingParams
 from pagedjax.scheduler import Scheduler
 from pagedjax.sequence import Sequence, SequenceStatus
@@ -15,10 +16,14 @@ BS = 4
 
 def make_scheduler(num_blocks: int, *, max_num_seqs: int = 8, budget: int = 16,
                    prefix_caching: bool = False) -> Scheduler:
-    ids = itertools.count(100)
     return Scheduler(BlockManager(num_blocks, BS, prefix_caching), max_num_seqs=max_num_seqs,
-                     max_num_batched_tokens=budget, stop_checker=StopChecker((), 10_000),
-                     new_seq_id=lambda: next(ids), fork_seed=lambda s, i: i)
+                     max_num_batched_tokens=budget, stop_checker=StopChecker((), 10_000))
+
+
+def make_context(sched: Scheduler) -> PolicyContext:
+    ids = itertools.count(100)
+    return PolicyContext(sched, new_seq_id=lambda: next(ids), fork_seed=lambda s, i: i,
+                         eos_token_ids=(), tokenizer=None)
 
 
 def add(sched: Scheduler, seq_id: int, prompt_len: int, max_tokens: int = 100,
@@ -103,8 +108,13 @@ def test_fork_on_prompt_completion_shares_blocks_then_copies_on_write() -> None:
     sched = make_scheduler(16, budget=100)
     seq = add(sched, 0, 6)
     seq.num_pending_forks = 2
+    policy = ParallelSampling(seq, make_context(sched))
     out = sched.schedule()
-    assert [s.seq_id for s in out.scheduled[0].samples] == [0, 100, 101]
+    assert [s.seq_id for s in out.scheduled[0].samples] == [0]  # the scheduler forks nothing
+    policy.schedule(out.scheduled)
+    assert policy.done and [s.seq_id for s in out.scheduled[0].samples] == [0, 100, 101]
+    assert [s.rng_seed for s in out.scheduled[0].samples] == [0, 1, 2]
+    assert [s.seq_id for s in sched.running] == [0, 100, 101]
     table = list(sched.block_manager.get_block_table(0))
     assert all(sched.block_manager.ref_count(b) == 3 for b in table)
     sched.update(out, {0: [1], 100: [2], 101: [3]})
@@ -112,3 +122,27 @@ def test_fork_on_prompt_completion_shares_blocks_then_copies_on_write() -> None:
     assert len(out.block_copies) == 2
     assert {src for src, _ in out.block_copies} == {table[1]}
     assert [sched.seqs[i].token_ids[6:] for i in (0, 100, 101)] == [[1], [2], [3]]
+
+
+def test_forks_hold_seats_before_they_exist() -> None:
+    """A request that will fork takes a seat per sequence it becomes (max_num_seqs = 4)."""
+    sched = make_scheduler(64, max_num_seqs=4, budget=100)
+    first = add(sched, 0, 2)
+    first.num_pending_forks = 2  # n = 3
+    second = add(sched, 1, 2)
+    second.num_pending_forks = 1  # n = 2: 3 + 2 seats > 4, so it waits
+    assert [s for s, _, _ in step(sched)] == [0]
+    assert list(sched.waiting) == [second]
+
+
+def test_a_sequence_with_nothing_to_compute_is_not_scheduled() -> None:
+    """A beam whose next token its policy has not picked yet sits out; the others run."""
+    sched = make_scheduler(64, budget=100)
+    a, b = add(sched, 0, 3), add(sched, 1, 3)
+    a.policy_picks_tokens = True
+    out = sched.schedule()
+    touched = sched.update(out, {0: [9], 1: [9]})
+    assert touched == [b] and a.num_tokens == a.num_computed_tokens == 3  # no token for a
+    assert step(sched) == [(1, 3, 1)]
+    sched.append_tokens(a, [5])  # its policy picked a token
+    assert step(sched) == [(0, 3, 1), (1, 4, 1)]

@@ -58,10 +58,17 @@ class OutputProcessor:
         self.requests[request_id] = state
         self._track(state, seq)
 
-    def abort_request(self, request_id: str) -> list[Sequence]:
-        """Forget the request; returns its sequences (for the scheduler to finish)."""
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Finish the request now (finish_reason "abort", blocks freed) and forget it; its final
+        output, or None for an unknown id."""
         state = self.requests.pop(request_id, None)
-        return [] if state is None else list(state.seqs.values())
+        if state is None:
+            return None
+        for seq in state.seqs.values():
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+            self.scheduler.remove(seq)
+        return self._request_output(state, finished=True)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)

@@ -208,12 +208,12 @@ class AsyncLLM:
             if output.finished:
                 self._requests.pop(output.request_id, None)
             batches[request.loop].append((request.collector, output))
-        for loop, items in batches.items():
-            _call_soon(loop, _deliver, items)
         self.metrics = self.engine.get_metrics()
-        if outputs or iteration:
+        if outputs or iteration:  # before delivery: a client that got its output sees it counted
             for stat_logger in self.stat_loggers:
                 stat_logger.record(self.metrics, iteration)
+        for loop, items in batches.items():
+            _call_soon(loop, _deliver, items)
 
     def _fail_all(self, error: BaseException) -> None:
         requests, self._requests = self._requests, {}

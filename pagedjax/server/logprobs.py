@@ -36,8 +36,8 @@ def completion_logprobs(token_ids: list[int], logprobs: Logprobs, num_top: int,
         text_offset += len(_text(sampled))
         values.append(_value(sampled))
         tokens.append(_text(sampled))
-        top = {_text(lp): _value(lp) for lp in _top(position, num_top)}
-        top.setdefault(_text(sampled), _value(sampled))
+        top = {_text(lp): _value(lp) for lp in reversed(_top(position, num_top))}
+        top[_text(sampled)] = _value(sampled)  # tokens that decode alike share a key
         tops.append(top)
     return {"text_offset": offsets, "token_logprobs": values, "tokens": tokens,
             "top_logprobs": tops}

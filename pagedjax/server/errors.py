@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from pagedjax.async_llm import EngineDeadError
+from pagedjax.server.protocol import request_field_names
 
 logger = logging.getLogger("pagedjax")
 
@@ -42,11 +43,13 @@ def error_body(status: int, message: str, param: str | None = None,
 
 
 def bad_request(e: Exception) -> OpenAIError:
-    """A ValueError/TypeError from the engine or SamplingParams → 400, naming the parameter the
-    message starts with (`SamplingParams.top_p=...`, `prompt=...`) when there is one."""
+    """A ValueError/TypeError from the engine, SamplingParams or the chat template → 400, naming
+    the parameter its message starts with (`SamplingParams.top_p=...`, `prompt token ids ...`,
+    `messages[0]=...`) when that is a request field."""
     message = str(e)
-    match = re.match(r"(?:SamplingParams\.)?([a-z_]+)=", message)
-    return OpenAIError(400, message, param=match.group(1) if match else None)
+    match = re.match(r"(?:SamplingParams\.)?([a-z_]+)", message)
+    param = match.group(1) if match and match.group(1) in request_field_names() else None
+    return OpenAIError(400, message, param=param)
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -1,16 +1,19 @@
 """Request bodies of the OpenAI-compatible API, as pydantic models (OpenAI's names, plus vLLM's
-extra sampling fields). Unknown fields are kept (`extra="allow"`): sampling.py passes those that
-SamplingParams has and rejects the rest by name."""
+extra sampling fields), and which fields are whose. Unknown fields are kept (`extra="allow"`):
+sampling.py passes those that SamplingParams has and rejects the rest by name."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pagedjax.sampling_params import SamplingParams
+
 
 class OpenAIBaseModel(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
 
 class StreamOptions(BaseModel):
@@ -88,3 +91,21 @@ class DetokenizeRequest(BaseModel):
 
     model: str | None = None
     tokens: list[int]
+
+
+# Read by the endpoints, not sampling parameters (or metadata with no effect: user).
+ENDPOINT_FIELDS = frozenset({
+    "model", "prompt", "messages", "stream", "stream_options", "echo", "user", "max_tokens",
+    "max_completion_tokens", "logprobs", "top_logprobs", "best_of", "add_generation_prompt",
+    "continue_final_message", "chat_template", "chat_template_kwargs", "suffix",
+})
+
+
+def request_field_names() -> frozenset[str]:
+    """Every field a request may name (to point an error's `param` at it)."""
+    return ENDPOINT_FIELDS | sampling_param_names()
+
+
+def sampling_param_names() -> frozenset[str]:
+    return frozenset(f.name for f in dataclasses.fields(SamplingParams)
+                     if f.init and not f.name.startswith("_") and f.name != "output_kind")

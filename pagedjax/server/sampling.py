@@ -4,30 +4,18 @@ read themselves are skipped, and any other field with an effect is a 400 that na
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from pagedjax.sampling_params import SamplingParams
 from pagedjax.server.errors import OpenAIError, bad_request
-from pagedjax.server.protocol import SamplingFields
+from pagedjax.server.protocol import ENDPOINT_FIELDS, SamplingFields, sampling_param_names
 
-# Read by the endpoints, not sampling parameters (or metadata with no effect: user).
-ENDPOINT_FIELDS = frozenset({
-    "model", "prompt", "messages", "stream", "stream_options", "echo", "user", "max_tokens",
-    "max_completion_tokens", "logprobs", "top_logprobs", "best_of", "add_generation_prompt",
-    "continue_final_message", "chat_template", "chat_template_kwargs", "suffix",
-})
 # Values that change nothing, accepted whether or not SamplingParams has the field yet.
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
     "logit_bias": ({},), "prompt_logprobs": (None,), "tools": (None, []),
     "tool_choice": (None, "none"), "response_format": (None, {"type": "text"}),
 }
-
-
-def sampling_param_names() -> frozenset[str]:
-    return frozenset(f.name for f in dataclasses.fields(SamplingParams)
-                     if f.init and not f.name.startswith("_") and f.name != "output_kind")
 
 
 def _convert(name: str, value: Any) -> Any:

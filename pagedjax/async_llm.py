@@ -148,14 +148,15 @@ class AsyncLLM:
 
     async def _stream(self, request_id: str,
                       collector: RequestOutputCollector) -> AsyncGenerator[RequestOutput, None]:
+        finished = False
         try:
-            while True:
+            while not finished:
                 output = await collector.get()
+                finished = output.finished
                 yield output
-                if output.finished:
-                    return
         except (asyncio.CancelledError, GeneratorExit):
-            self.abort_request(request_id)
+            if not finished:  # a consumer that stops after the last output aborts nothing
+                self.abort_request(request_id)
             raise
 
     async def abort(self, request_id: str | list[str]) -> None:

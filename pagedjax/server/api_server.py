@@ -19,7 +19,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 import pagedjax
 from pagedjax.async_llm import AsyncEngineArgs, AsyncLLM
 from pagedjax.chat_utils import load_chat_template
-from pagedjax.server.errors import OpenAIError, error_body, install_error_handlers
+from pagedjax.server.errors import error_body, install_error_handlers
 from pagedjax.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -28,6 +28,7 @@ from pagedjax.server.protocol import (
 )
 from pagedjax.server.serving_chat import OpenAIServingChat
 from pagedjax.server.serving_completion import OpenAIServingCompletion
+from pagedjax.server.serving_tokenization import OpenAIServingTokenization
 from pagedjax.stat_loggers import PrometheusStatLogger
 
 logger = logging.getLogger("pagedjax")
@@ -68,9 +69,12 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
     install_error_handlers(app)
     if config.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
-    names = config.served_model_names
-    completions = OpenAIServingCompletion(engine, names)
-    chat = OpenAIServingChat(engine, names, config.chat_template)
+    _add_info_routes(app, engine, config.served_model_names)
+    _add_generation_routes(app, engine, config)
+    return app
+
+
+def _add_info_routes(app: FastAPI, engine: AsyncLLM, names: list[str]) -> None:
     prometheus = next((s for s in engine.stat_loggers if isinstance(s, PrometheusStatLogger)),
                       None)
 
@@ -97,6 +101,14 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
         body = generate_latest(prometheus.registry) if prometheus is not None else b""
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
+
+def _add_generation_routes(app: FastAPI, engine: AsyncLLM, config: ServerConfig) -> None:
+    names = config.served_model_names
+    completions = OpenAIServingCompletion(engine, names)
+    chat = OpenAIServingChat(engine, names, config.chat_template,
+                             config.trust_request_chat_template)
+    tokenization = OpenAIServingTokenization(chat)
+
     @app.post("/v1/completions")
     async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
         return await completions.create_completion(request, raw_request)
@@ -104,42 +116,15 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: ChatCompletionRequest,
                                      raw_request: Request) -> Response:
-        if request.chat_template is not None and not config.trust_request_chat_template:
-            raise OpenAIError(400, "chat_template in a request needs the server started with "
-                                   "--trust-request-chat-template.", param="chat_template")
         return await chat.create_chat_completion(request, raw_request)
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest) -> dict:
-        chat.check_model(request.model)
-        if (request.prompt is None) == (request.messages is None):
-            raise OpenAIError(400, "give exactly one of prompt and messages.", param="prompt")
-        if request.messages is not None:
-            if request.chat_template is not None and not config.trust_request_chat_template:
-                raise OpenAIError(400, "chat_template in a request needs the server started "
-                                       "with --trust-request-chat-template.",
-                                  param="chat_template")
-            tokens = chat.render(
-                request.messages, chat_template=request.chat_template,
-                add_generation_prompt=request.add_generation_prompt,
-                continue_final_message=request.continue_final_message,
-                chat_template_kwargs=request.chat_template_kwargs)["prompt_token_ids"]
-        else:
-            tokens = chat.encode(request.prompt, request.add_special_tokens)
-        return {"count": len(tokens), "max_model_len": chat.max_model_len, "tokens": tokens}
+        return tokenization.tokenize(request)
 
     @app.post("/detokenize")
     async def detokenize(request: DetokenizeRequest) -> dict:
-        chat.check_model(request.model)
-        bad = [t for t in request.tokens if not 0 <= t < chat.vocab_size]
-        if bad:
-            raise OpenAIError(400, f"tokens {bad[:5]} are outside the vocabulary "
-                                   f"[0, {chat.vocab_size}).", param="tokens")
-        if chat.tokenizer is None:
-            raise OpenAIError(400, "this model has no tokenizer.", param="tokens")
-        return {"prompt": chat.tokenizer.decode(request.tokens)}
-
-    return app
+        return tokenization.detokenize(request)
 
 
 def engine_args_from_cli(args: argparse.Namespace) -> AsyncEngineArgs:

@@ -20,14 +20,20 @@ from pagedjax.server.serving import SSE_DONE, OpenAIServing, now, random_id, sse
 
 class OpenAIServingChat(OpenAIServing):
     def __init__(self, engine: AsyncLLM, served_model_names: list[str],
-                 chat_template: str | None = None) -> None:
+                 chat_template: str | None = None,
+                 trust_request_chat_template: bool = False) -> None:
         super().__init__(engine, served_model_names)
         self.chat_template = chat_template  # the server's --chat-template, over the tokenizer's
+        self.trust_request_chat_template = trust_request_chat_template
 
     def render(self, messages: list[dict[str, Any]], *, chat_template: str | None = None,
                add_generation_prompt: bool = True, continue_final_message: bool = False,
                chat_template_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
-        """The messages as a prompt; a template problem is the client's 400."""
+        """The messages as a prompt; a template problem is the client's 400. A request's own
+        chat_template runs only on a server started with --trust-request-chat-template."""
+        if chat_template is not None and not self.trust_request_chat_template:
+            raise OpenAIError(400, "chat_template in a request needs the server started with "
+                                   "--trust-request-chat-template.", param="chat_template")
         try:
             return apply_chat_template(
                 self.tokenizer, messages, chat_template=chat_template or self.chat_template,

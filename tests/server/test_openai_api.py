@@ -100,6 +100,20 @@ def test_n_and_seed_reproduce(client) -> None:
     assert first.usage.completion_tokens == 24
 
 
+def test_streamed_choices_join_per_index(client) -> None:
+    """vLLM's openai_completion_client example: n=2 with logprobs, streamed and not."""
+    kwargs = dict(model=MODEL_NAME, prompt="A robot may not injure a human being", n=2,
+                  logprobs=3, temperature=0.8, seed=3, max_tokens=8)
+    whole = client.completions.create(**kwargs)
+    texts, tokens = {0: "", 1: ""}, {0: [], 1: []}
+    for chunk in client.completions.create(**kwargs, stream=True):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+            tokens[choice.index] += choice.logprobs.tokens if choice.logprobs else []
+    assert texts == {c.index: c.text for c in whole.choices}
+    assert tokens == {c.index: c.logprobs.tokens for c in whole.choices}
+
+
 def test_stop_string_ends_the_text_before_it(client) -> None:
     text = greedy(client, PROMPTS[2], max_tokens=24, extra_body={"ignore_eos": True}
                   ).choices[0].text

@@ -6,22 +6,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
+from fastapi.responses import StreamingResponse
 from starlette.requests import Request
 
-from pagedjax.async_llm import AsyncLLM
+from pagedjax.async_llm import AsyncLLM, EngineDeadError
 from pagedjax.outputs import RequestOutput
 from pagedjax.sampling_params import RequestOutputKind, SamplingParams
-from pagedjax.server.errors import OpenAIError, bad_request
+from pagedjax.server.errors import OpenAIError, bad_request, error_body
 from pagedjax.server.protocol import SamplingFields
 from pagedjax.server.sampling import to_sampling_params
 from pagedjax.tokenizer import default_sampling_kwargs
 
 T = TypeVar("T")
+logger = logging.getLogger("pagedjax")
 
 
 class OpenAIServing:
@@ -104,6 +107,26 @@ class OpenAIServing:
             yield
         finally:
             watcher.cancel()
+
+
+def event_stream(events: AsyncIterator[str]) -> StreamingResponse:
+    """SSE of `events`; a failure after the headers went out (a dead engine) ends the stream
+    with an error event in OpenAI's shape and [DONE], never a traceback."""
+
+    async def guarded() -> AsyncIterator[str]:
+        try:
+            async for event in events:
+                yield event
+        except EngineDeadError as e:
+            yield sse(error_body(503, f"the engine is not running: {e}"))
+            yield SSE_DONE
+        except Exception as e:
+            logger.exception("internal error while streaming")
+            yield sse(error_body(500, f"internal server error ({type(e).__name__}); see the "
+                                      "server log"))
+            yield SSE_DONE
+
+    return StreamingResponse(guarded(), media_type="text/event-stream")
 
 
 def random_id(prefix: str) -> str:

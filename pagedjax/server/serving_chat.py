@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -15,7 +15,15 @@ from pagedjax.outputs import CompletionOutput, RequestOutput
 from pagedjax.server.errors import OpenAIError, bad_request
 from pagedjax.server.logprobs import chat_logprobs, prompt_logprobs_json
 from pagedjax.server.protocol import ChatCompletionRequest
-from pagedjax.server.serving import SSE_DONE, OpenAIServing, now, random_id, sse, usage
+from pagedjax.server.serving import (
+    SSE_DONE,
+    OpenAIServing,
+    event_stream,
+    now,
+    random_id,
+    sse,
+    usage,
+)
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -62,8 +70,7 @@ class OpenAIServingChat(OpenAIServing):
         (generator,) = self.start([request_id], [prompt], [params])
         stream = _ChatStream(self, request, request_id, len(prompt["prompt_token_ids"]))
         if request.stream:
-            return StreamingResponse(stream.events(generator, raw_request),
-                                     media_type="text/event-stream")
+            return event_stream(stream.events(generator, raw_request))
         async with self.abort_on_disconnect(raw_request, [request_id]):
             final = [output async for output in generator][-1]
         return JSONResponse(stream.response(final))

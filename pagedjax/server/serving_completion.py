@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -16,6 +16,7 @@ from pagedjax.server.protocol import CompletionRequest
 from pagedjax.server.serving import (
     SSE_DONE,
     OpenAIServing,
+    event_stream,
     merge_async_iterators,
     now,
     random_id,
@@ -43,8 +44,7 @@ class OpenAIServingCompletion(OpenAIServing):
         generators = self.start(request_ids, prompts, params)
         stream = _CompletionStream(self, request, base_id, prompts)
         if request.stream:
-            return StreamingResponse(stream.events(generators, raw_request, request_ids),
-                                     media_type="text/event-stream")
+            return event_stream(stream.events(generators, raw_request, request_ids))
         finals: list[RequestOutput] = [None] * len(prompts)  # FINAL_ONLY: one output each
         async with self.abort_on_disconnect(raw_request, request_ids):
             async for prompt_index, output in merge_async_iterators(*generators):

@@ -159,11 +159,34 @@ def test_a_valid_request_succeeds_after_the_bad_ones(server) -> None:
     assert free == total
 
 
-def assert_error_shape(body: Any) -> None:
+def test_a_failing_engine_answers_503_and_never_a_traceback(chat_model) -> None:
+    server = start_server(chat_model, backend="torch", max_model_len=MAX_MODEL_LEN,
+                          num_gpu_blocks_override=16)
+    try:
+        def broken_step() -> list:
+            raise RuntimeError("injected failure")
+
+        server.engine.engine.step = broken_step
+        status, text = request(server, "POST", CMPL, completion(stream=True))
+        assert status == 200  # the headers went out before the engine failed
+        error = json.loads(text.split("data: ")[1])
+        assert_error_shape(error) and error["error"]["type"] == "server_error"
+        assert text.endswith("data: [DONE]\n\n") and "Traceback" not in text
+        for method, path, body in (("POST", CMPL, completion()), ("POST", CHAT, chat()),
+                                   ("GET", "/health", None)):
+            status, error = request(server, method, path, body)
+            assert status == 503 and "injected failure" in error["error"]["message"]
+            assert_error_shape(error)
+    finally:
+        server.stop()
+
+
+def assert_error_shape(body: Any) -> bool:
     assert set(body) == {"error"}
     assert set(body["error"]) == {"message", "type", "param", "code"}
     assert isinstance(body["error"]["message"], str) and body["error"]["message"]
     assert "Traceback" not in body["error"]["message"]
+    return True
 
 
 # ---- fuzz -------------------------------------------------------------------------------------

@@ -116,6 +116,8 @@ class AsyncLLM:
             raise ValueError(f"request_id={request_id!r} is already in use; pick a unique id.")
         times = RequestTimes(time.monotonic())
         prompt = self._tokenize(prompt)
+        if isinstance(prompt, dict):
+            times.num_prompt_tokens = len(prompt.get("prompt_token_ids", ()))
         collector = RequestOutputCollector(params.output_kind)
         self._requests[request_id] = _Request(collector, asyncio.get_running_loop(), times)
         try:
@@ -124,8 +126,6 @@ class AsyncLLM:
         except BaseException:
             del self._requests[request_id]
             raise
-        if isinstance(prompt, dict):
-            times.num_prompt_tokens = len(prompt.get("prompt_token_ids", ()))
         self._wakeup.set()
         return collector
 

@@ -14,7 +14,9 @@ import urllib.request
 import openai
 import pytest
 
-from pagedjax.cli import main
+from pagedjax.async_llm import AsyncEngineArgs
+from pagedjax.cli import _parser, main
+from pagedjax.server.api_server import engine_args_from_cli
 from tests.server.conftest import CHAT_TEMPLATE, wait_until
 
 API_KEY = "sk-cli"
@@ -29,6 +31,22 @@ def free_port() -> int:
 def metrics(url: str) -> str:
     with urllib.request.urlopen(url + "/metrics") as response:
         return response.read().decode()
+
+
+def test_serve_flags_make_async_engine_args(capsys) -> None:
+    args = _parser().parse_args(["serve", "/ckpt", "--max_model_len", "256", "--backend",
+                                 "torch", "--speculative-model", "/draft",
+                                 "--num-speculative-tokens", "3", "--port", "9000"])
+    engine_args = engine_args_from_cli(args)
+    assert isinstance(engine_args, AsyncEngineArgs) and args.port == 9000
+    assert (engine_args.model, engine_args.max_model_len, engine_args.backend) == (
+        "/ckpt", 256, "torch")
+    assert engine_args.speculative_config == {"model": "/draft", "num_speculative_tokens": 3}
+    both = _parser().parse_args(["serve", "/ckpt", "--speculative-model", "/d",
+                                 "--speculative-config", '{"model": "/d"}'])
+    with pytest.raises(ValueError, match="not both"):
+        engine_args_from_cli(both)
+    assert main(["serve"]) == 2 and "error: no model" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")

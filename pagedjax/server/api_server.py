@@ -152,10 +152,10 @@ def run_server(args: argparse.Namespace) -> None:
     """Load the model, serve until interrupted, then free the engine."""
     import uvicorn
 
+    engine_args = engine_args_from_cli(args)
     logging.basicConfig(level=logging.INFO,
                         format="%(levelname)s %(asctime)s [%(name)s] %(message)s",
                         datefmt="%m-%d %H:%M:%S")
-    engine_args = engine_args_from_cli(args)
     names = args.served_model_name or [engine_args.model]
     config = ServerConfig(names, args.api_key, load_chat_template(args.chat_template),
                           args.trust_request_chat_template)

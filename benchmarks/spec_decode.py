@@ -23,7 +23,8 @@ from common import add_out_argument, environment, print_table, write_json  # noq
 
 _SOURCES = ("argparse.py", "dataclasses.py", "functools.py", "json/decoder.py", "pathlib.py",
             "textwrap.py", "typing.py", "inspect.py")
-_MAX_WARM_UPS = 4
+_MAX_PASSES = 8
+_MIN_PROMPTS = 8  # small batches run this many prompts, b at a time: no one-prompt verdicts
 _DELTAS = ("spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
            "spec_decode_num_verifications")
 
@@ -40,22 +41,24 @@ def code_prompts(tokenizer, num: int, length: int = 64) -> list[list[int]]:
     return prompts
 
 
-def timed_generate(llm, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
-    """Seconds and output tokens of one greedy batch, after warm-ups of the same batch until
-    one compiles nothing new (the adaptive policy may try new k, hence new shapes, at first)."""
+def timed_generate(llm, groups: list[list[list[int]]], max_tokens: int) -> tuple[float, int]:
+    """Seconds and output tokens of greedy batches run one after another (one per group of
+    prompts), timed on a pass that compiled nothing: passes repeat until one compiles nothing
+    (the adaptive policy may try a new k, hence new shapes, in its first steps)."""
     from pagedjax import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    inputs = [{"prompt_token_ids": p} for p in prompts]
-    runner, num_compiles = llm.engine.runner, -1
-    for _ in range(_MAX_WARM_UPS):
+    runner = llm.engine.runner
+    for _ in range(_MAX_PASSES):
+        num_compiles, start, tokens = runner.num_compiles, time.perf_counter(), 0
+        for group in groups:
+            outputs = llm.generate([{"prompt_token_ids": p} for p in group], params,
+                                   use_tqdm=False)
+            tokens += sum(len(o.outputs[0].token_ids) for o in outputs)
+        seconds = time.perf_counter() - start
         if runner.num_compiles == num_compiles:
-            break
-        num_compiles = runner.num_compiles
-        llm.generate(inputs, params, use_tqdm=False)
-    start = time.perf_counter()
-    outputs = llm.generate(inputs, params, use_tqdm=False)
-    return time.perf_counter() - start, sum(len(o.outputs[0].token_ids) for o in outputs)
+            return seconds, tokens
+    raise RuntimeError(f"still compiling after {_MAX_PASSES} passes: the shape set is unbounded")
 
 
 def make_llm(model: str, backend: str, args, draft: str | None = None, k: int = 0,
@@ -74,11 +77,14 @@ def run_backend(backend: str, args) -> list[dict]:
     rows = []
     for mode, k, adaptive in configs:
         llm = make_llm(args.target, backend, args, args.draft, k, adaptive)
-        prompts = code_prompts(llm.get_tokenizer(), max(args.batch_sizes))
+        prompts = code_prompts(llm.get_tokenizer(), max(*args.batch_sizes, _MIN_PROMPTS))
         for b in args.batch_sizes:
+            pool = prompts[: max(b, _MIN_PROMPTS)]
+            groups = [pool[i : i + b] for i in range(0, len(pool), b)]
             before = llm.get_metrics()
-            seconds, tokens = timed_generate(llm, prompts[:b], args.max_tokens)
+            seconds, tokens = timed_generate(llm, groups, args.max_tokens)
             rows.append(_row(backend, b, mode, k, seconds, tokens, before, llm.get_metrics()))
+        llm.shutdown()
     return rows
 
 
@@ -88,7 +94,7 @@ def _row(backend: str, b: int, mode: str, k: int, seconds: float, tokens: int, b
            "ms/token": 1e3 * seconds * b / tokens, "seconds": seconds}
     if not k:
         return row
-    # every warm-up decodes the timed run's tokens: acceptance over all of them
+    # every pass decodes the same tokens: acceptance over all of them
     delta = {m: after[m] - before.get(m, 0) for m in _DELTAS}
     alpha = delta["spec_decode_num_accepted_tokens"] / max(delta["spec_decode_num_draft_tokens"], 1)
     steps_per_k = [n - m for n, m in zip(after["spec_decode_steps_per_k"],
@@ -99,7 +105,7 @@ def _row(backend: str, b: int, mode: str, k: int, seconds: float, tokens: int, b
         / max(delta["spec_decode_num_verifications"], 1),
         "expected tokens/verify": (1 - alpha ** (k + 1)) / (1 - alpha) if alpha < 1 else k + 1.0,
         "acceptance per position": after["spec_decode_acceptance_per_position"],
-        # over the warm-ups and the timed run (the policy learns in the warm-ups)
+        # over every pass (the policy learns in the first ones)
         "mean k": sum(kk * n for kk, n in enumerate(steps_per_k)) / max(sum(steps_per_k), 1),
         "steps per k": steps_per_k,
     })

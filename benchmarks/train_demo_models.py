@@ -19,7 +19,9 @@ pair was trained on 2 shared CPU cores with `--time-budget-min 21 --target-share
 (see each `training_summary.json`). On that budget the target saw ~1.7M tokens and is still
 under-trained (the cheaper draft ends with a lower held-out loss); a GPU run with the defaults
 trains both much further. Training stops at the step count or at the time budget, whichever
-comes first; the cosine schedule follows whichever is nearer.
+comes first; the cosine schedule follows whichever is nearer. The shipped draft was then
+distilled on the target's own continuations by `benchmarks/distill_draft.py` (its summary's
+`sequence_distillation` entry).
 """
 
 from __future__ import annotations

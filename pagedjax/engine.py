@@ -78,7 +78,8 @@ class LLMEngine:
         self.speculation: AdaptiveSpeculation | None = None
         draft_model_config = None
         if config.speculative_config is not None:
-            spec_config = SpeculativeConfig.from_dict(config.speculative_config)
+            spec_config = SpeculativeConfig.from_dict(config.speculative_config,
+                                                  config.tensor_parallel_size)
             draft_model_config = self._check_draft(spec_config)
             self.speculation = AdaptiveSpeculation(spec_config)
         self.runner: ModelRunner | None = runner_cls(config, self.model_config,

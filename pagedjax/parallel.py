@@ -41,6 +41,15 @@ class TensorParallelPlan:
                          f"use a size that divides num_attention_heads="
                          f"{model_config.num_q_heads}.")
 
+    @classmethod
+    def for_draft(cls, draft_model_config: ModelConfig, size: int,
+                  draft_tensor_parallel_size: int | None) -> TensorParallelPlan:
+        """A draft is split like the target (replicated when it does not divide), or replicated
+        on every device with draft_tensor_parallel_size=1 (no all-reduce in its k passes)."""
+        if size > 1 and draft_tensor_parallel_size == 1:
+            return cls(size, shard_heads=False, split_vocab=False)
+        return cls.for_model(draft_model_config, size, replicate_if_indivisible=True)
+
     def shard_config(self, model_config: ModelConfig) -> ModelConfig:
         """The model as the devices hold it: KV heads repeated kv_replicas times."""
         return dataclasses.replace(model_config,

@@ -32,7 +32,7 @@ class SpeculativeConfig:
     adaptive: bool = True  # pick k per step from measurements; False: always k
 
     @classmethod
-    def from_dict(cls, config: dict) -> SpeculativeConfig:
+    def from_dict(cls, config: dict, tensor_parallel_size: int = 1) -> SpeculativeConfig:
         unknown = set(config) - set(_KEYS)
         if unknown or "model" not in config:
             raise ValueError(f"speculative_config={config!r}: expected the keys {_KEYS} "
@@ -45,10 +45,11 @@ class SpeculativeConfig:
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens={k!r} must be an integer in "
                              f"[1, {MAX_SPECULATIVE_TOKENS}].")
-        draft_tp = config.get("draft_tensor_parallel_size", 1)
-        if draft_tp != 1:
-            raise ValueError(f"speculative_config draft_tensor_parallel_size={draft_tp!r} is not "
-                             "supported yet; use 1 (the draft on one device).")
+        draft_tp = config.get("draft_tensor_parallel_size", tensor_parallel_size)
+        if draft_tp not in (1, tensor_parallel_size):
+            raise ValueError(f"speculative_config draft_tensor_parallel_size={draft_tp!r} must be "
+                             f"1 (the draft replicated on every device) or the target's "
+                             f"tensor_parallel_size={tensor_parallel_size} (the draft split).")
         adaptive = config.get("adaptive", True)
         if not isinstance(adaptive, bool):
             raise ValueError(f"speculative_config adaptive={adaptive!r} must be True or False.")

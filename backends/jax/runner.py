@@ -93,9 +93,10 @@ class JaxModelRunner:
         self.target = _Model.load(config.model, model_config, config,
                                   TensorParallelPlan.for_model(model_config, size), self.mesh)
         self.draft = None
-        if draft_model_config is not None:  # split like the target, or replicated if too small
-            plan = TensorParallelPlan.for_model(draft_model_config, size,
-                                                replicate_if_indivisible=True)
+        if draft_model_config is not None:
+            plan = TensorParallelPlan.for_draft(
+                draft_model_config, size,
+                config.speculative_config.get("draft_tensor_parallel_size"))
             self.draft = _Model.load(config.speculative_config["model"], draft_model_config,
                                      config, plan, self.mesh)
         self.num_compiles = 0  # traces of the step function: must stay bounded

@@ -114,9 +114,10 @@ class TorchModelRunner:
                        else torch.device("cpu"))
         target = Shard(rank, TensorParallelPlan.for_model(model_config, size))
         self.models = [_Model.load(config.model, model_config, config, self.device, target)]
-        if draft_model_config is not None:  # split like the target, or replicated if too small
-            draft = Shard(rank, TensorParallelPlan.for_model(
-                draft_model_config, size, replicate_if_indivisible=True))
+        if draft_model_config is not None:
+            draft = Shard(rank, TensorParallelPlan.for_draft(
+                draft_model_config, size,
+                config.speculative_config.get("draft_tensor_parallel_size")))
             self.models.append(_Model.load(config.speculative_config["model"],
                                            draft_model_config, config, self.device, draft))
         self.upload = HostToDevice(self.device)

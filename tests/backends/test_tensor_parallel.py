@@ -60,10 +60,15 @@ def test_jax_orbax_restores_into_the_sharded_layout(tiny_model, tmp_path) -> Non
 
 
 def test_jax_speculative_decoding_under_tp(tiny_model) -> None:
+    """The draft split like the target, and replicated (vLLM's draft_tensor_parallel_size=1)."""
     out = on_cpu_devices("greedy", model=tiny_model("llama"), sizes=[1, 2], prompts=PROMPTS,
                          draft=tiny_model("draft"))
     assert_same_greedy(out["2"], out["1"])
     assert out["2_drafts"] > 0
+    replicated = on_cpu_devices("greedy", model=tiny_model("llama"), sizes=[2], prompts=PROMPTS,
+                                draft=tiny_model("draft"), draft_tensor_parallel_size=1)
+    assert_same_greedy(replicated["2"], out["1"])
+    assert replicated["2_drafts"] > 0
 
 
 def test_jax_step_all_reduces_what_the_plan_counts(tiny_model) -> None:

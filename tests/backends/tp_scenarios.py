@@ -11,12 +11,15 @@ GREEDY = dict(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
 
 
 def greedy(model: str, sizes: list[int], prompts: list[list[int]], draft: str | None = None,
-           backend: str = "jax", keep_workers: bool = False) -> dict:
+           backend: str = "jax", keep_workers: bool = False,
+           draft_tensor_parallel_size: int | None = None) -> dict:
     """Per tensor_parallel_size: each prompt's greedy tokens and per-token top-2 logprobs
     (keep_workers: also the torch worker processes, after shutdown)."""
     from pagedjax import LLM, SamplingParams
 
     spec = None if draft is None else {"model": draft, "num_speculative_tokens": 3}
+    if draft_tensor_parallel_size is not None:
+        spec["draft_tensor_parallel_size"] = draft_tensor_parallel_size
     out = {}
     for size in sizes:
         llm = LLM(model, backend=backend, tensor_parallel_size=size, max_model_len=128,

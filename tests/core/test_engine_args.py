@@ -52,10 +52,14 @@ def test_llm_and_engine_take_the_same_names(tiny_model) -> None:
     (dict(dtype="int8"), "dtype='int8' is unsupported; use one of"),
     (dict(max_num_seqs=0), "max_num_seqs=0 must be >= 1"),
     (dict(speculative_config={"model": "x", "method": "eagle"}), "method='eagle'"),
+    (dict(speculative_config={"model": "DRAFT", "draft_tensor_parallel_size": 2}),
+     r"draft_tensor_parallel_size=2 must be 1 \(the draft replicated on every device\) or"),
     (dict(gpu_memory_util=0.5), r"unknown engine option\(s\) \['gpu_memory_util'\]"),
     (dict(backend="tpu"), "backend='tpu' is unknown"),
 ])
 def test_bad_options_name_the_option(tiny_model, kwargs: dict, match: str) -> None:
+    if kwargs.get("speculative_config", {}).get("model") == "DRAFT":
+        kwargs["speculative_config"]["model"] = tiny_model("draft")
     with pytest.raises(ValueError, match=match):
         LLM(tiny_model("llama"), **kwargs)
 

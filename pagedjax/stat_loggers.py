@@ -85,6 +85,8 @@ _ENGINE_COUNTERS = {
     "prefix_cache_queries": ("prefix_cache_queries",
                              "Prompt tokens looked up in the prefix cache."),
     "prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+    "spec_decode_num_verifications": ("spec_decode_num_drafts",
+                                      "Verifications that carried at least one draft."),
     "spec_decode_num_draft_tokens": ("spec_decode_num_draft_tokens", "Draft tokens proposed."),
     "spec_decode_num_accepted_tokens": ("spec_decode_num_accepted_tokens",
                                         "Draft tokens accepted."),

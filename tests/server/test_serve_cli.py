@@ -98,9 +98,11 @@ def test_serve_answers_the_openai_client_and_speculates(served) -> None:
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
     text = metrics(url)
-    drafted = [line for line in text.splitlines()
-               if line.startswith("pagedjax:spec_decode_num_draft_tokens_total")]
-    assert drafted and float(drafted[0].split()[-1]) > 0
+    for name in ("spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+                 "spec_decode_num_accepted_tokens"):
+        (line,) = [line for line in text.splitlines()
+                   if line.startswith(f"pagedjax:{name}_total")]
+        assert float(line.split()[-1]) >= (1 if name != "spec_decode_num_accepted_tokens" else 0)
 
 
 def test_bench_serve_reports_vllms_metrics(served, tmp_path) -> None:

@@ -65,6 +65,12 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     return parser
 
 
+def make_prompts(num_prompts: int, num_words: int, seed: int = 0) -> list[str]:
+    """The benchmark's seeded random-word prompts (the first num_prompts are the timed ones)."""
+    rng = random.Random(seed)
+    return [" ".join(rng.choices(_WORDS, k=num_words)) for _ in range(num_prompts)]
+
+
 def _payload(args: argparse.Namespace, model: str, prompt: str) -> dict[str, Any]:
     body: dict[str, Any] = {"model": model, "max_tokens": args.output_len, "temperature": 0.0,
                             "stream": True, "stream_options": {"include_usage": True}}
@@ -119,9 +125,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     connector = aiohttp.TCPConnector(limit=args.max_concurrency or 0)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         model = args.model or await _first_model(session, args.url, headers)
-        rng = random.Random(args.seed)
-        prompts = [" ".join(rng.choices(_WORDS, k=args.input_len))
-                   for _ in range(args.num_prompts + args.num_warmups)]
+        prompts = make_prompts(args.num_prompts + args.num_warmups, args.input_len, args.seed)
         url = args.url.rstrip("/") + args.endpoint
         warmups = [_send(session, url, _payload(args, model, p), headers)
                    for p in prompts[args.num_prompts:]]

@@ -3,6 +3,7 @@
 The core imports neither jax nor torch; a backend's framework loads when an engine picks it.
 """
 
+from pagedjax.async_llm import AsyncEngineArgs, AsyncLLM
 from pagedjax.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagedjax.engine import LLMEngine
 from pagedjax.engine_args import EngineArgs, FlexibleArgumentParser
@@ -11,6 +12,6 @@ from pagedjax.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedjax.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = ["LLM", "LLMEngine", "EngineArgs", "FlexibleArgumentParser", "SamplingParams",
-           "RequestOutputKind", "RequestOutput", "CompletionOutput", "Logprob",
-           "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence"]
+           "RequestOutputKind", "RequestOutput", "CompletionOutput", "Logprob", "AsyncLLM",
+           "AsyncEngineArgs", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence"]
 __version__ = "0.1.0"

@@ -1,4 +1,5 @@
 """pagedjax command line: `pagedjax generate --prompt TEXT [--model DIR] [--backend jax|torch]`,
+`pagedjax serve MODEL_DIR [--port 8000 ...]`, `pagedjax bench serve --url URL ...`,
 `pagedjax convert --model DIR`, `pagedjax doctor [--json]`."""
 
 from __future__ import annotations
@@ -37,6 +38,17 @@ def _parser() -> argparse.ArgumentParser:
                                          "reloads): DIR/orbax-DTYPE, restored automatically")
     conv.add_argument("--model", required=True)
     conv.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    from pagedjax.server.cli_args import add_serve_args
+
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server for a model")
+    add_serve_args(serve)
+    EngineArgs.add_cli_args(serve, skip=("model",))
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench",
+                                                                       required=True)
+    from pagedjax.bench_serve import add_bench_serve_args
+
+    add_bench_serve_args(bench.add_parser("serve", help="load a running server, report "
+                                                        "TTFT/TPOT/ITL/E2E and throughput"))
     doctor = sub.add_parser("doctor", help="device, versions, attention implementations and "
                                            "the ops build; exit status 1 on a problem")
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -100,6 +112,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             generate(args)
+        elif args.command == "serve":
+            from pagedjax.server.api_server import run_server
+
+            run_server(args)
+        elif args.command == "bench":
+            from pagedjax.bench_serve import main as bench_serve
+
+            bench_serve(args)
         elif args.command == "convert":
             convert(args)
     except ValueError as e:  # user errors: one clear line, no traceback

@@ -1,15 +1,17 @@
 """LLMEngine: add requests, step the scheduler and a backend's runner, stream outputs.
 
-One step: the speculation policy picks k → Scheduler.schedule → request policies add sample
-rows (n > 1) → build_model_input (NumPy) → ModelRunner.execute (one device step) →
-Scheduler.update (token-level stops, rollback) → OutputProcessor (text, stop strings, logprobs,
-outputs) → request policies pick tokens, fork and drop (beam search).
+One step: drain the inbox of add/abort commands → the speculation policy picks k →
+Scheduler.schedule → request policies add sample rows (n > 1) → build_model_input (NumPy) →
+ModelRunner.execute (one device step) → Scheduler.update (token-level stops, rollback) →
+OutputProcessor (text, stop strings, logprobs, outputs) → request policies pick tokens, fork
+and drop (beam search).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +39,19 @@ from pagedjax.tokenizer import load_eos_token_ids, load_tokenizer
 
 # A prompt: text, or {"prompt_token_ids": [...]} (optionally with "prompt": text).
 PromptType = str | dict[str, Any]
+
+
+@dataclass(frozen=True)
+class _AddCommand:
+    """A validated request waiting in the inbox."""
+
+    request_id: str
+    prompt: str | None
+    token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    beam_params: BeamSearchParams | None = None  # beam search: its policy picks the tokens
+
 
 STEP_PHASES = ("schedule", "prepare", "execute", "update", "output")
 
@@ -89,6 +104,11 @@ class LLMEngine:
         self.policies: dict[str, RequestPolicy] = {}  # request id → its policy, while it has one
         self.prompt_tokens_total = 0
         self.step_timings = StepTimings()
+        # add/abort commands from any thread, applied by step() in order (the inbox);
+        # _pending_ids: ids added but not yet drained (for the duplicate-id check)
+        self._inbox: list[_AddCommand | str] = []
+        self._pending_ids: set[str] = set()
+        self._inbox_lock = threading.Lock()
         register_engine(self)
 
     def shutdown(self) -> None:
@@ -96,8 +116,11 @@ class LLMEngine:
         steps). The engine cannot step afterwards."""
         if self.runner is None:
             return
+        with self._inbox_lock:
+            self._inbox.clear()
+            self._pending_ids.clear()
         for request_id in list(self.output_processor.requests):
-            self.abort_request(request_id)
+            self._abort_now(request_id)
         self.runner.shutdown()
         self.runner = None
 
@@ -122,28 +145,39 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptType,
                     params: SamplingParams | BeamSearchParams | None = None) -> None:
-        """Queue a request (sampled, or beam-searched with BeamSearchParams). Invalid input
-        raises ValueError and leaves the engine untouched."""
+        """Queue a request (sampled, or beam-searched with BeamSearchParams); it joins at the
+        top of the next step. Invalid input raises ValueError here and leaves the engine
+        untouched. Thread-safe: another thread may be stepping (the server's engine loop)."""
         params = params or SamplingParams()
-        if request_id in self.output_processor.requests:
-            raise ValueError(f"request_id={request_id!r} is already in use; pick a unique id.")
         text, token_ids = self._tokenize(prompt)
         beam_params = params if isinstance(params, BeamSearchParams) else None
         if beam_params is not None:
             params = self._beam_sampling_params(beam_params)
         max_tokens = self._check_lengths(token_ids, params)
         self._check_logit_bias(params)
+        with self._inbox_lock:
+            if request_id in self._pending_ids or request_id in self.output_processor.requests:
+                raise ValueError(f"request_id={request_id!r} is already in use; pick a unique "
+                                 "id.")
+            self._pending_ids.add(request_id)
+            self._inbox.append(_AddCommand(request_id, text, token_ids, params, max_tokens,
+                                           beam_params))
+
+    def _apply_add(self, command: _AddCommand) -> None:
+        request_id, token_ids, params = command.request_id, command.token_ids, command.params
         arrival = next(self._arrivals)
         seq = Sequence(
-            seq_id=next(self._seq_ids), request_id=request_id, index=0, arrival=(arrival, 0),
-            token_ids=list(token_ids), num_prompt_tokens=len(token_ids), sampling_params=params,
-            max_tokens=max_tokens, rng_seed=0, num_pending_forks=params.n - 1)
+            seq_id=next(self._seq_ids), request_id=command.request_id, index=0,
+            arrival=(arrival, 0), token_ids=list(token_ids), num_prompt_tokens=len(token_ids),
+            sampling_params=params, max_tokens=command.max_tokens, rng_seed=0,
+            num_pending_forks=params.n - 1)
         seq.rng_seed = self._rng_seed(seq, 0)
-        if beam_params is not None:
-            self.policies[request_id] = BeamSearch(seq, beam_params, text, self.policy_context)
+        if command.beam_params is not None:
+            self.policies[request_id] = BeamSearch(seq, command.beam_params, command.prompt,
+                                                   self.policy_context)
         elif params.n > 1:
             self.policies[request_id] = ParallelSampling(seq, self.policy_context)
-        self.output_processor.add_request(request_id, text, seq)
+        self.output_processor.add_request(request_id, command.prompt, seq)
         self.scheduler.add_sequence(seq)
         self.prompt_tokens_total += len(token_ids)
 
@@ -162,6 +196,28 @@ class LLMEngine:
                              f"{num_candidates} logprobs per beam, over the {limit} a step "
                              f"returns; use beam_width <= {limit // per_beam}.")
         return params.sampling_params(num_candidates)
+
+    def _drain_inbox(self) -> list[RequestOutput]:
+        """Apply queued adds and aborts in order; the final outputs of the aborted requests."""
+        aborted = []
+        with self._inbox_lock:  # held while applying, so an id is never in neither place
+            commands, self._inbox = self._inbox, []
+            for command in commands:
+                if isinstance(command, _AddCommand):
+                    self._pending_ids.discard(command.request_id)
+                    self._apply_add(command)
+                else:
+                    output = self._abort_now(command)
+                    if output is not None:
+                        aborted.append(output)
+        return aborted
+
+    def _abort_now(self, request_id: str) -> RequestOutput | None:
+        """Finish a request (its policy's sequences too) and forget it; its final output."""
+        policy = self.policies.pop(request_id, None)
+        if policy is not None:
+            policy.abort()
+        return self.output_processor.abort_request(request_id)
 
     def _rng_seed(self, seq: Sequence, index: int) -> int:
         seed = seq.sampling_params.seed
@@ -210,18 +266,21 @@ class LLMEngine:
             raise ValueError(f"SamplingParams.logit_bias has token ids {bad[:5]} outside the "
                              f"vocabulary [0, {vocab}); use this model's token ids.")
 
-    def abort_request(self, request_id: str) -> None:
-        """Finish a request now (finish_reason "abort") and free its blocks. Unknown ids: no-op."""
-        policy = self.policies.pop(request_id, None)
-        if policy is not None:
-            policy.abort()
-        for seq in self.output_processor.abort_request(request_id):
-            if not seq.is_finished:
-                self.scheduler.finish(seq, "abort")
-            self.scheduler.remove(seq)
+    def abort_request(self, request_id: str) -> bool:
+        """Finish a request at the top of the next step (finish_reason "abort", its final
+        output among that step's outputs) and free its blocks. A request still in the inbox is
+        dropped at once, with no output: returns True then. Unknown ids: no-op. Thread-safe."""
+        with self._inbox_lock:
+            if request_id in self._pending_ids:
+                self._pending_ids.discard(request_id)
+                self._inbox = [c for c in self._inbox
+                               if not (isinstance(c, _AddCommand) and c.request_id == request_id)]
+                return True
+            self._inbox.append(request_id)
+            return False
 
     def has_unfinished_requests(self) -> bool:
-        return self.output_processor.has_unfinished_requests()
+        return bool(self._inbox) or self.output_processor.has_unfinished_requests()
 
     # ---- step --------------------------------------------------------------------------------
 
@@ -229,11 +288,12 @@ class LLMEngine:
         """One scheduler step and one device step; outputs of the requests that progressed."""
         if self.runner is None:
             raise RuntimeError("this engine was shut down; make a new one")
+        aborted = self._drain_inbox() if self._inbox else []
         stamps = [time.perf_counter()]
         k = self._choose_num_spec_tokens()
         out = self.scheduler.schedule(k)
         if out.is_empty:
-            return []
+            return aborted
         policies = self._policies_of(out)
         for request_id, entries in policies.items():
             self.policies[request_id].schedule(entries)
@@ -257,7 +317,7 @@ class LLMEngine:
             decode = all(e.num_new_tokens == 1 for e in out.scheduled)
             self.speculation.observe(out, sampled, stamps[-1] - stamps[0],
                                      timed=decode and self.runner.num_compiles == num_compiles)
-        return outputs
+        return aborted + outputs if aborted else outputs
 
     def _policies_of(self, out: SchedulerOutput) -> dict[str, list[ScheduledSequence]]:
         """The scheduled sequences of each request that has a policy."""

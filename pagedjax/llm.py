@@ -11,6 +11,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from pagedjax.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from pagedjax.chat_utils import ChatMessage, apply_chat_template, load_chat_template
 from pagedjax.engine import LLMEngine, PromptType
 from pagedjax.engine_args import EngineArgs
 from pagedjax.outputs import RequestOutput
@@ -103,6 +104,25 @@ class LLM:
                 self.engine.abort_request(request_id)
             raise
         return ids
+
+    def chat(self, messages: list[ChatMessage] | list[list[ChatMessage]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, chat_template: str | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, each rendered by the
+        tokenizer's chat template (or `chat_template`: a Jinja template or a file path)."""
+        if self.engine is None:
+            raise RuntimeError("this LLM was shut down; make a new one")
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        template = load_chat_template(chat_template)
+        prompts = [apply_chat_template(self.engine.tokenizer, conversation,
+                                       chat_template=template,
+                                       add_generation_prompt=add_generation_prompt,
+                                       continue_final_message=continue_final_message,
+                                       chat_template_kwargs=chat_template_kwargs)
+                   for conversation in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

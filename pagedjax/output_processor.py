@@ -62,10 +62,17 @@ class OutputProcessor:
         self.requests[request_id] = state
         self._track(state, seq)
 
-    def abort_request(self, request_id: str) -> list[Sequence]:
-        """Forget the request; returns its sequences (for the scheduler to finish)."""
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Finish the request now (finish_reason "abort", blocks freed) and forget it; its final
+        output, or None for an unknown id."""
         state = self.requests.pop(request_id, None)
-        return [] if state is None else list(state.seqs.values())
+        if state is None:
+            return None
+        for seq in state.seqs.values():
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+            self.scheduler.remove(seq)
+        return self._request_output(state, finished=True)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -186,7 +193,10 @@ class OutputProcessor:
 
     def _request_output(self, state: RequestState, finished: bool) -> RequestOutput:
         delta = state.params.output_kind is RequestOutputKind.DELTA
-        outputs = [self._completion_output(state.seqs[i], state.completions[i], delta)
+        stops = state.params.stop_strings
+        # DELTA text stops short of where a stop string could still begin (cut later)
+        hold_back = max(map(len, stops)) - 1 if delta and stops else 0
+        outputs = [self._completion_output(state.seqs[i], state.completions[i], delta, hold_back)
                    for i in sorted(state.seqs)]
         first = state.seqs[0]
         prompt_logprobs = state.prompt_logprobs
@@ -198,17 +208,20 @@ class OutputProcessor:
                              prompt_logprobs=prompt_logprobs)
 
     @staticmethod
-    def _completion_output(seq: Sequence, completion: CompletionState,
-                           delta: bool) -> CompletionOutput:
+    def _completion_output(seq: Sequence, completion: CompletionState, delta: bool,
+                           hold_back: int = 0) -> CompletionOutput:
         detokenizer, start = completion.detokenizer, seq.num_prompt_tokens
         logprobs = completion.logprobs
         if delta:  # O(new) work: only what earlier outputs did not carry
-            text = detokenizer.tail(detokenizer.num_chars - completion.num_sent_chars)
+            sendable = detokenizer.num_chars - (0 if seq.is_finished else hold_back)
+            num_new_chars = max(sendable - completion.num_sent_chars, 0)
+            end = detokenizer.num_chars - sendable
+            text = detokenizer.tail(num_new_chars + end)[: num_new_chars]
             token_ids = seq.token_ids[start + completion.num_sent_tokens :]
             if logprobs is not None:
                 logprobs = logprobs[completion.num_sent_tokens :]
             completion.num_sent_tokens = seq.num_output_tokens
-            completion.num_sent_chars = detokenizer.num_chars
+            completion.num_sent_chars += num_new_chars
         else:
             text, token_ids = detokenizer.output_text, seq.token_ids[start:]
             logprobs = None if logprobs is None else list(logprobs)

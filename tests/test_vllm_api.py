@@ -135,3 +135,70 @@ def test_default_sampling_params_come_from_the_generation_config(model, tmp_path
     (tmp_path / "m" / "generation_config.json").write_text(json.dumps(config))
     params = LLM(model=str(tmp_path / "m"), **SMALL).get_default_sampling_params()
     assert (params.temperature, params.top_p, params.max_tokens) == (0.6, 0.9, 7)
+
+
+def test_chat_with_the_models_template(model, tmp_path) -> None:
+    """vLLM's chat example: one conversation, then a batch of them, through the tokenizer's
+    chat template; a model without one needs chat_template=."""
+    import shutil
+
+    template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    shutil.copytree(model, tmp_path / "chat")
+    (tmp_path / "chat" / "chat_template.jinja").write_text(template)
+    llm = LLM(model=str(tmp_path / "chat"), **SMALL)
+    conversation = [
+        {"role": "system", "content": "You are a helpful assistant"},
+        {"role": "user", "content": "Hello"},
+        {"role": "assistant", "content": "Hello! How can I assist you today?"},
+        {"role": "user", "content": "Write a function that sorts a list."},
+    ]
+    sampling_params = SamplingParams(temperature=0.0, max_tokens=8)
+    outputs = llm.chat(conversation, sampling_params, use_tqdm=False)
+    tokenizer = llm.get_tokenizer()
+    text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    assert outputs[0].prompt == text and text.endswith("<|assistant|>")
+    assert outputs[0].prompt_token_ids == tokenizer.encode(text, add_special_tokens=False)
+    same = llm.generate({"prompt_token_ids": outputs[0].prompt_token_ids}, sampling_params)
+    assert outputs[0].outputs[0].text == same[0].outputs[0].text
+    assert len(llm.chat([conversation, conversation[:2]], sampling_params, use_tqdm=False)) == 2
+    plain = LLM(model=model, **SMALL)
+    with pytest.raises(ValueError, match="no chat template"):
+        plain.chat(conversation, sampling_params)
+    assert plain.chat(conversation, sampling_params, chat_template=template,
+                      use_tqdm=False)[0].outputs[0].text == outputs[0].outputs[0].text
+
+
+def test_async_llm_streaming(model) -> None:
+    """vLLM's async_llm_streaming example: AsyncEngineArgs → AsyncLLM.from_engine_args, DELTA
+    outputs from `generate(request_id=..., prompt=..., sampling_params=...)`, shutdown()."""
+    import asyncio
+
+    from pagedjax import AsyncEngineArgs, AsyncLLM
+
+    engine_args = AsyncEngineArgs(model=model, **SMALL)
+    engine = AsyncLLM.from_engine_args(engine_args)
+    sampling_params = SamplingParams(max_tokens=10, temperature=0.8, top_p=0.95, seed=42,
+                                     output_kind=RequestOutputKind.DELTA)
+
+    async def stream_response(prompt: str, request_id: str) -> str:
+        text = ""
+        async for output in engine.generate(request_id=request_id, prompt=prompt,
+                                            sampling_params=sampling_params):
+            for completion in output.outputs:
+                text += completion.text
+            if output.finished:
+                break
+        return text
+
+    async def main() -> list[str]:
+        return await asyncio.gather(*[stream_response(p, f"stream-{i}")
+                                      for i, p in enumerate(PROMPTS)])
+
+    try:
+        streamed = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    offline = LLM(model=model, **SMALL).generate(PROMPTS, SamplingParams(
+        max_tokens=10, temperature=0.8, top_p=0.95, seed=42), use_tqdm=False)
+    assert streamed == [o.outputs[0].text for o in offline]

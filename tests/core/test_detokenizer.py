@@ -175,3 +175,16 @@ def test_stop_string_spanning_a_multi_token_step_cuts_the_tokens_after_it(tokeni
     out = stream(tokenizer, SamplingParams(stop=stop), chunks)[-1].outputs[0]
     assert (out.finish_reason, out.stop_reason, out.text) == ("stop", stop, text[: boundary - 2])
     assert out.token_ids == ids[:3]
+
+
+def test_streamed_deltas_never_send_text_a_later_stop_string_cuts(tokenizer) -> None:
+    """DELTA holds back the last len(longest stop) - 1 characters until the request finishes:
+    a stop string that starts in one step's text and ends in the next never leaks its start."""
+    text = "alpha beta gamma delta epsilon zeta"
+    ids, pieces = tokenizer.encode(text), token_texts(tokenizer, text)
+    boundary = len(pieces[0]) + len(pieces[1])
+    stop = text[boundary - 2 : boundary + 2]  # starts in token 1, ends in token 2
+    params = SamplingParams(stop=[stop, "zz"], output_kind=RequestOutputKind.DELTA)
+    outputs = stream(tokenizer, params, [[t] for t in ids])
+    assert "".join(o.outputs[0].text for o in outputs) == text[: boundary - 2]
+    assert outputs[-1].outputs[0].finish_reason == "stop"

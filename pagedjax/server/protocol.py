@@ -1,0 +1,111 @@
+"""Request bodies of the OpenAI-compatible API, as pydantic models (OpenAI's names, plus vLLM's
+extra sampling fields), and which fields are whose. Unknown fields are kept (`extra="allow"`):
+sampling.py passes those that SamplingParams has and rejects the rest by name."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from pagedjax.sampling_params import SamplingParams
+
+
+class OpenAIBaseModel(BaseModel):
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+class SamplingFields(OpenAIBaseModel):
+    """What both endpoints take besides the prompt: OpenAI's fields, then vLLM's extras."""
+
+    model: str | None = None
+    n: int = 1
+    best_of: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    user: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    min_tokens: int | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    prompt_logprobs: int | None = None
+
+
+class CompletionRequest(SamplingFields):
+    # text, texts, token ids, or lists of token ids (one prompt each)
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool | None = False
+    suffix: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_tokens: int | None = None  # OpenAI's older name for max_completion_tokens
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    # vLLM's chat extras
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    tokens: list[int]
+
+
+# Read by the endpoints, not sampling parameters (or metadata with no effect: user).
+ENDPOINT_FIELDS = frozenset({
+    "model", "prompt", "messages", "stream", "stream_options", "echo", "user", "max_tokens",
+    "max_completion_tokens", "logprobs", "top_logprobs", "best_of", "add_generation_prompt",
+    "continue_final_message", "chat_template", "chat_template_kwargs", "suffix",
+})
+
+
+def request_field_names() -> frozenset[str]:
+    """Every field a request may name (to point an error's `param` at it)."""
+    return ENDPOINT_FIELDS | sampling_param_names()
+
+
+def sampling_param_names() -> frozenset[str]:
+    return frozenset(f.name for f in dataclasses.fields(SamplingParams)
+                     if f.init and not f.name.startswith("_") and f.name != "output_kind")

@@ -202,3 +202,34 @@ def test_async_llm_streaming(model) -> None:
     offline = LLM(model=model, **SMALL).generate(PROMPTS, SamplingParams(
         max_tokens=10, temperature=0.8, top_p=0.95, seed=42), use_tqdm=False)
     assert streamed == [o.outputs[0].text for o in offline]
+
+
+def test_beam_search(model) -> None:
+    """vLLM's beam search: `LLM.beam_search(prompts, BeamSearchParams(beam_width=...,
+    max_tokens=...))`, one BeamSearchOutput per prompt whose `sequences` are best first, each
+    with `tokens` (prompt included), `text`, `cum_logprob` and per-token `logprobs`."""
+    from pagedjax import BeamSearchParams
+
+    llm = LLM(model=model, **SMALL)
+    prompts = [{"prompt": p} for p in PROMPTS[:2]]
+    outputs = llm.beam_search(prompts, BeamSearchParams(beam_width=3, max_tokens=8,
+                                                        ignore_eos=True))
+    assert len(outputs) == 2
+    for prompt, output in zip(PROMPTS, outputs):
+        prompt_ids = llm.get_tokenizer()(prompt)["input_ids"]
+        assert len(output.sequences) == 3
+        scores = [s.cum_logprob / (len(s.tokens) - len(prompt_ids)) for s in output.sequences]
+        assert scores == sorted(scores, reverse=True)
+        for beam in output.sequences:
+            assert beam.tokens[: len(prompt_ids)] == prompt_ids
+            assert len(beam.tokens) == len(prompt_ids) + 8
+            assert len(beam.logprobs) == 8
+            generated = beam.tokens[len(prompt_ids):]
+            assert all(isinstance(entry[token], Logprob)
+                       for entry, token in zip(beam.logprobs, generated))
+    # Width 1 is greedy.
+    greedy = llm.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=8,
+                                                     ignore_eos=True), use_tqdm=False)
+    width_1 = llm.beam_search([PROMPTS[0]], BeamSearchParams(beam_width=1, max_tokens=8,
+                                                             ignore_eos=True))[0].sequences[0]
+    assert width_1.tokens[-8:] == greedy[0].outputs[0].token_ids

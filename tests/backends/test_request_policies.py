@@ -99,7 +99,9 @@ def test_seeded_samples_equal_their_streams_run_as_separate_requests(tiny_model,
     alone = SamplingParams(temperature=0.9, max_tokens=12, ignore_eos=True)
     for i in range(4):
         engine.add_request(f"alone-{i}", {"prompt_token_ids": PROMPT_40}, alone)
-        engine.scheduler.waiting[-1].rng_seed = derive_seed(7, i)  # completion i's stream
+    engine._drain_inbox()  # the requests reach the scheduler: give each completion i's stream
+    for i, seq in enumerate(engine.scheduler.waiting):
+        seq.rng_seed = derive_seed(7, i)
     outputs = run_to_end(llm)
     samples = [c.token_ids for c in together.outputs]
     assert samples == [outputs[f"alone-{i}"].outputs[0].token_ids for i in range(4)]

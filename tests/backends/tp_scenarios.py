@@ -64,6 +64,7 @@ def comm(model: str, size: int) -> dict:
     engine, runner = llm.engine, llm.engine.runner
     engine.add_request("r", {"prompt_token_ids": list(range(1, 30))},
                        SamplingParams(temperature=0.0, max_tokens=2))
+    engine._drain_inbox()  # the request reaches the scheduler (step() would do this first)
     model_input = build_model_input(engine.scheduler.schedule(), block_size=16,
                                     max_blocks_per_seq=engine.config.max_blocks_per_seq)
     hlo = runner._step.lower(runner.target.params, None, runner.kv_caches, [],

@@ -13,6 +13,8 @@ time at the current batch size, so speculation that does not pay is switched off
 from __future__ import annotations
 
 import json
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -113,14 +115,28 @@ class SpecDecodeMetrics:
 
 @dataclass
 class _BatchCosts:
-    """Measured seconds per decode step at one batch-size bucket, per k (EMA)."""
+    """Measured seconds per decode step at one batch-size bucket: the latest samples per k."""
 
-    seconds: dict[int, float] = field(default_factory=dict)
+    samples: dict[int, deque[float]] = field(default_factory=dict)
     num_choices: int = 0
     next_probe: int = 0  # choice count at which to probe a neighbour of the best k
     probe_interval: int = 0
     last_probe: int = 1  # direction of the last neighbour probe
+    num_probes: int = 0
+    probe_k: int = 0
+    probe_steps_left: int = 0  # a probe runs PROBE_STEPS steps: enough to move a median
     best: int = -1
+
+    def count(self, k: int) -> int:
+        return len(self.samples.get(k, ()))
+
+    def add(self, k: int, seconds: float, window: int) -> None:
+        self.samples.setdefault(k, deque(maxlen=window)).append(seconds)
+
+    def seconds(self) -> dict[int, float]:
+        """k -> the median of its latest samples: one slow step (a collection, a busy core)
+        moves no decision."""
+        return {k: statistics.median(s) for k, s in self.samples.items()}
 
 
 class AdaptiveSpeculation:
@@ -128,12 +144,17 @@ class AdaptiveSpeculation:
     expected tokens per sequence (a_j: chance that the first j + 1 drafts are accepted, an EMA)
     and t(k) the measured decode step time at this batch size (interpolated where unmeasured).
 
-    Each batch size first measures k = max and k = 0; then it re-measures a neighbour of the
-    current best now and then, so the estimates follow the workload: after PROBE_EVERY steps,
-    and twice as long after each probe that changed nothing (up to MAX_PROBE_EVERY).
+    A step time is the median of the latest WINDOW samples of that k at that batch size. Each
+    batch size first measures k = max and k = 0, MIN_SAMPLES times each, in turns; then it
+    re-measures a neighbour of the current best now and then, and every other time k = 0 (the
+    baseline that speculation must beat), so the estimates follow the workload: after
+    PROBE_EVERY steps, and twice as long after each probe that changed nothing (up to
+    MAX_PROBE_EVERY). A probe runs PROBE_STEPS steps, so that its samples can move a median.
     """
 
-    EMA = 0.2  # weight of a new step-time sample
+    WINDOW = 5  # step-time samples kept per k and batch size
+    MIN_SAMPLES = 3  # of k = max and of k = 0, before any choice
+    PROBE_STEPS = 3  # steps per probe
     ACCEPTANCE_DECAY = 0.9  # per step: acceptance follows the last ~10 steps' drafts
     PROBE_EVERY = 32
     MAX_PROBE_EVERY = 512
@@ -154,20 +175,29 @@ class AdaptiveSpeculation:
             return self.max_k
         costs = self._costs.setdefault(bucket(num_seqs), _BatchCosts())
         costs.num_choices += 1
-        for k in (self.max_k, 0):  # measure both ends first
-            if k not in costs.seconds:
-                self.k = k
-                return k
-        best = max(range(self.max_k + 1), key=lambda k: self._score(costs, k))
+        if min(costs.count(self.max_k), costs.count(0)) < self.MIN_SAMPLES:  # both ends first
+            self.k = self.max_k if costs.count(self.max_k) <= costs.count(0) else 0
+            return self.k
+        if costs.probe_steps_left:
+            costs.probe_steps_left -= 1
+            self.k = costs.probe_k
+            return self.k
+        seconds = costs.seconds()
+        best = max(range(self.max_k + 1), key=lambda k: self._score(seconds, k))
         if best != costs.best:  # the estimates moved: probe again soon
             costs.best, costs.probe_interval = best, self.PROBE_EVERY
             costs.next_probe = costs.num_choices + self.PROBE_EVERY
         elif costs.num_choices >= costs.next_probe:
             costs.probe_interval = min(2 * costs.probe_interval, self.MAX_PROBE_EVERY)
             costs.next_probe = costs.num_choices + costs.probe_interval
-            costs.last_probe = -costs.last_probe if 0 < best < self.max_k else (
-                1 if best == 0 else -1)
-            best = best + costs.last_probe
+            costs.num_probes += 1
+            if best > 1 and costs.num_probes % 2 == 0:
+                best = 0  # the baseline drifts too (contexts grow): re-measure it
+            else:
+                costs.last_probe = -costs.last_probe if 0 < best < self.max_k else (
+                    1 if best == 0 else -1)
+                best = best + costs.last_probe
+            costs.probe_k, costs.probe_steps_left = best, self.PROBE_STEPS - 1
         self.k = best
         return best
 
@@ -187,8 +217,7 @@ class AdaptiveSpeculation:
                 self._accepted[j] += j < num_accepted
         if timed and self.adaptive:
             costs = self._costs.setdefault(bucket(len(out.scheduled)), _BatchCosts())
-            k, old = out.num_spec_tokens, costs.seconds.get(out.num_spec_tokens)
-            costs.seconds[k] = seconds if old is None else old + self.EMA * (seconds - old)
+            costs.add(out.num_spec_tokens, seconds, self.WINDOW)
 
     def expected_tokens(self, k: int) -> float:
         """Tokens per sequence and step with k drafts: 1 + sum_{j<k} P(first j + 1 accepted)."""
@@ -199,8 +228,8 @@ class AdaptiveSpeculation:
             total += rate  # unmeasured positions: as the last measured one
         return total
 
-    def _score(self, costs: _BatchCosts, k: int) -> float:
-        return self.expected_tokens(k) / _interpolate(costs.seconds, k)
+    def _score(self, seconds: dict[int, float], k: int) -> float:
+        return self.expected_tokens(k) / _interpolate(seconds, k)
 
     def as_dict(self) -> dict:
         return {**self.metrics.as_dict(), "spec_decode_num_speculative_tokens": self.k,

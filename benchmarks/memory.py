@@ -203,11 +203,11 @@ def prefix_caching(args, rng: np.random.Generator) -> dict:
         for c, history in enumerate(histories):
             history += outputs[f"c{c}-t{turn}"].outputs[0].token_ids
         per_turn.append(_cache_stats(None, outputs.values()))
-    results["4-turn chats"] = _cache_stats(llm, [])
-    results["4-turn chats"].update(
-        {"per_turn": per_turn, "num_chats": args.num_chats,
-         "prefill_saved": sum(t["cached_tokens"] for t in per_turn)
-         / sum(t["prompt_tokens"] for t in per_turn)})
+    prompt = sum(t["prompt_tokens"] for t in per_turn)
+    cached = sum(t["cached_tokens"] for t in per_turn)
+    results["4-turn chats"] = {
+        **_cache_stats(llm, []), "prompt_tokens": prompt, "cached_tokens": cached,
+        "prefill_saved": cached / prompt, "per_turn": per_turn, "num_chats": args.num_chats}
     return results
 
 

@@ -42,15 +42,16 @@ def code_prompts(tokenizer, num: int, length: int = 64) -> list[list[int]]:
 
 
 def timed_generate(llm, groups: list[list[list[int]]], max_tokens: int,
-                   repeats: int) -> tuple[float, int]:
+                   repeats: int, warmup: int = 0) -> tuple[float, int]:
     """Seconds and output tokens of greedy batches run one after another (one per group of
-    prompts): the fastest of `repeats` passes that compiled nothing. Passes repeat until then
+    prompts): the fastest of `repeats` passes that compiled nothing, after `warmup` such passes
+    left untimed (the adaptive policy's exploration: steady state). Passes repeat until then
     (the adaptive policy may try a new k, hence new shapes, in its first steps)."""
     from pagedjax import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     runner, timed = llm.engine.runner, []
-    for _ in range(_MAX_PASSES + repeats):
+    for _ in range(_MAX_PASSES + warmup + repeats):
         num_compiles, start, tokens = runner.num_compiles, time.perf_counter(), 0
         for group in groups:
             outputs = llm.generate([{"prompt_token_ids": p} for p in group], params,
@@ -58,8 +59,8 @@ def timed_generate(llm, groups: list[list[list[int]]], max_tokens: int,
             tokens += sum(len(o.outputs[0].token_ids) for o in outputs)
         if runner.num_compiles == num_compiles:
             timed.append(time.perf_counter() - start)
-            if len(timed) == repeats:
-                return min(timed), tokens
+            if len(timed) == warmup + repeats:
+                return min(timed[warmup:]), tokens
     raise RuntimeError(f"still compiling after {_MAX_PASSES} passes: the shape set is unbounded")
 
 
@@ -84,7 +85,8 @@ def run_backend(backend: str, args) -> list[dict]:
             pool = prompts[: max(b, _MIN_PROMPTS)]
             groups = [pool[i : i + b] for i in range(0, len(pool), b)]
             before = llm.get_metrics()
-            seconds, tokens = timed_generate(llm, groups, args.max_tokens, args.repeats)
+            seconds, tokens = timed_generate(llm, groups, args.max_tokens, args.repeats,
+                                             args.warmup_passes)
             rows.append(_row(backend, b, mode, k, seconds, tokens, before, llm.get_metrics()))
         llm.shutdown()
     return rows
@@ -162,6 +164,9 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=2,
                         help="timed passes per case; the fastest counts (a busy machine)")
+    parser.add_argument("--warmup-passes", type=int, default=0,
+                        help="compile-free passes left untimed first: the steady state of the "
+                             "adaptive policy, after its exploration")
     add_out_argument(parser)
     args = parser.parse_args()
 

@@ -167,7 +167,7 @@ class LLMEngine:
         request_id, token_ids, params = command.request_id, command.token_ids, command.params
         arrival = next(self._arrivals)
         seq = Sequence(
-            seq_id=next(self._seq_ids), request_id=command.request_id, index=0,
+            seq_id=next(self._seq_ids), request_id=request_id, index=0,
             arrival=(arrival, 0), token_ids=list(token_ids), num_prompt_tokens=len(token_ids),
             sampling_params=params, max_tokens=command.max_tokens, rng_seed=0,
             num_pending_forks=params.n - 1)
@@ -343,7 +343,7 @@ class LLMEngine:
                 del self.policies[request_id]
             if output is not None:
                 # Its policy built its output: the output processor only forgets it.
-                self.output_processor.abort_request(request_id)
+                self.output_processor.remove_request(request_id)
                 outputs.append(output)
         return outputs
 

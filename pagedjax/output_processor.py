@@ -65,14 +65,17 @@ class OutputProcessor:
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Finish the request now (finish_reason "abort", blocks freed) and forget it; its final
         output, or None for an unknown id."""
+        state = self.remove_request(request_id)
+        return None if state is None else self._request_output(state, finished=True)
+
+    def remove_request(self, request_id: str) -> RequestState | None:
+        """Forget the request, finishing ("abort") and freeing any sequence still running."""
         state = self.requests.pop(request_id, None)
-        if state is None:
-            return None
-        for seq in state.seqs.values():
+        for seq in () if state is None else state.seqs.values():
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
             self.scheduler.remove(seq)
-        return self._request_output(state, finished=True)
+        return state
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)

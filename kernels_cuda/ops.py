@@ -33,7 +33,7 @@ Backend = Literal["cpp", "cuda", "reference"]
 
 _NAME = "pagedjax_ops"
 _CSRC = Path(__file__).parent / "csrc"
-_CPU_SOURCES = ("ops.cpp", "attention_cpu.cpp")
+_CPU_SOURCES = ("ops.cpp", "attention_cpu.cpp", "linear_cpu.cpp", "rotary_cpu.cpp")
 _CUDA_SOURCES = ("attention_cuda.cu", "write_kv_cuda.cu")
 DEFAULT_CUDA_ARCHS = "8.0;9.0+PTX"  # A100 and H100 SASS; PTX that newer GPUs JIT-compile
 _MIN_CAPABILITY = (8, 0)  # cp.async and bf16 paths
@@ -86,7 +86,7 @@ def _build() -> Backend:
     cpp_extension.load(
         name=_NAME,
         sources=[str(path) for path in sources],
-        extra_cflags=["-O3"],
+        extra_cflags=["-O3", "-fopenmp"],  # OpenMP: at::parallel_for runs on threads
         extra_cuda_cflags=["-O3", "-lineinfo", *cuda_arch_flags()],
         build_directory=str(build_dir),
         with_cuda=with_cuda,
@@ -197,3 +197,40 @@ def write_kv(
         reference.write_kv(k, v, k_cache, v_cache, slot_mapping)
     else:
         torch.ops.pagedjax.write_kv(k, v, k_cache, v_cache, slot_mapping)
+
+
+LINEAR_TILE = 16  # columns per tile of a packed linear weight (linear_cpu.cpp)
+
+
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    """W [in, out] → the tile-major [ceil(out / 16), in, 16] layout `linear` reads, zero-padded:
+    packed[t, k, j] = W[k, 16 t + j]."""
+    in_features, out_features = weight.shape
+    padded = torch.nn.functional.pad(weight, (0, -out_features % LINEAR_TILE))
+    return padded.view(in_features, -1, LINEAR_TILE).transpose(0, 1).contiguous()
+
+
+def linear(
+    x: torch.Tensor,  # [M, in] float32, rows contiguous
+    packed_weight: torch.Tensor,  # [ceil(out / 16), in, 16] from pack_linear_weight
+    bias: torch.Tensor | None,  # [out]
+    out_features: int,
+) -> torch.Tensor:  # [M, out]
+    """x @ W (+ bias) on the CPU, float32, over a packed weight (the C++ op; the reference when
+    the extension is not built)."""
+    if ops_backend() == "reference":
+        return reference.linear(x, packed_weight, bias, out_features)
+    return torch.ops.pagedjax.linear(x, packed_weight, bias, out_features)
+
+
+def rotary_embedding_(
+    x: torch.Tensor,  # [T, H, D], head vectors contiguous (rows may be strided); rotated in place
+    cos: torch.Tensor,  # [T, D] float32, at each token's position
+    sin: torch.Tensor,  # [T, D] float32
+) -> None:
+    """HF's rotary embedding (rotate_half layout, float32 math) applied to x in place: the C++ op
+    on the CPU, the reference elsewhere (on CUDA the step is a CUDA graph: no launch overhead)."""
+    if x.device.type != "cpu" or ops_backend() == "reference":
+        reference.rotary_embedding_(x, cos, sin)
+    else:
+        torch.ops.pagedjax.rotary_embedding_(x, cos, sin)

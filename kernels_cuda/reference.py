@@ -66,3 +66,20 @@ def write_kv(
     blocks, offsets = slots // block_size, slots % block_size
     k_cache[blocks, :, offsets] = k[keep].to(k_cache.dtype)  # [n, Hkv, D]
     v_cache[blocks, :, offsets] = v[keep].to(v_cache.dtype)
+
+
+def linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,
+           out_features: int) -> torch.Tensor:
+    """x [M, in] @ W [in, out] (+ bias [out]) → [M, out], with W given packed as
+    [ceil(out / 16), in, 16] (packed[t, k, j] = W[k, 16 t + j])."""
+    tiles, in_features, tile = packed_weight.shape
+    weight = packed_weight.transpose(0, 1).reshape(in_features, tiles * tile)[:, :out_features]
+    out = x @ weight
+    return out if bias is None else out + bias
+
+
+def rotary_embedding_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """x [T, H, D] ← x * cos + rotate_half(x) * sin in float32 (HF's), in place; cos/sin [T, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    x.copy_(x.to(torch.float32) * cos[:, None] + rotated.to(torch.float32) * sin[:, None])

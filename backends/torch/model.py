@@ -21,6 +21,7 @@ from torch import nn
 from pagedjax.backends.torch.parallel import Shard
 from pagedjax.backends.weights import load_weights, repeat_kv_heads
 from pagedjax.config import ModelConfig
+from pagedjax.kernels_cuda import linear, pack_linear_weight
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # k, v: [num_blocks, Hkv, block_size, D]
 # (q [T, Hq, D], k_cache, v_cache, kv_lens, block_tables, query_start_loc, *, sm_scale,
@@ -28,6 +29,17 @@ KVCache = tuple[torch.Tensor, torch.Tensor]  # k, v: [num_blocks, Hkv, block_siz
 AttentionFn = Callable[..., torch.Tensor]
 # (k [T, Hkv, D], v [T, Hkv, D], k_cache, v_cache, slot_mapping) -> None, caches written in place
 WriteKVFn = Callable[..., None]
+# (x [T, H, D], cos [T, D], sin [T, D]) -> None: x rotated in place (HF's rotate_half, float32)
+RotaryFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+@dataclass(frozen=True)
+class LayerOps:
+    """The custom ops an attention layer calls: pagedjax's C++/CUDA ops or their references."""
+
+    attention: AttentionFn
+    write_kv: WriteKVFn
+    rotary: RotaryFn
 
 
 @dataclass
@@ -51,6 +63,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # the same math in one op
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x32 = x.to(torch.float32)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
@@ -58,56 +72,67 @@ class RMSNorm(nn.Module):
 
 class Linear(nn.Module):
     """y = x @ weight (+ bias) with weight stored [in, out]: a single-token (GEMV) step streams
-    the weight row by row into the output, ~1.6x faster on CPU than nn.Linear's [out, in]."""
+    the weight row by row into the output, ~1.6x faster on CPU than nn.Linear's [out, in].
+
+    On the CPU in float32, `pack()` moves the weight to the tile-major layout of the
+    `pagedjax::linear` op (kernels_cuda/csrc/linear_cpu.cpp), which runs the few-row products of
+    decode steps at close to memory bandwidth.
+    """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
+        self.out_features = out_features
         self.weight = nn.Parameter(torch.empty(in_features, out_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.packed = False  # weight is [in, out]; packed: [ceil(out / 16), in, 16]
+
+    @classmethod
+    def packed_from(cls, weight: torch.Tensor) -> Linear:
+        """A packed bias-free Linear computing x @ weight, weight [in, out] (copied)."""
+        with torch.device("meta"):
+            module = cls(*weight.shape)
+        module.weight = nn.Parameter(weight, requires_grad=False)
+        module.pack()
+        return module
+
+    def pack(self) -> None:
+        self.weight = nn.Parameter(pack_linear_weight(self.weight), requires_grad=False)
+        self.packed = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            return linear(x, self.weight, self.bias, self.out_features)
         if self.bias is None:
             return x @ self.weight
         return torch.addmm(self.bias, x, self.weight)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D] rotated by per-token cos/sin [T, D] (HF's rotate_half), in float32."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    out = x.to(torch.float32) * cos[:, None] + rotated.to(torch.float32) * sin[:, None]
-    return out.to(x.dtype)
-
-
 class Attention(nn.Module):
     """Column-parallel q/k/v (this shard's heads), row-parallel o_proj (all-reduced)."""
 
-    def __init__(self, config: ModelConfig, attention_fn: AttentionFn, write_kv_fn: WriteKVFn,
-                 shard: Shard) -> None:
+    def __init__(self, config: ModelConfig, ops: LayerOps, shard: Shard) -> None:
         super().__init__()
-        self.config, self.shard = config, shard
+        self.config, self.shard, self.ops = config, shard, ops
         d = config.head_dim
         self.num_q_heads = shard.part(config.num_q_heads)
         self.num_kv_heads = shard.part(config.num_kv_heads)
         self.sizes = [self.num_q_heads * d, self.num_kv_heads * d, self.num_kv_heads * d]
         self.qkv_proj = Linear(config.hidden_size, sum(self.sizes), bias=config.attention_bias)
         self.o_proj = Linear(self.num_q_heads * d, config.hidden_size)
-        self.attention_fn = attention_fn
-        self.write_kv_fn = write_kv_fn
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         cfg, num_tokens = self.config, x.shape[0]
         d = cfg.head_dim
-        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)  # [T, Hq * D], 2 x [T, Hkv * D]
-        q = apply_rope(q.view(num_tokens, self.num_q_heads, d), cos, sin)  # [T, Hq, D]
-        k = apply_rope(k.view(num_tokens, self.num_kv_heads, d), cos, sin)  # [T, Hkv, D]
-        v = v.view(num_tokens, self.num_kv_heads, d)  # [T, Hkv, D]
-        self.write_kv_fn(k, v, *kv_cache, meta.slot_mapping)
-        out = self.attention_fn(q, *kv_cache, meta.kv_lens, meta.block_tables,
-                                meta.query_start_loc, sm_scale=d**-0.5,
-                                sliding_window=cfg.sliding_window,
-                                max_query_len=meta.max_query_len)  # [T, Hq, D]
+        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) D]
+        num_qk = self.num_q_heads + self.num_kv_heads
+        self.ops.rotary(qkv[:, : num_qk * d].view(num_tokens, num_qk, d), cos, sin)  # q and k
+        q, k, v = (t.view(num_tokens, -1, d) for t in qkv.split(self.sizes, dim=-1))
+        self.ops.write_kv(k, v, *kv_cache, meta.slot_mapping)  # k, v [T, Hkv, D]
+        out = self.ops.attention(q, *kv_cache, meta.kv_lens, meta.block_tables,
+                                 meta.query_start_loc, sm_scale=d**-0.5,
+                                 sliding_window=cfg.sliding_window,
+                                 max_query_len=meta.max_query_len)  # [T, Hq, D]
         return self.shard.all_reduce(self.o_proj(out.reshape(num_tokens, -1)))
 
 
@@ -147,11 +172,10 @@ class VocabEmbedding(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, attention_fn: AttentionFn,
-                 write_kv_fn: WriteKVFn, shard: Shard) -> None:
+    def __init__(self, config: ModelConfig, ops: LayerOps, shard: Shard) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, attention_fn, write_kv_fn, shard)
+        self.self_attn = Attention(config, ops, shard)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config, shard)
 
@@ -164,12 +188,11 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Returns logits only for the rows in logits_indices (the positions that get sampled)."""
 
-    def __init__(self, config: ModelConfig, attention_fn: AttentionFn,
-                 write_kv_fn: WriteKVFn, shard: Shard) -> None:
+    def __init__(self, config: ModelConfig, ops: LayerOps, shard: Shard) -> None:
         super().__init__()
         self.config, self.shard = config, shard
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, shard)
-        self.layers = nn.ModuleList(DecoderLayer(config, attention_fn, write_kv_fn, shard)
+        self.layers = nn.ModuleList(DecoderLayer(config, ops, shard)
                                     for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         start, end = shard.vocab_range(config.vocab_size)
@@ -192,14 +215,23 @@ class LlamaForCausalLM(nn.Module):
         return self.shard.all_gather_vocab(logits, self.config.vocab_size).to(torch.float32)
 
 
+    def pack_linears(self) -> None:
+        """CPU float32: every projection (and the LM head, tied or not) on the packed
+        `pagedjax::linear` op. A tied head gets its own packed copy of the embedding."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()
+        if self.lm_head is None:
+            self.lm_head = Linear.packed_from(self.embed_tokens.weight.T)
+
+
 def load_model(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
-               device: torch.device, attention_fn: AttentionFn, write_kv_fn: WriteKVFn,
-               shard: Shard) -> LlamaForCausalLM:
+               device: torch.device, ops: LayerOps, shard: Shard) -> LlamaForCausalLM:
     """This shard of the checkpoint's weights in `dtype` on `device` (modules built on meta: no
     random init). config: the model as the devices hold it (KV heads repeated, see
     pagedjax.parallel)."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, attention_fn, write_kv_fn, shard)
+        model = LlamaForCausalLM(config, ops, shard)
     weights = load_weights(model_dir, config)
     state = {name: _to_tensor(array, dtype, device)
              for name, array in _fused_state_dict(weights, config, shard).items()}

@@ -18,11 +18,10 @@ import torch
 from pagedjax.backends.rope import rope_cos_sin
 from pagedjax.backends.torch.cuda_graphs import HostToDevice, StepGraphs
 from pagedjax.backends.torch.model import (
-    AttentionFn,
     AttentionMetadata,
     KVCache,
+    LayerOps,
     LlamaForCausalLM,
-    WriteKVFn,
     load_model,
 )
 from pagedjax.backends.torch.parallel import Shard, Workers
@@ -38,7 +37,13 @@ from pagedjax.batch import (
     bucket,
 )
 from pagedjax.config import EngineConfig, ModelConfig
-from pagedjax.kernels_cuda import ragged_paged_attention, reference, write_kv
+from pagedjax.kernels_cuda import (
+    ops_backend,
+    ragged_paged_attention,
+    reference,
+    rotary_embedding_,
+    write_kv,
+)
 from pagedjax.kv_cache import num_kv_blocks_for_budget, warm_up_input
 from pagedjax.model_runner import auto_dtype
 from pagedjax.parallel import TensorParallelPlan
@@ -48,14 +53,21 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 _MAX_GRAPH_DRAFT_QUERY = 4  # graphs serve steps whose draft catch-up is at most this long
 
 
-def resolve_attention(attention_impl: str) -> tuple[AttentionFn, WriteKVFn]:
+def resolve_attention(attention_impl: str) -> LayerOps:
     """"auto": the pagedjax custom ops (CUDA, C++ CPU); "reference": their pure-torch reference."""
     if attention_impl == "auto":
-        return ragged_paged_attention, write_kv
+        return LayerOps(ragged_paged_attention, write_kv, rotary_embedding_)
     if attention_impl == "reference":
-        return _reference_attention, reference.write_kv
+        return LayerOps(_reference_attention, reference.write_kv, reference.rotary_embedding_)
     raise ValueError(f"attention_impl={attention_impl!r} is not available on the torch backend; "
                      f"use one of {ATTENTION_IMPLS}.")
+
+
+def uses_cpu_linear(attention_impl: str, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the projections run on the packed C++ `pagedjax::linear` op: CPU, float32, the
+    custom ops built and chosen (attention_impl "auto")."""
+    return (attention_impl == "auto" and device.type == "cpu" and dtype == torch.float32
+            and ops_backend() != "reference")
 
 
 def _reference_attention(*args, max_query_len: int | None = None, **kwargs) -> torch.Tensor:
@@ -78,8 +90,11 @@ class _Model:
     def load(cls, model_dir: str, model_config: ModelConfig, config: EngineConfig,
              device: torch.device, shard: Shard) -> _Model:
         shard_config = shard.plan.shard_config(model_config)
-        module = load_model(model_dir, shard_config, _DTYPES[config.dtype], device,
-                            *resolve_attention(config.attention_impl), shard=shard)
+        dtype = _DTYPES[config.dtype]
+        module = load_model(model_dir, shard_config, dtype, device,
+                            resolve_attention(config.attention_impl), shard=shard)
+        if uses_cpu_linear(config.attention_impl, device, dtype):
+            module.pack_linears()
         cos, sin = rope_cos_sin(model_config, config.max_model_len)  # [max_model_len, D] each
         rope = (torch.from_numpy(cos).to(device), torch.from_numpy(sin).to(device))
         return cls(module, rope, shard_config, shard, [])

@@ -1,0 +1,148 @@
+"""The C++ CPU ops of the decode step besides attention: `pagedjax::linear` over packed weights
+(against a float64 NumPy matmul) and `pagedjax::rotary_embedding_` (against HF's rotate_half)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pagedjax.kernels_cuda import ops, reference
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compiled_ops() -> None:
+    """The op under test is the C++ one, not the reference fallback."""
+    assert ops.ops_backend() in ("cpp", "cuda")
+
+
+def _case(num_rows: int, in_features: int, out_features: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((num_rows, in_features)).astype(np.float32)
+    w = rng.standard_normal((in_features, out_features)).astype(np.float32)
+    b = rng.standard_normal(out_features).astype(np.float32)
+    return x, w, b
+
+
+# Row counts cover every row grouping (4-row blocks, then 2 and/or 1); column counts cover whole
+# and partial 4-tile groups and a last tile that is padded.
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 4, 5, 6, 7, 9, 33])
+@pytest.mark.parametrize(("in_features", "out_features"),
+                         [(64, 16), (48, 40), (256, 384), (96, 100), (8, 1000)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_matches_float64_matmul(num_rows, in_features, out_features, with_bias):
+    x, w, b = _case(num_rows, in_features, out_features)
+    bias = torch.from_numpy(b) if with_bias else None
+    got = ops.linear(torch.from_numpy(x), ops.pack_linear_weight(torch.from_numpy(w)), bias,
+                     out_features)
+    want = x.astype(np.float64) @ w.astype(np.float64) + (b if with_bias else 0.0)
+    assert got.shape == (num_rows, out_features) and got.is_contiguous()
+    scale = np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64) + 1.0
+    assert np.max(np.abs(got.numpy() - want) / scale) < 1e-6
+
+
+def test_reference_unpacks_the_same_weight():
+    x, w, b = _case(5, 48, 40)
+    packed = ops.pack_linear_weight(torch.from_numpy(w))
+    assert packed.shape == (3, 48, 16)
+    assert torch.equal(packed[2, :, 8:], torch.zeros(48, 8))  # the padding columns
+    got = reference.linear(torch.from_numpy(x), packed, torch.from_numpy(b), 40)
+    torch.testing.assert_close(got, torch.from_numpy(x @ w + b), rtol=1e-5, atol=1e-5)
+
+
+def test_a_row_does_not_depend_on_the_rest_of_the_batch():
+    """Every output element is one FMA chain in k order: bit-identical alone or in a batch."""
+    x, w, _ = _case(11, 256, 200, seed=1)
+    packed = ops.pack_linear_weight(torch.from_numpy(w))
+    batch = ops.linear(torch.from_numpy(x), packed, None, 200)
+    for row in range(11):
+        alone = ops.linear(torch.from_numpy(x[row : row + 1]), packed, None, 200)
+        assert torch.equal(alone[0], batch[row])
+
+
+def test_strided_rows_and_empty_input():
+    x, w, _ = _case(6, 64, 48)
+    wide = torch.zeros(6, 80)
+    wide[:, 8:72] = torch.from_numpy(x)
+    packed = ops.pack_linear_weight(torch.from_numpy(w))
+    got = ops.linear(wide[:, 8:72], packed, None, 48)  # rows 80 floats apart
+    torch.testing.assert_close(got, torch.from_numpy(x @ w), rtol=1e-5, atol=1e-5)
+    assert ops.linear(torch.zeros(0, 64), packed, None, 48).shape == (0, 48)
+
+
+def test_meta_tensors_trace_shapes():
+    packed = torch.empty(3, 64, 16, device="meta")
+    out = torch.ops.pagedjax.linear(torch.empty(5, 64, device="meta"), packed, None, 40)
+    assert (out.device.type, out.shape) == ("meta", (5, 40))
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [(lambda x, p: (x.double(), p, None, 40), "float32 only"),
+     (lambda x, p: (x[:, :32], p, None, 40), "in_features=32"),
+     (lambda x, p: (x, p, None, 16), "out_features=16 does not match 3 tiles"),
+     (lambda x, p: (x, p, torch.zeros(39), 40), "bias must be a contiguous float32 \\[40\\]"),
+     (lambda x, p: (x.t(), p, None, 40), "rows must be contiguous")],
+)  # fmt: skip
+def test_linear_rejects_bad_arguments(args, message):
+    x, w, _ = _case(64, 64, 40)
+    packed = ops.pack_linear_weight(torch.from_numpy(w))
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.pagedjax.linear(*args(torch.from_numpy(x), packed))
+
+
+def _hf_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """HF's apply_rotary_pos_emb in float64: x * cos + rotate_half(x) * sin."""
+    half = x.shape[-1] // 2
+    rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos[:, None] + rotated * sin[:, None]
+
+
+def _rope_case(num_tokens: int, head_dim: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    positions = rng.integers(0, 500, num_tokens)
+    freqs = positions[:, None] * (10000.0 ** (-np.arange(0, head_dim, 2) / head_dim))[None]
+    emb = np.concatenate([freqs, freqs], axis=-1)
+    return (torch.from_numpy(np.cos(emb).astype(np.float32)),
+            torch.from_numpy(np.sin(emb).astype(np.float32)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("impl", ["op", "reference"])
+def test_rotary_rotates_the_q_and_k_heads_of_a_fused_projection_in_place(dtype, impl):
+    """x is the q and k heads of a qkv row (strided view); the v heads stay untouched."""
+    num_tokens, q_heads, kv_heads, d = 7, 4, 2, 64
+    cos, sin = _rope_case(num_tokens, d)
+    qkv = torch.randn(num_tokens, (q_heads + 2 * kv_heads) * d).to(dtype)
+    before = qkv.clone()
+    qk = qkv[:, : (q_heads + kv_heads) * d].view(num_tokens, q_heads + kv_heads, d)
+    if impl == "op":
+        torch.ops.pagedjax.rotary_embedding_(qk, cos, sin)
+    else:
+        reference.rotary_embedding_(qk, cos, sin)
+    x = before[:, : (q_heads + kv_heads) * d].double().view(num_tokens, -1, d).numpy()
+    want = _hf_rope(x, cos.double().numpy(), sin.double().numpy())
+    tolerance = 1e-6 if dtype == torch.float32 else 1e-2
+    np.testing.assert_allclose(qk.double().numpy(), want, atol=tolerance * 4, rtol=tolerance)
+    assert torch.equal(qkv[:, (q_heads + kv_heads) * d :], before[:, (q_heads + kv_heads) * d :])
+
+
+def test_rotary_wrapper_uses_the_reference_off_the_cpu_path(monkeypatch):
+    monkeypatch.setattr(ops, "ops_backend", lambda: "reference")
+    cos, sin = _rope_case(3, 16)
+    x = torch.randn(3, 2, 16)
+    want = x.clone()
+    reference.rotary_embedding_(want, cos, sin)
+    ops.rotary_embedding_(x, cos, sin)
+    assert torch.equal(x, want)
+
+
+@pytest.mark.parametrize(
+    ("x", "cos_shape", "message"),
+    [(torch.zeros(3, 2, 15), (3, 15), "even head_dim"),
+     (torch.zeros(3, 16, 2).transpose(1, 2), (3, 16), "heads must be contiguous"),
+     (torch.zeros(3, 2, 16), (4, 16), "cos and sin must be contiguous float32 \\[3, 16\\]")],
+)  # fmt: skip
+def test_rotary_rejects_bad_arguments(x, cos_shape, message):
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.pagedjax.rotary_embedding_(x, torch.zeros(cos_shape), torch.zeros(cos_shape))

@@ -1,14 +1,18 @@
 """Torch custom ops of pagedjax: ragged paged attention and the KV-cache write (CUDA + C++ CPU),
-and a CPU linear over packed weights."""
+and the CPU ops of the rest of a decoder layer (linear over packed weights, rotary embedding,
+RMSNorm with the residual add, SiLU-and-mul)."""
 
 from pagedjax.kernels_cuda.ops import (
+    fused_add_rms_norm,
     linear,
     ops_backend,
     pack_linear_weight,
     ragged_paged_attention,
+    rms_norm,
     rotary_embedding_,
+    silu_and_mul,
     write_kv,
 )
 
-__all__ = ["linear", "ops_backend", "pack_linear_weight", "ragged_paged_attention",
-           "rotary_embedding_", "write_kv"]
+__all__ = ["fused_add_rms_norm", "linear", "ops_backend", "pack_linear_weight",
+           "ragged_paged_attention", "rms_norm", "rotary_embedding_", "silu_and_mul", "write_kv"]

@@ -33,7 +33,8 @@ Backend = Literal["cpp", "cuda", "reference"]
 
 _NAME = "pagedjax_ops"
 _CSRC = Path(__file__).parent / "csrc"
-_CPU_SOURCES = ("ops.cpp", "attention_cpu.cpp", "linear_cpu.cpp", "rotary_cpu.cpp")
+_CPU_SOURCES = ("ops.cpp", "attention_cpu.cpp", "linear_cpu.cpp", "rotary_cpu.cpp",
+                "norm_act_cpu.cpp")
 _CUDA_SOURCES = ("attention_cuda.cu", "write_kv_cuda.cu")
 DEFAULT_CUDA_ARCHS = "8.0;9.0+PTX"  # A100 and H100 SASS; PTX that newer GPUs JIT-compile
 _MIN_CAPABILITY = (8, 0)  # cp.async and bf16 paths
@@ -230,7 +231,35 @@ def rotary_embedding_(
 ) -> None:
     """HF's rotary embedding (rotate_half layout, float32 math) applied to x in place: the C++ op
     on the CPU, the reference elsewhere (on CUDA the step is a CUDA graph: no launch overhead)."""
-    if x.device.type != "cpu" or ops_backend() == "reference":
-        reference.rotary_embedding_(x, cos, sin)
-    else:
+    if _on_cpu_ops(x):
         torch.ops.pagedjax.rotary_embedding_(x, cos, sin)
+    else:
+        reference.rotary_embedding_(x, cos, sin)
+
+
+def _on_cpu_ops(x: torch.Tensor) -> bool:
+    """Whether x goes to a C++ CPU op (no CUDA version: on a GPU the step is a CUDA graph, so the
+    eager reference costs no launch overhead there)."""
+    return x.device.type == "cpu" and ops_backend() != "reference"
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's RMSNorm of x [T, H] (float32 math, rounded as HF rounds) times weight [H]."""
+    if _on_cpu_ops(x):
+        return torch.ops.pagedjax.rms_norm(x, weight, eps)
+    return reference.rms_norm(x, weight, eps)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual): a layer's residual add and the next norm."""
+    if _on_cpu_ops(x):
+        return torch.ops.pagedjax.fused_add_rms_norm(x, residual, weight, eps)
+    return reference.fused_add_rms_norm(x, residual, weight, eps)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2I] → silu(x[:, :I]) * x[:, I:] [T, I]: the gated MLP's activation."""
+    if _on_cpu_ops(x):
+        return torch.ops.pagedjax.silu_and_mul(x)
+    return reference.silu_and_mul(x)

@@ -21,7 +21,13 @@ from torch import nn
 from pagedjax.backends.torch.parallel import Shard
 from pagedjax.backends.weights import load_weights, repeat_kv_heads
 from pagedjax.config import ModelConfig
-from pagedjax.kernels_cuda import linear, pack_linear_weight
+from pagedjax.kernels_cuda import (
+    fused_add_rms_norm,
+    linear,
+    pack_linear_weight,
+    rms_norm,
+    silu_and_mul,
+)
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # k, v: [num_blocks, Hkv, block_size, D]
 # (q [T, Hq, D], k_cache, v_cache, kv_lens, block_tables, query_start_loc, *, sm_scale,
@@ -55,19 +61,19 @@ class AttentionMetadata:
 
 
 class RMSNorm(nn.Module):
-    """As HF: variance in float32, normalised x cast back to the input dtype, then * weight."""
+    """As HF: variance in float32, normalised x cast back to the input dtype, then * weight.
+    Given the residual stream too, it adds x to it first: (norm(x + residual), x + residual)."""
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # the same math in one op
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        x32 = x.to(torch.float32)
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        return fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Linear(nn.Module):
@@ -147,8 +153,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(inter, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # 2 x [T, I]
-        return self.shard.all_reduce(self.down_proj(F.silu(gate) * up))
+        gate_up = self.gate_up_proj(x)  # [T, 2I]
+        return self.shard.all_reduce(self.down_proj(silu_and_mul(gate_up)))
 
 
 class VocabEmbedding(nn.Module):
@@ -179,10 +185,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config, shard)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's output [T, H]; residual: the stream before it (None in the
+        first layer, whose x is the embedding) → this layer's (output, residual stream)."""
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, cos, sin, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -205,9 +219,11 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)  # [T, H]
         cos = meta.rope_cos.index_select(0, meta.positions)  # [T, D]
         sin = meta.rope_sin.index_select(0, meta.positions)  # [T, D]
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, kv_cache, meta)
-        x = self.norm(x.index_select(0, logits_indices))  # [L, H]
+            x, residual = layer(x, residual, cos, sin, kv_cache, meta)
+        x, _ = self.norm(x.index_select(0, logits_indices),
+                         residual.index_select(0, logits_indices))  # [L, H]
         if self.lm_head is None:  # tied: the embedding is [V, H]
             logits = F.linear(x, self.embed_tokens.weight)  # [L, V / shards]
         else:

@@ -146,3 +146,48 @@ def test_rotary_wrapper_uses_the_reference_off_the_cpu_path(monkeypatch):
 def test_rotary_rejects_bad_arguments(x, cos_shape, message):
     with pytest.raises(RuntimeError, match=message):
         torch.ops.pagedjax.rotary_embedding_(x, torch.zeros(cos_shape), torch.zeros(cos_shape))
+
+
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+def test_rms_norm_and_its_fused_residual_add_match_hf(dtype, tolerance):
+    """HF's rounding: the same result as the reference to the dtype's last bit or so."""
+    x, residual = (torch.randn(5, 96).to(dtype) for _ in range(2))
+    weight = (1 + 0.1 * torch.randn(96)).to(dtype)
+    got = torch.ops.pagedjax.rms_norm(x, weight, 1e-5)
+    torch.testing.assert_close(got, reference.rms_norm(x, weight, 1e-5), rtol=tolerance,
+                               atol=tolerance)
+    normed, summed = torch.ops.pagedjax.fused_add_rms_norm(x, residual, weight, 1e-5)
+    want_normed, want_summed = reference.fused_add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(summed, want_summed)  # one rounded add: bit for bit
+    torch.testing.assert_close(normed, want_normed, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+def test_silu_and_mul_matches_the_reference(dtype, tolerance):
+    x = (3 * torch.randn(6, 2 * 40)).to(dtype)
+    got = torch.ops.pagedjax.silu_and_mul(x)
+    assert got.shape == (6, 40)
+    torch.testing.assert_close(got, reference.silu_and_mul(x), rtol=tolerance, atol=tolerance)
+
+
+def test_norm_and_activation_wrappers_use_the_reference_without_the_ops(monkeypatch):
+    monkeypatch.setattr(ops, "ops_backend", lambda: "reference")
+    x, residual, weight = torch.randn(3, 32), torch.randn(3, 32), torch.randn(32)
+    assert torch.equal(ops.rms_norm(x, weight, 1e-6), reference.rms_norm(x, weight, 1e-6))
+    for got, want in zip(ops.fused_add_rms_norm(x, residual, weight, 1e-6),
+                         reference.fused_add_rms_norm(x, residual, weight, 1e-6), strict=True):
+        assert torch.equal(got, want)
+    assert torch.equal(ops.silu_and_mul(x), reference.silu_and_mul(x))
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [(lambda: torch.ops.pagedjax.rms_norm(torch.zeros(2, 8), torch.zeros(7), 1e-6),
+      "weight must be a contiguous Float \\[8\\]"),
+     (lambda: torch.ops.pagedjax.fused_add_rms_norm(torch.zeros(2, 8), torch.zeros(3, 8),
+                                                    torch.zeros(8), 1e-6), "residual must match x"),
+     (lambda: torch.ops.pagedjax.silu_and_mul(torch.zeros(2, 7)), "2 \\* intermediate")],
+)  # fmt: skip
+def test_norm_and_activation_reject_bad_arguments(call, message):
+    with pytest.raises(RuntimeError, match=message):
+        call()

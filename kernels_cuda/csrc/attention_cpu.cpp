@@ -1,7 +1,9 @@
 // C++ CPU kernels of the pagedjax ops. Inputs fp32/fp64/bf16/fp16, accumulation in
 // at::opmath_type (fp32, or fp64 for fp64 inputs). Attention is parallel over (query row, KV
-// head): one work item serves the G query heads of a KV head, so each K/V tile it reads is
-// converted once and used G times; the softmax is computed online over the KV blocks.
+// head): one work item serves the G query heads of a KV head, reading each K/V tile once per
+// pass for all G (converted once per pass for bf16/fp16). The softmax takes two passes over the
+// visible context (logits, then values); float32 has AVX2 paths for the dot products, the exp and
+// the value sums, chosen at run time.
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
@@ -10,7 +12,12 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #include "attention.h"
 
@@ -63,17 +70,133 @@ T dot(const T* a, const T* b, int64_t n) {
   return sum;
 }
 
-// Per-worker scratch: the G query rows of one KV head and their running softmax state.
+#if defined(__x86_64__)
+// exp(x) for 8 floats: Cephes' expf (range reduction by ln 2, degree-5 polynomial), ~1 ulp
+// over the softmax's range; x below -88 gives ~0, as exp does.
+__attribute__((target("avx2,fma"))) __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)),
+                    _mm256_set1_ps(-88.3762626647949f));
+  const __m256 n = _mm256_floor_ps(
+      _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  const __m256i exponent = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(exponent));
+}
+
+// p[i] = exp(p[i] - shift) for i < n, returning their sum.
+__attribute__((target("avx2,fma"))) float exp_shifted_avx2(float* p, int64_t n, float shift) {
+  const __m256 s = _mm256_set1_ps(shift);
+  __m256 total = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + i), s));
+    _mm256_storeu_ps(p + i, e);
+    total = _mm256_add_ps(total, e);
+  }
+  float lanes[8];
+  _mm256_storeu_ps(lanes, total);
+  float sum = 0.f;
+  for (int j = 0; j < 8; ++j) sum += lanes[j];
+  for (; i < n; ++i) sum += (p[i] = std::exp(p[i] - shift));
+  return sum;
+}
+
+// p[i] = q . k[i] for the n keys k [n, D] (D a multiple of 8).
+__attribute__((target("avx2,fma"))) void logits_avx2(const float* q, const float* k, int64_t n,
+                                                     int64_t D, float* p) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float* ki = k + i * D;
+    __m256 sum = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(ki));
+    for (int64_t d = 8; d < D; d += 8)
+      sum = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(ki + d), sum);
+    const __m128 half = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+    const __m128 pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    p[i] = _mm_cvtss_f32(_mm_add_ss(pair, _mm_shuffle_ps(pair, pair, 1)));
+  }
+}
+
+// acc [D] += sum_i p[i] * v[i] over the n values v [n, D] (D a multiple of 8).
+__attribute__((target("avx2,fma"))) void accumulate_avx2(float* acc, const float* p,
+                                                         const float* v, int64_t n, int64_t D) {
+  for (int64_t d = 0; d < D; d += 8) {
+    __m256 a = _mm256_loadu_ps(acc + d);
+    for (int64_t i = 0; i < n; ++i)
+      a = _mm256_fmadd_ps(_mm256_set1_ps(p[i]), _mm256_loadu_ps(v + i * D + d), a);
+    _mm256_storeu_ps(acc + d, a);
+  }
+}
+
+bool cpu_has_avx2_fma() {
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return has;
+}
+#endif
+
+// Whether the float32 AVX2 paths serve head_dim D on this CPU.
+template <typename T>
+bool use_avx2(int64_t D) {
+#if defined(__x86_64__)
+  return std::is_same_v<T, float> && D % 8 == 0 && cpu_has_avx2_fma();
+#else
+  return false;
+#endif
+}
+
+template <typename T>
+T exp_shifted(T* p, int64_t n, T shift) {
+#if defined(__x86_64__)
+  if constexpr (std::is_same_v<T, float>) {
+    if (cpu_has_avx2_fma()) return exp_shifted_avx2(p, n, shift);
+  }
+#endif
+  T sum = 0;
+  for (int64_t i = 0; i < n; ++i) sum += (p[i] = std::exp(p[i] - shift));
+  return sum;
+}
+
+// p[i] = q . k[i] for the n keys k [n, D].
+template <typename T>
+void logits(const T* q, const T* k, int64_t n, int64_t D, T* p) {
+#if defined(__x86_64__)
+  if constexpr (std::is_same_v<T, float>) {
+    if (use_avx2<T>(D)) return logits_avx2(q, k, n, D, p);
+  }
+#endif
+  for (int64_t i = 0; i < n; ++i) p[i] = dot(q, k + i * D, D);
+}
+
+// acc [D] += sum_i p[i] * v[i] over the n values v [n, D].
+template <typename T>
+void accumulate(T* acc, const T* p, const T* v, int64_t n, int64_t D) {
+#if defined(__x86_64__)
+  if constexpr (std::is_same_v<T, float>) {
+    if (use_avx2<T>(D)) return accumulate_avx2(acc, p, v, n, D);
+  }
+#endif
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t d = 0; d < D; ++d) acc[d] += p[i] * v[i * D + d];
+}
+
+// Per-worker scratch: the G query rows of one KV head, their logits and softmax sums.
 template <typename acc_t>
 struct Scratch {
-  Scratch(int64_t group, int64_t block_size, int64_t head_dim)
-      : q(group * head_dim), acc(group * head_dim), m(group), l(group),
-        k(block_size * head_dim), v(block_size * head_dim), p(block_size) {}
+  Scratch(int64_t group, int64_t block_size, int64_t head_dim, int64_t max_context)
+      : q(group * head_dim), acc(group * head_dim), l(group), k(block_size * head_dim),
+        v(block_size * head_dim), p(group * max_context) {}
   std::vector<acc_t> q;     // [G, D], pre-scaled by sm_scale
   std::vector<acc_t> acc;   // [G, D], unnormalised output
-  std::vector<acc_t> m, l;  // [G], running max and running sum of exp
-  std::vector<acc_t> k, v;  // [bs, D], the visible keys/values of one block
-  std::vector<acc_t> p;     // [bs], logits, then probabilities
+  std::vector<acc_t> l;     // [G], sum of exp
+  std::vector<acc_t> k, v;  // [bs, D], one converted tile (non-acc_t caches)
+  std::vector<acc_t> p;     // [G, context], logits, then exp(logit - max)
 };
 
 template <typename scalar_t>
@@ -98,7 +221,8 @@ struct CpuAttention {
     return std::upper_bound(starts + 1, starts + shape.num_seqs + 1, t) - (starts + 1);
   }
 
-  // Query row t, KV head h: writes out[t, h*G:(h+1)*G, :].
+  // Query row t, KV head h: writes out[t, h*G:(h+1)*G, :]. Two passes over the visible keys:
+  // the logits of all G query heads first, one softmax per head, then the weighted values.
   void run(int64_t t, int64_t h, Scratch<acc_t>& sc) const {
     const int64_t G = shape.group, D = shape.head_dim, bs = shape.block_size;
     scalar_t* o = out + (t * shape.num_q_heads + h * G) * D;  // [G, D]
@@ -112,57 +236,56 @@ struct CpuAttention {
     const int64_t pos = batch.kv_lens[s] - q_len + (t - start);
     const int64_t lo = sliding_window > 0 ? std::max<int64_t>(0, pos - sliding_window + 1) : 0;
     const int64_t hi = pos + 1;  // visible keys: [lo, hi)
+    const int64_t n_visible = hi - lo;
+    const int32_t* blocks = batch.block_tables + s * shape.max_blocks;
 
     for (int64_t g = 0; g < G; ++g) {
       const scalar_t* qg = q + t * q_stride_token + (h * G + g) * q_stride_head;
       for (int64_t d = 0; d < D; ++d) sc.q[g * D + d] = static_cast<acc_t>(qg[d]) * sm_scale;
     }
-    std::fill(sc.m.begin(), sc.m.end(), -std::numeric_limits<acc_t>::infinity());
-    std::fill(sc.l.begin(), sc.l.end(), acc_t(0));
-    std::fill(sc.acc.begin(), sc.acc.end(), acc_t(0));
+    // p [G, n_visible]: logits, then probabilities (unnormalised)
     for (int64_t b = lo / bs; b * bs < hi; ++b) {
-      const int64_t first = std::max(lo, b * bs), last = std::min(hi, (b + 1) * bs);
-      attend_block(batch.block_tables[s * shape.max_blocks + b], h, first - b * bs, last - first,
-                   sc);
+      const int64_t first = std::max(lo, b * bs), n = std::min(hi, (b + 1) * bs) - first;
+      const acc_t* k = tile(k_cache, blocks[b], h, first - b * bs, n, sc.k);
+      for (int64_t g = 0; g < G; ++g) {
+        acc_t* p = &sc.p[g * n_visible + first - lo];
+        logits(&sc.q[g * D], k, n, D, p);
+        if (soft_cap > 0) {
+          for (int64_t i = 0; i < n; ++i) p[i] = soft_cap * std::tanh(p[i] / soft_cap);
+        }
+      }
     }
     for (int64_t g = 0; g < G; ++g) {
-      const acc_t inv_l = sc.l[g] > 0 ? acc_t(1) / sc.l[g] : acc_t(0);
+      acc_t* p = &sc.p[g * n_visible];
+      sc.l[g] = exp_shifted(p, n_visible, *std::max_element(p, p + n_visible));
+    }
+    std::fill(sc.acc.begin(), sc.acc.end(), acc_t(0));
+    for (int64_t b = lo / bs; b * bs < hi; ++b) {
+      const int64_t first = std::max(lo, b * bs), n = std::min(hi, (b + 1) * bs) - first;
+      const acc_t* v = tile(v_cache, blocks[b], h, first - b * bs, n, sc.v);
+      for (int64_t g = 0; g < G; ++g) {
+        accumulate(&sc.acc[g * D], &sc.p[g * n_visible + first - lo], v, n, D);
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      const acc_t inv_l = acc_t(1) / sc.l[g];  // >= 1: the max logit's term is exp(0)
       for (int64_t d = 0; d < D; ++d) {
         o[g * D + d] = static_cast<scalar_t>(sc.acc[g * D + d] * inv_l);
       }
     }
   }
 
-  // Keys/values [offset, offset + n) of one (block, KV head) tile: one online-softmax step.
-  void attend_block(int64_t block, int64_t h, int64_t offset, int64_t n,
-                    Scratch<acc_t>& sc) const {
+  // Rows [offset, offset + n) of one (block, KV head) tile of a cache as acc_t: in place when
+  // the cache is acc_t already, else converted into buffer.
+  const acc_t* tile(const scalar_t* cache, int64_t block, int64_t h, int64_t offset, int64_t n,
+                    std::vector<acc_t>& buffer) const {
     const int64_t D = shape.head_dim;
-    const int64_t tile = ((block * shape.num_kv_heads + h) * shape.block_size + offset) * D;
-    std::copy(k_cache + tile, k_cache + tile + n * D, sc.k.begin());
-    std::copy(v_cache + tile, v_cache + tile + n * D, sc.v.begin());
-    for (int64_t g = 0; g < shape.group; ++g) {
-      acc_t block_max = -std::numeric_limits<acc_t>::infinity();
-      for (int64_t i = 0; i < n; ++i) {
-        acc_t logit = dot(&sc.q[g * D], &sc.k[i * D], D);
-        if (soft_cap > 0) logit = soft_cap * std::tanh(logit / soft_cap);
-        sc.p[i] = logit;
-        block_max = std::max(block_max, logit);
-      }
-      const acc_t m_new = std::max(sc.m[g], block_max);  // finite: n >= 1
-      const acc_t alpha = std::exp(sc.m[g] - m_new);    // 0 on the first block
-      acc_t sum = 0;
-      for (int64_t i = 0; i < n; ++i) {
-        sc.p[i] = std::exp(sc.p[i] - m_new);
-        sum += sc.p[i];
-      }
-      sc.m[g] = m_new;
-      sc.l[g] = sc.l[g] * alpha + sum;
-      acc_t* acc = &sc.acc[g * D];
-      for (int64_t d = 0; d < D; ++d) acc[d] *= alpha;
-      for (int64_t i = 0; i < n; ++i) {
-        const acc_t* vi = &sc.v[i * D];
-        for (int64_t d = 0; d < D; ++d) acc[d] += sc.p[i] * vi[d];
-      }
+    const scalar_t* src = cache + ((block * shape.num_kv_heads + h) * shape.block_size + offset) * D;
+    if constexpr (std::is_same_v<scalar_t, acc_t>) {
+      return src;
+    } else {
+      std::copy(src, src + n * D, buffer.begin());
+      return buffer.data();
     }
   }
 };
@@ -222,7 +345,8 @@ void ragged_paged_attention_out_cpu(const at::Tensor& out, const at::Tensor& q,
         // One item per (query row, KV head); grain 1 as items cost up to a whole context.
         at::parallel_for(0, shape.num_tokens * shape.num_kv_heads, 1,
                          [&](int64_t begin, int64_t end) {
-                           Scratch<acc_t> scratch(shape.group, shape.block_size, shape.head_dim);
+                           Scratch<acc_t> scratch(shape.group, shape.block_size, shape.head_dim,
+                                                  shape.max_blocks * shape.block_size);
                            for (int64_t item = begin; item < end; ++item) {
                              attention.run(item / shape.num_kv_heads,
                                            item % shape.num_kv_heads, scratch);

@@ -88,27 +88,10 @@ at::Tensor silu_and_mul_cpu(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0 && x.is_contiguous(),
               "pagedjax::silu_and_mul: x must be a contiguous [num_tokens, 2 * intermediate], "
               "got shape ", x.sizes());
-  const int64_t rows = x.size(0), half = x.size(1) / 2;
-  at::Tensor out = at::empty({rows, half}, x.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul", [&] {
-    const scalar_t* xp = x.data_ptr<scalar_t>();
-    scalar_t* op = out.data_ptr<scalar_t>();
-    const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, half));
-    at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) {
-        const scalar_t* gate = xp + r * 2 * half;
-        const scalar_t* up = gate + half;
-        for (int64_t i = 0; i < half; ++i) {
-          const float g = static_cast<float>(gate[i]);
-          // silu rounded to the dtype first, as F.silu(gate) * up computes it
-          const scalar_t act = static_cast<scalar_t>(g / (1.f + std::exp(-g)));
-          op[r * half + i] =
-              static_cast<scalar_t>(static_cast<float>(act) * static_cast<float>(up[i]));
-        }
-      }
-    });
-  });
-  return out;
+  // ATen's vectorised silu, then the product in place: F.silu(gate) * up bit for bit, in two
+  // kernels without Python between them.
+  const int64_t half = x.size(1) / 2;
+  return at::silu(x.narrow(1, 0, half)).mul_(x.narrow(1, half, half));
 }
 
 at::Tensor rms_norm_meta(const at::Tensor& x, const at::Tensor& weight, double /*eps*/) {

@@ -162,12 +162,11 @@ def test_rms_norm_and_its_fused_residual_add_match_hf(dtype, tolerance):
     torch.testing.assert_close(normed, want_normed, rtol=tolerance, atol=tolerance)
 
 
-@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
-def test_silu_and_mul_matches_the_reference(dtype, tolerance):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_equals_the_reference(dtype):
     x = (3 * torch.randn(6, 2 * 40)).to(dtype)
     got = torch.ops.pagedjax.silu_and_mul(x)
-    assert got.shape == (6, 40)
-    torch.testing.assert_close(got, reference.silu_and_mul(x), rtol=tolerance, atol=tolerance)
+    assert got.shape == (6, 40) and torch.equal(got, reference.silu_and_mul(x))
 
 
 def test_norm_and_activation_wrappers_use_the_reference_without_the_ops(monkeypatch):

@@ -13,6 +13,7 @@ time at the current batch size, so speculation that does not pay is switched off
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
@@ -138,18 +139,25 @@ class _BatchCosts:
         moves no decision."""
         return {k: statistics.median(s) for k, s in self.samples.items()}
 
+    def explored(self, max_k: int, min_samples: int) -> bool:
+        """Both ends measured min_samples times: t(k) is known or interpolated for every k."""
+        return min(self.count(max_k), self.count(0)) >= min_samples
+
 
 class AdaptiveSpeculation:
     """Chooses k per step: argmax over k of E(k) / t(k), where E(k) = 1 + sum_{j<k} a_j are the
     expected tokens per sequence (a_j: chance that the first j + 1 drafts are accepted, an EMA)
     and t(k) the measured decode step time at this batch size (interpolated where unmeasured).
 
-    A step time is the median of the latest WINDOW samples of that k at that batch size. Each
-    batch size first measures k = max and k = 0, MIN_SAMPLES times each, in turns; then it
+    A step time is the median of the latest WINDOW samples of that k at that batch size. The
+    first batch size measures k = max and k = 0, MIN_SAMPLES times each, in turns; a later one
+    measures only its k = 0 and borrows the relative cost of drafting from the nearest explored
+    batch size until its own measurements replace the guesses (`_borrowed`). Then it
     re-measures a neighbour of the current best now and then, and every other time k = 0 (the
     baseline that speculation must beat), so the estimates follow the workload: after
     PROBE_EVERY steps, and twice as long after each probe that changed nothing (up to
-    MAX_PROBE_EVERY). A probe runs PROBE_STEPS steps, so that its samples can move a median.
+    MAX_PROBE_EVERY), and never so often that probes cost more than PROBE_BUDGET of the time.
+    A probe runs PROBE_STEPS steps, so that its samples can move a median.
     """
 
     WINDOW = 5  # step-time samples kept per k and batch size
@@ -158,6 +166,7 @@ class AdaptiveSpeculation:
     ACCEPTANCE_DECAY = 0.9  # per step: acceptance follows the last ~10 steps' drafts
     PROBE_EVERY = 32
     MAX_PROBE_EVERY = 512
+    PROBE_BUDGET = 0.03  # the share of time probes may cost over the best k's steps
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.max_k = config.num_speculative_tokens
@@ -173,31 +182,43 @@ class AdaptiveSpeculation:
         """k for a step that will run about num_seqs sequences."""
         if not self.adaptive:
             return self.max_k
-        costs = self._costs.setdefault(bucket(num_seqs), _BatchCosts())
+        batch = bucket(num_seqs)
+        costs = self._costs.setdefault(batch, _BatchCosts())
         costs.num_choices += 1
-        if min(costs.count(self.max_k), costs.count(0)) < self.MIN_SAMPLES:  # both ends first
-            self.k = self.max_k if costs.count(self.max_k) <= costs.count(0) else 0
-            return self.k
+        donor = None
+        if not costs.explored(self.max_k, self.MIN_SAMPLES):
+            donor = self._donor(batch)
+            if donor is None:  # the first batch size: both ends first, in turns
+                self.k = self.max_k if costs.count(self.max_k) <= costs.count(0) else 0
+                return self.k
+            if costs.count(0) < self.MIN_SAMPLES:  # its baseline first (costs nothing extra)
+                self.k = 0
+                return self.k
         if costs.probe_steps_left:
             costs.probe_steps_left -= 1
             self.k = costs.probe_k
             return self.k
-        seconds = costs.seconds()
+        seconds = costs.seconds() if donor is None else self._borrowed(costs, donor)
         best = max(range(self.max_k + 1), key=lambda k: self._score(seconds, k))
         if best != costs.best:  # the estimates moved: probe again soon
             costs.best, costs.probe_interval = best, self.PROBE_EVERY
-            costs.next_probe = costs.num_choices + self.PROBE_EVERY
+            neighbours = {max(best - 1, 0), min(best + 1, self.max_k)} - {best}
+            costs.next_probe = costs.num_choices + max(
+                [self.PROBE_EVERY, *(self._probe_gap(seconds, best, k) for k in neighbours)])
         elif costs.num_choices >= costs.next_probe:
             costs.probe_interval = min(2 * costs.probe_interval, self.MAX_PROBE_EVERY)
-            costs.next_probe = costs.num_choices + costs.probe_interval
             costs.num_probes += 1
+            probe = best
             if best > 1 and costs.num_probes % 2 == 0:
-                best = 0  # the baseline drifts too (contexts grow): re-measure it
+                probe = 0  # the baseline drifts too (contexts grow): re-measure it
             else:
                 costs.last_probe = -costs.last_probe if 0 < best < self.max_k else (
                     1 if best == 0 else -1)
-                best = best + costs.last_probe
-            costs.probe_k, costs.probe_steps_left = best, self.PROBE_STEPS - 1
+                probe = best + costs.last_probe
+            costs.next_probe = costs.num_choices + max(
+                costs.probe_interval, self._probe_gap(seconds, best, probe))
+            costs.probe_k, costs.probe_steps_left = probe, self.PROBE_STEPS - 1
+            best = probe
         self.k = best
         return best
 
@@ -227,6 +248,36 @@ class AdaptiveSpeculation:
                 rate = self._accepted[j] / self._drafted[j]
             total += rate  # unmeasured positions: as the last measured one
         return total
+
+    def _probe_gap(self, seconds: dict[int, float], best: int, probe: int) -> int:
+        """Steps to wait after a probe of k = probe so that probes cost at most PROBE_BUDGET of
+        the time spent at k = best (a probe of a costly k, such as drafting at a large batch
+        that does not pay, is rare)."""
+        extra = _interpolate(seconds, probe) / _interpolate(seconds, best) - 1
+        return math.ceil(self.PROBE_STEPS * max(extra, 0.0) / self.PROBE_BUDGET)
+
+    def _donor(self, batch: int) -> _BatchCosts | None:
+        """The explored batch-size bucket nearest to batch (in log2), if any."""
+        explored = [b for b, c in self._costs.items()
+                    if c.explored(self.max_k, self.MIN_SAMPLES)]
+        if not explored:
+            return None
+        nearest = min(explored, key=lambda b: (abs(math.log2(b / batch)), -b))
+        return self._costs[nearest]
+
+    def _borrowed(self, costs: _BatchCosts, donor: _BatchCosts) -> dict[int, float]:
+        """t(k) for every k at a batch size that has measured its baseline t(0) but not both
+        ends: its own medians where it has them, else t(0) * (1 + c * (r(k) - 1)), with r(k)
+        the donor's t(k) / t(0) and c the draft overhead measured here over the donor's
+        (the median over the k > 0 measured here; 1 before any). A new batch size so skips the
+        costly measurements of k = max, and a wrong guess costs one step, which replaces it."""
+        own, theirs = costs.seconds(), donor.seconds()
+        ratio = {k: _interpolate(theirs, k) / theirs[0] for k in range(self.max_k + 1)}
+        base = own[0]
+        scales = [(own[k] / base - 1) / (ratio[k] - 1) for k in own if k and ratio[k] > 1]
+        scale = statistics.median(scales) if scales else 1.0
+        return {k: own[k] if k in own else base * (1 + scale * (ratio[k] - 1))
+                for k in range(self.max_k + 1)}
 
     def _score(self, seconds: dict[int, float], k: int) -> float:
         return self.expected_tokens(k) / _interpolate(seconds, k)

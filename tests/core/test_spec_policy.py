@@ -71,6 +71,38 @@ def test_each_batch_size_learns_its_own_k(tmp_path) -> None:
     assert small[-30:].count(1) >= 28 and large[-30:].count(0) >= 28
 
 
+def test_a_new_batch_size_borrows_the_cost_of_drafting(tmp_path) -> None:
+    """Once batch 32 has found drafting too costly, batch 16 measures only its own baseline and
+    never pays for k = max; the costs it borrows are scaled by its own baseline."""
+    policy = AdaptiveSpeculation(config(tmp_path))
+    simulate(policy, 32, 100, accepted=1, seconds=lambda k: 2.0 + 2.4 * k)
+    chosen = simulate(policy, 16, 100, accepted=1, seconds=lambda k: 1.0 + 1.2 * k)
+    assert chosen[:3] == [0, 0, 0] and 4 not in chosen
+    assert chosen.count(0) >= 95
+
+
+def test_a_wrong_borrowed_guess_is_corrected_by_one_measurement(tmp_path) -> None:
+    """Drafts are nearly free at batch 1 but cost 1.2x a step at batch 64: batch 64 tries the
+    borrowed guess once, scales its other guesses by what it measured, and stops drafting."""
+    policy = AdaptiveSpeculation(config(tmp_path))
+    simulate(policy, 1, 100, accepted=1, seconds=lambda k: 1.0 + 0.05 * k)
+    chosen = simulate(policy, 64, 100, accepted=1, seconds=lambda k: 1.0 + 1.2 * k)
+    assert chosen[:3] == [0, 0, 0]
+    assert sum(k != 0 for k in chosen[3:10]) == 1  # one step of the guess, then k = 0
+    assert chosen[-30:].count(0) >= 28
+
+
+def test_probes_of_a_costly_k_stay_within_their_budget(tmp_path) -> None:
+    """Drafting does not pay at batch 32 and a step with drafts costs 2.2x one without: the
+    probes that check it again cost at most PROBE_BUDGET of the time."""
+    policy = AdaptiveSpeculation(config(tmp_path))
+    cost = lambda k: 1.0 + 1.2 * k  # noqa: E731
+    simulate(policy, 32, 20, accepted=1, seconds=cost)  # exploration
+    chosen = simulate(policy, 32, 2000, accepted=1, seconds=cost)
+    extra = sum(cost(k) - cost(0) for k in chosen) / (len(chosen) * cost(0))
+    assert 0 < extra <= policy.PROBE_BUDGET * 1.1  # probes run, and cheaply
+
+
 def test_slow_outliers_move_no_decision(tmp_path) -> None:
     """One step in ten takes 20x as long (a collection, a busy core): useless drafts still
     stay off, and useful ones on."""

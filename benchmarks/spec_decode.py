@@ -3,8 +3,9 @@
 Every request decodes --max-tokens greedy tokens from a prompt cut from this Python's standard
 library source. For each backend and batch size B: no speculation (k = 0), each fixed k
 (`"adaptive": False`), and the adaptive policy (k chosen per step up to --adaptive-k) with one
-LLM configuration for every B. Reports output tokens/s, the speed-up over k = 0, the acceptance
-α, tokens per verification beside the i.i.d. expectation (1 − α^(k+1)) / (1 − α), and for
+LLM configuration for every B; the configurations take turns pass by pass, so that a drifting
+host slows them alike. Reports output tokens/s, the speed-up over k = 0, the acceptance α,
+tokens per verification beside the i.i.d. expectation (1 − α^(k+1)) / (1 − α), and for
 adaptive runs the k chosen. Writes spec_decode_*.json and a PNG plot to --out.
 
     python benchmarks/spec_decode.py [--target DIR --draft DIR] [--backends jax torch]
@@ -41,26 +42,33 @@ def code_prompts(tokenizer, num: int, length: int = 64) -> list[list[int]]:
     return prompts
 
 
-def timed_generate(llm, groups: list[list[list[int]]], max_tokens: int,
-                   repeats: int, warmup: int = 0) -> tuple[float, int]:
-    """Seconds and output tokens of greedy batches run one after another (one per group of
-    prompts): the fastest of `repeats` passes that compiled nothing, after `warmup` such passes
-    left untimed (the adaptive policy's exploration: steady state). Passes repeat until then
-    (the adaptive policy may try a new k, hence new shapes, in its first steps)."""
+def timed_generate(llms: dict, groups: list[list[list[int]]], max_tokens: int,
+                   repeats: int, warmup: int = 0) -> dict[str, tuple[float, int]]:
+    """name -> seconds and output tokens of greedy batches run one after another (one per group
+    of prompts) on that LLM: the fastest of `repeats` passes that compiled nothing, after
+    `warmup` such passes left untimed (the adaptive policy's exploration: steady state). Passes
+    repeat until then (the adaptive policy may try a new k, hence new shapes, in its first
+    steps). The LLMs take turns pass by pass, so that a host whose speed drifts (a shared
+    machine) slows them alike."""
     from pagedjax import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    runner, timed = llm.engine.runner, []
+    timed: dict[str, list[float]] = {name: [] for name in llms}
+    tokens: dict[str, int] = {}
     for _ in range(_MAX_PASSES + warmup + repeats):
-        num_compiles, start, tokens = runner.num_compiles, time.perf_counter(), 0
-        for group in groups:
-            outputs = llm.generate([{"prompt_token_ids": p} for p in group], params,
-                                   use_tqdm=False)
-            tokens += sum(len(o.outputs[0].token_ids) for o in outputs)
-        if runner.num_compiles == num_compiles:
-            timed.append(time.perf_counter() - start)
-            if len(timed) == warmup + repeats:
-                return min(timed[warmup:]), tokens
+        for name, llm in llms.items():
+            if len(timed[name]) == warmup + repeats:
+                continue
+            num_compiles, start = llm.engine.runner.num_compiles, time.perf_counter()
+            tokens[name] = 0
+            for group in groups:
+                outputs = llm.generate([{"prompt_token_ids": p} for p in group], params,
+                                       use_tqdm=False)
+                tokens[name] += sum(len(o.outputs[0].token_ids) for o in outputs)
+            if llm.engine.runner.num_compiles == num_compiles:
+                timed[name].append(time.perf_counter() - start)
+        if all(len(t) == warmup + repeats for t in timed.values()):
+            return {name: (min(t[warmup:]), tokens[name]) for name, t in timed.items()}
     raise RuntimeError(f"still compiling after {_MAX_PASSES} passes: the shape set is unbounded")
 
 
@@ -77,17 +85,20 @@ def make_llm(model: str, backend: str, args, draft: str | None = None, k: int = 
 def run_backend(backend: str, args) -> list[dict]:
     configs = [("k=0", 0, False), *((f"k={k}", k, False) for k in args.ks),
                (f"adaptive≤{args.adaptive_k}", args.adaptive_k, True)]
+    llms = {mode: make_llm(args.target, backend, args, args.draft, k, adaptive)
+            for mode, k, adaptive in configs}
+    prompts = code_prompts(llms["k=0"].get_tokenizer(), max(*args.batch_sizes, _MIN_PROMPTS))
     rows = []
-    for mode, k, adaptive in configs:
-        llm = make_llm(args.target, backend, args, args.draft, k, adaptive)
-        prompts = code_prompts(llm.get_tokenizer(), max(*args.batch_sizes, _MIN_PROMPTS))
-        for b in args.batch_sizes:
-            pool = prompts[: max(b, _MIN_PROMPTS)]
-            groups = [pool[i : i + b] for i in range(0, len(pool), b)]
-            before = llm.get_metrics()
-            seconds, tokens = timed_generate(llm, groups, args.max_tokens, args.repeats,
-                                             args.warmup_passes)
-            rows.append(_row(backend, b, mode, k, seconds, tokens, before, llm.get_metrics()))
+    for b in args.batch_sizes:
+        pool = prompts[: max(b, _MIN_PROMPTS)]
+        groups = [pool[i : i + b] for i in range(0, len(pool), b)]
+        before = {mode: llm.get_metrics() for mode, llm in llms.items()}
+        results = timed_generate(llms, groups, args.max_tokens, args.repeats,
+                                 args.warmup_passes)
+        for mode, k, _ in configs:
+            rows.append(_row(backend, b, mode, k, *results[mode], before[mode],
+                             llms[mode].get_metrics()))
+    for llm in llms.values():
         llm.shutdown()
     return rows
 

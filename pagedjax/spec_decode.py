@@ -151,10 +151,11 @@ class AdaptiveSpeculation:
 
     A step time is the median of the latest WINDOW samples of that k at that batch size. The
     first batch size measures k = max and k = 0, MIN_SAMPLES times each, in turns; a later one
-    measures only its k = 0 and borrows the relative cost of drafting from the nearest explored
-    batch size until its own measurements replace the guesses (`_borrowed`). Then it
-    re-measures a neighbour of the current best now and then, and every other time k = 0 (the
-    baseline that speculation must beat), so the estimates follow the workload: after
+    measures only its k = 0 and borrows the relative cost of drafting from the nearest batch size
+    that has measured some (`_donor`) until its own measurements replace the guesses
+    (`_borrowed`). Then it re-measures a neighbour of the current best now and then, and every
+    other time k = 0 (the baseline that speculation must beat), so the estimates follow the
+    workload: after
     PROBE_EVERY steps, and twice as long after each probe that changed nothing (up to
     MAX_PROBE_EVERY), and never so often that probes cost more than PROBE_BUDGET of the time.
     A probe runs PROBE_STEPS steps, so that its samples can move a median.
@@ -257,12 +258,14 @@ class AdaptiveSpeculation:
         return math.ceil(self.PROBE_STEPS * max(extra, 0.0) / self.PROBE_BUDGET)
 
     def _donor(self, batch: int) -> _BatchCosts | None:
-        """The explored batch-size bucket nearest to batch (in log2), if any."""
-        explored = [b for b, c in self._costs.items()
-                    if c.explored(self.max_k, self.MIN_SAMPLES)]
-        if not explored:
+        """The batch-size bucket nearest to batch (in log2) that has measured its baseline and
+        some k > 0, if any: its own measurements are what it lends."""
+        lenders = [b for b, c in self._costs.items()
+                   if b != batch and c.count(0) >= self.MIN_SAMPLES
+                   and any(k and c.count(k) for k in c.samples)]
+        if not lenders:
             return None
-        nearest = min(explored, key=lambda b: (abs(math.log2(b / batch)), -b))
+        nearest = min(lenders, key=lambda b: (abs(math.log2(b / batch)), -b))
         return self._costs[nearest]
 
     def _borrowed(self, costs: _BatchCosts, donor: _BatchCosts) -> dict[int, float]:
@@ -288,10 +291,13 @@ class AdaptiveSpeculation:
 
 
 def _interpolate(seconds: dict[int, float], k: int) -> float:
-    """t(k): measured, else linear between the nearest measured k on either side."""
+    """t(k): measured, else linear between the nearest measured k on either side, else (past
+    the largest measured k) on the line through t(0) and it: each draft costs the same."""
     if k in seconds:
         return seconds[k]
     below = max(x for x in seconds if x < k)
+    if all(x < k for x in seconds):
+        return seconds[0] + (seconds[below] - seconds[0]) * k / below if below else seconds[0]
     above = min(x for x in seconds if x > k)
     w = (k - below) / (above - below)
     return seconds[below] * (1 - w) + seconds[above] * w

@@ -92,6 +92,16 @@ def test_a_wrong_borrowed_guess_is_corrected_by_one_measurement(tmp_path) -> Non
     assert chosen[-30:].count(0) >= 28
 
 
+def test_a_batch_size_borrows_from_its_nearest_measured_neighbour(tmp_path) -> None:
+    """Batch 1 (explored) finds drafts cheap, batch 16 (borrowing) finds them costly: batch 32
+    borrows from batch 16, its nearest neighbour with measured drafts, and never drafts."""
+    policy = AdaptiveSpeculation(config(tmp_path))
+    simulate(policy, 1, 100, accepted=1, seconds=lambda k: 1.0 + 0.05 * k)
+    simulate(policy, 16, 100, accepted=1, seconds=lambda k: 1.0 + 1.2 * k)
+    chosen = simulate(policy, 32, 30, accepted=1, seconds=lambda k: 2.0 + 2.4 * k)
+    assert chosen == [0] * 30
+
+
 def test_probes_of_a_costly_k_stay_within_their_budget(tmp_path) -> None:
     """Drafting does not pay at batch 32 and a step with drafts costs 2.2x one without: the
     probes that check it again cost at most PROBE_BUDGET of the time."""

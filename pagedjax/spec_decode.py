@@ -155,10 +155,9 @@ class AdaptiveSpeculation:
     that has measured some (`_donor`) until its own measurements replace the guesses
     (`_borrowed`). Then it re-measures a neighbour of the current best now and then, and every
     other time k = 0 (the baseline that speculation must beat), so the estimates follow the
-    workload: after
-    PROBE_EVERY steps, and twice as long after each probe that changed nothing (up to
-    MAX_PROBE_EVERY), and never so often that probes cost more than PROBE_BUDGET of the time.
-    A probe runs PROBE_STEPS steps, so that its samples can move a median.
+    workload: after PROBE_EVERY steps, and twice as long after each probe that changed nothing
+    (up to MAX_PROBE_EVERY), and never so often that probes cost more than PROBE_BUDGET of the
+    time. A probe runs PROBE_STEPS steps, so that its samples can move a median.
     """
 
     WINDOW = 5  # step-time samples kept per k and batch size

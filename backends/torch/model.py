@@ -230,7 +230,6 @@ class LlamaForCausalLM(nn.Module):
             logits = self.lm_head(x)  # [L, V / shards]
         return self.shard.all_gather_vocab(logits, self.config.vocab_size).to(torch.float32)
 
-
     def pack_linears(self) -> None:
         """CPU float32: every projection (and the LM head, tied or not) on the packed
         `pagedjax::linear` op. A tied head gets its own packed copy of the embedding."""

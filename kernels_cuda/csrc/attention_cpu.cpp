@@ -20,6 +20,7 @@
 #endif
 
 #include "attention.h"
+#include "cpu_features.h"
 
 namespace pagedjax {
 namespace {
@@ -135,21 +136,10 @@ __attribute__((target("avx2,fma"))) void accumulate_avx2(float* acc, const float
   }
 }
 
-bool cpu_has_avx2_fma() {
-  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return has;
-}
 #endif
 
 // Whether the float32 AVX2 paths serve head_dim D on this CPU.
-template <typename T>
-bool use_avx2(int64_t D) {
-#if defined(__x86_64__)
-  return std::is_same_v<T, float> && D % 8 == 0 && cpu_has_avx2_fma();
-#else
-  return false;
-#endif
-}
+bool use_avx2(int64_t D) { return D % 8 == 0 && cpu_has_avx2_fma(); }
 
 template <typename T>
 T exp_shifted(T* p, int64_t n, T shift) {
@@ -168,7 +158,7 @@ template <typename T>
 void logits(const T* q, const T* k, int64_t n, int64_t D, T* p) {
 #if defined(__x86_64__)
   if constexpr (std::is_same_v<T, float>) {
-    if (use_avx2<T>(D)) return logits_avx2(q, k, n, D, p);
+    if (use_avx2(D)) return logits_avx2(q, k, n, D, p);
   }
 #endif
   for (int64_t i = 0; i < n; ++i) p[i] = dot(q, k + i * D, D);
@@ -179,7 +169,7 @@ template <typename T>
 void accumulate(T* acc, const T* p, const T* v, int64_t n, int64_t D) {
 #if defined(__x86_64__)
   if constexpr (std::is_same_v<T, float>) {
-    if (use_avx2<T>(D)) return accumulate_avx2(acc, p, v, n, D);
+    if (use_avx2(D)) return accumulate_avx2(acc, p, v, n, D);
   }
 #endif
   for (int64_t i = 0; i < n; ++i)

@@ -16,6 +16,8 @@
 #include <algorithm>
 #include <cstring>
 
+#include "cpu_features.h"
+
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -82,10 +84,6 @@ __attribute__((target("avx2,fma"))) void block_avx2(const float* x, int64_t ldx,
   }
 }
 
-bool cpu_has_avx2_fma() {
-  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return has;
-}
 #endif
 
 template <int MR, int NT>

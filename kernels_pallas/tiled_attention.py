@@ -24,6 +24,10 @@ import jax.numpy as jnp
 
 from pagedjax.kernels_pallas.reference import ragged_paged_attention_reference
 
+# The products accumulate in float32 or wider: full precision, never TF32 on an NVIDIA GPU (a GPU
+# runs this path only where a caller asks for it; the first H100 run read 1e-3 errors with TF32).
+_HIGHEST = jax.lax.Precision.HIGHEST
+
 _MASK_VALUE = -1e30  # finite, so a fully masked chunk never produces NaN
 _MIN_TILED_TOKENS = 128  # below this many query rows the reference's loop is faster on CPU
 
@@ -94,7 +98,8 @@ def ragged_paged_attention_tiled(
     def body(carry: tuple) -> tuple:
         j, m, denom, acc = carry
         blocks = jax.lax.dynamic_slice_in_dim(tables, j * chunk_blocks, chunk_blocks, axis=1)
-        s = jnp.einsum("nrhgd,nhkd->nrhgk", qt, gather(k_cache, blocks))  # [N, R, Hkv, G, C]
+        s = jnp.einsum("nrhgd,nhkd->nrhgk", qt, gather(k_cache, blocks),
+                       precision=_HIGHEST)  # [N, R, Hkv, G, C]
         if logits_soft_cap is not None:
             s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
         key_pos = j * chunk + jnp.arange(chunk)
@@ -106,7 +111,8 @@ def ragged_paged_attention_tiled(
         m_new = jnp.maximum(m, s.max(-1))
         p = jnp.where(visible, jnp.exp(s - m_new[..., None]), 0.0)
         alpha = jnp.exp(m - m_new)
-        acc = alpha[..., None] * acc + jnp.einsum("nrhgk,nhkd->nrhgd", p, gather(v_cache, blocks))
+        pv = jnp.einsum("nrhgk,nhkd->nrhgd", p, gather(v_cache, blocks), precision=_HIGHEST)
+        acc = alpha[..., None] * acc + pv
         return j + 1, m_new, alpha * denom + p.sum(-1), acc
 
     shape = (num_tiles, rows, num_kv_heads, group)

@@ -23,6 +23,8 @@ namespace pagedjax {
 template <typename Fn>
 void dispatch_head_dim(int64_t head_dim, Fn&& fn) {
   switch (head_dim) {
+    case 16: return fn(std::integral_constant<int, 16>{});  // tiny test models
+    case 32: return fn(std::integral_constant<int, 32>{});  // the demo pair
     case 64: return fn(std::integral_constant<int, 64>{});
     case 80: return fn(std::integral_constant<int, 80>{});
     case 96: return fn(std::integral_constant<int, 96>{});
@@ -30,7 +32,7 @@ void dispatch_head_dim(int64_t head_dim, Fn&& fn) {
     case 256: return fn(std::integral_constant<int, 256>{});
     default:
       TORCH_CHECK(false, "ragged_paged_attention (CUDA): head_dim=", head_dim,
-                  " is not compiled; supported: 64, 80, 96, 128, 256");
+                  " is not compiled; supported: 16, 32, 64, 80, 96, 128, 256");
   }
 }
 

@@ -57,6 +57,19 @@ def test_cuda_build_passes_explicit_archs_to_a_versioned_folder(simulated_gpu, m
     assert ops.build_directory(with_cuda=False) != ops.build_directory(with_cuda=True)
 
 
+def test_build_links_the_libstdcxx_this_process_loaded(simulated_gpu, monkeypatch):
+    """A toolchain that links libstdc++ statically (the GPU machines' /opt/gcc) gave the
+    extension its own copy, whose number formatting crashed the first TORCH_CHECK that named a
+    number: the build names the loaded libstdc++ first, so every symbol it has comes from it."""
+    calls = []
+    monkeypatch.setattr(cpp_extension, "load", lambda **kwargs: calls.append(kwargs))
+    ops._build()
+    (kwargs,) = calls
+    (library,) = kwargs["extra_ldflags"]
+    maps = Path("/proc/self/maps").read_text()
+    assert "/libstdc++.so" in library and library in maps and Path(library).exists()
+
+
 @pytest.mark.parametrize("failure", ["build_error", "no_compiler", "old_gpu"])
 def test_a_failed_build_on_a_gpu_machine_is_loud(simulated_gpu, monkeypatch, failure):
     """No fallback and no warning: one error that names nvcc, ninja, the archs and the folder."""

@@ -79,6 +79,7 @@ def main() -> None:
 
     import jax
 
+    from pagedjax.kernels_pallas import cpu_ffi
     from pagedjax.kernels_pallas.reference import ragged_paged_attention_reference
     from pagedjax.kernels_pallas.tiled_attention import (
         ragged_paged_attention_cpu,
@@ -93,6 +94,9 @@ def main() -> None:
         impls = {"reference (per block)": reference,
                  "cpu (the backend's choice)": jax.jit(functools.partial(
                      ragged_paged_attention_cpu, sm_scale=0.17, decode=decode))}
+        if cpu_ffi.available():
+            impls["C++ kernel (XLA FFI)"] = jax.jit(functools.partial(
+                cpu_ffi.ragged_paged_attention, sm_scale=0.17))
         for rows_per_tile, chunk_blocks in TILINGS:
             label = f"tiled {'decode' if decode else f'rows {rows_per_tile}'}, chunk {chunk_blocks}"
             if label not in impls:

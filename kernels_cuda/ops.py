@@ -28,6 +28,7 @@ import torch
 from torch.utils import cpp_extension
 
 from pagedjax.kernels_cuda import reference
+from pagedjax.native_build import loaded_libstdcxx_ldflags
 
 Backend = Literal["cpp", "cuda", "reference"]
 
@@ -70,22 +71,6 @@ def build_directory(with_cuda: bool) -> Path:
     return Path(root) / f"{_NAME}_{re.sub(r'[^A-Za-z0-9.]+', '_', flavour)}"
 
 
-def _libstdcxx_ldflags() -> list[str]:
-    """Link the libstdc++ this process has loaded (torch's), by path, ahead of the compiler's own.
-
-    Some toolchains (the GPU machines' /opt/gcc) link libstdc++ statically into every shared
-    object; the extension's copy then formats numbers with a locale nobody initialised and a
-    TORCH_CHECK naming a number crashed the process. Named first, the loaded library resolves
-    every symbol it has, and the static archive only supplies what it lacks.
-    """
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if "/libstdc++.so" in line}
-    except OSError:  # not Linux
-        return []
-    return sorted(paths)[:1]
-
-
 def _build() -> Backend:
     """Compiles the extension (or loads the cached build) into torch.ops.pagedjax; may raise."""
     with_cuda = torch.cuda.is_available()
@@ -104,7 +89,7 @@ def _build() -> Backend:
         name=_NAME,
         sources=[str(path) for path in sources],
         extra_cflags=["-O3", "-fopenmp"],  # OpenMP: at::parallel_for runs on threads
-        extra_ldflags=_libstdcxx_ldflags(),
+        extra_ldflags=loaded_libstdcxx_ldflags(),
         extra_cuda_cflags=["-O3", "-lineinfo", *cuda_arch_flags()],
         build_directory=str(build_dir),
         with_cuda=with_cuda,

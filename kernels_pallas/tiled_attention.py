@@ -12,9 +12,11 @@ The loop runs to the longest context in the batch with an online softmax in floa
 each sequence's queries and padding rows come out as zeros.
 
 `ragged_paged_attention_cpu`, the JAX backend's attention on CPU, keeps the fastest correct one
-per shape, as `benchmarks/cpu_attention.py` measured (RESULTS.md): the reference's loop for
-decode and short queries (T < 128), where its per-row gathers are small; the tiled version
-(16 rows, 4 blocks per chunk) for prefill and mixed batches, where it is ~1.8x faster.
+per shape, as `benchmarks/cpu_attention.py` measured (RESULTS.md): in float32 the C++ kernel
+of the torch backend through XLA's FFI (`cpu_ffi.py`; 2.6-7.4x faster than the jnp versions);
+otherwise, or where it cannot be built, the reference's loop for decode and short queries
+(T < 128), where its per-row gathers are small, and the tiled version (16 rows, 4 blocks per
+chunk) for prefill and mixed batches, where it is ~1.8x faster.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pagedjax.kernels_pallas import cpu_ffi
 from pagedjax.kernels_pallas.reference import ragged_paged_attention_reference
 
 # The products accumulate in float32 or wider: full precision, never TF32 on an NVIDIA GPU (a GPU
@@ -128,9 +131,23 @@ def ragged_paged_attention_tiled(
     return result.at[target].set(out, mode="drop").astype(q.dtype)
 
 
-def ragged_paged_attention_cpu(q: jax.Array, *args: jax.Array, decode: bool = False,
-                               **kwargs) -> jax.Array:  # [T, Hq, D]
-    """The faster of the reference and the tiled version for this (static) shape on CPU."""
+def ragged_paged_attention_cpu(
+    q: jax.Array,  # [T, Hq, D]
+    k_cache: jax.Array,  # [N, Hkv, bs, D]
+    v_cache: jax.Array,  # [N, Hkv, bs, D]
+    kv_lens: jax.Array,  # [S] int32
+    block_tables: jax.Array,  # [S, M] int32
+    query_start_loc: jax.Array,  # [S+1] int32
+    *,
+    decode: bool = False,
+    **kwargs,  # sm_scale, sliding_window, logits_soft_cap
+) -> jax.Array:  # [T, Hq, D]
+    """The fastest correct attention for this (static) shape on CPU: the C++ kernel through
+    XLA's FFI in float32 (where it builds), else the faster of the reference and the tiled
+    version."""
+    args = (k_cache, v_cache, kv_lens, block_tables, query_start_loc)
+    if q.dtype == jnp.float32 and k_cache.dtype == jnp.float32 and cpu_ffi.available():
+        return cpu_ffi.ragged_paged_attention(q, *args, **kwargs)
     if decode or q.shape[0] < _MIN_TILED_TOKENS:
         return ragged_paged_attention_reference(q, *args, **kwargs)
     return ragged_paged_attention_tiled(q, *args, rows_per_tile=16, chunk_blocks=4, **kwargs)

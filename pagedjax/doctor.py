@@ -67,6 +67,11 @@ def _jax_info() -> dict:
     impl = resolve_attention("auto")[2]
     if impl == "pallas":
         impl += " (compiled with Triton)" if backend == "gpu" else " (interpreted)"
+    elif impl == "cpu":
+        from pagedjax.kernels_pallas import cpu_ffi
+
+        impl += (" (C++ kernel through XLA's FFI in float32)" if cpu_ffi.available()
+                 else " (jnp: the C++ kernel did not build)")
     return {"backend": backend, "devices": [f"{d.platform}:{d.id} {d.device_kind}"
                                             for d in jax.devices()], "attention": impl}
 

@@ -12,20 +12,9 @@
 #include <cstdint>
 #include <optional>
 
-namespace pagedjax {
+#include "attention_shape.h"
 
-// Sizes of one ragged paged attention call, read off validated arguments.
-struct AttentionShape {
-  int64_t num_tokens;      // T: rows of q (including padding rows)
-  int64_t num_q_heads;     // Hq
-  int64_t num_kv_heads;    // Hkv; Hq = group * Hkv
-  int64_t group;           // query heads per KV head
-  int64_t head_dim;        // D
-  int64_t num_blocks;      // N: blocks in the cache
-  int64_t block_size;      // tokens per block
-  int64_t num_seqs;        // S
-  int64_t max_blocks;      // M: columns of block_tables
-};
+namespace pagedjax {
 
 // TORCH_CHECKs every argument's rank, shape, dtype, contiguity and device; returns the sizes.
 AttentionShape check_attention_args(

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pagedjax.kernels_pallas import cpu_ffi
 from pagedjax.kernels_pallas.tiled_attention import (
     ragged_paged_attention_cpu,
     ragged_paged_attention_tiled,
@@ -82,7 +83,10 @@ def test_decode_needs_one_row_per_sequence() -> None:
 
 @pytest.mark.parametrize("q_lens,kv_lens", [([1] * 4, [9, 40, 1, 17]),  # decode: the loop
                                             ([100, 1, 30], [130, 50, 30])])  # tiled (T >= 128)
-def test_cpu_dispatch(q_lens: list[int], kv_lens: list[int]) -> None:
+def test_cpu_dispatch(q_lens: list[int], kv_lens: list[int], monkeypatch) -> None:
+    """The jnp versions, as they serve where the C++ kernel (tests/kernels/test_cpu_ffi.py)
+    cannot be built."""
+    monkeypatch.setattr(cpu_ffi, "available", lambda: False)
     rng = np.random.default_rng(4)
     decode = max(q_lens) == 1
     case = make_ragged_case(rng, q_lens, kv_lens, num_q_heads=4, num_kv_heads=2, head_dim=16,

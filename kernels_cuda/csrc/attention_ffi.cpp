@@ -1,0 +1,87 @@
+// The C++ CPU attention of attention_cpu_kernel.h as an XLA FFI handler: the JAX backend's
+// attention on CPU, in float32 (the same kernel as the torch op; no torch headers). Built and
+// registered by kernels_cuda/jax_ffi.py. Parallel over (query row, KV head) with OpenMP.
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+
+#include "attention_cpu_kernel.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace pagedjax {
+namespace {
+
+ffi::Error ragged_paged_attention_f32(
+    ffi::Buffer<ffi::F32> q,                  // [T, Hq, D]
+    ffi::Buffer<ffi::F32> k_cache,            // [N, Hkv, bs, D]
+    ffi::Buffer<ffi::F32> v_cache,            // [N, Hkv, bs, D]
+    ffi::Buffer<ffi::S32> kv_lens,            // [S]
+    ffi::Buffer<ffi::S32> block_tables,       // [S, M]
+    ffi::Buffer<ffi::S32> query_start_loc,    // [S+1]
+    ffi::ResultBuffer<ffi::F32> out,          // [T, Hq, D]
+    float sm_scale, int64_t sliding_window,   // 0: none
+    float logits_soft_cap) {                  // 0: none
+  const auto qd = q.dimensions(), cd = k_cache.dimensions(), td = block_tables.dimensions();
+  const auto vd = v_cache.dimensions();
+  if (qd.size() != 3 || cd.size() != 4 || td.size() != 2 || cd[3] != qd[2] ||
+      !std::equal(cd.begin(), cd.end(), vd.begin(), vd.end()) || cd[1] <= 0 ||
+      qd[1] % cd[1] != 0 ||
+      static_cast<int64_t>(kv_lens.element_count()) != td[0] ||
+      static_cast<int64_t>(query_start_loc.element_count()) != td[0] + 1) {
+    return ffi::Error::InvalidArgument(
+        "ragged_paged_attention (FFI): expected q [T, Hq, D], caches [N, Hkv, bs, D] with Hkv "
+        "dividing Hq, kv_lens [S], block_tables [S, M], query_start_loc [S+1]");
+  }
+  AttentionShape shape{};
+  shape.num_tokens = qd[0];
+  shape.num_q_heads = qd[1];
+  shape.head_dim = qd[2];
+  shape.num_blocks = cd[0];
+  shape.num_kv_heads = cd[1];
+  shape.block_size = cd[2];
+  shape.group = shape.num_q_heads / shape.num_kv_heads;
+  shape.num_seqs = td[0];
+  shape.max_blocks = td[1];
+  const cpu_attention::RaggedBatch batch{kv_lens.typed_data(), block_tables.typed_data(),
+                                         query_start_loc.typed_data()};
+  if (const std::string error = cpu_attention::metadata_error(shape, batch); !error.empty()) {
+    return ffi::Error::InvalidArgument(error);
+  }
+  const cpu_attention::CpuAttention<float, float> attention{
+      shape, batch, q.typed_data(), shape.num_q_heads * shape.head_dim, shape.head_dim,
+      k_cache.typed_data(), v_cache.typed_data(), out->typed_data(), sm_scale,
+      std::max<int64_t>(sliding_window, 0), std::max(logits_soft_cap, 0.f)};
+  const int64_t num_items = shape.num_tokens * shape.num_kv_heads;
+#pragma omp parallel
+  {
+    cpu_attention::Scratch<float> scratch(shape.group, shape.block_size, shape.head_dim,
+                                          shape.max_blocks * shape.block_size);
+    // One item per (query row, KV head); dynamic, as an item costs up to a whole context.
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < num_items; ++item) {
+      attention.run(item / shape.num_kv_heads, item % shape.num_kv_heads, scratch);
+    }
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace pagedjax
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxRaggedPagedAttentionF32,
+                              pagedjax::ragged_paged_attention_f32,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("sm_scale")
+                                  .Attr<int64_t>("sliding_window")
+                                  .Attr<float>("logits_soft_cap"));

@@ -1,0 +1,109 @@
+"""The JAX backend's attention on CPU through XLA's FFI: the C++ kernel the torch backend runs on
+CPU (`kernels_cuda/csrc/attention_cpu_kernel.h`), in float32, as a CPU custom call.
+
+The library is compiled on first use with the system's C++ compiler (`$CXX`, else `c++`) and
+cached per source, compiler and jaxlib version in `$PAGEDJAX_CACHE` (default
+~/.cache/pagedjax); later processes only load it. Where it cannot be built or loaded,
+`available()` is False after one warning and the jnp attention serves. Imports no torch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import importlib.util
+import os
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pagedjax.native_build import loaded_libstdcxx_ldflags
+
+TARGET = "pagedjax_ragged_paged_attention_f32"
+_SYMBOL = "PagedjaxRaggedPagedAttentionF32"
+_SOURCES = ("attention_ffi.cpp", "attention_cpu_kernel.h", "attention_shape.h", "cpu_features.h")
+
+
+def _csrc() -> Path:
+    """kernels_cuda/csrc, found without importing pagedjax.kernels_cuda (which imports torch)."""
+    spec = importlib.util.find_spec("pagedjax.kernels_cuda")
+    return Path(spec.submodule_search_locations[0]) / "csrc"
+
+
+def _compiler() -> str:
+    return os.environ.get("CXX") or "c++"
+
+
+def library_path() -> Path:
+    """Where the build for these sources, this compiler and this jaxlib lives."""
+    digest = hashlib.sha256(f"{_compiler()}|{jax.__version__}".encode())
+    for name in _SOURCES:
+        digest.update((_csrc() / name).read_bytes())
+    root = Path(os.environ.get("PAGEDJAX_CACHE") or Path.home() / ".cache" / "pagedjax")
+    return root / f"jax_ffi_attention_{digest.hexdigest()[:16]}.so"
+
+
+def _build(path: Path) -> None:
+    """Compiles the library into path (atomically: concurrent processes may race)."""
+    if shutil.which(_compiler()) is None:
+        raise OSError(f"no C++ compiler: {_compiler()!r} is not on PATH (set CXX)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        partial = Path(tmp) / path.name
+        command = [_compiler(), "-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp",
+                   f"-I{jax.ffi.include_dir()}", str(_csrc() / _SOURCES[0]), "-o", str(partial),
+                   *loaded_libstdcxx_ldflags()]
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise OSError(f"{' '.join(command)} failed:\n{result.stderr[-2000:]}")
+        os.replace(partial, path)
+
+
+@functools.cache
+def available() -> bool:
+    """Builds (once) or loads the library and registers the custom call; False, after one
+    warning, where that fails."""
+    path = library_path()
+    try:
+        if not path.exists():
+            _build(path)
+        library = ctypes.cdll.LoadLibrary(str(path))
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(library, _SYMBOL)),
+                                    platform="cpu")
+    except (OSError, AttributeError) as error:
+        warnings.warn(f"pagedjax: the C++ CPU attention for JAX is unavailable, the jnp one "
+                      f"serves instead (slower): {error}", RuntimeWarning, stacklevel=2)
+        return False
+    return True
+
+
+def ragged_paged_attention(
+    q: jax.Array,  # [T, Hq, D] float32
+    k_cache: jax.Array,  # [N, Hkv, bs, D] float32
+    v_cache: jax.Array,  # [N, Hkv, bs, D] float32
+    kv_lens: jax.Array,  # [S] int32
+    block_tables: jax.Array,  # [S, M] int32
+    query_start_loc: jax.Array,  # [S+1] int32
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+) -> jax.Array:  # [T, Hq, D]; padding rows (past query_start_loc[-1]) are zeros
+    """Causal attention of each sequence's last q_len tokens over its paged KV context (the
+    batch contract of the reference), computed by the C++ kernel. Call `available()` first."""
+    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if x.dtype != jnp.float32:
+            raise ValueError(f"the C++ CPU attention takes float32; {name} is {x.dtype}")
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype),
+                            vmap_method="sequential")
+    int32 = functools.partial(jnp.asarray, dtype=jnp.int32)
+    return call(q, k_cache, v_cache, int32(kv_lens), int32(block_tables), int32(query_start_loc),
+                sm_scale=np.float32(sm_scale), sliding_window=np.int64(sliding_window or 0),
+                logits_soft_cap=np.float32(logits_soft_cap or 0.0))

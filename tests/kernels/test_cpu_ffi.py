@@ -1,0 +1,116 @@
+"""The C++ CPU attention through XLA's FFI (the JAX backend's float32 CPU path) against the
+float64 oracle, its errors, and the jnp fallback where it cannot be built."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pagedjax.kernels_pallas import cpu_ffi
+from pagedjax.kernels_pallas.tiled_attention import ragged_paged_attention_cpu
+from tests.kernels.naive import (
+    make_ragged_case,
+    naive_ragged_paged_attention,
+    per_row_relative_error,
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built() -> None:
+    assert cpu_ffi.available(), "the FFI library must build on the test machines (g++ is there)"
+
+
+def _run(case: dict, fn=cpu_ffi.ragged_paged_attention, **kwargs) -> np.ndarray:
+    out = jax.jit(functools.partial(fn, **kwargs))(**{k: jnp.asarray(v) for k, v in case.items()})
+    assert out.dtype == jnp.float32 and out.shape == case["q"].shape
+    return np.asarray(out, np.float64)
+
+
+def _check(case: dict, **kwargs) -> None:
+    want = naive_ragged_paged_attention(**case, **kwargs)
+    got = _run(case, **kwargs)
+    assert not np.isnan(got).any()
+    np.testing.assert_array_equal(got[int(case["query_start_loc"][-1]):], 0.0)  # padding rows
+    assert per_row_relative_error(got, want) <= 1e-5
+
+
+@pytest.mark.parametrize(("group", "head_dim", "block_size"),
+                         [(1, 32, 16), (4, 64, 8), (3, 20, 16), (8, 16, 32)])
+def test_mixed_batch(group: int, head_dim: int, block_size: int) -> None:
+    """Decodes, a prefill, a chunk over a cached prefix, q_len-0 and padding rows; head_dim 20
+    takes the scalar path (no multiple of 8), the others AVX2 where the CPU has it."""
+    rng = np.random.default_rng(group * 100 + head_dim)
+    case = make_ragged_case(rng, [1, 1, 37, 0, 5, 0],
+                            [block_size + 1, 1, 37, block_size, 6 * block_size + 3, 0],
+                            num_q_heads=2 * group, num_kv_heads=2, head_dim=head_dim,
+                            block_size=block_size, num_padding_rows=3)
+    _check(case, sm_scale=head_dim**-0.5)
+
+
+@pytest.mark.parametrize(("window", "cap"), [(1, None), (5, None), (None, 2.0), (20, 3.0)])
+def test_sliding_window_and_soft_cap(window: int | None, cap: float | None) -> None:
+    case = make_ragged_case(np.random.default_rng(2), [1, 9, 24], [40, 9, 70], num_q_heads=6,
+                            num_kv_heads=3, head_dim=16, block_size=8, num_padding_rows=2)
+    _check(case, sm_scale=0.25, sliding_window=window, logits_soft_cap=cap)
+
+
+def test_the_backends_cpu_attention_takes_it_in_float32() -> None:
+    case = make_ragged_case(np.random.default_rng(3), [1] * 4, [9, 40, 1, 17], num_q_heads=4,
+                            num_kv_heads=2, head_dim=16, block_size=16)
+    args = [jnp.asarray(v) for v in case.values()]
+    fn = jax.jit(functools.partial(ragged_paged_attention_cpu, sm_scale=0.25, decode=True))
+    assert cpu_ffi.TARGET in fn.lower(*args).as_text()
+    bf16 = [a.astype(jnp.bfloat16) if a.dtype == jnp.float32 else a for a in args]
+    assert cpu_ffi.TARGET not in fn.lower(*bf16).as_text()  # bf16: the jnp versions
+
+
+@pytest.mark.parametrize(("mutate", "message"), [
+    (lambda c: c["block_tables"].fill(10_000), "out of range"),
+    (lambda c: c["kv_lens"].__setitem__(0, 0), "q_len=1 > kv_lens"),
+    (lambda c: c["query_start_loc"].__setitem__(0, 1), r"query_start_loc\[0\] must be 0"),
+])
+def test_bad_metadata_raises(mutate, message: str) -> None:
+    case = make_ragged_case(np.random.default_rng(4), [1, 3], [5, 9], num_q_heads=2,
+                            num_kv_heads=1, head_dim=8, block_size=4)
+    mutate(case)
+    with pytest.raises(jax.errors.JaxRuntimeError, match=message):
+        _run(case, sm_scale=1.0)
+
+
+def test_rejects_other_dtypes() -> None:
+    case = make_ragged_case(np.random.default_rng(5), [1], [3], num_q_heads=2, num_kv_heads=1,
+                            head_dim=8, block_size=4)
+    case["q"] = case["q"].astype(np.float16)
+    with pytest.raises(ValueError, match="takes float32; q is float16"):
+        _run(case, sm_scale=1.0)
+
+
+def test_a_failed_build_falls_back_to_jnp_with_one_warning(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("PAGEDJAX_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    cpu_ffi.available.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="no-such-compiler"):
+            assert not cpu_ffi.available()
+        assert not cpu_ffi.available()  # cached: warned once
+        case = make_ragged_case(np.random.default_rng(6), [3, 1], [3, 20], num_q_heads=4,
+                                num_kv_heads=2, head_dim=16, block_size=8)
+        args = [jnp.asarray(v) for v in case.values()]
+        fn = jax.jit(functools.partial(ragged_paged_attention_cpu, sm_scale=0.25))
+        assert cpu_ffi.TARGET not in fn.lower(*args).as_text()
+        want = naive_ragged_paged_attention(**case, sm_scale=0.25)
+        assert per_row_relative_error(np.asarray(fn(*args), np.float64), want) <= 1e-5
+    finally:
+        cpu_ffi.available.cache_clear()
+
+
+def test_the_build_is_cached_per_source(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("PAGEDJAX_CACHE", str(tmp_path))
+    path = cpu_ffi.library_path()
+    assert path.parent == tmp_path and path.name.startswith("jax_ffi_attention_")
+    monkeypatch.setenv("CXX", "g++-other")
+    assert cpu_ffi.library_path() != path  # another compiler, another build

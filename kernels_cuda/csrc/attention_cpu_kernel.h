@@ -118,17 +118,41 @@ __attribute__((target("avx2,fma"))) inline float exp_shifted_avx2(float* p, int6
   return sum;
 }
 
-// p[i] = q . k[i] for the n keys k [n, D] (D a multiple of 8).
-__attribute__((target("avx2,fma"))) inline void logits_avx2(const float* q, const float* k, int64_t n,
-                                                     int64_t D, float* p) {
-  for (int64_t i = 0; i < n; ++i) {
-    const float* ki = k + i * D;
-    __m256 sum = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(ki));
-    for (int64_t d = 8; d < D; d += 8)
-      sum = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(ki + d), sum);
-    const __m128 half = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
-    const __m128 pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
-    p[i] = _mm_cvtss_f32(_mm_add_ss(pair, _mm_shuffle_ps(pair, pair, 1)));
+// [sum of v[0]'s lanes, ..., sum of v[7]'s lanes]: one reduction tree for 8 dot products. Each
+// sum's order is fixed ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)), whichever vector it
+// sits in, so a key's logit does not depend on its neighbours.
+__attribute__((target("avx2,fma"))) inline __m256 sum_lanes8(const __m256* v) {
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+// p[i] = q . k[i] for the n keys k [n, D] (D a multiple of 8), 8 keys at a time: a key's lanes
+// are one FMA chain over D, and the 8 horizontal sums share one reduction tree (per key it
+// cost as much as the products at head_dim 32).
+__attribute__((target("avx2,fma"))) inline void logits_avx2(const float* q, const float* k,
+                                                            int64_t n, int64_t D, float* p) {
+  for (int64_t i = 0; i < n; i += 8) {
+    const int64_t m = std::min<int64_t>(8, n - i);
+    __m256 acc[8];
+    for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+    if (m == 8) {
+      for (int64_t d = 0; d < D; d += 8) {
+        const __m256 qd = _mm256_loadu_ps(q + d);
+        for (int j = 0; j < 8; ++j)
+          acc[j] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + (i + j) * D + d), acc[j]);
+      }
+      _mm256_storeu_ps(p + i, sum_lanes8(acc));
+    } else {  // the last n % 8 keys: the same chains, unused lanes left at zero
+      for (int64_t d = 0; d < D; d += 8) {
+        const __m256 qd = _mm256_loadu_ps(q + d);
+        for (int64_t j = 0; j < m; ++j)
+          acc[j] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + (i + j) * D + d), acc[j]);
+      }
+      float sums[8];
+      _mm256_storeu_ps(sums, sum_lanes8(acc));
+      std::copy(sums, sums + m, p + i);
+    }
   }
 }
 

@@ -84,7 +84,8 @@ class _Model:
     rope: tuple[torch.Tensor, torch.Tensor]  # cos, sin: [max_model_len, D]
     config: ModelConfig  # as the devices hold it (KV heads repeated under tensor parallelism)
     shard: Shard
-    kv_caches: list[KVCache]
+    kv_caches: list[KVCache]  # views of kv_pool: (K, V) per layer, [N, Hkv, bs, D] each
+    kv_pool: torch.Tensor | None = None  # [num_layers, 2, N, Hkv, bs, D]
 
     @classmethod
     def load(cls, model_dir: str, model_config: ModelConfig, config: EngineConfig,
@@ -99,12 +100,14 @@ class _Model:
         rope = (torch.from_numpy(cos).to(device), torch.from_numpy(sin).to(device))
         return cls(module, rope, shard_config, shard, [])
 
-    def allocate_kv_caches(self, num_blocks: int, block_size: int) -> list[KVCache]:
-        """Zeroed caches for this rank's KV heads."""
+    def allocate_kv_caches(self, num_blocks: int, block_size: int) -> None:
+        """Zeroed caches for this rank's KV heads: one pool, so that a copy-on-write is one
+        gather and one scatter for every layer at once."""
         cfg, weight = self.config, self.module.norm.weight
         shape = (num_blocks, self.shard.part(cfg.num_kv_heads), block_size, cfg.head_dim)
-        zeros = lambda: torch.zeros(shape, dtype=weight.dtype, device=weight.device)
-        return [(zeros(), zeros()) for _ in range(cfg.num_layers)]
+        self.kv_pool = torch.zeros((cfg.num_layers, 2, *shape), dtype=weight.dtype,
+                                   device=weight.device)
+        self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_pool]  # contiguous views
 
     def kv_bytes_per_block(self, block_size: int, dtype_bytes: int) -> int:
         """KV bytes of one block on this rank."""
@@ -164,7 +167,7 @@ class TorchModelRunner:
             self.workers.send("allocate_kv_caches", num_blocks)
         self.num_kv_blocks = num_blocks
         for model in self.models:
-            model.kv_caches = model.allocate_kv_caches(num_blocks, self.config.block_size)
+            model.allocate_kv_caches(num_blocks, self.config.block_size)
 
     def _blocks_from_memory(self) -> int:
         stats = self._cuda_memory_after_warm_up() if self.device.type == "cuda" else None
@@ -286,10 +289,8 @@ class TorchModelRunner:
         """Copy-on-write: block copies[:, 1] becomes a copy of block copies[:, 0] in every layer
         of every model (target and draft)."""
         src, dst = copies[:, 0].long(), copies[:, 1].long()  # [C] each
-        for model in self.models:
-            for k_cache, v_cache in model.kv_caches:
-                k_cache[dst] = k_cache[src]  # the gather copies first, as the JAX .at[].set
-                v_cache[dst] = v_cache[src]
+        for model in self.models:  # the gather copies first, as the JAX .at[].set
+            model.kv_pool[:, :, dst] = model.kv_pool[:, :, src]
 
     def _to_host(self, out: StepOutput, model_input: ModelInput) -> ModelOutput:
         """The step's one device→host transfer (and its one synchronisation)."""

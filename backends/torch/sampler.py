@@ -63,8 +63,8 @@ def _scatter(sampling: dict[str, torch.Tensor], prefix: str, num_rows: int, voca
     index = (rows, sampling[prefix + "_token_ids"].long())
     dtype = torch.bool if values is None else values.dtype
     out = torch.zeros(num_rows + 1, vocab, dtype=dtype, device=rows.device)
-    if values is None:  # a device tensor of ones: a Python True would be a host copy
-        out.index_put_(index, torch.ones_like(rows, dtype=torch.bool))  # (no CUDA graph capture)
+    if values is None:  # ones on the device: a Python True is a host-to-device copy, which
+        out.index_put_(index, torch.ones_like(rows, dtype=torch.bool))  # CUDA graphs refuse
     else:
         out.index_put_(index, values, accumulate=True)
     return out[:num_rows]

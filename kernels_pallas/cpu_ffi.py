@@ -28,7 +28,8 @@ from pagedjax.native_build import loaded_libstdcxx_ldflags
 
 TARGET = "pagedjax_ragged_paged_attention_f32"
 _SYMBOL = "PagedjaxRaggedPagedAttentionF32"
-_SOURCES = ("attention_ffi.cpp", "attention_cpu_kernel.h", "attention_shape.h", "cpu_features.h")
+_SOURCES = ("attention_ffi.cpp", "attention_cpu_kernel.h", "attention_shape.h", "cpu_features.h",
+            "simd_math.h")
 
 
 def _csrc() -> Path:

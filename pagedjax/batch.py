@@ -7,10 +7,11 @@ buffer back into named fields on the host (NumPy) or on the device (jax.Array, t
 
 Shapes are padded to powers of two so compilers see a bounded set of them:
 T tokens, S sequences, L logits rows (samples), M = max blocks per sequence (fixed),
-K draft slots per sequence, Td draft catch-up tokens, P banned (row, token) pairs.
+K draft slots per sequence, Td draft catch-up tokens.
 Features that only some requests use add their fields only to steps that have such rows (0 in
 the layout = absent), so a plain step's shapes and compiled code do not change:
-Q penalty (row, token) pairs, B logit_bias entries, Pl prompt positions scored (prompt_logprobs).
+P banned (row, token) pairs (min_tokens), Q penalty (row, token) pairs, B logit_bias entries,
+Pl prompt positions scored (prompt_logprobs).
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ class BatchLayout:
     # choosing k recompiles nothing); 0 = the draft model does not run this step.
     num_spec_tokens: int = 0
     num_draft_tokens: int = 0  # Td: tokens the draft catches up on (0 when K == 0)
-    num_banned: int = 1  # P
+    num_banned: int = 0  # P: (row, token) pairs min_tokens bans; 0 = none
     decode: bool = False  # every sequence has one query token and T == S
     num_top_logprobs: int = 0  # 0, or MAX_LOGPROBS when a row asks for logprobs
     all_greedy: bool = True  # no row samples: skip the random path
@@ -107,9 +108,10 @@ def _int_fields(layout: BatchLayout) -> dict[str, tuple[int, ...]]:
         "top_k": (l_,),  # 0 = off
         "rng_seed": (l_,),  # uint32 bits: the completion's random stream
         "rng_step": (l_,),  # uint32 bits: its counter (tokens generated so far)
-        "banned_rows": (layout.num_banned,),  # (row, token) pairs masked to -inf; -1 = padding
-        "banned_token_ids": (layout.num_banned,),
     }
+    if layout.num_banned:
+        fields.update({"banned_rows": (layout.num_banned,),  # masked to -inf; -1 = padding
+                       "banned_token_ids": (layout.num_banned,)})
     if k:
         fields.update({
             # The draft's catch-up pass: what it has not computed up to each sequence's end.
@@ -287,8 +289,8 @@ def build_model_input(out: SchedulerOutput, *, block_size: int, max_blocks_per_s
     layout = BatchLayout(
         num_tokens=t_pad, num_seqs=s_pad, num_logits=max(s_pad, bucket(len(samples))),
         max_blocks_per_seq=max_blocks_per_seq, num_spec_tokens=k,
-        num_draft_tokens=bucket(sum(draft_lens)) if k else 0, num_banned=bucket(len(banned)),
-        decode=decode,
+        num_draft_tokens=bucket(sum(draft_lens)) if k else 0,
+        num_banned=bucket(len(banned)) if banned else 0, decode=decode,
         num_top_logprobs=MAX_LOGPROBS if any(p.logprobs is not None for p in params) else 0,
         all_greedy=not sampled,
         use_filters=any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in sampled),
@@ -357,8 +359,8 @@ def _fill_samples(f: dict[str, np.ndarray], entries: Sequence[ScheduledSequence]
 
 
 def _fill_banned(f: dict[str, np.ndarray], banned: list[tuple[int, int]]) -> None:
-    f["banned_rows"][:] = -1
     if banned:
+        f["banned_rows"][:] = -1
         rows, tokens = zip(*banned)
         f["banned_rows"][: len(rows)] = rows
         f["banned_token_ids"][: len(tokens)] = tokens

@@ -15,6 +15,7 @@ beat the worst of W finished hypotheses (early_stopping False: judged at the cur
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -118,6 +119,12 @@ class _Candidates:
     ends: np.ndarray  # bool: EOS or max_tokens
 
 
+@functools.lru_cache(maxsize=64)
+def _parents_and_ranks(width: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """For beams x k candidates flattened: each one's beam [width * k] and rank [width * k]."""
+    return np.repeat(np.arange(width), k), np.tile(np.arange(1, k + 1), width)
+
+
 class BeamSearch:
     """The RequestPolicy of one beam-search request (see the module docstring)."""
 
@@ -130,6 +137,7 @@ class BeamSearch:
         # As HF's generate: one beam is greedy search, which ends at the first EOS.
         self.early_stopping = True if params.beam_width == 1 else params.early_stopping
         self.eos = frozenset(() if params.ignore_eos else context.eos_token_ids)
+        self._eos_array = np.array(sorted(self.eos), np.int64)
         self.num_candidates = params.num_candidates(len(context.eos_token_ids))
         root.policy_picks_tokens = True
         root.num_pending_forks = params.beam_width - 1  # the beams to come hold their seats
@@ -150,14 +158,22 @@ class BeamSearch:
 
     def update(self, output: ModelOutput, rows: dict[int, int]) -> RequestOutput | None:
         k = self.num_candidates
-        for beam in self.beams:
-            row = rows.get(beam.seq.seq_id)
-            if row is not None:
-                self._rows[beam.seq.seq_id] = (output.top_logprob_ids[row, 0, :k].copy(),
-                                               output.top_logprobs[row, 0, :k].copy())
-        if len(self._rows) < len(self.beams):
-            return None  # a beam was not scheduled this step (budget, preemption): wait for it
-        candidates = self._candidates()
+        beam_rows = [rows.get(beam.seq.seq_id) for beam in self.beams]
+        if self._rows or None in beam_rows:
+            # A beam was not scheduled this step (budget, preemption): keep the others' rows
+            # and wait for it.
+            for beam, row in zip(self.beams, beam_rows, strict=True):
+                if row is not None:
+                    self._rows[beam.seq.seq_id] = (output.top_logprob_ids[row, 0, :k].copy(),
+                                                   output.top_logprobs[row, 0, :k].copy())
+            if len(self._rows) < len(self.beams):
+                return None
+            pending = [self._rows.pop(beam.seq.seq_id) for beam in self.beams]
+            ids, lps = np.stack([i for i, _ in pending]), np.stack([lp for _, lp in pending])
+        else:
+            ids = output.top_logprob_ids[beam_rows, 0, :k]  # [beams, k]
+            lps = output.top_logprobs[beam_rows, 0, :k]
+        candidates = self._candidates(ids, lps.astype(np.float32))
         self._num_generated += 1
         self._add_hypotheses(candidates)
         if self._finished(candidates):
@@ -172,22 +188,21 @@ class BeamSearch:
 
     # ---- one step, as HF's _beam_search ------------------------------------------------------
 
-    def _candidates(self) -> _Candidates:
-        """The top num_candidates of (beam score + logprob) over all beams; ties go to the
+    def _candidates(self, ids: np.ndarray, lps: np.ndarray) -> _Candidates:
+        """The top num_candidates of (beam score + logprob) over all beams, from each beam's
+        top num_candidates ids [beams, k] and float32 logprobs [beams, k]; ties go to the
         earlier beam, then the lower token id (HF's top-k over the flattened beams x vocab)."""
-        k = self.num_candidates
-        rows = [self._rows.pop(beam.seq.seq_id) for beam in self.beams]
-        tokens = np.concatenate([ids for ids, _ in rows])
-        logprobs = np.concatenate([lps for _, lps in rows]).astype(np.float32)
-        parent = np.repeat(np.arange(len(rows)), [len(ids) for ids, _ in rows])
-        rank = np.concatenate([np.arange(1, len(ids) + 1) for ids, _ in rows])
-        score = np.concatenate([beam.score + lps for beam, (_, lps) in zip(self.beams, rows)]
-                               ).astype(np.float32)
+        k, width = self.num_candidates, len(self.beams)
+        tokens, logprobs = ids.reshape(-1), lps.reshape(-1)
+        parent, rank = _parents_and_ranks(width, k)
+        beam_scores = np.array([beam.score for beam in self.beams], np.float32)
+        score = (beam_scores[:, None] + lps).reshape(-1)
         order = np.lexsort((tokens, parent, -score))[:k]
-        ends = np.isin(tokens[order], list(self.eos)) | (
-            self._num_generated + 1 >= self.params.max_tokens)
-        return _Candidates(parent[order], tokens[order], logprobs[order], rank[order],
-                           score[order], ends)
+        chosen = tokens[order]
+        ends = np.isin(chosen, self._eos_array) if len(self._eos_array) else np.zeros(k, bool)
+        ends |= self._num_generated + 1 >= self.params.max_tokens
+        return _Candidates(parent[order], chosen, logprobs[order], rank[order], score[order],
+                           ends)
 
     def _add_hypotheses(self, c: _Candidates) -> None:
         """Of the best beam_width candidates, those that end join the finished hypotheses
@@ -260,17 +275,28 @@ class BeamSearch:
             self.context.drop(beam.seq, "length")
         self.beams, self._done = [], True
         root = self.root
-        outputs = [self._completion(i, h) for i, h in enumerate(self.hypotheses)]
+        token_texts = self._token_texts({t for h in self.hypotheses for t in h.token_ids})
+        outputs = [self._completion(i, h, token_texts) for i, h in enumerate(self.hypotheses)]
         return RequestOutput(root.request_id, self.prompt,
                              root.token_ids[: root.num_prompt_tokens], outputs, finished=True,
                              num_cached_tokens=root.num_cached_tokens)
 
-    def _completion(self, index: int, hyp: _Hypothesis) -> CompletionOutput:
+    def _token_texts(self, tokens: set[int]) -> dict[int, str]:
+        """Each token's own text (its Logprob's decoded_token), one batched decode."""
         tokenizer = self.context.tokenizer
-        decode = (lambda ids: "") if tokenizer is None else (
-            lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
-        logprobs = [{token: Logprob(lp, rank, decode([token]))}
+        if tokenizer is None:
+            return dict.fromkeys(tokens, "")
+        tokens = sorted(tokens)
+        return dict(zip(tokens, tokenizer.batch_decode([[t] for t in tokens],
+                                                       skip_special_tokens=True), strict=True))
+
+    def _completion(self, index: int, hyp: _Hypothesis,
+                    token_texts: dict[int, str]) -> CompletionOutput:
+        tokenizer = self.context.tokenizer
+        text = "" if tokenizer is None else tokenizer.decode(hyp.token_ids,
+                                                             skip_special_tokens=True)
+        logprobs = [{token: Logprob(lp, rank, token_texts[token])}
                     for token, (lp, rank) in zip(hyp.token_ids, hyp.logprobs)]
-        return CompletionOutput(index=index, text=decode(hyp.token_ids),
-                                token_ids=hyp.token_ids, cumulative_logprob=float(hyp.cum_logprob),
-                                logprobs=logprobs, finish_reason=hyp.finish_reason)
+        return CompletionOutput(index=index, text=text, token_ids=hyp.token_ids,
+                                cumulative_logprob=float(hyp.cum_logprob), logprobs=logprobs,
+                                finish_reason=hyp.finish_reason)

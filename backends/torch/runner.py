@@ -290,7 +290,7 @@ class TorchModelRunner:
         of every model (target and draft)."""
         src, dst = copies[:, 0].long(), copies[:, 1].long()  # [C] each
         for model in self.models:  # the gather copies first, as the JAX .at[].set
-            model.kv_pool[:, :, dst] = model.kv_pool[:, :, src]
+            model.kv_pool.index_copy_(2, dst, model.kv_pool.index_select(2, src))
 
     def _to_host(self, out: StepOutput, model_input: ModelInput) -> ModelOutput:
         """The step's one device→host transfer (and its one synchronisation)."""

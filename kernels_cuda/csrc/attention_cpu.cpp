@@ -7,6 +7,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <algorithm>
+#include <vector>
 
 #include "attention.h"
 #include "attention_cpu_kernel.h"
@@ -71,16 +72,18 @@ void ragged_paged_attention_out_cpu(const at::Tensor& out, const at::Tensor& q,
             k_cache.const_data_ptr<scalar_t>(), v_cache.const_data_ptr<scalar_t>(),
             out.mutable_data_ptr<scalar_t>(), static_cast<acc_t>(sm_scale),
             sliding_window.value_or(0), static_cast<acc_t>(logits_soft_cap.value_or(0.0))};
-        // One item per (query row, KV head); grain 1 as items cost up to a whole context.
-        at::parallel_for(0, shape.num_tokens * shape.num_kv_heads, 1,
-                         [&](int64_t begin, int64_t end) {
-                           Scratch<acc_t> scratch(shape.group, shape.block_size, shape.head_dim,
-                                                  shape.max_blocks * shape.block_size);
-                           for (int64_t item = begin; item < end; ++item) {
-                             attention.run(item / shape.num_kv_heads,
-                                           item % shape.num_kv_heads, scratch);
-                           }
-                         });
+        // One item per (query row, KV head), in one contiguous range of equal cost per thread.
+        const int64_t num_items = shape.num_tokens * shape.num_kv_heads;
+        const int64_t parts =
+            std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
+        const std::vector<int64_t> bounds = attention.split_items(parts);
+        at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
+          Scratch<acc_t> scratch(shape.group, shape.block_size, shape.head_dim,
+                                 shape.max_blocks * shape.block_size);
+          for (int64_t item = bounds[p0]; item < bounds[p1]; ++item) {
+            attention.run(item / shape.num_kv_heads, item % shape.num_kv_heads, scratch);
+          }
+        });
       });
 }
 

@@ -12,6 +12,7 @@
 #include <sstream>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -20,6 +21,7 @@
 
 #include "attention_shape.h"
 #include "cpu_features.h"
+#include "simd_math.h"
 
 namespace pagedjax::cpu_attention {
 
@@ -79,27 +81,6 @@ T dot(const T* a, const T* b, int64_t n) {
 }
 
 #if defined(__x86_64__)
-// exp(x) for 8 floats: Cephes' expf (range reduction by ln 2, degree-5 polynomial), ~1 ulp
-// over the softmax's range; x below -88 gives ~0, as exp does.
-__attribute__((target("avx2,fma"))) inline __m256 exp8(__m256 x) {
-  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)),
-                    _mm256_set1_ps(-88.3762626647949f));
-  const __m256 n = _mm256_floor_ps(
-      _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-  const __m256i exponent = _mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(exponent));
-}
-
 // p[i] = exp(p[i] - shift) for i < n, returning their sum.
 __attribute__((target("avx2,fma"))) inline float exp_shifted_avx2(float* p, int64_t n, float shift) {
   const __m256 s = _mm256_set1_ps(shift);
@@ -156,21 +137,80 @@ __attribute__((target("avx2,fma"))) inline void logits_avx2(const float* q, cons
   }
 }
 
-// acc [D] += sum_i p[i] * v[i] over the n values v [n, D] (D a multiple of 8).
-__attribute__((target("avx2,fma"))) inline void accumulate_avx2(float* acc, const float* p,
-                                                         const float* v, int64_t n, int64_t D) {
-  for (int64_t d = 0; d < D; d += 8) {
-    __m256 a = _mm256_loadu_ps(acc + d);
-    for (int64_t i = 0; i < n; ++i)
-      a = _mm256_fmadd_ps(_mm256_set1_ps(p[i]), _mm256_loadu_ps(v + i * D + d), a);
-    _mm256_storeu_ps(acc + d, a);
+// For GC heads g and W vectors of dimensions from d0: acc[g, d] += sum_i p[g, i] * v[i, d], each
+// value vector loaded once for the GC heads, one FMA chain per element in key order.
+template <int GC, int W>
+__attribute__((target("avx2,fma"))) inline void accumulate_block_avx2(
+    float* acc, const float* p, int64_t p_stride, const float* v, int64_t n, int64_t D,
+    int64_t d0) {
+  __m256 a[GC][W];
+  for (int g = 0; g < GC; ++g)
+    for (int j = 0; j < W; ++j) a[g][j] = _mm256_loadu_ps(acc + g * D + d0 + 8 * j);
+  for (int64_t i = 0; i < n; ++i) {
+    __m256 value[W];
+    for (int j = 0; j < W; ++j) value[j] = _mm256_loadu_ps(v + i * D + d0 + 8 * j);
+    for (int g = 0; g < GC; ++g) {
+      const __m256 weight = _mm256_set1_ps(p[g * p_stride + i]);
+      for (int j = 0; j < W; ++j) a[g][j] = _mm256_fmadd_ps(weight, value[j], a[g][j]);
+    }
   }
+  for (int g = 0; g < GC; ++g)
+    for (int j = 0; j < W; ++j) _mm256_storeu_ps(acc + g * D + d0 + 8 * j, a[g][j]);
+}
+
+// GC heads over all D dimensions (a multiple of 8), 8 accumulator registers at a time.
+template <int GC>
+__attribute__((target("avx2,fma"))) inline void accumulate_heads_avx2(
+    float* acc, const float* p, int64_t p_stride, const float* v, int64_t n, int64_t D) {
+  constexpr int W = 8 / GC;
+  int64_t d0 = 0;
+  for (; d0 + 8 * W <= D; d0 += 8 * W) {
+    accumulate_block_avx2<GC, W>(acc, p, p_stride, v, n, D, d0);
+  }
+  for (; d0 < D; d0 += 8) accumulate_block_avx2<GC, 1>(acc, p, p_stride, v, n, D, d0);
+}
+
+// acc [G, D] += p [G, n] (rows p_stride apart) @ v [n, D], D a multiple of 8: heads in groups of
+// 4, 2, 1 sharing each value load.
+__attribute__((target("avx2,fma"))) inline void accumulate_avx2(float* acc, const float* p,
+                                                                int64_t p_stride, const float* v,
+                                                                int64_t n, int64_t D, int64_t G) {
+  int64_t g = 0;
+  for (; g + 4 <= G; g += 4) {
+    accumulate_heads_avx2<4>(acc + g * D, p + g * p_stride, p_stride, v, n, D);
+  }
+  for (; g + 2 <= G; g += 2) {
+    accumulate_heads_avx2<2>(acc + g * D, p + g * p_stride, p_stride, v, n, D);
+  }
+  for (; g < G; ++g) accumulate_heads_avx2<1>(acc + g * D, p + g * p_stride, p_stride, v, n, D);
+}
+
+// max(p[0..n)), n >= 1: 8 lanes, then their maximum (exact, so the order does not matter).
+__attribute__((target("avx2,fma"))) inline float max_avx2(const float* p, int64_t n) {
+  __m256 m = _mm256_set1_ps(p[0]);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(p + i));
+  float lanes[8];
+  _mm256_storeu_ps(lanes, m);
+  float result = *std::max_element(lanes, lanes + 8);
+  for (; i < n; ++i) result = std::max(result, p[i]);
+  return result;
 }
 
 #endif
 
 // Whether the float32 AVX2 paths serve head_dim D on this CPU.
 inline bool use_avx2(int64_t D) { return D % 8 == 0 && cpu_has_avx2_fma(); }
+
+template <typename T>
+T max_of(const T* p, int64_t n) {
+#if defined(__x86_64__)
+  if constexpr (std::is_same_v<T, float>) {
+    if (cpu_has_avx2_fma()) return max_avx2(p, n);
+  }
+#endif
+  return *std::max_element(p, p + n);
+}
 
 template <typename T>
 T exp_shifted(T* p, int64_t n, T shift) {
@@ -195,16 +235,18 @@ void logits(const T* q, const T* k, int64_t n, int64_t D, T* p) {
   for (int64_t i = 0; i < n; ++i) p[i] = dot(q, k + i * D, D);
 }
 
-// acc [D] += sum_i p[i] * v[i] over the n values v [n, D].
+// acc [G, D] += p [G, n] (rows p_stride apart) @ v [n, D].
 template <typename T>
-void accumulate(T* acc, const T* p, const T* v, int64_t n, int64_t D) {
+void accumulate(T* acc, const T* p, int64_t p_stride, const T* v, int64_t n, int64_t D,
+                int64_t G) {
 #if defined(__x86_64__)
   if constexpr (std::is_same_v<T, float>) {
-    if (use_avx2(D)) return accumulate_avx2(acc, p, v, n, D);
+    if (use_avx2(D)) return accumulate_avx2(acc, p, p_stride, v, n, D, G);
   }
 #endif
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t d = 0; d < D; ++d) acc[d] += p[i] * v[i * D + d];
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t d = 0; d < D; ++d) acc[g * D + d] += p[g * p_stride + i] * v[i * D + d];
 }
 
 
@@ -220,6 +262,8 @@ struct Scratch {
   std::vector<acc_t> k, v;  // [bs, D], one converted tile (non-acc_t caches)
   std::vector<acc_t> p;     // [G, context], logits, then exp(logit - max)
 };
+
+constexpr int64_t kItemOverhead = 16;  // an item's fixed cost, in keys (for split_items)
 
 template <typename scalar_t, typename acc_t>
 struct CpuAttention {
@@ -241,6 +285,37 @@ struct CpuAttention {
     return std::upper_bound(starts + 1, starts + shape.num_seqs + 1, t) - (starts + 1);
   }
 
+  // Item boundaries [parts + 1] over the (query row, KV head) items, row-major: contiguous
+  // ranges of about equal cost (visible keys, plus a fixed cost per item), so that threads finish
+  // together and the rows of one sequence's beams, which share blocks, stay on one core.
+  std::vector<int64_t> split_items(int64_t parts) const {
+    const int64_t num_items = shape.num_tokens * shape.num_kv_heads;
+    std::vector<int64_t> cost(shape.num_tokens + 1, 0);  // prefix sums over rows
+    for (int64_t t = 0; t < shape.num_tokens; ++t) {
+      const auto [lo, hi] = visible_keys(t);
+      cost[t + 1] = cost[t] + (hi - lo) + kItemOverhead;
+    }
+    std::vector<int64_t> bounds(parts + 1, num_items);
+    bounds[0] = 0;
+    for (int64_t p = 1, t = 0; p < parts; ++p) {  // first row whose prefix cost reaches p/parts
+      const int64_t target = cost[shape.num_tokens] * p / parts;
+      while (t < shape.num_tokens && cost[t + 1] <= target) ++t;
+      bounds[p] = std::max(bounds[p - 1], t * shape.num_kv_heads);
+    }
+    return bounds;
+  }
+
+  // [lo, hi): the keys query row t sees ({0, 0} for a padding row).
+  std::pair<int64_t, int64_t> visible_keys(int64_t t) const {
+    const int64_t s = sequence_of_row(t);
+    if (s < 0) return {0, 0};
+    const int32_t start = batch.query_start_loc[s];
+    const int64_t q_len = batch.query_start_loc[s + 1] - start;
+    const int64_t pos = batch.kv_lens[s] - q_len + (t - start);
+    const int64_t lo = sliding_window > 0 ? std::max<int64_t>(0, pos - sliding_window + 1) : 0;
+    return {lo, pos + 1};
+  }
+
   // Query row t, KV head h: writes out[t, h*G:(h+1)*G, :]. Two passes over the visible keys:
   // the logits of all G query heads first, one softmax per head, then the weighted values.
   void run(int64_t t, int64_t h, Scratch<acc_t>& sc) const {
@@ -251,11 +326,7 @@ struct CpuAttention {
       std::fill(o, o + G * D, scalar_t(0));
       return;
     }
-    const int32_t start = batch.query_start_loc[s];
-    const int64_t q_len = batch.query_start_loc[s + 1] - start;
-    const int64_t pos = batch.kv_lens[s] - q_len + (t - start);
-    const int64_t lo = sliding_window > 0 ? std::max<int64_t>(0, pos - sliding_window + 1) : 0;
-    const int64_t hi = pos + 1;  // visible keys: [lo, hi)
+    const auto [lo, hi] = visible_keys(t);
     const int64_t n_visible = hi - lo;
     const int32_t* blocks = batch.block_tables + s * shape.max_blocks;
 
@@ -266,6 +337,8 @@ struct CpuAttention {
     // p [G, n_visible]: logits, then probabilities (unnormalised)
     for (int64_t b = lo / bs; b * bs < hi; ++b) {
       const int64_t first = std::max(lo, b * bs), n = std::min(hi, (b + 1) * bs) - first;
+      if ((b + 1) * bs < hi) prefetch_tile(k_cache, blocks[b + 1], h, 0);
+      prefetch_tile(v_cache, blocks[b], h, 1);
       const acc_t* k = tile(k_cache, blocks[b], h, first - b * bs, n, sc.k);
       for (int64_t g = 0; g < G; ++g) {
         acc_t* p = &sc.p[g * n_visible + first - lo];
@@ -277,21 +350,30 @@ struct CpuAttention {
     }
     for (int64_t g = 0; g < G; ++g) {
       acc_t* p = &sc.p[g * n_visible];
-      sc.l[g] = exp_shifted(p, n_visible, *std::max_element(p, p + n_visible));
+      sc.l[g] = exp_shifted(p, n_visible, max_of(p, n_visible));
     }
     std::fill(sc.acc.begin(), sc.acc.end(), acc_t(0));
     for (int64_t b = lo / bs; b * bs < hi; ++b) {
       const int64_t first = std::max(lo, b * bs), n = std::min(hi, (b + 1) * bs) - first;
       const acc_t* v = tile(v_cache, blocks[b], h, first - b * bs, n, sc.v);
-      for (int64_t g = 0; g < G; ++g) {
-        accumulate(&sc.acc[g * D], &sc.p[g * n_visible + first - lo], v, n, D);
-      }
+      accumulate(sc.acc.data(), &sc.p[first - lo], n_visible, v, n, D, G);
     }
     for (int64_t g = 0; g < G; ++g) {
       const acc_t inv_l = acc_t(1) / sc.l[g];  // >= 1: the max logit's term is exp(0)
       for (int64_t d = 0; d < D; ++d) {
         o[g * D + d] = static_cast<scalar_t>(sc.acc[g * D + d] * inv_l);
       }
+    }
+  }
+
+  // Asks for one (block, KV head) tile ahead of its use: into L1 (level 0) or L2 (level 1).
+  void prefetch_tile(const scalar_t* cache, int64_t block, int64_t h, int level) const {
+    const char* src = reinterpret_cast<const char*>(
+        cache + (block * shape.num_kv_heads + h) * shape.block_size * shape.head_dim);
+    const int64_t bytes = shape.block_size * shape.head_dim * int64_t(sizeof(scalar_t));
+    for (int64_t i = 0; i < bytes; i += 64) {
+      if (level == 0) __builtin_prefetch(src + i, 0, 3);
+      else __builtin_prefetch(src + i, 0, 2);
     }
   }
 

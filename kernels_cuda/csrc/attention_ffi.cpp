@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "attention_cpu_kernel.h"
 #include "xla/ffi/api/ffi.h"
@@ -55,14 +56,15 @@ ffi::Error ragged_paged_attention_f32(
       shape, batch, q.typed_data(), shape.num_q_heads * shape.head_dim, shape.head_dim,
       k_cache.typed_data(), v_cache.typed_data(), out->typed_data(), sm_scale,
       std::max<int64_t>(sliding_window, 0), std::max(logits_soft_cap, 0.f)};
+  // One item per (query row, KV head), in one contiguous range of equal cost per thread.
   const int64_t num_items = shape.num_tokens * shape.num_kv_heads;
-#pragma omp parallel
-  {
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(omp_get_max_threads(), num_items));
+  const std::vector<int64_t> bounds = attention.split_items(parts);
+#pragma omp parallel for num_threads(parts) schedule(static, 1)
+  for (int64_t p = 0; p < parts; ++p) {
     cpu_attention::Scratch<float> scratch(shape.group, shape.block_size, shape.head_dim,
                                           shape.max_blocks * shape.block_size);
-    // One item per (query row, KV head); dynamic, as an item costs up to a whole context.
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < num_items; ++item) {
+    for (int64_t item = bounds[p]; item < bounds[p + 1]; ++item) {
       attention.run(item / shape.num_kv_heads, item % shape.num_kv_heads, scratch);
     }
   }

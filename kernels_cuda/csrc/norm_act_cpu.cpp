@@ -4,13 +4,20 @@
 //   silu_and_mul(x [T, 2I])                      silu(x[:, :I]) * x[:, I:]
 // with HF's rounding: the norm in float32, the normalised row cast to the input dtype, then times
 // the weight (rounded again); the residual sum rounded to the input dtype before it is normalised.
+// Rows split across threads; float32 rows take AVX2 paths where the CPU has them (a row's sum of
+// squares in a fixed order, so a row's result does not depend on the batch).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <tuple>
+#include <type_traits>
+
+#include "cpu_features.h"
+#include "simd_math.h"
 
 namespace pagedjax {
 namespace {
@@ -31,35 +38,105 @@ void check_norm_args(const char* op, const at::Tensor& x, const at::Tensor& weig
               weight.scalar_type(), " ", weight.sizes());
 }
 
-// out[t] = weight * (scalar_t)(row * rsqrt(mean(row^2) + eps)), row = src[t] (float32 math).
+constexpr int64_t kRowElements = 16384;  // elements per thread's share, at least
+
+int64_t row_grain(int64_t width) {
+  return std::max<int64_t>(1, kRowElements / std::max<int64_t>(1, width));
+}
+
+#if defined(__x86_64__)
+// sum(x[i]^2) over n floats: 8 lanes, their sum in a fixed tree, then the n % 8 tail.
+__attribute__((target("avx2,fma"))) float sum_of_squares_avx2(const float* x, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    acc = _mm256_fmadd_ps(v, v, acc);
+  }
+  float lanes[8];
+  _mm256_storeu_ps(lanes, acc);
+  float sum = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) +
+              ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+  for (; i < n; ++i) sum += x[i] * x[i];
+  return sum;
+}
+
+// y = weight * (x * scale) over n floats (two roundings, as the scalar loop).
+__attribute__((target("avx2,fma"))) void scale_rows_avx2(const float* x, const float* weight,
+                                                        float scale, float* y, int64_t n) {
+  const __m256 s = _mm256_set1_ps(scale);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 normed = _mm256_mul_ps(_mm256_loadu_ps(x + i), s);
+    _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_loadu_ps(weight + i), normed));
+  }
+  for (; i < n; ++i) y[i] = weight[i] * (x[i] * scale);
+}
+
+// out[i] = silu(gate[i]) * up[i] = gate / (1 + exp(-gate)) * up over n floats.
+__attribute__((target("avx2,fma"))) void silu_and_mul_avx2(const float* gate, const float* up,
+                                                          float* out, int64_t n) {
+  const __m256 one = _mm256_set1_ps(1.f);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 g = _mm256_loadu_ps(gate + i);
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+    const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, e));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(silu, _mm256_loadu_ps(up + i)));
+  }
+  for (; i < n; ++i) out[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+}
+#endif
+
 template <typename scalar_t>
-void normalize_rows(const scalar_t* src, const scalar_t* weight, scalar_t* out, int64_t rows,
-                    int64_t hidden, double eps) {
-  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, hidden));
-  at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const scalar_t* x = src + r * hidden;
-      float sum = 0.f;
-      for (int64_t i = 0; i < hidden; ++i) {
-        const float v = static_cast<float>(x[i]);
-        sum += v * v;
-      }
-      const float scale = 1.f / std::sqrt(sum / static_cast<float>(hidden) + static_cast<float>(eps));
-      scalar_t* y = out + r * hidden;
-      for (int64_t i = 0; i < hidden; ++i) {
-        const scalar_t normed = static_cast<scalar_t>(static_cast<float>(x[i]) * scale);
-        y[i] = static_cast<scalar_t>(static_cast<float>(weight[i]) * static_cast<float>(normed));
-      }
-    }
-  });
+float sum_of_squares(const scalar_t* x, int64_t n) {
+#if defined(__x86_64__)
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    if (cpu_has_avx2_fma()) return sum_of_squares_avx2(x, n);
+  }
+#endif
+  float sum = 0.f;
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = static_cast<float>(x[i]);
+    sum += v * v;
+  }
+  return sum;
+}
+
+// y = weight * (scalar_t)(x * scale) over one row of n.
+template <typename scalar_t>
+void scale_row(const scalar_t* x, const scalar_t* weight, float scale, scalar_t* y, int64_t n) {
+#if defined(__x86_64__)
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    if (cpu_has_avx2_fma()) return scale_rows_avx2(x, weight, scale, y, n);
+  }
+#endif
+  for (int64_t i = 0; i < n; ++i) {
+    const scalar_t normed = static_cast<scalar_t>(static_cast<float>(x[i]) * scale);
+    y[i] = static_cast<scalar_t>(static_cast<float>(weight[i]) * static_cast<float>(normed));
+  }
+}
+
+// out = weight * (scalar_t)(row * rsqrt(mean(row^2) + eps)) for one row of `hidden` (float32 math).
+template <typename scalar_t>
+void normalize_row(const scalar_t* x, const scalar_t* weight, scalar_t* out, int64_t hidden,
+                   double eps) {
+  const float mean = sum_of_squares(x, hidden) / static_cast<float>(hidden);
+  scale_row(x, weight, 1.f / std::sqrt(mean + static_cast<float>(eps)), out, hidden);
 }
 
 at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_norm_args("pagedjax::rms_norm", x, weight);
   at::Tensor out = at::empty_like(x);
+  const int64_t hidden = x.size(1);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
-    normalize_rows(x.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(),
-                   out.data_ptr<scalar_t>(), x.size(0), x.size(1), eps);
+    const scalar_t* src = x.data_ptr<scalar_t>();
+    const scalar_t* w = weight.data_ptr<scalar_t>();
+    scalar_t* dst = out.data_ptr<scalar_t>();
+    at::parallel_for(0, x.size(0), row_grain(hidden), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r)
+        normalize_row(src + r * hidden, w, dst + r * hidden, hidden, eps);
+    });
   });
   return out;
 }
@@ -70,16 +147,20 @@ std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm_cpu(const at::Tensor& x,
   check_norm_args("pagedjax::fused_add_rms_norm", x, weight);
   check_rows("pagedjax::fused_add_rms_norm", "residual", residual, x);
   at::Tensor sum = at::empty_like(x), out = at::empty_like(x);
-  const int64_t n = x.numel();
+  const int64_t hidden = x.size(1);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "fused_add_rms_norm",
                                   [&] {
     const scalar_t* a = x.data_ptr<scalar_t>();
     const scalar_t* b = residual.data_ptr<scalar_t>();
+    const scalar_t* w = weight.data_ptr<scalar_t>();
     scalar_t* s = sum.data_ptr<scalar_t>();
-    for (int64_t i = 0; i < n; ++i)
-      s[i] = static_cast<scalar_t>(static_cast<float>(a[i]) + static_cast<float>(b[i]));
-    normalize_rows(s, weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), x.size(0),
-                   x.size(1), eps);
+    scalar_t* y = out.data_ptr<scalar_t>();
+    at::parallel_for(0, x.size(0), row_grain(hidden), [&](int64_t r0, int64_t r1) {
+      for (int64_t i = r0 * hidden; i < r1 * hidden; ++i)  // one rounded add per element
+        s[i] = static_cast<scalar_t>(static_cast<float>(a[i]) + static_cast<float>(b[i]));
+      for (int64_t r = r0; r < r1; ++r)
+        normalize_row(s + r * hidden, w, y + r * hidden, hidden, eps);
+    });
   });
   return {out, sum};
 }
@@ -88,9 +169,20 @@ at::Tensor silu_and_mul_cpu(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0 && x.is_contiguous(),
               "pagedjax::silu_and_mul: x must be a contiguous [num_tokens, 2 * intermediate], "
               "got shape ", x.sizes());
-  // ATen's vectorised silu, then the product in place: F.silu(gate) * up bit for bit, in two
-  // kernels without Python between them.
   const int64_t half = x.size(1) / 2;
+#if defined(__x86_64__)
+  if (x.scalar_type() == at::kFloat && cpu_has_avx2_fma()) {  // one pass, rows across threads
+    at::Tensor out = at::empty({x.size(0), half}, x.options());
+    const float* src = x.data_ptr<float>();
+    float* dst = out.data_ptr<float>();
+    at::parallel_for(0, x.size(0), row_grain(half), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r)
+        silu_and_mul_avx2(src + 2 * r * half, src + (2 * r + 1) * half, dst + r * half, half);
+    });
+    return out;
+  }
+#endif
+  // ATen's vectorised silu, then the product in place: F.silu(gate) * up bit for bit.
   return at::silu(x.narrow(1, 0, half)).mul_(x.narrow(1, half, half));
 }
 

@@ -117,7 +117,7 @@ def test_compiled_step_shapes_are_bounded(tiny_model) -> None:
     assert llm.engine.runner.num_compiles == len(layouts) < 40
     for layout in layouts:
         for size in (layout.num_tokens, layout.num_seqs, layout.num_logits, layout.num_banned):
-            assert size & (size - 1) == 0
+            assert size & (size - 1) == 0  # a power of two, or 0 (nothing banned)
         assert layout.num_seqs <= 8 and layout.num_tokens <= 64 + 3 * 8
         assert layout.num_spec_tokens in (0, 3)
     assert {layout.all_greedy for layout in layouts} == {True, False}

@@ -1,12 +1,25 @@
-// Run-time CPU feature checks of the C++ CPU kernels: their AVX2 paths are compiled with
-// `__attribute__((target("avx2,fma")))` and chosen here, so one build serves any x86-64 CPU.
+// Run-time CPU feature checks of the C++ CPU kernels: their AVX2 (and AVX-512) paths are compiled
+// with `__attribute__((target("avx2,fma")))` (`"avx512f"`) and chosen here, so one build serves
+// any x86-64 CPU.
 #pragma once
+
+#include <cstdlib>
 
 namespace pagedjax {
 
 inline bool cpu_has_avx2_fma() {
 #if defined(__x86_64__)
   static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return has;
+#else
+  return false;
+#endif
+}
+
+// PAGEDJAX_NO_AVX512=1 in the environment (read once) keeps the AVX2 paths, to compare them.
+inline bool cpu_has_avx512f() {
+#if defined(__x86_64__)
+  static const bool has = __builtin_cpu_supports("avx512f") && !std::getenv("PAGEDJAX_NO_AVX512");
   return has;
 #else
   return false;

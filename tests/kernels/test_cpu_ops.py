@@ -3,6 +3,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -58,6 +62,23 @@ def test_a_row_does_not_depend_on_the_rest_of_the_batch():
     for row in range(11):
         alone = ops.linear(torch.from_numpy(x[row : row + 1]), packed, None, 200)
         assert torch.equal(alone[0], batch[row])
+
+
+def test_the_avx2_path_gives_the_same_bits(tmp_path):
+    """Where the CPU has AVX-512 the op takes 4 x 64 blocks; PAGEDJAX_NO_AVX512=1 (a fresh
+    process) takes AVX2's 4 x 16: each element is the same FMA chain in k order either way."""
+    x, w, b = _case(7, 96, 72, seed=2)
+    packed = ops.pack_linear_weight(torch.from_numpy(w))
+    torch.save((torch.from_numpy(x), packed, torch.from_numpy(b)), tmp_path / "case.pt")
+    script = ("import sys, torch\n"
+              "from pagedjax.kernels_cuda import ops\n"
+              "x, packed, b = torch.load(sys.argv[1])\n"
+              "torch.save(ops.linear(x, packed, b, 72), sys.argv[2])\n")
+    env = {**os.environ, "PAGEDJAX_NO_AVX512": "1"}
+    subprocess.run([sys.executable, "-c", script, str(tmp_path / "case.pt"),
+                    str(tmp_path / "avx2.pt")], env=env, check=True)
+    avx2 = torch.load(tmp_path / "avx2.pt")
+    assert torch.equal(ops.linear(torch.from_numpy(x), packed, torch.from_numpy(b), 72), avx2)
 
 
 def test_strided_rows_and_empty_input():

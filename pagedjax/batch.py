@@ -183,6 +183,7 @@ class ModelInput:
     max_query_len: int  # longest real query (drafts included): the torch op's launch bound
     max_draft_query_len: int = 0  # the same for the draft's catch-up pass
     num_spec_tokens: int = 0  # the step's k: no sequence proposes more drafts (<= layout K)
+    num_draft_tokens: int = 0  # real Td: the draft's catch-up tokens
     # prompt_logprobs rows in order: (seq id, prompt position of its first token scored, count)
     prompt_logprobs_rows: list[tuple[int, int, int]] = field(default_factory=list)
 
@@ -301,7 +302,7 @@ def build_model_input(out: SchedulerOutput, *, block_size: int, max_blocks_per_s
         layout, np.zeros(layout.int_size, np.int32), np.zeros(layout.float_size, np.float32),
         np.asarray(out.block_copies, np.int32).reshape(-1, 2), [s.seq_id for _, s in samples],
         num_tokens, len(entries), max(q_lens, default=0), max(draft_lens, default=0),
-        out.num_spec_tokens)
+        out.num_spec_tokens, sum(draft_lens))
     f = model_input.fields()
     ends = _fill_tokens(f, entries, q_lens, block_size)
     _fill_samples(f, entries, samples, ends, k)

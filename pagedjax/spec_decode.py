@@ -119,6 +119,7 @@ class _BatchCosts:
     """Measured seconds per decode step at one batch-size bucket: the latest samples per k."""
 
     samples: dict[int, deque[float]] = field(default_factory=dict)
+    last_seen: dict[int, int] = field(default_factory=dict)  # k -> choice count of its newest
     num_choices: int = 0
     next_probe: int = 0  # choice count at which to probe a neighbour of the best k
     probe_interval: int = 0
@@ -126,6 +127,8 @@ class _BatchCosts:
     num_probes: int = 0
     probe_k: int = 0
     probe_steps_left: int = 0  # a probe runs PROBE_STEPS steps: enough to move a median
+    probe_steps_unseen: int = 0  # steps of the latest probe not yet observed
+    probe_seconds: float = 0.0  # what its observed steps took
     best: int = -1
 
     def count(self, k: int) -> int:
@@ -133,11 +136,17 @@ class _BatchCosts:
 
     def add(self, k: int, seconds: float, window: int) -> None:
         self.samples.setdefault(k, deque(maxlen=window)).append(seconds)
+        self.last_seen[k] = self.num_choices
 
-    def seconds(self) -> dict[int, float]:
+    def seconds(self, stale: int | None = None) -> dict[int, float]:
         """k -> the median of its latest samples: one slow step (a collection, a busy core)
-        moves no decision."""
-        return {k: statistics.median(s) for k, s in self.samples.items()}
+        moves no decision. With `stale`, a k > 0 other than the best whose newest sample is
+        that many choices older than the newest drafting sample is left out (interpolated
+        instead): the host's speed drifts, and a median taken in a slow spell would hold that
+        k off for good."""
+        newest = max((n for k, n in self.last_seen.items() if k), default=0)
+        return {k: statistics.median(s) for k, s in self.samples.items()
+                if stale is None or k in (0, self.best) or newest - self.last_seen[k] <= stale}
 
     def explored(self, max_k: int, min_samples: int) -> bool:
         """Both ends measured min_samples times: t(k) is known or interpolated for every k."""
@@ -158,16 +167,19 @@ class AdaptiveSpeculation:
     other time k = 0 (the baseline that speculation must beat), so the estimates follow the
     workload: after PROBE_EVERY steps, and twice as long after each probe that changed nothing
     (up to MAX_PROBE_EVERY), and never so often that probes cost more than PROBE_BUDGET of the
-    time. A probe runs PROBE_STEPS steps, so that its samples can move a median.
+    time. A probe runs PROBE_STEPS steps, so that its samples can move a median; what those
+    steps really took (the first one also pays for the draft's catch-up over every token since
+    it last ran) pushes the next probe back as far as the budget requires.
     """
 
     WINDOW = 5  # step-time samples kept per k and batch size
+    STALE = 128  # choices after which another k's samples give way to interpolation
     MIN_SAMPLES = 3  # of k = max and of k = 0, before any choice
     PROBE_STEPS = 3  # steps per probe
     ACCEPTANCE_DECAY = 0.9  # per step: acceptance follows the last ~10 steps' drafts
     PROBE_EVERY = 32
     MAX_PROBE_EVERY = 512
-    PROBE_BUDGET = 0.03  # the share of time probes may cost over the best k's steps
+    PROBE_BUDGET = 0.02  # the share of time probes may cost over the best k's steps
     # Drafting must promise this much more than k = 0 to be chosen. The estimate is optimistic
     # where speculation barely pays: tokens past a request's max_tokens are drafted, verified
     # and dropped, and a step's median moves by ~10 % on a busy host. Torch at batch 32 on the
@@ -204,7 +216,8 @@ class AdaptiveSpeculation:
             costs.probe_steps_left -= 1
             self.k = costs.probe_k
             return self.k
-        seconds = costs.seconds() if donor is None else self._borrowed(costs, donor)
+        seconds = (costs.seconds(self.STALE) if donor is None
+                   else self._borrowed(costs, donor))
         best = max(range(self.max_k + 1), key=lambda k: self._score(seconds, k)
                    * (self.MIN_GAIN if k == 0 else 1.0))
         if best != costs.best:  # the estimates moved: probe again soon
@@ -225,6 +238,7 @@ class AdaptiveSpeculation:
             costs.next_probe = costs.num_choices + max(
                 costs.probe_interval, self._probe_gap(seconds, best, probe))
             costs.probe_k, costs.probe_steps_left = probe, self.PROBE_STEPS - 1
+            costs.probe_steps_unseen, costs.probe_seconds = self.PROBE_STEPS, 0.0
             best = probe
         self.k = best
         return best
@@ -246,6 +260,21 @@ class AdaptiveSpeculation:
         if timed and self.adaptive:
             costs = self._costs.setdefault(bucket(len(out.scheduled)), _BatchCosts())
             costs.add(out.num_spec_tokens, seconds, self.WINDOW)
+            if costs.probe_steps_unseen and out.num_spec_tokens == costs.probe_k:
+                self._account_probe(costs, seconds)
+
+    def _account_probe(self, costs: _BatchCosts, seconds: float) -> None:
+        """Add a step of the latest probe; after its last, push the next probe back as far as
+        what the probe really cost requires (PROBE_BUDGET of the time at the best k). Its
+        first step can cost several times its median: the draft catches up on every token
+        since it last ran."""
+        costs.probe_steps_unseen -= 1
+        costs.probe_seconds += seconds
+        if not costs.probe_steps_unseen:
+            base = _interpolate(costs.seconds(), costs.best)
+            extra = costs.probe_seconds - self.PROBE_STEPS * base
+            gap = math.ceil(max(extra, 0.0) / (self.PROBE_BUDGET * base))
+            costs.next_probe = max(costs.next_probe, costs.num_choices + gap)
 
     def expected_tokens(self, k: int) -> float:
         """Tokens per sequence and step with k drafts: 1 + sum_{j<k} P(first j + 1 accepted)."""

@@ -228,9 +228,11 @@ class TorchModelRunner:
             step = functools.partial(step, max_query_len=k + 1)
             out = self.graphs.run((layout, k, draft_bound), step, model_input.ints,
                                   model_input.floats, self.upload)
-        else:
+        else:  # eager: the padding tokens need not run (a graph replays the padded shapes)
             out = step(self.upload("ints", model_input.ints),
-                       self.upload("floats", model_input.floats))
+                       self.upload("floats", model_input.floats),
+                       num_tokens=model_input.num_tokens,
+                       num_draft_tokens=model_input.num_draft_tokens)
         return self._to_host(out, model_input)
 
     @staticmethod
@@ -241,10 +243,15 @@ class TorchModelRunner:
                 and (not k or draft_bound <= _MAX_GRAPH_DRAFT_QUERY))
 
     def _step(self, ints: torch.Tensor, floats: torch.Tensor, *, layout: BatchLayout,
-              num_spec_tokens: int, max_query_len: int,
-              max_draft_query_len: int) -> StepOutput:
+              num_spec_tokens: int, max_query_len: int, max_draft_query_len: int,
+              num_tokens: int | None = None, num_draft_tokens: int | None = None
+              ) -> StepOutput:
         """The whole step on the device → StepOutput: tokens and logprobs [L, K+1], and what the
-        layout asks for besides. num_spec_tokens: the step's k (<= K)."""
+        layout asks for besides. num_spec_tokens: the step's k (<= K); num_tokens and
+        num_draft_tokens: the real tokens of the target and of the draft's catch-up, when only
+        those run (the padding rows are skipped: a speculative step of one sequence pads 5
+        tokens to 8)."""
+        num_tokens = layout.num_tokens if num_tokens is None else num_tokens
         b = layout.unpack(ints, floats)
         sampling = {name: b[name] for name in SAMPLING_FIELDS if name in b}
         for name in ("rng_seed", "rng_step"):  # uint32 counters, emulated in int64
@@ -255,14 +262,15 @@ class TorchModelRunner:
             draft = self.models[1]
             drafts, draft_probs = propose_drafts(
                 draft.forward, draft.kv_caches, b, sampling, draft.rope, layout=layout,
-                num_steps=num_spec_tokens, max_query_len=max_draft_query_len)
+                num_steps=num_spec_tokens, max_query_len=max_draft_query_len,
+                num_tokens=num_draft_tokens)
             # Draft slots get their drafts; index T (no draft) lands in a discarded extra row.
             input_ids = torch.cat([input_ids, input_ids.new_zeros(1)])
             input_ids[b["draft_token_index"].reshape(-1).long()] = drafts.reshape(-1)
-            input_ids = input_ids[: layout.num_tokens]
-        meta = AttentionMetadata(b["positions"], b["slot_mapping"], b["query_start_loc"],
-                                 b["kv_lens"], b["block_tables"], *target.rope,
-                                 max_query_len=max_query_len)
+        input_ids = input_ids[:num_tokens]
+        meta = AttentionMetadata(b["positions"][:num_tokens], b["slot_mapping"][:num_tokens],
+                                 b["query_start_loc"], b["kv_lens"], b["block_tables"],
+                                 *target.rope, max_query_len=max_query_len)
         indices = b["logits_indices"]  # [L, K+1]
         rows = indices.reshape(-1)
         if layout.num_prompt_logprobs:  # the prompt positions scored, after the sampled rows

@@ -27,13 +27,14 @@ _KNOBS = ("temperature", "top_k", "top_p", "min_p")
 
 def propose_drafts(forward: DraftForward, kv_caches: list[KVCache], b: dict[str, torch.Tensor],
                    sampling: dict[str, torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor], *,
-                   layout: BatchLayout, num_steps: int, max_query_len: int
-                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   layout: BatchLayout, num_steps: int, max_query_len: int,
+                   num_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Returns (drafts [S, K] int32, q [S, K, V] float32 or None when every row is greedy).
 
     b: the step's unpacked fields on the device; sampling: per-row knobs [L] (seeds int64);
     num_steps: this step's k (<= K), host-known, so only k - 1 passes run and later columns stay
-    zero; max_query_len: a host bound on the catch-up pass's longest query (the launch).
+    zero; max_query_len: a host bound on the catch-up pass's longest query (the launch);
+    num_tokens: the catch-up's real tokens, when only those run (None: all Td).
     """
     num_seqs, k = layout.num_seqs, layout.num_spec_tokens
     rows = b["seq_sample_row"].long()  # [S]: each sequence samples with its row's knobs
@@ -49,11 +50,12 @@ def propose_drafts(forward: DraftForward, kv_caches: list[KVCache], b: dict[str,
         u = uniform(seeds, (steps + j) & 0xFFFFFFFF, logits.shape[-1])
         return torch.argmax(torch.log(q) - torch.log(-torch.log(u)), dim=-1).to(torch.int32), q
 
-    meta = AttentionMetadata(b["draft_positions"], b["draft_slot_mapping"],
+    td = layout.num_draft_tokens if num_tokens is None else max(num_tokens, 1)  # a row to read
+    meta = AttentionMetadata(b["draft_positions"][:td], b["draft_slot_mapping"][:td],
                              b["draft_query_start_loc"], b["draft_kv_lens"], b["block_tables"],
                              *rope, max_query_len=max_query_len)
     last_rows = (b["draft_query_start_loc"][1:] - 1).clamp(min=0)  # [S]
-    first, q = sample(forward(b["draft_input_ids"], kv_caches, meta, last_rows), 0)
+    first, q = sample(forward(b["draft_input_ids"][:td], kv_caches, meta, last_rows), 0)
     drafts, probs = [first], [q]
     end = b["draft_kv_lens"]  # [S] position after the real tokens, for sequences that draft
     index = b["draft_token_index"].long().clamp(max=layout.num_tokens - 1)  # [S, K]

@@ -119,7 +119,6 @@ class _BatchCosts:
     """Measured seconds per decode step at one batch-size bucket: the latest samples per k."""
 
     samples: dict[int, deque[float]] = field(default_factory=dict)
-    last_seen: dict[int, int] = field(default_factory=dict)  # k -> choice count of its newest
     num_choices: int = 0
     next_probe: int = 0  # choice count at which to probe a neighbour of the best k
     probe_interval: int = 0
@@ -136,17 +135,11 @@ class _BatchCosts:
 
     def add(self, k: int, seconds: float, window: int) -> None:
         self.samples.setdefault(k, deque(maxlen=window)).append(seconds)
-        self.last_seen[k] = self.num_choices
 
-    def seconds(self, stale: int | None = None) -> dict[int, float]:
+    def seconds(self) -> dict[int, float]:
         """k -> the median of its latest samples: one slow step (a collection, a busy core)
-        moves no decision. With `stale`, a k > 0 other than the best whose newest sample is
-        that many choices older than the newest drafting sample is left out (interpolated
-        instead): the host's speed drifts, and a median taken in a slow spell would hold that
-        k off for good."""
-        newest = max((n for k, n in self.last_seen.items() if k), default=0)
-        return {k: statistics.median(s) for k, s in self.samples.items()
-                if stale is None or k in (0, self.best) or newest - self.last_seen[k] <= stale}
+        moves no decision."""
+        return {k: statistics.median(s) for k, s in self.samples.items()}
 
     def explored(self, max_k: int, min_samples: int) -> bool:
         """Both ends measured min_samples times: t(k) is known or interpolated for every k."""
@@ -173,7 +166,6 @@ class AdaptiveSpeculation:
     """
 
     WINDOW = 5  # step-time samples kept per k and batch size
-    STALE = 128  # choices after which another k's samples give way to interpolation
     MIN_SAMPLES = 3  # of k = max and of k = 0, before any choice
     PROBE_STEPS = 3  # steps per probe
     ACCEPTANCE_DECAY = 0.9  # per step: acceptance follows the last ~10 steps' drafts
@@ -216,8 +208,7 @@ class AdaptiveSpeculation:
             costs.probe_steps_left -= 1
             self.k = costs.probe_k
             return self.k
-        seconds = (costs.seconds(self.STALE) if donor is None
-                   else self._borrowed(costs, donor))
+        seconds = costs.seconds() if donor is None else self._borrowed(costs, donor)
         best = max(range(self.max_k + 1), key=lambda k: self._score(seconds, k)
                    * (self.MIN_GAIN if k == 0 else 1.0))
         if best != costs.best:  # the estimates moved: probe again soon

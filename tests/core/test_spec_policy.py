@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pagedjax.scheduler_output import ScheduledSequence, SchedulerOutput
-from pagedjax.spec_decode import AdaptiveSpeculation, SpeculativeConfig, _BatchCosts
+from pagedjax.spec_decode import AdaptiveSpeculation, SpeculativeConfig
 
 
 def config(tmp_path, k: int = 4, adaptive: bool = True) -> SpeculativeConfig:
@@ -132,24 +132,6 @@ def test_probes_pay_for_the_drafts_catch_up_within_their_budget(tmp_path) -> Non
                       seconds=lambda k: spent.append(cost(k)) or spent[-1])
     extra = sum(spent) / (len(chosen) * cost(0)) - 1
     assert 0 < extra <= policy.PROBE_BUDGET * 1.1 and chosen.count(0) > 0.95 * len(chosen)
-
-
-def test_a_k_measured_long_ago_gives_way_to_interpolation() -> None:
-    """k = 5 was measured in a slow spell 200 choices before the newest drafting sample: its
-    median no longer counts (t(5) is interpolated from fresher ones); k = 0 and the best k
-    always count, and a k > 0 measured recently does too."""
-    costs = _BatchCosts()
-    for k, seconds in ((0, 1.0), (5, 9.0)):
-        costs.add(k, seconds, window=5)
-    costs.num_choices = 200
-    costs.best = 3
-    for k, seconds in ((3, 2.0), (4, 2.4)):
-        costs.add(k, seconds, window=5)
-    assert costs.seconds() == {0: 1.0, 5: 9.0, 3: 2.0, 4: 2.4}
-    assert costs.seconds(stale=128) == {0: 1.0, 3: 2.0, 4: 2.4}
-    costs.num_choices = 300  # only k = 3 since: 4 is stale now, but 3 is the best
-    costs.add(3, 2.0, window=5)
-    assert costs.seconds(stale=50) == {0: 1.0, 3: 2.0}
 
 
 def test_slow_outliers_move_no_decision(tmp_path) -> None:

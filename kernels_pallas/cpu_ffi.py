@@ -58,7 +58,7 @@ def _build(path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         partial = Path(tmp) / path.name
-        command = [_compiler(), "-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp",
+        command = [_compiler(), "-O3", "-std=c++17", "-fPIC", "-shared",
                    f"-I{jax.ffi.include_dir()}", str(_csrc() / _SOURCES[0]), "-o", str(partial),
                    *loaded_libstdcxx_ldflags()]
         result = subprocess.run(command, capture_output=True, text=True)

@@ -1,10 +1,14 @@
 // The C++ CPU attention of attention_cpu_kernel.h as an XLA FFI handler: the JAX backend's
 // attention on CPU, in float32 (the same kernel as the torch op; no torch headers). Built and
-// registered by kernels_cuda/jax_ffi.py. Parallel over (query row, KV head) with OpenMP.
-#include <omp.h>
-
+// registered by kernels_pallas/cpu_ffi.py. Parallel over (query row, KV head) on XLA's own
+// intra-op thread pool: an OpenMP team of its own, started from an XLA thread, made libgomp count
+// more threads than cores and stop spinning, which slowed every torch op in the process by ~25 %.
 #include <algorithm>
+#include <atomic>
+#include <condition_variable>
 #include <cstdint>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -17,6 +21,7 @@ namespace pagedjax {
 namespace {
 
 ffi::Error ragged_paged_attention_f32(
+    ffi::ThreadPool pool,
     ffi::Buffer<ffi::F32> q,                  // [T, Hq, D]
     ffi::Buffer<ffi::F32> k_cache,            // [N, Hkv, bs, D]
     ffi::Buffer<ffi::F32> v_cache,            // [N, Hkv, bs, D]
@@ -56,18 +61,37 @@ ffi::Error ragged_paged_attention_f32(
       shape, batch, q.typed_data(), shape.num_q_heads * shape.head_dim, shape.head_dim,
       k_cache.typed_data(), v_cache.typed_data(), out->typed_data(), sm_scale,
       std::max<int64_t>(sliding_window, 0), std::max(logits_soft_cap, 0.f)};
-  // One item per (query row, KV head), in one contiguous range of equal cost per thread.
+  // One item per (query row, KV head), in contiguous ranges of equal cost: the caller takes
+  // ranges until none is left, and so do the tasks it schedules on XLA's pool (a task that
+  // starts late finds none and touches nothing but the shared counters).
   const int64_t num_items = shape.num_tokens * shape.num_kv_heads;
-  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(omp_get_max_threads(), num_items));
+  const int64_t parts =
+      std::clamp<int64_t>(pool.num_threads(), 1, std::max<int64_t>(num_items, 1));
   const std::vector<int64_t> bounds = attention.split_items(parts);
-#pragma omp parallel for num_threads(parts) schedule(static, 1)
-  for (int64_t p = 0; p < parts; ++p) {
-    cpu_attention::Scratch<float> scratch(shape.group, shape.block_size, shape.head_dim,
-                                          shape.max_blocks * shape.block_size);
-    for (int64_t item = bounds[p]; item < bounds[p + 1]; ++item) {
-      attention.run(item / shape.num_kv_heads, item % shape.num_kv_heads, scratch);
+  struct Progress {
+    std::atomic<int64_t> next{0};
+    int64_t done = 0;
+    std::mutex mutex;
+    std::condition_variable finished;
+  };
+  auto progress = std::make_shared<Progress>();
+  auto work = [&attention, &bounds, &shape, parts](Progress& state) {
+    for (int64_t p; (p = state.next.fetch_add(1)) < parts;) {
+      cpu_attention::Scratch<float> scratch(shape.group, shape.block_size, shape.head_dim,
+                                            shape.max_blocks * shape.block_size);
+      for (int64_t item = bounds[p]; item < bounds[p + 1]; ++item) {
+        attention.run(item / shape.num_kv_heads, item % shape.num_kv_heads, scratch);
+      }
+      std::lock_guard<std::mutex> lock(state.mutex);
+      if (++state.done == parts) state.finished.notify_one();
     }
+  };
+  for (int64_t i = 1; i < parts; ++i) {
+    pool.Schedule([progress, work] { work(*progress); });
   }
+  work(*progress);
+  std::unique_lock<std::mutex> lock(progress->mutex);
+  progress->finished.wait(lock, [&] { return progress->done == parts; });
   return ffi::Error::Success();
 }
 
@@ -77,6 +101,7 @@ ffi::Error ragged_paged_attention_f32(
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxRaggedPagedAttentionF32,
                               pagedjax::ragged_paged_attention_f32,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()

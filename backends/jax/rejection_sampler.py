@@ -18,7 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pagedjax.backends.jax.sampler import filter_logits, process_logits, uniform
+from pagedjax.backends.jax.sampler import argmax, filter_logits, process_logits, uniform
 
 PLACEHOLDER_TOKEN_ID = -1  # pads output_token_ids after the recovered / bonus token
 
@@ -31,7 +31,7 @@ def sampling_probs(logits: jax.Array, sampling: dict, *, all_greedy: bool,
     Returns probs [L, V] float32: one-hot(argmax) on greedy rows, softmax(filter_logits(logits / T))
     on random rows.
     """
-    greedy = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
+    greedy = jax.nn.one_hot(argmax(logits), logits.shape[-1], dtype=jnp.float32)
     if all_greedy:
         return greedy
     temperature = sampling["temperature"]  # [L]
@@ -62,7 +62,7 @@ def rejection_sample(target_logits: jax.Array, draft_token_ids: jax.Array,
     positions = _per_position(sampling, num_positions)  # [L * (K+1)] rows
     target_logits = process_logits(target_logits.reshape(-1, vocab), positions).reshape(
         num_rows, num_positions, vocab)
-    target_argmax = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [L, K+1]
+    target_argmax = argmax(target_logits)  # [L, K+1]
     accepted = target_argmax[:, :num_drafts] == draft_token_ids  # [L, K], the greedy rule
     if not all_greedy:
         target_probs = _target_probs(target_logits, positions, use_filters=use_filters)
@@ -138,7 +138,7 @@ def _recover_or_bonus(target_probs: jax.Array, draft_probs: jax.Array, num_accep
     residual = jnp.where(jnp.any(residual > 0, axis=-1, keepdims=True), residual, p)
     step = sampling["rng_step"].astype(jnp.uint32) + num_accepted.astype(jnp.uint32)
     u = uniform(sampling["rng_seed"].astype(jnp.uint32), step, vocab + 1)[:, :vocab]
-    return jnp.argmax(jnp.log(residual) - jnp.log(-jnp.log(u)), axis=-1).astype(jnp.int32)
+    return argmax(jnp.log(residual) - jnp.log(-jnp.log(u)))
 
 
 def _assemble(draft_token_ids: jax.Array, next_token: jax.Array,

@@ -30,6 +30,16 @@ def uniform(seed: jax.Array, step: jax.Array, num: int) -> jax.Array:
     return ((bits >> 8).astype(jnp.float32) + 0.5) * (2.0**-24)
 
 
+def argmax(x: jax.Array) -> jax.Array:
+    """jnp.argmax over the last axis as int32 (the first index of the maximum; a NaN counts as
+    the maximum), in two plain reductions: XLA's CPU argmax, a variadic reduce, took ~4x as long
+    as the max and min over a [64, 4096] batch of logits."""
+    iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    top = jnp.max(x, axis=-1, keepdims=True)
+    hit = (x == top) | jnp.isnan(x)
+    return jnp.min(jnp.where(hit, iota, x.shape[-1]), axis=-1)
+
+
 def filter_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array,
                   min_p: jax.Array) -> jax.Array:
     """Mask to -inf what top-k, then top-p, then min-p drop. logits [L, V]; knobs [L]."""
@@ -86,14 +96,14 @@ def sample(logits: jax.Array, sampling: dict, *, num_top_logprobs: int, all_gree
     [L, N], top logprobs [L, N], ranks [L]): a StepOutput's first five fields."""
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     logits = process_logits(logits, sampling)
-    tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    tokens = argmax(logits)
     if not all_greedy:
         temperature = sampling["temperature"]
         scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
         if use_filters:
             scaled = filter_logits(scaled, sampling["top_k"], sampling["top_p"], sampling["min_p"])
         u = uniform(sampling["rng_seed"], sampling["rng_step"], logits.shape[-1])
-        sampled = jnp.argmax(scaled - jnp.log(-jnp.log(u)), axis=-1).astype(jnp.int32)
+        sampled = argmax(scaled - jnp.log(-jnp.log(u)))
         tokens = jnp.where(temperature > 0, sampled, tokens)
     return (tokens, *gather_logprobs(logprobs, tokens, num_top_logprobs))
 

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from pagedjax import random as prng
 from pagedjax.backends.jax.model import AttentionMetadata, KVCache
 from pagedjax.backends.jax.rejection_sampler import sampling_probs
-from pagedjax.backends.jax.sampler import _mix32, uniform
+from pagedjax.backends.jax.sampler import _mix32, argmax, uniform
 from pagedjax.batch import BatchLayout
 
 # (input_ids [T], kv_caches, metadata, logits_indices [L]) -> (logits [L, V], kv_caches)
@@ -45,10 +45,10 @@ def propose_drafts(forward: DraftForward, kv_caches: list[KVCache], b: dict[str,
     def sample(logits: jax.Array, j: int | jax.Array) -> tuple[jax.Array, jax.Array | None]:
         """Draft j + 1 from logits [S, V]: (tokens [S], q [S, V] or None)."""
         if layout.all_greedy:
-            return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
+            return argmax(logits), None
         q = sampling_probs(logits, knobs, all_greedy=False, use_filters=layout.use_filters)
         u = uniform(seeds, steps + jnp.asarray(j, jnp.uint32), logits.shape[-1])
-        tokens = jnp.argmax(jnp.log(q) - jnp.log(-jnp.log(u)), axis=-1).astype(jnp.int32)
+        tokens = argmax(jnp.log(q) - jnp.log(-jnp.log(u)))
         return tokens, q
 
     meta = AttentionMetadata(b["draft_positions"], b["draft_slot_mapping"],

@@ -144,3 +144,17 @@ def test_uniform_is_bit_exact() -> None:
     assert got.dtype == np.float32
     np.testing.assert_array_equal(got.view(np.uint32), expected.view(np.uint32))
     assert 0.0 < got.min() and got.max() < 1.0
+
+
+def test_the_jax_argmax_is_jnps():
+    """Two reductions instead of XLA's variadic argmax: the first index of the maximum, ties,
+    -inf rows and NaN (the first NaN wins, as in jnp.argmax) included, on 2-D and 3-D logits."""
+    rng = np.random.default_rng(0)
+    x = rng.integers(-3, 4, size=(6, 3, 40)).astype(np.float32)  # many ties
+    x[0, 0] = -np.inf
+    x[1, 1, [5, 9]] = np.nan
+    x[2, 2, 7] = np.inf
+    for logits in (jnp.asarray(x), jnp.asarray(x[:, 0])):
+        got = jax_sampler.argmax(logits)
+        assert got.dtype == jnp.int32
+        np.testing.assert_array_equal(got, jnp.argmax(logits, axis=-1))

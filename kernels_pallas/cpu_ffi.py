@@ -1,5 +1,6 @@
-"""The JAX backend's attention on CPU through XLA's FFI: the C++ kernel the torch backend runs on
-CPU (`kernels_cuda/csrc/attention_cpu_kernel.h`), in float32, as a CPU custom call.
+"""The JAX backend's attention and linear layers on CPU through XLA's FFI: the C++ kernels the
+torch backend runs on CPU (`kernels_cuda/csrc/attention_cpu_kernel.h`, `linear_cpu_kernel.h`),
+in float32, as CPU custom calls.
 
 The library is compiled on first use with the system's C++ compiler (`$CXX`, else `c++`) and
 cached per source, compiler and jaxlib version in `$PAGEDJAX_CACHE` (default
@@ -27,9 +28,11 @@ import numpy as np
 from pagedjax.native_build import loaded_libstdcxx_ldflags
 
 TARGET = "pagedjax_ragged_paged_attention_f32"
-_SYMBOL = "PagedjaxRaggedPagedAttentionF32"
-_SOURCES = ("attention_ffi.cpp", "attention_cpu_kernel.h", "attention_shape.h", "cpu_features.h",
-            "simd_math.h")
+LINEAR_TARGET = "pagedjax_linear_f32"
+_SYMBOLS = {TARGET: "PagedjaxRaggedPagedAttentionF32", LINEAR_TARGET: "PagedjaxLinearF32"}
+_SOURCES = ("cpu_ffi.cpp", "attention_cpu_kernel.h", "attention_shape.h", "cpu_features.h",
+            "simd_math.h", "linear_cpu_kernel.h")
+LINEAR_TILE = 16  # columns per packed tile (linear_cpu_kernel.h)
 
 
 def _csrc() -> Path:
@@ -76,11 +79,13 @@ def available() -> bool:
         if not path.exists():
             _build(path)
         library = ctypes.cdll.LoadLibrary(str(path))
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(library, _SYMBOL)),
-                                    platform="cpu")
+        for target, symbol in _SYMBOLS.items():
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)),
+                                        platform="cpu")
     except (OSError, AttributeError) as error:
-        warnings.warn(f"pagedjax: the C++ CPU attention for JAX is unavailable, the jnp one "
-                      f"serves instead (slower): {error}", RuntimeWarning, stacklevel=2)
+        warnings.warn(f"pagedjax: the C++ CPU kernels for JAX are unavailable, jnp attention "
+                      f"and XLA's dots serve instead (slower): {error}", RuntimeWarning,
+                      stacklevel=2)
         return False
     return True
 
@@ -108,3 +113,29 @@ def ragged_paged_attention(
     return call(q, k_cache, v_cache, int32(kv_lens), int32(block_tables), int32(query_start_loc),
                 sm_scale=np.float32(sm_scale), sliding_window=np.int64(sliding_window or 0),
                 logits_soft_cap=np.float32(logits_soft_cap or 0.0))
+
+
+def pack_linear_weight(weight: jax.Array) -> jax.Array:
+    """W [in, out] → the tile-major [ceil(out / 16), in, 16] layout `linear` reads, zero-padded:
+    packed[t, k, j] = W[k, 16 t + j] (the torch op's layout)."""
+    in_features, out_features = weight.shape
+    padded = jnp.pad(weight, ((0, 0), (0, -out_features % LINEAR_TILE)))
+    return padded.reshape(in_features, -1, LINEAR_TILE).transpose(1, 0, 2)
+
+
+def linear(x: jax.Array, packed: jax.Array, out_features: int) -> jax.Array:
+    """x [..., in] @ W [in, out] → [..., out] float32 over W packed by pack_linear_weight, by the
+    C++ kernel (each output element one FMA chain in k order: a row's result does not depend on
+    the batch). Call `available()` first."""
+    if x.dtype != jnp.float32 or packed.dtype != jnp.float32:
+        raise ValueError(f"the C++ CPU linear takes float32; got x {x.dtype}, weight "
+                         f"{packed.dtype}")
+    rows = x.reshape(-1, x.shape[-1])
+    padded = packed.shape[0] * LINEAR_TILE
+    call = jax.ffi.ffi_call(LINEAR_TARGET,
+                            jax.ShapeDtypeStruct((rows.shape[0], padded), jnp.float32),
+                            vmap_method="sequential")
+    y = call(rows, packed)
+    if padded != out_features:
+        y = y[:, :out_features]
+    return y.reshape(*x.shape[:-1], out_features)

@@ -54,9 +54,52 @@ def matmul_precision(dtype: jnp.dtype) -> jax.lax.Precision | None:
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
-def dense(features: int, name: str, dtype: jnp.dtype, bias: bool = False) -> nn.Dense:
+class PackedLinear(nn.Module):
+    """Dense's y = x @ kernel (+ bias) with the kernel held in the C++ kernel's tile-major layout
+    [ceil(out / 16), in, 16] (`pack_params`), through XLA's FFI: CPU, float32. XLA's own dots
+    ran the decode step's few-row products at ~half the FMA peak (kernels_pallas/cpu_ffi.py)."""
+
+    features: int
+    dtype: jnp.dtype
+    use_bias: bool = False
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        from pagedjax.kernels_pallas import cpu_ffi
+
+        tiles = -(-self.features // cpu_ffi.LINEAR_TILE)
+        kernel = self.param("kernel", nn.initializers.zeros,
+                            (tiles, x.shape[-1], cpu_ffi.LINEAR_TILE), self.dtype)
+        y = cpu_ffi.linear(x.astype(self.dtype), kernel, self.features)
+        if self.use_bias:
+            y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
+        return y
+
+
+def dense(features: int, name: str, dtype: jnp.dtype, bias: bool = False,
+          packed: bool = False) -> nn.Module:
+    if packed:
+        return PackedLinear(features, dtype, bias, name=name)
     return nn.Dense(features, use_bias=bias, dtype=dtype, param_dtype=dtype,
                     precision=matmul_precision(dtype), name=name)
+
+
+def pack_params(params: dict, tie_word_embeddings: bool) -> dict:
+    """{"params": ...} with every linear kernel [in, out] packed for PackedLinear, and a tied
+    LM head given its own packed copy of the embedding (as "lm_head")."""
+    from pagedjax.kernels_pallas import cpu_ffi
+
+    def pack(tree: dict) -> dict:
+        return {name: ({**value, "kernel": cpu_ffi.pack_linear_weight(value["kernel"])}
+                       if isinstance(value, dict) and "kernel" in value
+                       else pack(value) if isinstance(value, dict) else value)
+                for name, value in tree.items()}
+
+    packed = pack(params["params"])
+    if tie_word_embeddings:
+        embedding = params["params"]["embed_tokens"]["embedding"]  # [V, H]
+        packed["lm_head"] = {"kernel": cpu_ffi.pack_linear_weight(embedding.T)}
+    return {**params, "params": packed}
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -72,6 +115,7 @@ class Attention(nn.Module):
     dtype: jnp.dtype
     attention_fn: AttentionFn
     write_kv_fn: WriteKVFn
+    packed: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array, kv_cache: KVCache,
@@ -80,7 +124,8 @@ class Attention(nn.Module):
         d, hq, hkv = cfg.head_dim, cfg.num_q_heads, cfg.num_kv_heads
 
         def proj(name: str, heads: int, bias: bool) -> jax.Array:
-            return dense(heads * d, name, self.dtype, bias)(x).reshape(num_tokens, heads, d)
+            return dense(heads * d, name, self.dtype, bias, self.packed)(x).reshape(
+                num_tokens, heads, d)
 
         q = proj("q_proj", hq, cfg.attention_bias)  # [T, Hq, D]
         k = proj("k_proj", hkv, cfg.attention_bias)  # [T, Hkv, D]
@@ -91,19 +136,23 @@ class Attention(nn.Module):
         out = self.attention_fn(q, k_cache, v_cache, meta.kv_lens, meta.block_tables,
                                 meta.query_start_loc, sm_scale=d**-0.5,
                                 sliding_window=cfg.sliding_window, decode=meta.decode)  # [T, Hq, D]
-        out = dense(cfg.hidden_size, "o_proj", self.dtype)(out.reshape(num_tokens, hq * d))
+        out = dense(cfg.hidden_size, "o_proj", self.dtype, packed=self.packed)(
+            out.reshape(num_tokens, hq * d))
         return out, (k_cache, v_cache)
 
 
 class MLP(nn.Module):
     config: ModelConfig
     dtype: jnp.dtype
+    packed: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        inter, dtype = self.config.intermediate_size, self.dtype
-        gate, up = dense(inter, "gate_proj", dtype)(x), dense(inter, "up_proj", dtype)(x)
-        return dense(self.config.hidden_size, "down_proj", dtype)(nn.silu(gate) * up)
+        inter, dtype, packed = self.config.intermediate_size, self.dtype, self.packed
+        gate = dense(inter, "gate_proj", dtype, packed=packed)(x)
+        up = dense(inter, "up_proj", dtype, packed=packed)(x)
+        return dense(self.config.hidden_size, "down_proj", dtype, packed=packed)(
+            nn.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -111,6 +160,7 @@ class DecoderLayer(nn.Module):
     dtype: jnp.dtype
     attention_fn: AttentionFn
     write_kv_fn: WriteKVFn
+    packed: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array, kv_cache: KVCache,
@@ -118,19 +168,21 @@ class DecoderLayer(nn.Module):
         eps = self.config.rms_norm_eps
         h = RMSNorm(eps, self.dtype, name="input_layernorm")(x)
         h, kv_cache = Attention(self.config, self.dtype, self.attention_fn, self.write_kv_fn,
-                                name="self_attn")(h, kv_cache, meta)
+                                self.packed, name="self_attn")(h, kv_cache, meta)
         x = x + h
         h = RMSNorm(eps, self.dtype, name="post_attention_layernorm")(x)
-        return x + MLP(self.config, self.dtype, name="mlp")(h), kv_cache
+        return x + MLP(self.config, self.dtype, self.packed, name="mlp")(h), kv_cache
 
 
 class LlamaForCausalLM(nn.Module):
-    """Returns logits only for the rows in logits_indices (the positions that get sampled)."""
+    """Returns logits only for the rows in logits_indices (the positions that get sampled).
+    packed: the linear layers are PackedLinear (params from pack_params)."""
 
     config: ModelConfig
     dtype: jnp.dtype
     attention_fn: AttentionFn
     write_kv_fn: WriteKVFn
+    packed: bool = False
 
     @nn.compact
     def __call__(self, input_ids: jax.Array, kv_caches: list[KVCache], meta: AttentionMetadata,
@@ -142,11 +194,11 @@ class LlamaForCausalLM(nn.Module):
         new_caches = []
         for i in range(cfg.num_layers):
             x, cache = DecoderLayer(cfg, self.dtype, self.attention_fn, self.write_kv_fn,
-                                    name=f"layers_{i}")(x, kv_caches[i], meta)
+                                    self.packed, name=f"layers_{i}")(x, kv_caches[i], meta)
             new_caches.append(cache)
         x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="norm")(x[logits_indices])  # [L, H]
-        if cfg.tie_word_embeddings:
+        if cfg.tie_word_embeddings and not self.packed:
             logits = jnp.dot(x, embed.embedding.T, precision=matmul_precision(self.dtype))
-        else:
-            logits = dense(cfg.vocab_size, "lm_head", self.dtype)(x)
+        else:  # packed and tied: pack_params gives the head its own copy of the embedding
+            logits = dense(cfg.vocab_size, "lm_head", self.dtype, packed=self.packed)(x)
         return logits.astype(jnp.float32), new_caches  # [L, V]

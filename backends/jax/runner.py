@@ -17,7 +17,12 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from pagedjax.backends.jax.attention import resolve_attention
-from pagedjax.backends.jax.model import AttentionMetadata, KVCache, LlamaForCausalLM
+from pagedjax.backends.jax.model import (
+    AttentionMetadata,
+    KVCache,
+    LlamaForCausalLM,
+    pack_params,
+)
 from pagedjax.backends.jax.params import load_params
 from pagedjax.backends.jax.rejection_sampler import rejection_sample
 from pagedjax.backends.jax.sampler import gather_logprobs, sample, score_prompt_tokens
@@ -31,6 +36,16 @@ from pagedjax.model_runner import auto_dtype
 from pagedjax.parallel import TensorParallelPlan
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def uses_cpu_linear(attention_impl: str, dtype: jnp.dtype, mesh: Mesh | None) -> bool:
+    """The linear layers on the C++ kernel through XLA's FFI: with the C++ CPU attention
+    ("cpu"), in float32, on one device (packed kernels have no tensor-parallel layout)."""
+    if attention_impl != "cpu" or dtype != jnp.float32 or mesh is not None:
+        return False
+    from pagedjax.kernels_pallas import cpu_ffi
+
+    return cpu_ffi.available()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,11 +63,14 @@ class _Model:
     def load(cls, model_dir: str, model_config: ModelConfig, config: EngineConfig,
              plan: TensorParallelPlan, mesh: Mesh | None) -> _Model:
         dtype = _DTYPES[config.dtype]
-        attention_fn, write_kv_fn, _ = resolve_attention(config.attention_impl)
+        attention_fn, write_kv_fn, impl = resolve_attention(config.attention_impl)
         shard_config = plan.shard_config(model_config)
+        packed = uses_cpu_linear(impl, dtype, mesh)
         module = LlamaForCausalLM(shard_config, dtype,
-                                  *per_shard(attention_fn, write_kv_fn, mesh, plan))
+                                  *per_shard(attention_fn, write_kv_fn, mesh, plan), packed)
         params, source = load_params(model_dir, model_config, dtype, plan=plan, mesh=mesh)
+        if packed:
+            params = pack_params(params, model_config.tie_word_embeddings)
         cos, sin = rope_cos_sin(model_config, config.max_model_len)
         return cls(module, params, (jnp.asarray(cos), jnp.asarray(sin)), shard_config, plan,
                    source)

@@ -1,5 +1,5 @@
 // The torch-free core of the C++ CPU attention, shared by the torch op (attention_cpu.cpp) and
-// the JAX FFI handler (attention_ffi.cpp). Parallel over (query row, KV head): one work item
+// the JAX FFI handler (cpu_ffi.cpp). Parallel over (query row, KV head): one work item
 // serves the G query heads of a KV head, reading each K/V tile once per pass for all G
 // (converted once per pass for bf16/fp16). The softmax takes two passes over the visible
 // context (logits, then values); float32 has AVX2 paths for the dot products, the exp and the

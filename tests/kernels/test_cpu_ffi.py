@@ -114,3 +114,58 @@ def test_the_build_is_cached_per_source(tmp_path, monkeypatch) -> None:
     assert path.parent == tmp_path and path.name.startswith("jax_ffi_attention_")
     monkeypatch.setenv("CXX", "g++-other")
     assert cpu_ffi.library_path() != path  # another compiler, another build
+
+
+# ---- the packed linear -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("rows", "in_features", "out_features"),
+                         [(1, 64, 40), (7, 96, 72), (64, 256, 512), (5, 48, 16), (0, 32, 16)])
+def test_linear_matches_float64(rows: int, in_features: int, out_features: int) -> None:
+    """Every row grouping (blocks of 4, 2, 1 rows) and tile count (groups of 4, a partial tile)."""
+    rng = np.random.default_rng(rows + in_features)
+    x = rng.standard_normal((rows, in_features)).astype(np.float32)
+    w = rng.standard_normal((in_features, out_features)).astype(np.float32)
+    packed = cpu_ffi.pack_linear_weight(jnp.asarray(w))
+    assert packed.shape == (-(-out_features // 16), in_features, 16)
+    got = jax.jit(lambda x, p: cpu_ffi.linear(x, p, out_features))(jnp.asarray(x), packed)
+    assert got.shape == (rows, out_features) and got.dtype == jnp.float32
+    scale = np.abs(x).astype(np.float64) @ np.abs(w) + 1.0
+    assert np.max(np.abs(np.asarray(got, np.float64) - x.astype(np.float64) @ w) / scale,
+                  initial=0.0) < 1e-6
+
+
+def test_linear_is_the_torch_ops_bit_for_bit_and_batch_invariant() -> None:
+    """The same C++ kernel as the torch op (one FMA chain per element in k order): the same bits
+    as `pagedjax::linear`, and a row alone equals that row in a batch."""
+    torch = pytest.importorskip("torch")
+    from pagedjax.kernels_cuda import ops
+
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((11, 256)).astype(np.float32)
+    w = rng.standard_normal((256, 200)).astype(np.float32)
+    packed = cpu_ffi.pack_linear_weight(jnp.asarray(w))
+    np.testing.assert_array_equal(np.asarray(packed), ops.pack_linear_weight(torch.from_numpy(w)))
+    batch = np.asarray(cpu_ffi.linear(jnp.asarray(x), packed, 200))
+    np.testing.assert_array_equal(batch, ops.linear(torch.from_numpy(x), ops.pack_linear_weight(
+        torch.from_numpy(w)), None, 200).numpy())
+    for row in (0, 5, 10):
+        np.testing.assert_array_equal(
+            np.asarray(cpu_ffi.linear(jnp.asarray(x[row : row + 1]), packed, 200))[0], batch[row])
+
+
+def test_linear_rejects_other_dtypes() -> None:
+    packed = cpu_ffi.pack_linear_weight(jnp.zeros((8, 16)))
+    with pytest.raises(ValueError, match="float32"):
+        cpu_ffi.linear(jnp.zeros((2, 8), jnp.bfloat16), packed, 16)
+
+
+def test_the_jax_model_packs_its_linears_only_on_the_cpu_path() -> None:
+    """float32 with the C++ attention on one device: packed; the jnp reference, bf16 or a
+    tensor-parallel mesh keep XLA's dots (and Flax Dense's [in, out] kernels)."""
+    from pagedjax.backends.jax.runner import uses_cpu_linear
+
+    assert uses_cpu_linear("cpu", jnp.float32, None)
+    assert not uses_cpu_linear("reference", jnp.float32, None)
+    assert not uses_cpu_linear("cpu", jnp.bfloat16, None)
+    assert not uses_cpu_linear("cpu", jnp.float32, object())

@@ -1,0 +1,187 @@
+// The torch-free core of the packed float32 linear, shared by the torch op (linear_cpu.cpp) and
+// the JAX FFI handler (cpu_ffi.cpp): y[M, N] = x[M, K] @ W[K, N] (+ bias) with W packed into
+// column tiles, packed[t, k, j] = W[k, 16 t + j], zero-padded to a whole tile. See linear_cpu.cpp
+// for why this layout. Callers split tile groups [0, num_tile_groups) across threads.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+#include "cpu_features.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace pagedjax::cpu_linear {
+
+constexpr int64_t kTile = 16;  // columns per packed tile (two 8-float AVX2 registers)
+constexpr int64_t kRows = 4;   // rows per register block: 4 x 16 accumulators = 8 registers
+
+// The rows [MR] against NT consecutive tiles, written to y (ldy floats per row) plus bias.
+// Scalar version: any CPU, and the reference for the AVX2 one.
+template <int MR, int NT>
+void block_scalar(const float* x, int64_t ldx, const float* w, int64_t K, const float* bias,
+                  float* y, int64_t ldy) {
+  float acc[MR][NT * kTile] = {};
+  for (int64_t k = 0; k < K; ++k) {
+    for (int t = 0; t < NT; ++t) {
+      const float* wk = w + (t * K + k) * kTile;
+      for (int r = 0; r < MR; ++r)
+        for (int j = 0; j < kTile; ++j) acc[r][t * kTile + j] += x[r * ldx + k] * wk[j];
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NT * kTile; ++j) y[r * ldy + j] = acc[r][j] + (bias ? bias[j] : 0.f);
+}
+
+#if defined(__x86_64__)
+// MR * NT * 2 independent accumulator registers: at least 8 in every instantiation used, enough
+// to hide the FMA latency.
+template <int MR, int NT>
+__attribute__((target("avx2,fma"))) void block_avx2(const float* x, int64_t ldx, const float* w,
+                                                    int64_t K, const float* bias, float* y,
+                                                    int64_t ldy) {
+  __m256 acc[MR][NT][2];
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 8
+    for (int t = 0; t < NT; ++t) acc[r][t][0] = acc[r][t][1] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m256 xk[MR];
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) xk[r] = _mm256_broadcast_ss(x + r * ldx + k);
+#pragma GCC unroll 8
+    for (int t = 0; t < NT; ++t) {
+      const float* wk = w + (t * K + k) * kTile;
+      const __m256 w0 = _mm256_loadu_ps(wk), w1 = _mm256_loadu_ps(wk + 8);
+#pragma GCC unroll 8
+      for (int r = 0; r < MR; ++r) {
+        acc[r][t][0] = _mm256_fmadd_ps(xk[r], w0, acc[r][t][0]);
+        acc[r][t][1] = _mm256_fmadd_ps(xk[r], w1, acc[r][t][1]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int t = 0; t < NT; ++t) {
+    const __m256 b0 = bias ? _mm256_loadu_ps(bias + t * kTile) : _mm256_setzero_ps();
+    const __m256 b1 = bias ? _mm256_loadu_ps(bias + t * kTile + 8) : _mm256_setzero_ps();
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      _mm256_storeu_ps(y + r * ldy + t * kTile, _mm256_add_ps(acc[r][t][0], b0));
+      _mm256_storeu_ps(y + r * ldy + t * kTile + 8, _mm256_add_ps(acc[r][t][1], b1));
+    }
+  }
+}
+
+// The same blocks with AVX-512: a tile is one 16-float register, 32 registers hold 4 rows x 4
+// tiles of accumulators (16 independent chains where AVX2's 4 x 1 has 8, just what 2 FMA pipes
+// of 4-cycle latency need), and each k loads 4 broadcasts and 4 tile rows for 16 FMAs: 5-10 %
+// faster at 64 rows on a 2-core AMD EPYC (Zen 4), ~95 % of its FMA peak. Every element is still
+// one FMA chain over k in order: the same bits as the AVX2 blocks.
+template <int MR, int NT>
+__attribute__((target("avx512f"))) void block_avx512(const float* x, int64_t ldx,
+                                                      const float* w, int64_t K,
+                                                      const float* bias, float* y,
+                                                      int64_t ldy) {
+  __m512 acc[MR][NT];
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 8
+    for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m512 wk[NT];
+#pragma GCC unroll 8
+    for (int t = 0; t < NT; ++t) wk[t] = _mm512_loadu_ps(w + (t * K + k) * kTile);
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      const __m512 xk = _mm512_set1_ps(x[r * ldx + k]);
+#pragma GCC unroll 8
+      for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_fmadd_ps(xk, wk[t], acc[r][t]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int t = 0; t < NT; ++t) {
+    const __m512 b = bias ? _mm512_loadu_ps(bias + t * kTile) : _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      _mm512_storeu_ps(y + r * ldy + t * kTile, _mm512_add_ps(acc[r][t], b));
+    }
+  }
+}
+
+#endif
+
+template <int MR, int NT>
+void block(const float* x, int64_t ldx, const float* w, int64_t K, const float* bias, float* y,
+           int64_t ldy) {
+#if defined(__x86_64__)
+  if (cpu_has_avx2_fma()) return block_avx2<MR, NT>(x, ldx, w, K, bias, y, ldy);
+#endif
+  block_scalar<MR, NT>(x, ldx, w, K, bias, y, ldy);
+}
+
+// Every row of x against NT tiles starting at tile t. AVX-512: 4 rows x NT tiles per block, then
+// 2 and 1. Otherwise groups of 4 rows take one tile at a time, and the last 1-3 rows take 2 or 4
+// tiles at once, keeping 8 accumulators busy.
+template <int NT>
+void tile_group(const float* x, int64_t ldx, int64_t M, const float* packed, int64_t K,
+                const float* bias, float* y, int64_t ldy, int64_t t) {
+  const float* w = packed + t * K * kTile;
+  const float* b = bias ? bias + t * kTile : nullptr;
+  y += t * kTile;
+  int64_t m = 0;
+#if defined(__x86_64__)
+  if (cpu_has_avx512f()) {
+    for (; m + kRows <= M; m += kRows) {
+      block_avx512<kRows, NT>(x + m * ldx, ldx, w, K, b, y + m * ldy, ldy);
+    }
+    if (M - m >= 2) {
+      block_avx512<2, NT>(x + m * ldx, ldx, w, K, b, y + m * ldy, ldy);
+      m += 2;
+    }
+    if (m < M) block_avx512<1, NT>(x + m * ldx, ldx, w, K, b, y + m * ldy, ldy);
+    return;
+  }
+#endif
+  for (; m + kRows <= M; m += kRows)
+    for (int i = 0; i < NT; ++i)
+      block<kRows, 1>(x + m * ldx, ldx, w + i * K * kTile, K, b ? b + i * kTile : nullptr,
+                      y + m * ldy + i * kTile, ldy);
+  const int64_t left = M - m;
+  if (left >= 2) {
+    constexpr int NT2 = NT >= 2 ? 2 : 1;
+    for (int i = 0; i < NT; i += NT2)
+      block<2, NT2>(x + m * ldx, ldx, w + i * K * kTile, K, b ? b + i * kTile : nullptr,
+                    y + m * ldy + i * kTile, ldy);
+    m += 2;
+  }
+  if (left == 1 || left == 3) block<1, NT>(x + m * ldx, ldx, w, K, b, y + m * ldy, ldy);
+}
+
+constexpr int64_t kGroup = 4;  // tiles per task
+
+inline int64_t num_tile_groups(int64_t num_tiles) { return (num_tiles + kGroup - 1) / kGroup; }
+
+// Tile groups per task so that a task has at least ~64K multiply-adds: small products stay on
+// one thread.
+inline int64_t tile_group_grain(int64_t M, int64_t K) {
+  return std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, M * K * kGroup * kTile));
+}
+
+// Tile groups [g0, g1) of y [M, num_tiles * 16] (ldy floats per row) = x [M, K] (ldx) @ packed,
+// plus bias (num_tiles * 16 floats, or null).
+inline void run_tile_groups(const float* x, int64_t ldx, int64_t M, const float* packed,
+                            int64_t K, int64_t num_tiles, const float* bias, float* y,
+                            int64_t ldy, int64_t g0, int64_t g1) {
+  for (int64_t g = g0; g < g1; ++g) {
+    const int64_t t = g * kGroup;
+    if (t + kGroup <= num_tiles) {
+      tile_group<kGroup>(x, ldx, M, packed, K, bias, y, ldy, t);
+    } else {
+      for (int64_t i = t; i < num_tiles; ++i) tile_group<1>(x, ldx, M, packed, K, bias, y, ldy, i);
+    }
+  }
+}
+
+}  // namespace pagedjax::cpu_linear

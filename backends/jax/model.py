@@ -84,22 +84,39 @@ def dense(features: int, name: str, dtype: jnp.dtype, bias: bool = False,
                     precision=matmul_precision(dtype), name=name)
 
 
+_FUSED = {"self_attn": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
+          "mlp": ("gate_up_proj", ("gate_proj", "up_proj"))}
+
+
 def pack_params(params: dict, tie_word_embeddings: bool) -> dict:
-    """{"params": ...} with every linear kernel [in, out] packed for PackedLinear, and a tied
-    LM head given its own packed copy of the embedding (as "lm_head")."""
+    """{"params": ...} for the packed model: every linear kernel [in, out] packed for
+    PackedLinear, q/k/v and gate/up fused into one product each (qkv_proj, gate_up_proj), and a
+    tied LM head given its own packed copy of the embedding (as "lm_head")."""
     from pagedjax.kernels_pallas import cpu_ffi
 
-    def pack(tree: dict) -> dict:
-        return {name: ({**value, "kernel": cpu_ffi.pack_linear_weight(value["kernel"])}
-                       if isinstance(value, dict) and "kernel" in value
-                       else pack(value) if isinstance(value, dict) else value)
-                for name, value in tree.items()}
+    def packed(layer: dict) -> dict:
+        out = {"kernel": cpu_ffi.pack_linear_weight(layer["kernel"])}
+        return {**out, "bias": layer["bias"]} if "bias" in layer else out
 
-    packed = pack(params["params"])
-    if tie_word_embeddings:
-        embedding = params["params"]["embed_tokens"]["embedding"]  # [V, H]
-        packed["lm_head"] = {"kernel": cpu_ffi.pack_linear_weight(embedding.T)}
-    return {**params, "params": packed}
+    def fuse(block: dict, fused: str, parts: tuple[str, ...]) -> dict:
+        rest = {name: packed(block[name]) for name in block if name not in parts}
+        layers = [block[name] for name in parts]
+        kernel = jnp.concatenate([layer["kernel"] for layer in layers], axis=-1)
+        joined = {"kernel": kernel}
+        if "bias" in layers[0]:
+            joined["bias"] = jnp.concatenate([layer["bias"] for layer in layers], axis=-1)
+        return {**rest, fused: packed(joined)}
+
+    tree = dict(params["params"])
+    for name, layer in tree.items():
+        if name.startswith("layers_"):
+            tree[name] = {**layer, **{block: fuse(layer[block], *_FUSED[block])
+                                      for block in _FUSED}}
+    if "lm_head" in tree:
+        tree["lm_head"] = packed(tree["lm_head"])
+    elif tie_word_embeddings:
+        tree["lm_head"] = packed({"kernel": tree["embed_tokens"]["embedding"].T})  # [H, V]
+    return {**params, "params": tree}
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -123,13 +140,18 @@ class Attention(nn.Module):
         cfg, num_tokens = self.config, x.shape[0]
         d, hq, hkv = cfg.head_dim, cfg.num_q_heads, cfg.num_kv_heads
 
-        def proj(name: str, heads: int, bias: bool) -> jax.Array:
-            return dense(heads * d, name, self.dtype, bias, self.packed)(x).reshape(
+        def proj(name: str, heads: int) -> jax.Array:
+            return dense(heads * d, name, self.dtype, cfg.attention_bias)(x).reshape(
                 num_tokens, heads, d)
 
-        q = proj("q_proj", hq, cfg.attention_bias)  # [T, Hq, D]
-        k = proj("k_proj", hkv, cfg.attention_bias)  # [T, Hkv, D]
-        v = proj("v_proj", hkv, cfg.attention_bias)  # [T, Hkv, D]
+        if self.packed:  # one product (pack_params fused the kernels)
+            qkv = dense((hq + 2 * hkv) * d, "qkv_proj", self.dtype, cfg.attention_bias,
+                        packed=True)(x).reshape(num_tokens, hq + 2 * hkv, d)
+            q, k, v = qkv[:, :hq], qkv[:, hq : hq + hkv], qkv[:, hq + hkv :]
+        else:
+            q = proj("q_proj", hq)  # [T, Hq, D]
+            k = proj("k_proj", hkv)  # [T, Hkv, D]
+            v = proj("v_proj", hkv)  # [T, Hkv, D]
         cos, sin = meta.rope_cos[meta.positions], meta.rope_sin[meta.positions]  # [T, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_cache, v_cache = self.write_kv_fn(k, v, *kv_cache, meta.slot_mapping)
@@ -149,8 +171,11 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         inter, dtype, packed = self.config.intermediate_size, self.dtype, self.packed
-        gate = dense(inter, "gate_proj", dtype, packed=packed)(x)
-        up = dense(inter, "up_proj", dtype, packed=packed)(x)
+        if packed:  # one product (pack_params fused the kernels)
+            gate_up = dense(2 * inter, "gate_up_proj", dtype, packed=True)(x)
+            gate, up = gate_up[:, :inter], gate_up[:, inter:]
+        else:
+            gate, up = dense(inter, "gate_proj", dtype)(x), dense(inter, "up_proj", dtype)(x)
         return dense(self.config.hidden_size, "down_proj", dtype, packed=packed)(
             nn.silu(gate) * up)
 

@@ -1,6 +1,6 @@
 """The JAX backend's attention and linear layers on CPU through XLA's FFI: the C++ kernels the
 torch backend runs on CPU (`kernels_cuda/csrc/attention_cpu_kernel.h`, `linear_cpu_kernel.h`),
-in float32, as CPU custom calls.
+in float32, as CPU custom calls; and a top-k for the logprobs (XLA's CPU TopK sorts every row).
 
 The library is compiled on first use with the system's C++ compiler (`$CXX`, else `c++`) and
 cached per source, compiler and jaxlib version in `$PAGEDJAX_CACHE` (default
@@ -29,7 +29,9 @@ from pagedjax.native_build import loaded_libstdcxx_ldflags
 
 TARGET = "pagedjax_ragged_paged_attention_f32"
 LINEAR_TARGET = "pagedjax_linear_f32"
-_SYMBOLS = {TARGET: "PagedjaxRaggedPagedAttentionF32", LINEAR_TARGET: "PagedjaxLinearF32"}
+TOP_K_TARGET = "pagedjax_top_k_f32"
+_SYMBOLS = {TARGET: "PagedjaxRaggedPagedAttentionF32", LINEAR_TARGET: "PagedjaxLinearF32",
+            TOP_K_TARGET: "PagedjaxTopKF32"}
 _SOURCES = ("cpu_ffi.cpp", "attention_cpu_kernel.h", "attention_shape.h", "cpu_features.h",
             "simd_math.h", "linear_cpu_kernel.h")
 LINEAR_TILE = 16  # columns per packed tile (linear_cpu_kernel.h)
@@ -139,3 +141,16 @@ def linear(x: jax.Array, packed: jax.Array, out_features: int) -> jax.Array:
     if padded != out_features:
         y = y[:, :out_features]
     return y.reshape(*x.shape[:-1], out_features)
+
+
+def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """jax.lax.top_k of float32 x [..., V] (NaN-free) over the last axis: (values [..., k],
+    int32 indices [..., k]), largest first, ties to the lower index. Call `available()` first."""
+    if x.dtype != jnp.float32:
+        raise ValueError(f"the C++ CPU top_k takes float32; got {x.dtype}")
+    rows = x.reshape(-1, x.shape[-1])
+    call = jax.ffi.ffi_call(TOP_K_TARGET, (jax.ShapeDtypeStruct((rows.shape[0], k), jnp.float32),
+                                           jax.ShapeDtypeStruct((rows.shape[0], k), jnp.int32)),
+                            vmap_method="sequential")
+    values, indices = call(rows)
+    return values.reshape(*x.shape[:-1], k), indices.reshape(*x.shape[:-1], k)

@@ -129,6 +129,44 @@ ffi::Error linear_f32(ffi::ThreadPool pool,
   return ffi::Error::Success();
 }
 
+// The k largest values of each row of x [R, V] (k <= V), largest first, ties to the lower index
+// (jax.lax.top_k's order), with their indices: one pass per row, keeping a sorted list of k.
+ffi::Error top_k_f32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                     ffi::ResultBuffer<ffi::F32> values, ffi::ResultBuffer<ffi::S32> indices) {
+  const auto xd = x.dimensions(), vd = values->dimensions();
+  if (xd.size() != 2 || vd.size() != 2 || vd[0] != xd[0] || vd[1] > xd[1] || vd[1] < 1 ||
+      indices->dimensions()[0] != vd[0] || indices->dimensions()[1] != vd[1]) {
+    return ffi::Error::InvalidArgument("top_k (FFI): expected x [R, V], outputs [R, k], k <= V");
+  }
+  const int64_t rows = xd[0], V = xd[1], k = vd[1];
+  const float* src = x.typed_data();
+  float* top = values->typed_data();
+  int32_t* ids = indices->typed_data();
+  const int64_t parts = num_parts(pool, rows * V / (1 << 15));
+  run_parts(pool, parts, [&](int64_t p) {
+    for (int64_t r = rows * p / parts; r < rows * (p + 1) / parts; ++r) {
+      const float* row = src + r * V;
+      float* tv = top + r * k;
+      int32_t* ti = ids + r * k;
+      int64_t n = 0;  // kept so far, sorted: tv[0] >= tv[1] >= ...
+      for (int64_t i = 0; i < V; ++i) {
+        const float v = row[i];
+        if (n == k && !(v > tv[k - 1])) continue;  // not above the k-th (NaN never enters)
+        int64_t j = std::min(n, k - 1);  // slide smaller ones down; equal ones stay ahead
+        while (j > 0 && v > tv[j - 1]) {
+          tv[j] = tv[j - 1];
+          ti[j] = ti[j - 1];
+          --j;
+        }
+        tv[j] = v;
+        ti[j] = static_cast<int32_t>(i);
+        n = std::min(n + 1, k);
+      }
+    }
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace pagedjax
 
@@ -153,3 +191,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxLinearF32, pagedjax::linear_f32,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxTopKF32, pagedjax::top_k_f32,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());

@@ -169,3 +169,27 @@ def test_the_jax_model_packs_its_linears_only_on_the_cpu_path() -> None:
     assert not uses_cpu_linear("reference", jnp.float32, None)
     assert not uses_cpu_linear("cpu", jnp.bfloat16, None)
     assert not uses_cpu_linear("cpu", jnp.float32, object())
+
+
+# ---- top-k (the logprobs' top entries) ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("k", [1, 7, 20, 40])
+def test_top_k_is_lax_top_k(k: int) -> None:
+    """Values and indices equal jax.lax.top_k's: ties (many, from small integers) to the lower
+    index, a row of -inf, 2-D and 3-D inputs, k up to the whole row."""
+    rng = np.random.default_rng(k)
+    x = rng.integers(-4, 5, size=(9, 3, 40)).astype(np.float32)
+    x[0, 0] = -np.inf
+    x[1, 2, 5] = np.inf
+    for arr in (jnp.asarray(x), jnp.asarray(x[:, 1])):
+        got = jax.jit(lambda a: cpu_ffi.top_k(a, k))(arr)
+        want = jax.lax.top_k(arr, k)
+        for g, w in zip(got, want, strict=True):
+            assert g.dtype == w.dtype
+            np.testing.assert_array_equal(g, w)
+
+
+def test_top_k_rejects_other_dtypes() -> None:
+    with pytest.raises(ValueError, match="float32"):
+        cpu_ffi.top_k(jnp.zeros((2, 8), jnp.bfloat16), 2)

@@ -292,7 +292,8 @@ struct CpuAttention {
     const int64_t num_items = shape.num_tokens * shape.num_kv_heads;
     std::vector<int64_t> cost(shape.num_tokens + 1, 0);  // prefix sums over rows
     for (int64_t t = 0; t < shape.num_tokens; ++t) {
-      const auto [lo, hi] = visible_keys(t);
+      const int64_t seq = sequence_of_row(t);
+      const auto [lo, hi] = seq < 0 ? std::pair<int64_t, int64_t>{0, 0} : visible_keys(t, seq);
       cost[t + 1] = cost[t] + (hi - lo) + kItemOverhead;
     }
     std::vector<int64_t> bounds(parts + 1, num_items);
@@ -305,10 +306,8 @@ struct CpuAttention {
     return bounds;
   }
 
-  // [lo, hi): the keys query row t sees ({0, 0} for a padding row).
-  std::pair<int64_t, int64_t> visible_keys(int64_t t) const {
-    const int64_t s = sequence_of_row(t);
-    if (s < 0) return {0, 0};
+  // [lo, hi): the keys query row t of sequence s sees.
+  std::pair<int64_t, int64_t> visible_keys(int64_t t, int64_t s) const {
     const int32_t start = batch.query_start_loc[s];
     const int64_t q_len = batch.query_start_loc[s + 1] - start;
     const int64_t pos = batch.kv_lens[s] - q_len + (t - start);
@@ -326,7 +325,7 @@ struct CpuAttention {
       std::fill(o, o + G * D, scalar_t(0));
       return;
     }
-    const auto [lo, hi] = visible_keys(t);
+    const auto [lo, hi] = visible_keys(t, s);
     const int64_t n_visible = hi - lo;
     const int32_t* blocks = batch.block_tables + s * shape.max_blocks;
 

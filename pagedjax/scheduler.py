@@ -106,7 +106,17 @@ class Scheduler:
         self._schedule_running(step)
         if not step.preempted_seq_ids:
             self._schedule_waiting(step)
+        if step.num_spec_tokens:
+            self._fit_num_spec_tokens(step)
         return step
+
+    @staticmethod
+    def _fit_num_spec_tokens(step: SchedulerOutput) -> None:
+        """The step's k is the most drafts any of its sequences proposes (max_tokens caps them
+        near the end): the draft passes past it would propose nothing. A step with no drafts
+        runs the draft only for catch-ups (k = 1: the catch-up pass alone), else not at all."""
+        k = max((e.num_spec_tokens for e in step.scheduled), default=0)
+        step.num_spec_tokens = k or int(any(e.draft_token_ids for e in step.scheduled))
 
     def _budget(self, step: SchedulerOutput) -> int:
         return self.max_num_batched_tokens - step.num_batched_tokens
@@ -184,21 +194,28 @@ class Scheduler:
     def _num_spec_tokens(self, step: SchedulerOutput, seq: Sequence, num_computed: int,
                          num_new: int, num_draft_computed: int | None = None) -> int:
         """Draft slots for seq this step: only once its last real token is computed and the
-        draft can catch up to it, within the budget and what max_tokens leaves, and never while
-        forking, below min_tokens or when its policy picks its tokens (beams). Penalties and
-        logit_bias change the target's distribution per position (counts grow with each
-        accepted draft): their sequences do not draft either."""
+        draft can catch up to it, within the budget and `_drafts_left`, and never while forking
+        or below min_tokens."""
         end_pos = num_computed + num_new
-        params = seq.sampling_params
         if num_draft_computed is None:
             num_draft_computed = seq.num_draft_computed_tokens
         if (not step.num_spec_tokens or end_pos < seq.num_tokens or seq.num_pending_forks
-                or params.has_penalties or params.logit_bias or seq.policy_picks_tokens
-                or seq.num_output_tokens < params.min_tokens
+                or seq.num_output_tokens < seq.sampling_params.min_tokens
                 or end_pos - num_draft_computed > self._draft_budget):
             return 0
-        remaining = seq.max_tokens - seq.num_output_tokens - 1
-        return max(0, min(step.num_spec_tokens, self._budget(step) - num_new, remaining))
+        return max(0, min(step.num_spec_tokens, self._budget(step) - num_new,
+                          self._drafts_left(seq)))
+
+    @staticmethod
+    def _drafts_left(seq: Sequence) -> int:
+        """The most drafts seq may still propose in one step: max_tokens leaves room for
+        them beside the token its target pass yields; 0 for good where drafting cannot serve
+        it (penalties and logit_bias change the target's distribution per position: counts
+        grow with each accepted draft; a policy that picks the tokens, beams, takes none)."""
+        params = seq.sampling_params
+        if params.has_penalties or params.logit_bias or seq.policy_picks_tokens:
+            return 0
+        return seq.max_tokens - seq.num_output_tokens - 1
 
     def _allocate_with_drafts(self, seq: Sequence, num_computed: int, num_new: int,
                               num_spec: int, hits: list[int] | tuple = ()
@@ -240,8 +257,9 @@ class Scheduler:
             draft_start_pos=seq.num_draft_computed_tokens,
             prompt_logprob_token_ids=seq.prompt_logprob_token_ids(start, end),
         )
-        # The draft runs this step: it catches up as far as it may (beams never draft).
-        if self._draft_budget and not seq.policy_picks_tokens:
+        # The draft runs this step: it catches up as far as it may, for sequences that may
+        # still draft (not one on its last token, or one that never drafts).
+        if self._draft_budget and self._drafts_left(seq) > 0:
             num_catch_up = min(end - entry.draft_start_pos, self._draft_budget)
             entry.draft_token_ids = seq.token_ids[entry.draft_start_pos :
                                                   entry.draft_start_pos + num_catch_up]

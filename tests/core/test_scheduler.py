@@ -15,9 +15,10 @@ BS = 4
 
 
 def make_scheduler(num_blocks: int, *, max_num_seqs: int = 8, budget: int = 16,
-                   prefix_caching: bool = False) -> Scheduler:
+                   prefix_caching: bool = False, has_draft: bool = False) -> Scheduler:
     return Scheduler(BlockManager(num_blocks, BS, prefix_caching), max_num_seqs=max_num_seqs,
-                     max_num_batched_tokens=budget, stop_checker=StopChecker((), 10_000))
+                     max_num_batched_tokens=budget, stop_checker=StopChecker((), 10_000),
+                     has_draft=has_draft)
 
 
 def make_context(sched: Scheduler) -> PolicyContext:
@@ -53,6 +54,29 @@ def test_chunked_prefill_shares_the_budget_with_decodes() -> None:
     assert step(sched) == [(0, 4, 1), (1, 12, 7)]
     assert step(sched) == [(0, 5, 1), (1, 19, 1)]  # seq 1 caught up: its first token sampled
     assert sched.seqs[1].num_output_tokens == 1 and sched.seqs[0].num_output_tokens == 4
+
+
+def test_the_draft_runs_only_for_drafts_it_can_still_propose() -> None:
+    """A step's k is the most drafts one of its sequences proposes (max_tokens caps them); a
+    sequence on its last token neither drafts nor catches up; a step that only catches up runs
+    the catch-up pass alone (k = 1), and one with nothing for the draft does not run it."""
+    sched = make_scheduler(64, budget=8, has_draft=True)
+    add(sched, 0, 12, max_tokens=3)
+    out = sched.schedule(4)  # a prompt chunk: no drafts, the draft catches up on it
+    assert out.num_spec_tokens == 1 and out.scheduled[0].num_spec_tokens == 0
+    assert out.scheduled[0].draft_token_ids == list(range(1, 9))
+    sched.update(out, {})
+    out = sched.schedule(4)  # the prompt's end: 2 drafts beside the first token (3 at most)
+    assert out.num_spec_tokens == out.scheduled[0].num_spec_tokens == 2
+    assert out.scheduled[0].draft_token_ids == list(range(9, 13))
+    sched.update(out, {0: [7]})  # both drafts rejected
+    out = sched.schedule(4)
+    assert out.num_spec_tokens == out.scheduled[0].num_spec_tokens == 1
+    sched.update(out, {0: [7]})
+    out = sched.schedule(4)  # its last token: nothing for the draft to do
+    assert out.num_spec_tokens == 0 and out.scheduled[0].draft_token_ids == []
+    sched.update(out, {0: [7]})
+    assert sched.seqs[0].is_finished
 
 
 def test_max_num_seqs_and_fcfs() -> None:

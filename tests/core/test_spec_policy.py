@@ -191,10 +191,11 @@ def test_the_draft_must_be_a_checkpoint(tmp_path) -> None:
         SpeculativeConfig.from_dict({"model": str(tmp_path / "missing")})
 
 
-@pytest.mark.parametrize(("gain", "drafts"), [(1.05, False), (1.25, True)])
+@pytest.mark.parametrize(("gain", "drafts"), [(1.05, False), (1.25, False), (1.4, True)])
 def test_drafting_must_promise_a_margin_over_k0(tmp_path, gain: float, drafts: bool) -> None:
     """Every draft accepted, t(k) tuned so that E(4) / t(4) = gain * E(0) / t(0): a promise of
-    5 % (within the optimism of the estimate) keeps k = 0, one of 25 % drafts."""
+    5 % or 25 % (within the optimism of the estimate at a large batch) keeps k = 0, one of 40 %
+    drafts."""
     policy = AdaptiveSpeculation(config(tmp_path))
     slope = (5.0 / gain - 1.0) / 4  # t(k) = 1 + slope * k: t(4) = 5 / gain
     chosen = simulate(policy, 32, 200, accepted=4, seconds=lambda k: 1.0 + slope * k)

@@ -35,7 +35,7 @@ Backend = Literal["cpp", "cuda", "reference"]
 _NAME = "pagedjax_ops"
 _CSRC = Path(__file__).parent / "csrc"
 _CPU_SOURCES = ("ops.cpp", "attention_cpu.cpp", "linear_cpu.cpp", "rotary_cpu.cpp",
-                "norm_act_cpu.cpp")
+                "norm_act_cpu.cpp", "decoder_layer_cpu.cpp")
 _CUDA_SOURCES = ("attention_cuda.cu", "write_kv_cuda.cu")
 DEFAULT_CUDA_ARCHS = "8.0;9.0+PTX"  # A100 and H100 SASS; PTX that newer GPUs JIT-compile
 _MIN_CAPABILITY = (8, 0)  # cp.async and bf16 paths

@@ -148,7 +148,7 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig, shard: Shard) -> None:
         super().__init__()
         self.shard = shard
-        inter = shard.part(config.intermediate_size)
+        inter = self.intermediate_size = shard.part(config.intermediate_size)
         self.gate_up_proj = Linear(config.hidden_size, 2 * inter)
         self.down_proj = Linear(inter, config.hidden_size)
 
@@ -184,12 +184,28 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config, ops, shard)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config, shard)
+        self.fused = False  # the whole layer as one C++ op (`fuse`)
+
+    def fuse(self) -> None:
+        """Run the layer as `pagedjax::decoder_layer` (CPU, packed float32, one device): the
+        same ops in the same order, with one call from Python instead of ~12 plus their glue."""
+        self.fused = True
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                 sin: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's output [T, H]; residual: the stream before it (None in the
         first layer, whose x is the embedding) → this layer's (output, residual stream)."""
+        if self.fused:
+            attn, mlp, cfg = self.self_attn, self.mlp, self.self_attn.config
+            return torch.ops.pagedjax.decoder_layer(
+                x, residual, self.input_layernorm.weight, attn.qkv_proj.weight,
+                attn.qkv_proj.bias, attn.o_proj.weight, self.post_attention_layernorm.weight,
+                mlp.gate_up_proj.weight, mlp.down_proj.weight, *kv_cache, cos, sin,
+                meta.slot_mapping, meta.kv_lens, meta.block_tables, meta.query_start_loc,
+                attn.num_q_heads, attn.num_kv_heads, mlp.intermediate_size,
+                self.input_layernorm.eps, cfg.head_dim**-0.5, cfg.sliding_window,
+                meta.max_query_len)
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:
@@ -232,12 +248,16 @@ class LlamaForCausalLM(nn.Module):
 
     def pack_linears(self) -> None:
         """CPU float32: every projection (and the LM head, tied or not) on the packed
-        `pagedjax::linear` op. A tied head gets its own packed copy of the embedding."""
+        `pagedjax::linear` op. A tied head gets its own packed copy of the embedding. On one
+        device each decoder layer then runs as one C++ op."""
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
         if self.lm_head is None:
             self.lm_head = Linear.packed_from(self.embed_tokens.weight.T)
+        if self.shard.size == 1:
+            for layer in self.layers:
+                layer.fuse()
 
 
 def load_model(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from pagedjax.backends.jax.runner import JaxModelRunner
+from pagedjax.backends.torch.model import DecoderLayer
 from pagedjax.backends.torch.runner import TorchModelRunner
 from pagedjax.config import EngineConfig, ModelConfig
 from pagedjax.kv_cache import num_kv_blocks_for_budget, warm_up_input
@@ -194,6 +195,23 @@ def test_reference_attention_matches_ops(checkpoints: dict[str, Path], runs) -> 
     ops_run = runs("mistral", "torch", "stress")
     assert run.token_ids == ops_run.token_ids
     _assert_logprobs_close(run, ops_run)
+
+
+@pytest.mark.parametrize("arch", ["mistral", "qwen2"])  # a sliding window; q/k/v bias, tied head
+def test_fused_decoder_layer_is_bit_identical(checkpoints: dict[str, Path], runs, arch: str,
+                                              monkeypatch) -> None:
+    """On the CPU in float32 each decoder layer runs as one C++ op (`pagedjax::decoder_layer`):
+    the same ops in the same order as the layer module by module, so the same tokens and the
+    same logprob bits, sampled rows included."""
+    llm = LLM(str(checkpoints[arch]), backend="torch", **BASIC)
+    assert all(layer.fused for layer in llm.engine.runner.models[0].module.layers)
+    llm.shutdown()
+    monkeypatch.setattr(DecoderLayer, "fuse", lambda self: None)
+    _, prompts, params = WORKLOADS["basic"]
+    unfused = _run(checkpoints[arch], "torch", BASIC, prompts, params)
+    fused = runs(arch, "torch", "basic")
+    assert fused.token_ids == unfused.token_ids
+    assert fused.logprobs == unfused.logprobs
 
 
 def test_kv_pool_sizing_matches_jax(checkpoints: dict[str, Path]) -> None:

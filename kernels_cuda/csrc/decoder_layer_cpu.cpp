@@ -1,0 +1,118 @@
+// One Llama decoder layer of the CPU float32 path as a single op: the same pagedjax ops in the
+// same order as backends/torch/model.py's DecoderLayer (so the same bits), called through typed
+// dispatcher handles instead of one Python call each.
+//
+// Why: at a few rows the ops' kernels are the smaller part of a layer. A 2-layer draft model's
+// 1-token forward took 232 us for 79 us of kernels; the rest was the per-op path from Python
+// (argument parsing, boxing, the nn.Module calls and views around ~12 ops a layer).
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <tuple>
+
+namespace pagedjax {
+namespace {
+
+using OptTensor = std::optional<at::Tensor>;
+
+template <typename Signature>
+c10::TypedOperatorHandle<Signature> find_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+
+struct Ops {
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, double)> rms_norm =
+      find_op<at::Tensor(const at::Tensor&, const at::Tensor&, double)>("pagedjax::rms_norm");
+  c10::TypedOperatorHandle<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                              const at::Tensor&, double)>
+      fused_add_rms_norm =
+          find_op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                     const at::Tensor&, double)>(
+              "pagedjax::fused_add_rms_norm");
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&,
+                                      int64_t)>
+      linear = find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&,
+                                  int64_t)>("pagedjax::linear");
+  c10::TypedOperatorHandle<void(const at::Tensor&, const at::Tensor&, const at::Tensor&)> rotary =
+      find_op<void(const at::Tensor&, const at::Tensor&, const at::Tensor&)>(
+          "pagedjax::rotary_embedding_");
+  c10::TypedOperatorHandle<void(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                const at::Tensor&, const at::Tensor&)>
+      write_kv = find_op<void(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                              const at::Tensor&, const at::Tensor&)>("pagedjax::write_kv");
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                      const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                      double, std::optional<int64_t>, std::optional<double>,
+                                      std::optional<int64_t>)>
+      attention = find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                     const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                     double, std::optional<int64_t>, std::optional<double>,
+                                     std::optional<int64_t>)>("pagedjax::ragged_paged_attention");
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&)> silu_and_mul =
+      find_op<at::Tensor(const at::Tensor&)>("pagedjax::silu_and_mul");
+};
+
+const Ops& ops() {
+  static const Ops handles;  // looked up on the first call, when every op is registered
+  return handles;
+}
+
+// x [T, H]: the previous layer's output (the embedding in the first layer, residual None)
+// → (this layer's output [T, H], the residual stream [T, H]). Weights packed for
+// pagedjax::linear; norms' weights [H]; k_cache/v_cache [N, Hkv, bs, D] written at slot_mapping.
+std::tuple<at::Tensor, at::Tensor> decoder_layer_cpu(
+    const at::Tensor& x, const OptTensor& residual, const at::Tensor& input_norm,
+    const at::Tensor& qkv_weight, const OptTensor& qkv_bias, const at::Tensor& o_weight,
+    const at::Tensor& post_norm, const at::Tensor& gate_up_weight, const at::Tensor& down_weight,
+    const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& cos,
+    const at::Tensor& sin, const at::Tensor& slot_mapping, const at::Tensor& kv_lens,
+    const at::Tensor& block_tables, const at::Tensor& query_start_loc, int64_t num_q_heads,
+    int64_t num_kv_heads, int64_t intermediate_size, double eps, double sm_scale,
+    std::optional<int64_t> sliding_window, std::optional<int64_t> max_query_len) {
+  const Ops& op = ops();
+  TORCH_CHECK(x.dim() == 2, "pagedjax::decoder_layer: x must be [num_tokens, hidden], got ",
+              x.sizes());
+  const int64_t num_tokens = x.size(0), hidden = x.size(1), head_dim = k_cache.size(3);
+  at::Tensor h, stream;
+  if (residual) {
+    std::tie(h, stream) = op.fused_add_rms_norm.call(x, *residual, input_norm, eps);
+  } else {
+    h = op.rms_norm.call(x, input_norm, eps);
+    stream = x;
+  }
+  const int64_t q_size = num_q_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  at::Tensor qkv = op.linear.call(h, qkv_weight, qkv_bias, q_size + 2 * kv_size);  // [T, .]
+  op.rotary.call(qkv.narrow(1, 0, q_size + kv_size)
+                     .view({num_tokens, num_q_heads + num_kv_heads, head_dim}),
+                 cos, sin);  // q and k, in place
+  at::Tensor q = qkv.narrow(1, 0, q_size).view({num_tokens, num_q_heads, head_dim});
+  at::Tensor k = qkv.narrow(1, q_size, kv_size).view({num_tokens, num_kv_heads, head_dim});
+  at::Tensor v =
+      qkv.narrow(1, q_size + kv_size, kv_size).view({num_tokens, num_kv_heads, head_dim});
+  op.write_kv.call(k, v, k_cache, v_cache, slot_mapping);
+  at::Tensor attn = op.attention.call(q, k_cache, v_cache, kv_lens, block_tables,
+                                      query_start_loc, sm_scale, sliding_window, std::nullopt,
+                                      max_query_len);  // [T, Hq, D]
+  at::Tensor o = op.linear.call(attn.reshape({num_tokens, q_size}), o_weight, std::nullopt, hidden);
+  std::tie(h, stream) = op.fused_add_rms_norm.call(o, stream, post_norm, eps);
+  at::Tensor gate_up = op.linear.call(h, gate_up_weight, std::nullopt, 2 * intermediate_size);
+  at::Tensor out = op.linear.call(op.silu_and_mul.call(gate_up), down_weight, std::nullopt, hidden);
+  return {out, stream};
+}
+
+}  // namespace
+}  // namespace pagedjax
+
+TORCH_LIBRARY_FRAGMENT(pagedjax, m) {
+  m.def(
+      "decoder_layer(Tensor x, Tensor? residual, Tensor input_norm, Tensor qkv_weight, "
+      "Tensor? qkv_bias, Tensor o_weight, Tensor post_norm, Tensor gate_up_weight, "
+      "Tensor down_weight, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cos, Tensor sin, "
+      "Tensor slot_mapping, Tensor kv_lens, Tensor block_tables, Tensor query_start_loc, "
+      "int num_q_heads, int num_kv_heads, int intermediate_size, float eps, float sm_scale, "
+      "int? sliding_window, int? max_query_len) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(pagedjax, CPU, m) { m.impl("decoder_layer", &pagedjax::decoder_layer_cpu); }

@@ -52,7 +52,9 @@ def rejection_sample(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
     """
     num_drafts = draft_token_ids.shape[1]  # K
     num_rows, num_positions, vocab = target_logits.shape
-    positions = _per_position(sampling, num_positions)  # [L * (K+1)] rows
+    # [L * (K+1)] rows; greedy rows with no logits processors need none of the knobs
+    positions = (_per_position(sampling, num_positions)
+                 if not all_greedy or any(name.endswith("_rows") for name in sampling) else {})
     target_logits = process_logits(target_logits.reshape(-1, vocab), positions).view(
         num_rows, num_positions, vocab)
     target_argmax = torch.argmax(target_logits, dim=-1)  # [L, K+1] int64

@@ -22,36 +22,30 @@ c10::TypedOperatorHandle<Signature> find_op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
 }
 
+// The ops' C++ signatures, as their kernels are registered.
+using Tensor = at::Tensor;
+using RmsNorm = Tensor(const Tensor&, const Tensor&, double);
+using FusedAddRmsNorm = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
+                                                   double);
+using Linear = Tensor(const Tensor&, const Tensor&, const OptTensor&, int64_t);
+using Rotary = void(const Tensor&, const Tensor&, const Tensor&);
+using WriteKV = void(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&);
+using Attention = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                         const Tensor&, const Tensor&, double, std::optional<int64_t>,
+                         std::optional<double>, std::optional<int64_t>);
+using SiluAndMul = Tensor(const Tensor&);
+
 struct Ops {
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, double)> rms_norm =
-      find_op<at::Tensor(const at::Tensor&, const at::Tensor&, double)>("pagedjax::rms_norm");
-  c10::TypedOperatorHandle<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
-                                                              const at::Tensor&, double)>
-      fused_add_rms_norm =
-          find_op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
-                                                     const at::Tensor&, double)>(
-              "pagedjax::fused_add_rms_norm");
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&,
-                                      int64_t)>
-      linear = find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&,
-                                  int64_t)>("pagedjax::linear");
-  c10::TypedOperatorHandle<void(const at::Tensor&, const at::Tensor&, const at::Tensor&)> rotary =
-      find_op<void(const at::Tensor&, const at::Tensor&, const at::Tensor&)>(
-          "pagedjax::rotary_embedding_");
-  c10::TypedOperatorHandle<void(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                const at::Tensor&, const at::Tensor&)>
-      write_kv = find_op<void(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                              const at::Tensor&, const at::Tensor&)>("pagedjax::write_kv");
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                      const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                      double, std::optional<int64_t>, std::optional<double>,
-                                      std::optional<int64_t>)>
-      attention = find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                     const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                     double, std::optional<int64_t>, std::optional<double>,
-                                     std::optional<int64_t>)>("pagedjax::ragged_paged_attention");
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&)> silu_and_mul =
-      find_op<at::Tensor(const at::Tensor&)>("pagedjax::silu_and_mul");
+  c10::TypedOperatorHandle<RmsNorm> rms_norm = find_op<RmsNorm>("pagedjax::rms_norm");
+  c10::TypedOperatorHandle<FusedAddRmsNorm> fused_add_rms_norm =
+      find_op<FusedAddRmsNorm>("pagedjax::fused_add_rms_norm");
+  c10::TypedOperatorHandle<Linear> linear = find_op<Linear>("pagedjax::linear");
+  c10::TypedOperatorHandle<Rotary> rotary = find_op<Rotary>("pagedjax::rotary_embedding_");
+  c10::TypedOperatorHandle<WriteKV> write_kv = find_op<WriteKV>("pagedjax::write_kv");
+  c10::TypedOperatorHandle<Attention> attention =
+      find_op<Attention>("pagedjax::ragged_paged_attention");
+  c10::TypedOperatorHandle<SiluAndMul> silu_and_mul =
+      find_op<SiluAndMul>("pagedjax::silu_and_mul");
 };
 
 const Ops& ops() {

@@ -168,7 +168,7 @@ class AdaptiveSpeculation:
     WINDOW = 5  # step-time samples kept per k and batch size
     MIN_SAMPLES = 3  # of k = max and of k = 0, before any choice
     PROBE_STEPS = 3  # steps per probe
-    ACCEPTANCE_DECAY = 0.9  # per step: acceptance follows the last ~10 steps' drafts
+    ACCEPTANCE_DECAY = 0.9  # per step that drafts a position: its last ~10 such steps count
     PROBE_EVERY = 32
     MAX_PROBE_EVERY = 512
     PROBE_BUDGET = 0.02  # the share of time probes may cost over the best k's steps
@@ -242,9 +242,12 @@ class AdaptiveSpeculation:
         its wall time under the k it ran with."""
         self.steps_per_k[out.num_spec_tokens] += 1
         verified = verified_drafts(out, sampled)
-        if verified:
-            self._drafted = [d * self.ACCEPTANCE_DECAY for d in self._drafted]
-            self._accepted = [a * self.ACCEPTANCE_DECAY for a in self._accepted]
+        # each position forgets only when it is drafted again: one rarely drafted (a probe of
+        # a larger k) keeps its last ~10 steps' measurements instead of its latest one alone
+        deepest = max((num_drafts for num_drafts, _ in verified), default=0)
+        for j in range(deepest):
+            self._drafted[j] *= self.ACCEPTANCE_DECAY
+            self._accepted[j] *= self.ACCEPTANCE_DECAY
         for num_drafts, num_accepted in verified:
             self.metrics.record(num_drafts, num_accepted)
             for j in range(num_drafts):

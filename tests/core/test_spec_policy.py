@@ -63,6 +63,19 @@ def test_the_best_k_is_in_between(tmp_path) -> None:
     assert policy.expected_tokens(4) == pytest.approx(3.0)
 
 
+def test_a_rarely_drafted_position_keeps_its_earlier_measurements(tmp_path) -> None:
+    """Position 4 is drafted only now and then (probes of k = 4 while the best is 3): one
+    rejection there weighs as one sample among its last ~10, not as the whole estimate."""
+    policy = AdaptiveSpeculation(config(tmp_path))
+    for _ in range(10):  # k = 4: all four drafts kept
+        policy.observe(decode_step(1, 4), {0: [0] * 5}, 1.0, timed=False)
+    for _ in range(50):  # k = 3 only: positions 1-3 measured, position 4 not drafted
+        policy.observe(decode_step(1, 3), {0: [0] * 4}, 1.0, timed=False)
+    policy.observe(decode_step(1, 4), {0: [0] * 4}, 1.0, timed=False)  # the 4th draft rejected
+    gain_of_4th = policy.expected_tokens(4) - policy.expected_tokens(3)
+    assert 0.8 < gain_of_4th < 0.95  # ~0.87; forgetting per step made it 1 / (1 + 10 * 0.9^50)
+
+
 def test_each_batch_size_learns_its_own_k(tmp_path) -> None:
     """The same drafts pay at batch 1 (drafting is nearly free) but not at batch 64."""
     policy = AdaptiveSpeculation(config(tmp_path))

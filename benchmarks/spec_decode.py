@@ -24,7 +24,7 @@ from common import add_out_argument, environment, print_table, write_json  # noq
 
 _SOURCES = ("argparse.py", "dataclasses.py", "functools.py", "json/decoder.py", "pathlib.py",
             "textwrap.py", "typing.py", "inspect.py")
-_MAX_PASSES = 16  # the adaptive policy explores k (and shapes) for a while at large batches
+_MAX_ROUNDS = 24  # the adaptive policy explores k (and shapes) for a while at large batches
 _MIN_PROMPTS = 8  # small batches run this many prompts, b at a time: no one-prompt verdicts
 _DELTAS = ("spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
            "spec_decode_num_verifications")
@@ -45,31 +45,33 @@ def code_prompts(tokenizer, num: int, length: int = 64) -> list[list[int]]:
 def timed_generate(llms: dict, groups: list[list[list[int]]], max_tokens: int,
                    repeats: int, warmup: int = 0) -> dict[str, tuple[float, int]]:
     """name -> seconds and output tokens of greedy batches run one after another (one per group
-    of prompts) on that LLM: the fastest of `repeats` passes that compiled nothing, after
-    `warmup` such passes left untimed (the adaptive policy's exploration: steady state). Passes
-    repeat until then (the adaptive policy may try a new k, hence new shapes, in its first
-    steps). The LLMs take turns pass by pass, so that a host whose speed drifts (a shared
-    machine) slows them alike."""
+    of prompts) on that LLM: the fastest of `repeats` rounds, after `warmup` rounds left untimed
+    (the adaptive policy's exploration: steady state). In a round every LLM runs one pass, in
+    turns, so that a host whose speed drifts (a shared machine) slows them alike; a round counts
+    only if no LLM compiled in it (the adaptive policy may try a new k, hence new shapes, in its
+    first steps), so that every LLM is timed in the same rounds."""
     from pagedjax import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     timed: dict[str, list[float]] = {name: [] for name in llms}
     tokens: dict[str, int] = {}
-    for _ in range(_MAX_PASSES + warmup + repeats):
+    for _ in range(_MAX_ROUNDS + warmup + repeats):
+        compiled, seconds = False, {}
         for name, llm in llms.items():
-            if len(timed[name]) == warmup + repeats:
-                continue
             num_compiles, start = llm.engine.runner.num_compiles, time.perf_counter()
             tokens[name] = 0
             for group in groups:
                 outputs = llm.generate([{"prompt_token_ids": p} for p in group], params,
                                        use_tqdm=False)
                 tokens[name] += sum(len(o.outputs[0].token_ids) for o in outputs)
-            if llm.engine.runner.num_compiles == num_compiles:
-                timed[name].append(time.perf_counter() - start)
-        if all(len(t) == warmup + repeats for t in timed.values()):
+            seconds[name] = time.perf_counter() - start
+            compiled |= llm.engine.runner.num_compiles != num_compiles
+        if not compiled:
+            for name, s in seconds.items():
+                timed[name].append(s)
+        if len(timed[name]) == warmup + repeats:
             return {name: (min(t[warmup:]), tokens[name]) for name, t in timed.items()}
-    raise RuntimeError(f"still compiling after {_MAX_PASSES} passes: the shape set is unbounded")
+    raise RuntimeError(f"still compiling after {_MAX_ROUNDS} rounds: the shape set is unbounded")
 
 
 def make_llm(model: str, backend: str, args, draft: str | None = None, k: int = 0,

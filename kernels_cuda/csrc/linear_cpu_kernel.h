@@ -75,7 +75,7 @@ __attribute__((target("avx2,fma"))) void block_avx2(const float* x, int64_t ldx,
 }
 
 // The same blocks with AVX-512: a tile is one 16-float register, 32 registers hold 4 rows x 4
-// tiles of accumulators (16 independent chains where AVX2's 4 x 1 has 8, just what 2 FMA pipes
+// (the last block: up to 6 x 4) tiles of accumulators (16 independent chains where AVX2's 4 x 1 has 8, just what 2 FMA pipes
 // of 4-cycle latency need), and each k loads 4 broadcasts and 4 tile rows for 16 FMAs: 5-10 %
 // faster at 64 rows on a 2-core AMD EPYC (Zen 4), ~95 % of its FMA peak. Every element is still
 // one FMA chain over k in order: the same bits as the AVX2 blocks.
@@ -133,15 +133,27 @@ void tile_group(const float* x, int64_t ldx, int64_t M, const float* packed, int
   int64_t m = 0;
 #if defined(__x86_64__)
   if (cpu_has_avx512f()) {
-    for (; m + kRows <= M; m += kRows) {
+    // Blocks of 4 rows while 8 or more are left; then the last 1-7 rows in one block (7: 4 + 3),
+    // so that each tile row is loaded once for them: a speculative step's target pass has k + 1
+    // rows per sequence (5 at batch 1, k = 4), and a 1-row block does one FMA per load.
+    for (; M - m >= 8; m += kRows) {
       block_avx512<kRows, NT>(x + m * ldx, ldx, w, K, b, y + m * ldy, ldy);
     }
-    if (M - m >= 2) {
-      block_avx512<2, NT>(x + m * ldx, ldx, w, K, b, y + m * ldy, ldy);
-      m += 2;
+    if (M - m == 7) {
+      block_avx512<kRows, NT>(x + m * ldx, ldx, w, K, b, y + m * ldy, ldy);
+      m += kRows;
     }
-    if (m < M) block_avx512<1, NT>(x + m * ldx, ldx, w, K, b, y + m * ldy, ldy);
-    return;
+    const float* xm = x + m * ldx;
+    float* ym = y + m * ldy;
+    switch (M - m) {
+      case 6: return block_avx512<6, NT>(xm, ldx, w, K, b, ym, ldy);
+      case 5: return block_avx512<5, NT>(xm, ldx, w, K, b, ym, ldy);
+      case 4: return block_avx512<4, NT>(xm, ldx, w, K, b, ym, ldy);
+      case 3: return block_avx512<3, NT>(xm, ldx, w, K, b, ym, ldy);
+      case 2: return block_avx512<2, NT>(xm, ldx, w, K, b, ym, ldy);
+      case 1: return block_avx512<1, NT>(xm, ldx, w, K, b, ym, ldy);
+      default: return;
+    }
   }
 #endif
   for (; m + kRows <= M; m += kRows)

@@ -122,7 +122,8 @@ def test_the_build_is_cached_per_source(tmp_path, monkeypatch) -> None:
 @pytest.mark.parametrize(("rows", "in_features", "out_features"),
                          [(1, 64, 40), (7, 96, 72), (64, 256, 512), (5, 48, 16), (0, 32, 16)])
 def test_linear_matches_float64(rows: int, in_features: int, out_features: int) -> None:
-    """Every row grouping (blocks of 4, 2, 1 rows) and tile count (groups of 4, a partial tile)."""
+    """Row groupings (blocks of 4 rows, a last block of 1-7) and tile counts (groups of 4, a
+    partial tile)."""
     rng = np.random.default_rng(rows + in_features)
     x = rng.standard_normal((rows, in_features)).astype(np.float32)
     w = rng.standard_normal((in_features, out_features)).astype(np.float32)

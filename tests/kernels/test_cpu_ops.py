@@ -28,8 +28,9 @@ def _case(num_rows: int, in_features: int, out_features: int, seed: int = 0):
     return x, w, b
 
 
-# Row counts cover every row grouping (4-row blocks, then 2 and/or 1); column counts cover whole
-# and partial 4-tile groups and a last tile that is padded.
+# Row counts cover every row grouping (AVX-512: 4-row blocks, then one block of the last 1-7 rows,
+# 7 as 4 + 3; AVX2: 4-row blocks, then 2 and/or 1); column counts cover whole and partial 4-tile
+# groups and a last tile that is padded.
 @pytest.mark.parametrize("num_rows", [1, 2, 3, 4, 5, 6, 7, 9, 33])
 @pytest.mark.parametrize(("in_features", "out_features"),
                          [(64, 16), (48, 40), (256, 384), (96, 100), (8, 1000)])

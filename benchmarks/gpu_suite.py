@@ -9,7 +9,9 @@ Parts (in the order a first run should take them; `--part all` runs every one):
   float32 (exact) and bf16 (top-5 rule) on tiny models, and the backend test files;
 - kernels: benchmarks/kernels.py, B 1/8/64 x context 512/2048/8192, JAX then torch;
 - throughput, latency: on a Llama-3.2-1B-shaped random bf16 checkpoint made here;
-- spec_decode: the demo pair, one backend per process.
+- spec_decode: the demo pair, one backend per process;
+- decode_step, decode_step_8b: decode steps at batch 1/16/64 against the bandwidth floor, with
+  the host share and a profile of the device time, on the 1B and a Llama-3-8B-shaped checkpoint.
 
 Every step is a subprocess (JAX and torch never share one, XLA's allocator keeps what it
 freed) under a timeout; a part's timeouts add up to under 9 minutes. Logs go to OUT/PART/STEP.log
@@ -45,6 +47,14 @@ LLAMA_3_2_1B = dict(
     rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
 )
+# Llama-3-8B's shape (random weights): 8.03B parameters, GQA 32/8, head_dim 128, untied head.
+LLAMA_3_8B = dict(
+    hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+    num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=8192,
+    rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+)
+SHAPES = {"1b": LLAMA_3_2_1B, "8b": LLAMA_3_8B}
+SHARD_BYTES = 4 << 30  # safetensors shard size of the checkpoints made here
 TOY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
            num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
 
@@ -65,9 +75,11 @@ class Context:
     dry_run: bool
     model_cache: Path
 
-    @property
-    def model_dir(self) -> Path:
-        return self.model_cache / ("toy-bf16" if self.dry_run else "llama-3.2-1b-shape-bf16")
+    def model_dir(self, shape: str = "1b") -> Path:
+        if self.dry_run:
+            return self.model_cache / "toy-bf16"
+        names = {"1b": "llama-3.2-1b-shape-bf16", "8b": "llama-3-8b-shape-bf16"}
+        return self.model_cache / names[shape]
 
 
 def _pytest(junit: Path, *args: str) -> tuple[str, ...]:
@@ -101,9 +113,9 @@ def kernels_steps(ctx: Context) -> list[Step]:
             for fw in ("jax", "torch")]
 
 
-def _make_model_step(ctx: Context) -> Step:
-    argv = (str(Path(__file__)), "--make-model", str(ctx.model_dir))
-    return Step("make_model", (*argv, "--dry-run") if ctx.dry_run else argv, 150)
+def _make_model_step(ctx: Context, shape: str = "1b", timeout_s: int = 150) -> Step:
+    argv = (str(Path(__file__)), "--make-model", str(ctx.model_dir(shape)), "--shape", shape)
+    return Step("make_model", (*argv, "--dry-run") if ctx.dry_run else argv, timeout_s)
 
 
 def throughput_steps(ctx: Context) -> list[Step]:
@@ -111,7 +123,7 @@ def throughput_steps(ctx: Context) -> list[Step]:
              "4", "--hf-batch-size", "2") if ctx.dry_run else ())
     script, out = str(BENCHMARKS / "throughput.py"), str(ctx.out / "throughput")
     return [_make_model_step(ctx), *(
-        Step(f"throughput_{backend}", (script, "--model", str(ctx.model_dir), "--backend",
+        Step(f"throughput_{backend}", (script, "--model", str(ctx.model_dir()), "--backend",
                                        backend, *size, "--out", out), 190)
         for backend in ("jax", "torch"))]
 
@@ -120,7 +132,7 @@ def latency_steps(ctx: Context) -> list[Step]:
     script, out = str(BENCHMARKS / "latency.py"), str(ctx.out / "latency")
     max_tokens = "4" if ctx.dry_run else "128"
     return [_make_model_step(ctx), *(
-        Step(f"latency_{backend}", (script, "--model", str(ctx.model_dir), "--backend", backend,
+        Step(f"latency_{backend}", (script, "--model", str(ctx.model_dir()), "--backend", backend,
                                     "--max-tokens", max_tokens, "--out", out), 190)
         for backend in ("jax", "torch"))]
 
@@ -134,6 +146,26 @@ def spec_decode_steps(ctx: Context) -> list[Step]:
             for backend in ("jax", "torch")]
 
 
+def _decode_step_steps(ctx: Context, shape: str, timeouts_s: dict[str, int]) -> list[Step]:
+    size = (("--batch-sizes", "1", "2", "--context", "16", "--steps", "4") if ctx.dry_run else
+            ("--batch-sizes", "1", "16", "64", "--context", "512", "--steps", "32"))
+    script, out = str(BENCHMARKS / "decode_step.py"), str(ctx.out / f"decode_step_{shape}")
+    return [_make_model_step(ctx, shape, timeouts_s["make"]), *(
+        Step(f"decode_step_{backend}", (script, "--model", str(ctx.model_dir(shape)), "--backend",
+                                        backend, *size, "--profile", "--out", out),
+             timeouts_s[backend])
+        for backend in ("jax", "torch"))]
+
+
+def decode_step_steps(ctx: Context) -> list[Step]:
+    return _decode_step_steps(ctx, "1b", {"make": 150, "jax": 200, "torch": 180})
+
+
+def decode_step_8b_steps(ctx: Context) -> list[Step]:
+    # the weights are drawn on the GPU; jax compiles 32 layers per step shape
+    return _decode_step_steps(ctx, "8b", {"make": 150, "jax": 230, "torch": 160})
+
+
 PARTS: dict[str, Callable[[Context], list[Step]]] = {
     "environment": environment_steps,
     "correctness": correctness_steps,
@@ -141,13 +173,18 @@ PARTS: dict[str, Callable[[Context], list[Step]]] = {
     "throughput": throughput_steps,
     "latency": latency_steps,
     "spec_decode": spec_decode_steps,
+    "decode_step": decode_step_steps,
+    "decode_step_8b": decode_step_8b_steps,
 }
 
 
-def make_model(out_dir: Path, dry_run: bool) -> Path:
-    """A random bf16 Llama checkpoint (Llama-3.2-1B's shape, or a toy one) with the test
-    tokenizer; reused when a complete one is already there."""
+def make_model(out_dir: Path, dry_run: bool, shape: str = "1b") -> Path:
+    """A random bf16 Llama checkpoint (SHAPES[shape], or a toy one) with the test tokenizer;
+    reused when a complete one is already there. The weights are drawn on the GPU where there is
+    one (N(0, 0.02), norms 1) and written in SHARD_BYTES safetensors shards: an 8B model in about
+    a minute, where initialising it through transformers takes several."""
     import torch
+    from safetensors.torch import save_file
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from pagedjax.checkpoints import MULTIBYTE_TEXT, stdlib_corpus, train_tokenizer
@@ -156,16 +193,49 @@ def make_model(out_dir: Path, dry_run: bool) -> Path:
         print(f"reusing {out_dir}")
         return out_dir
     tokenizer = train_tokenizer(stdlib_corpus() + [MULTIBYTE_TEXT])
-    shape = dict(TOY, vocab_size=len(tokenizer)) if dry_run else LLAMA_3_2_1B
-    config = LlamaConfig(**shape, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+    dims = dict(TOY, vocab_size=len(tokenizer)) if dry_run else SHAPES[shape]
+    config = LlamaConfig(**dims, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
                          pad_token_id=tokenizer.pad_token_id, initializer_range=0.02)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM._from_config(config, dtype=torch.bfloat16).eval()
+    config.dtype = torch.bfloat16
+    with torch.device("meta"):
+        shapes = {name: t.shape for name, t in LlamaForCausalLM(config).state_dict().items()}
+    if config.tie_word_embeddings:
+        shapes.pop("lm_head.weight")  # the embedding serves as the head
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, tensor_shape in shapes.items():
+        nbytes = 2 * tensor_shape.numel()
+        if shards[-1] and size + nbytes > SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    generator = torch.Generator(device).manual_seed(0)
     partial = out_dir.with_name(out_dir.name + ".partial")
-    model.save_pretrained(partial)
+    partial.mkdir(parents=True, exist_ok=True)
+    files = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    for names, file in zip(shards, files):
+        tensors = {}
+        for name in names:
+            tensor = torch.empty(shapes[name], dtype=torch.bfloat16, device=device)
+            if name.endswith("norm.weight"):
+                tensor.fill_(1.0)
+            else:
+                tensor.normal_(0.0, config.initializer_range, generator=generator)
+            tensors[name] = tensor.cpu()
+        save_file(tensors, str(partial / file), metadata={"format": "pt"})
+    if len(files) > 1:
+        index = {"metadata": {"total_size": sum(2 * s.numel() for s in shapes.values())},
+                 "weight_map": {name: file for names, file in zip(shards, files)
+                                for name in names}}
+        (partial / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    config.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
     partial.rename(out_dir)  # complete or absent, never half-written
-    print(f"wrote {out_dir} ({sum(p.numel() for p in model.parameters()) / 1e9:.2f}B params)")
+    params = sum(s.numel() for s in shapes.values())
+    print(f"wrote {out_dir} ({params / 1e9:.2f}B params, {len(files)} files)")
     return out_dir
 
 
@@ -236,9 +306,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-cache", type=Path, default=MODEL_CACHE,
                         help=f"where the random checkpoints are made once (default {MODEL_CACHE})")
     parser.add_argument("--make-model", type=Path, metavar="DIR", help=argparse.SUPPRESS)
+    parser.add_argument("--shape", choices=list(SHAPES), default="1b", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.make_model:
-        make_model(args.make_model, args.dry_run)
+        make_model(args.make_model, args.dry_run, args.shape)
         return 0
     if not args.part or args.out is None:
         parser.error("--part NAME and --out DIR are required")

@@ -109,3 +109,35 @@ def test_spec_decode(suite_out):
     for backend in ("jax", "torch"):
         payload = _json("spec_decode_*.json", suite_out / "spec_decode" / "spec_decode" / backend)
         assert {r["backend"] for r in payload["results"]} == {backend}
+
+
+def test_a_sharded_random_checkpoint_reads_the_same_in_hf_and_pagedjax(tmp_path, monkeypatch):
+    """make_model's own safetensors writer (the 8B checkpoint's: several shards and an index):
+    HF transformers and pagedjax read the same model, greedy tokens equal."""
+    from pagedjax import LLM, SamplingParams
+    from tests.hf_reference import hf_greedy
+
+    monkeypatch.setattr(gpu_suite, "SHARD_BYTES", 64 << 10)
+    model = gpu_suite.make_model(tmp_path / "toy", dry_run=True)
+    index = json.loads((model / "model.safetensors.index.json").read_text())
+    files = sorted(p.name for p in model.glob("*.safetensors"))
+    assert len(files) > 1 and sorted(set(index["weight_map"].values())) == files
+    prompts = [[5, 17, 99, 3], [42] * 9]
+    llm = LLM(str(model), backend="torch", dtype="float32", max_model_len=64)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(str(model), prompts, 8)
+
+
+def test_decode_step(suite_out):
+    records = _run_part("decode_step", suite_out)
+    assert [r["step"] for r in records] == ["make_model", "decode_step_jax", "decode_step_torch"]
+    folder = suite_out / "decode_step" / "decode_step_1b"
+    for backend in ("jax", "torch"):
+        payload = _json(f"decode_step_{backend}_*.json", folder)
+        rows = payload["results"]
+        assert [r["batch"] for r in rows] == [1, 2] and payload["copy_bandwidth_gbs"] > 0
+        for row in rows:
+            assert row["step ms"] > 0 and row["floor ms"] > 0 and 0 < row["host share %"] < 100
+            assert row["weights GB"] > 0 and row["KV GB"] > 0
+            assert row["profile"] and all(k["us/step"] > 0 for k in row["profile"])

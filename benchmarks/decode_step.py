@@ -1,0 +1,279 @@
+"""Decode steps against the memory-bandwidth floor, per backend and batch size.
+
+A decode step reads every weight once and each sequence's KV cache, so no step can beat
+(weight bytes + KV bytes read) / the device's copy bandwidth (bytes read + written per second by a
+device copy in this process, or --copy-gbs). For each batch size B, B requests of --context
+prompt tokens are prefilled, then --steps engine steps that decode one token per sequence are
+timed one by one; the median counts, beside the floor, the engine's own breakdown (schedule,
+prepare, execute, update, output) and the host share. With --profile, a few more steps run under
+the framework's profiler and the device time is listed by kernel (where a step's time goes).
+
+    python benchmarks/decode_step.py [--model DIR | --random-llama] [--backend jax|torch]
+        [--batch-sizes 1 16 64] [--context 512] [--steps 32] [--dtype auto] [--profile]
+        [--copy-gbs GBS] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (  # noqa: E402
+    add_dtype_argument,
+    add_out_argument,
+    environment,
+    print_table,
+    write_json,
+)
+from latency import RANDOM_LLAMA  # noqa: E402
+
+from pagedjax.doctor import nvidia_gpus  # noqa: E402
+
+WARMUP_STEPS = 3  # decode steps left untimed after the prefill (the decode shape compiles)
+PROFILE_STEPS = 8
+TOP_KERNELS = 15
+
+
+def weight_bytes_read(model_dir: str, dtype_bytes: int, tied: bool) -> int:
+    """Bytes of the weights one decode step reads: every parameter, in the engine's dtype, except
+    an untied input embedding (only the batch's rows of it are read)."""
+    from safetensors import safe_open
+
+    total = 0
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(path, framework="numpy") as f:
+            for name in f.keys():
+                if name.endswith("embed_tokens.weight") and not tied:
+                    continue
+                total += int(np.prod(f.get_slice(name).get_shape())) * dtype_bytes
+    return total
+
+
+def kv_bytes_read(model_config, batch: int, context: int, dtype_bytes: int) -> int:
+    """Keys and values of `context` tokens per sequence, every layer."""
+    return batch * context * model_config.kv_bytes_per_block(1, dtype_bytes)
+
+
+def copy_bandwidth_gbs(backend: str) -> float:
+    """On a GPU the framework's device copy of 1 GiB; on a CPU a NumPy copy of 128 MiB (past the
+    L3; XLA's CPU copy runs on one thread), the same figure for both backends."""
+    if not nvidia_gpus():
+        x = np.ones(2**25, np.float32)
+        y = np.empty_like(x)
+        seconds = []
+        for _ in range(20):
+            start = time.perf_counter()
+            np.copyto(y, x)
+            seconds.append(time.perf_counter() - start)
+        return 2 * x.nbytes / statistics.median(seconds) / 1e9
+    if backend == "jax":
+        from kernels_jax import copy_bandwidth_gbs as measure
+    else:
+        from kernels_torch import copy_bandwidth_gbs as measure
+    gbs = measure(2**30, repeats=20)
+    if backend == "torch":
+        import torch
+
+        torch.cuda.empty_cache()  # the engine sizes its KV pool from what is free
+    return gbs
+
+
+def start_decoding(llm, batch: int, context: int, max_tokens: int, seed: int) -> list[str]:
+    """Add `batch` requests of `context` random prompt tokens and step until every one of them
+    decodes (prompts computed) and the decode shape has run WARMUP_STEPS times."""
+    from pagedjax import SamplingParams
+
+    engine, scheduler = llm.engine, llm.engine.scheduler
+    rng = np.random.default_rng(seed)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    ids = [f"decode-{batch}-{i}" for i in range(batch)]
+    for request_id in ids:
+        prompt = rng.integers(1, engine.model_config.vocab_size, context).tolist()
+        engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
+    def decoding() -> bool:  # every prompt computed: each step decodes one token per sequence
+        return (len(scheduler.running) == batch and not scheduler.waiting
+                and all(s.num_computed_tokens == s.num_tokens - 1 for s in scheduler.running))
+
+    while engine.has_unfinished_requests() and not decoding():
+        engine.step()
+    for _ in range(WARMUP_STEPS):
+        engine.step()
+    if not decoding():
+        raise RuntimeError(f"{len(scheduler.running)} of {batch} sequences decode: the KV pool "
+                           "is too small for this batch and context; lower --context.")
+    return ids
+
+
+def time_decode_steps(llm, batch: int, num_steps: int) -> dict:
+    """Median wall ms of num_steps engine steps, and the mean ms of each phase."""
+    engine = llm.engine
+    preemptions = engine.scheduler.num_preemptions_total
+    engine.step_timings.__init__()
+    seconds = []
+    for _ in range(num_steps):
+        start = time.perf_counter()
+        engine.step()
+        seconds.append(time.perf_counter() - start)
+    if engine.scheduler.num_preemptions_total != preemptions or len(
+            engine.scheduler.running) != batch:
+        raise RuntimeError("a sequence was preempted or finished while timed: not a decode "
+                           "step of the whole batch; lower --context or --steps.")
+    timings = engine.step_timings
+    phases = {name: 1e3 * s / timings.num_steps for name, s in timings.seconds.items()}
+    step_ms = sum(phases.values())
+    return {"step ms": 1e3 * statistics.median(seconds), "phases ms": phases,
+            "host share": (step_ms - phases["execute"]) / step_ms}
+
+
+def profile_steps(llm, backend: str, num_steps: int) -> list[dict]:
+    """The device's busiest kernels (ops on a CPU) over num_steps decode steps: name, calls and
+    microseconds per step, busiest first."""
+    if backend == "jax":
+        import jax
+
+        with tempfile.TemporaryDirectory() as tmp:
+            with jax.profiler.trace(tmp):
+                for _ in range(num_steps):
+                    llm.engine.step()
+            totals = _xplane_totals(glob.glob(f"{tmp}/**/*.xplane.pb", recursive=True)[0])
+    else:
+        import torch
+
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        with torch.profiler.profile(activities=activities) as prof:
+            for _ in range(num_steps):
+                llm.engine.step()
+        device = torch.cuda.is_available()
+        totals = {e.key: (e.count, 1e-6 * (e.self_device_time_total if device
+                                           else e.self_cpu_time_total))
+                  for e in prof.key_averages()}
+    busiest = sorted(totals.items(), key=lambda kv: -kv[1][1])[:TOP_KERNELS]
+    return [{"kernel": name[:80], "calls/step": count / num_steps,
+             "us/step": 1e6 * seconds / num_steps} for name, (count, seconds) in busiest]
+
+
+def _xplane_totals(path: str) -> dict[str, tuple[int, float]]:
+    """name -> (events, seconds) in a JAX trace: the GPU kernels on the device planes' streams
+    (else their "XLA Ops" line), or on a CPU the ops on the host's XLA threads."""
+    from jax.profiler import ProfileData
+
+    planes = list(ProfileData.from_file(path).planes)
+    lines = []
+    for plane in (p for p in planes if p.name.startswith("/device:")):
+        plane_lines = list(plane.lines)
+        lines += ([line for line in plane_lines if line.name.startswith("Stream")]
+                  or [line for line in plane_lines if line.name == "XLA Ops"] or plane_lines)
+    if not lines:
+        lines = [line for p in planes if p.name == "/host:CPU" for line in p.lines
+                 if line.name != "python"]
+    totals: dict[str, tuple[int, float]] = {}
+    for line in lines:
+        for event in line.events:
+            if event.name.startswith(("ThreadpoolListener", "end:", "ThunkExecutor")):
+                continue
+            name = re.sub(r"([._]\d+)+$", "", event.name)  # ffi_call.59, fusion.3: one kind
+            count, seconds = totals.get(name, (0, 0.0))
+            totals[name] = (count + 1, seconds + 1e-9 * event.duration_ns)
+    return totals
+
+
+def measure_batch(llm, args, batch: int, weights: int, copy_gbs: float) -> dict:
+    engine = llm.engine
+    model_config, dtype_bytes = engine.model_config, engine.config.dtype_bytes
+    ids = start_decoding(llm, batch, args.context, engine.config.max_model_len - args.context,
+                         seed=batch)
+    # the KV the median timed step reads: the mean context (prompts that were computed first
+    # have decoded while the others were), half the timed tokens on
+    context = round(statistics.mean(s.num_tokens for s in engine.scheduler.running)
+                    + args.steps / 2)
+    timed = time_decode_steps(llm, batch, args.steps)
+    profile = profile_steps(llm, args.backend, PROFILE_STEPS) if args.profile else None
+    for request_id in ids:
+        llm.engine.abort_request(request_id)
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    kv = kv_bytes_read(model_config, batch, context, dtype_bytes)
+    floor_ms = 1e3 * (weights + kv) / (copy_gbs * 1e9)
+    row = {"backend": args.backend, "batch": batch, "context": context,
+           "weights GB": weights / 1e9, "KV GB": kv / 1e9, "floor ms": floor_ms,
+           "step ms": timed["step ms"], "% of floor": 100 * floor_ms / timed["step ms"],
+           "host share %": 100 * timed["host share"], "phases ms": timed["phases ms"],
+           "tok/s": batch / timed["step ms"] * 1e3}
+    if profile is not None:
+        row["profile"] = profile
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="HF checkpoint dir (default: the demo target)")
+    parser.add_argument("--random-llama", action="store_true",
+                        help="latency.py's random 6-layer Llama, made in a temp dir")
+    parser.add_argument("--backend", choices=("jax", "torch"), default="jax")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--context", type=int, default=512, help="prompt tokens per sequence")
+    parser.add_argument("--steps", type=int, default=32, help="timed decode steps per batch")
+    add_dtype_argument(parser)
+    parser.add_argument("--profile", action="store_true",
+                        help="also list where the device time of a step goes")
+    parser.add_argument("--copy-gbs", type=float,
+                        help="copy bandwidth (GB/s read + written) to use instead of measuring "
+                             "this framework's")
+    add_out_argument(parser)
+    args = parser.parse_args()
+
+    from pagedjax import LLM
+    from pagedjax.config import ModelConfig
+    from pagedjax.demo import demo_model_dirs
+
+    copy_gbs = args.copy_gbs or copy_bandwidth_gbs(args.backend)  # before the KV pool
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.random_llama:
+            from pagedjax.checkpoints import make_tiny_checkpoint
+
+            args.model = str(make_tiny_checkpoint(Path(tmp) / "random-llama", "llama",
+                                                  **RANDOM_LLAMA))
+        args.model = args.model or demo_model_dirs()[0]
+        model_config = ModelConfig.from_pretrained(args.model)
+        # room for the tokens decoded while later prompts are computed, then every step here
+        max_len = args.context + 256 + WARMUP_STEPS + args.steps + PROFILE_STEPS
+        llm = LLM(args.model, backend=args.backend, dtype=args.dtype,
+                  max_model_len=max_len, max_num_seqs=max(args.batch_sizes),
+                  enable_prefix_caching=False)
+        weights = weight_bytes_read(args.model, llm.engine.config.dtype_bytes,
+                                    model_config.tie_word_embeddings)
+        rows = [measure_batch(llm, args, b, weights, copy_gbs) for b in args.batch_sizes]
+        dtype = llm.engine.config.dtype
+        llm.shutdown()
+    print(f"{args.backend}, {dtype}, copy bandwidth {copy_gbs:.1f} GB/s, median of "
+          f"{args.steps} decode steps")
+    print_table(rows, ["backend", "batch", "context", "weights GB", "KV GB", "floor ms",
+                       "step ms", "% of floor", "host share %", "tok/s"])
+    for row in rows:
+        print(f"batch {row['batch']} phases (ms):",
+              {k: round(v, 3) for k, v in row["phases ms"].items()})
+        for kernel in row.get("profile", []):
+            print(f"    {kernel['us/step']:9.1f} us/step  {kernel['calls/step']:6.1f} calls  "
+                  f"{kernel['kernel']}")
+    env = environment()
+    model_name = "random-llama" if args.random_llama else Path(args.model).name
+    path = write_json(
+        f"decode_step_{args.backend}_{model_name}_{env['accelerator'].replace(' ', '_')}.json",
+        {"args": vars(args), "copy_bandwidth_gbs": copy_gbs, "dtype": dtype, "results": rows,
+         "environment": env}, args.out)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

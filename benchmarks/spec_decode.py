@@ -53,7 +53,7 @@ def timed_generate(llms: dict, groups: list[list[list[int]]], max_tokens: int,
     from pagedjax import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    timed: dict[str, list[float]] = {name: [] for name in llms}
+    timed: dict[str, list[float]] = {name: [] for name in llms}  # the same rounds for each
     tokens: dict[str, int] = {}
     for _ in range(_MAX_ROUNDS + warmup + repeats):
         compiled, seconds = False, {}
@@ -66,9 +66,10 @@ def timed_generate(llms: dict, groups: list[list[list[int]]], max_tokens: int,
                 tokens[name] += sum(len(o.outputs[0].token_ids) for o in outputs)
             seconds[name] = time.perf_counter() - start
             compiled |= llm.engine.runner.num_compiles != num_compiles
-        if not compiled:
-            for name, s in seconds.items():
-                timed[name].append(s)
+        if compiled:
+            continue
+        for name, s in seconds.items():
+            timed[name].append(s)
         if len(timed[name]) == warmup + repeats:
             return {name: (min(t[warmup:]), tokens[name]) for name, t in timed.items()}
     raise RuntimeError(f"still compiling after {_MAX_ROUNDS} rounds: the shape set is unbounded")

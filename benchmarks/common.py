@@ -92,6 +92,15 @@ def _fmt(value: object) -> str:
     return f"{value:.1f}" if isinstance(value, float) else str(value)
 
 
+def step_phases_ms(timings: Any) -> dict[str, float]:
+    """ms per engine step in each phase of an engine's `step_timings` (schedule, prepare,
+    execute, update, output), their sum ("step") and the share outside execute ("host share")."""
+    steps = max(timings.num_steps, 1)
+    phases = {phase: 1e3 * seconds / steps for phase, seconds in timings.seconds.items()}
+    step_ms = sum(phases.values())
+    return {**phases, "step": step_ms, "host share": (step_ms - phases["execute"]) / step_ms}
+
+
 def median_seconds(run: Callable[[], Any], synchronize: Callable[[Any], Any],
                    repeats: int) -> float:
     """Median wall time per call, synchronised on the device.

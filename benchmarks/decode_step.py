@@ -31,7 +31,9 @@ from common import (  # noqa: E402
     add_dtype_argument,
     add_out_argument,
     environment,
+    median_seconds,
     print_table,
+    step_phases_ms,
     write_json,
 )
 from latency import RANDOM_LLAMA  # noqa: E402
@@ -69,12 +71,7 @@ def copy_bandwidth_gbs(backend: str) -> float:
     if not nvidia_gpus():
         x = np.ones(2**25, np.float32)
         y = np.empty_like(x)
-        seconds = []
-        for _ in range(20):
-            start = time.perf_counter()
-            np.copyto(y, x)
-            seconds.append(time.perf_counter() - start)
-        return 2 * x.nbytes / statistics.median(seconds) / 1e9
+        return 2 * x.nbytes / median_seconds(lambda: np.copyto(y, x), lambda _: None, 20) / 1e9
     if backend == "jax":
         from kernels_jax import copy_bandwidth_gbs as measure
     else:
@@ -99,6 +96,7 @@ def start_decoding(llm, batch: int, context: int, max_tokens: int, seed: int) ->
     for request_id in ids:
         prompt = rng.integers(1, engine.model_config.vocab_size, context).tolist()
         engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
+
     def decoding() -> bool:  # every prompt computed: each step decodes one token per sequence
         return (len(scheduler.running) == batch and not scheduler.waiting
                 and all(s.num_computed_tokens == s.num_tokens - 1 for s in scheduler.running))
@@ -114,7 +112,8 @@ def start_decoding(llm, batch: int, context: int, max_tokens: int, seed: int) ->
 
 
 def time_decode_steps(llm, batch: int, num_steps: int) -> dict:
-    """Median wall ms of num_steps engine steps, and the mean ms of each phase."""
+    """Median wall ms of num_steps engine steps, and the mean ms of each phase
+    (`step_phases_ms`)."""
     engine = llm.engine
     preemptions = engine.scheduler.num_preemptions_total
     engine.step_timings.__init__()
@@ -127,11 +126,9 @@ def time_decode_steps(llm, batch: int, num_steps: int) -> dict:
             engine.scheduler.running) != batch:
         raise RuntimeError("a sequence was preempted or finished while timed: not a decode "
                            "step of the whole batch; lower --context or --steps.")
-    timings = engine.step_timings
-    phases = {name: 1e3 * s / timings.num_steps for name, s in timings.seconds.items()}
-    step_ms = sum(phases.values())
+    phases = step_phases_ms(engine.step_timings)
     return {"step ms": 1e3 * statistics.median(seconds), "phases ms": phases,
-            "host share": (step_ms - phases["execute"]) / step_ms}
+            "host share": phases["host share"]}
 
 
 def profile_steps(llm, backend: str, num_steps: int) -> list[dict]:

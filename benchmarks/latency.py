@@ -29,6 +29,7 @@ from common import (  # noqa: E402
     add_out_argument,
     environment,
     print_table,
+    step_phases_ms,
     write_json,
 )
 from hf_baseline import hf_generate, load_hf  # noqa: E402
@@ -93,12 +94,7 @@ def step_breakdown(llm, prompts: list[list[int]], num_tokens: int) -> dict[str, 
     params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
     for prompt in prompts:
         llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
-    steps = max(timings.num_steps, 1)
-    breakdown = {phase: 1e3 * seconds / steps for phase, seconds in timings.seconds.items()}
-    step_ms = sum(breakdown.values())
-    breakdown["step"] = step_ms
-    breakdown["host share"] = (step_ms - breakdown["execute"]) / step_ms
-    return breakdown
+    return step_phases_ms(timings)
 
 
 def _has_cuda() -> bool:

@@ -43,5 +43,5 @@ bench: install
 PYTHON ?= python3
 gpu-check:
 	$(PYTHON) -m pip install -q --no-deps --no-build-isolation --no-index -e .
-	XLA_PYTHON_CLIENT_PREALLOCATE=false $(PYTHON) -m pagedjax.cli doctor
+	XLA_PYTHON_CLIENT_PREALLOCATE=false $(PYTHON) -m pagedjax.entrypoints.cli doctor
 	XLA_PYTHON_CLIENT_PREALLOCATE=false $(PYTHON) -m pytest -m "gpu or not gpu" tests/kernels tests/test_gpu_parity.py

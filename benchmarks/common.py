@@ -18,7 +18,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from pagedjax.doctor import nvidia_gpus
+from pagedjax.entrypoints.doctor import nvidia_gpus
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 _PACKAGES = ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "flax", "torch", "triton",

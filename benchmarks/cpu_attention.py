@@ -38,7 +38,7 @@ def make_case(rng: np.random.Generator, q_lens: list[int], kv_lens: list[int]) -
     """Padded like the engine pads: T and S powers of two, T == S for decode batches."""
     import jax.numpy as jnp
 
-    from pagedjax.batch import bucket
+    from pagedjax.core.batch import bucket
 
     decode = all(q == 1 for q in q_lens)
     num_seqs = bucket(len(q_lens))

@@ -38,7 +38,7 @@ from common import (  # noqa: E402
 )
 from latency import RANDOM_LLAMA  # noqa: E402
 
-from pagedjax.doctor import nvidia_gpus  # noqa: E402
+from pagedjax.entrypoints.doctor import nvidia_gpus  # noqa: E402
 
 WARMUP_STEPS = 3  # decode steps left untimed after the prefill (the decode shape compiles)
 PROFILE_STEPS = 8

@@ -87,7 +87,8 @@ def _pytest(junit: Path, *args: str) -> tuple[str, ...]:
 
 
 def environment_steps(ctx: Context) -> list[Step]:
-    return [Step("doctor", ("-m", "pagedjax.cli", "doctor", "--json"), 420, "doctor.json"),
+    return [Step("doctor", ("-m", "pagedjax.entrypoints.cli", "doctor", "--json"), 420,
+                 "doctor.json"),
             Step("pip_list", ("-m", "pip", "list", "--format", "json"), 60, "pip_list.json")]
 
 

@@ -54,7 +54,7 @@ def make_llm(args, **kwargs):
 
 def share_nothing(llm) -> None:
     """The same engine with forks disabled: every fork copies its parent's blocks."""
-    from pagedjax.block_manager import CopyingBlockManager
+    from pagedjax.core.block_manager import CopyingBlockManager
 
     engine = llm.engine
     bm = engine.block_manager

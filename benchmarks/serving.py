@@ -23,13 +23,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import add_out_argument, environment, print_table, write_json  # noqa: E402
 
-from pagedjax.bench_serve import add_bench_serve_args  # noqa: E402
-from pagedjax.bench_serve import main as bench_serve  # noqa: E402
 from pagedjax.demo import demo_model_dirs  # noqa: E402
+from pagedjax.entrypoints.bench_serve import add_bench_serve_args  # noqa: E402
+from pagedjax.entrypoints.bench_serve import main as bench_serve  # noqa: E402
 
 
 def start_server(backend: str, port: int, log_path: Path) -> subprocess.Popen:
-    command = [sys.executable, "-m", "pagedjax.cli", "serve", demo_model_dirs()[0],
+    command = [sys.executable, "-m", "pagedjax.entrypoints.cli", "serve", demo_model_dirs()[0],
                "--backend", backend, "--port", str(port), "--uvicorn-log-level", "warning"]
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)

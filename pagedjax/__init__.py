@@ -3,11 +3,11 @@
 The core imports neither jax nor torch; a backend's framework loads when an engine picks it.
 """
 
-from pagedjax.async_llm import AsyncEngineArgs, AsyncLLM
-from pagedjax.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
-from pagedjax.engine import LLMEngine
+from pagedjax.core.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from pagedjax.engine.async_llm import AsyncEngineArgs, AsyncLLM
+from pagedjax.engine.llm_engine import LLMEngine
 from pagedjax.engine_args import EngineArgs, FlexibleArgumentParser
-from pagedjax.llm import LLM
+from pagedjax.entrypoints.llm import LLM
 from pagedjax.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedjax.sampling_params import RequestOutputKind, SamplingParams
 

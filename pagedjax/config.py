@@ -129,9 +129,8 @@ class EngineConfig:
     attention_impl: str = "auto"  # pagedjax's own; see the backends' resolve_attention
 
     def validate(self, model_config: ModelConfig, default_dtype: str = "float32") -> None:
-        from pagedjax.parallel import TensorParallelPlan
-
         """Check user-facing values; fill what depends on the model (max_model_len, dtype).
+        Whether tensor_parallel_size splits the model is TensorParallelPlan.for_model's check.
 
         default_dtype: what "auto" means on the runner's device.
         """
@@ -145,7 +144,6 @@ class EngineConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in "
                              "(0, 1].")
-        TensorParallelPlan.for_model(model_config, self.tensor_parallel_size)  # it must split
         if self.trust_remote_code and model_config.has_remote_code:
             raise ValueError(f"model {self.model!r} needs its own code (auto_map), which "
                              f"pagedjax does not run (trust_remote_code=True); supported "

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedjax.config import DTYPES, EngineConfig
-from pagedjax.model_runner import BACKENDS
+from pagedjax.core.model_runner import BACKENDS
 
 # option → (help, extra argparse keywords); the flag is --option-with-dashes
 _FLAGS: dict[str, tuple[str, dict]] = {

@@ -29,10 +29,17 @@ from pagedjax.backends.jax.sampler import gather_logprobs, sample, score_prompt_
 from pagedjax.backends.jax.sharding import KV_CACHE, REPLICATED, make_mesh, per_shard
 from pagedjax.backends.jax.spec_step import propose_drafts
 from pagedjax.backends.rope import rope_cos_sin
-from pagedjax.batch import SAMPLING_FIELDS, BatchLayout, ModelInput, ModelOutput, StepOutput, bucket
 from pagedjax.config import EngineConfig, ModelConfig
-from pagedjax.kv_cache import num_kv_blocks_for_budget, warm_up_input
-from pagedjax.model_runner import auto_dtype
+from pagedjax.core.batch import (
+    SAMPLING_FIELDS,
+    BatchLayout,
+    ModelInput,
+    ModelOutput,
+    StepOutput,
+    bucket,
+)
+from pagedjax.core.kv_cache import num_kv_blocks_for_budget, warm_up_input
+from pagedjax.core.model_runner import auto_dtype
 from pagedjax.parallel import TensorParallelPlan
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}

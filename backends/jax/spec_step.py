@@ -21,7 +21,7 @@ from pagedjax import random as prng
 from pagedjax.backends.jax.model import AttentionMetadata, KVCache
 from pagedjax.backends.jax.rejection_sampler import sampling_probs
 from pagedjax.backends.jax.sampler import _mix32, argmax, uniform
-from pagedjax.batch import BatchLayout
+from pagedjax.core.batch import BatchLayout
 
 # (input_ids [T], kv_caches, metadata, logits_indices [L]) -> (logits [L, V], kv_caches)
 DraftForward = Callable[[jax.Array, list[KVCache], AttentionMetadata, jax.Array],

@@ -9,10 +9,7 @@ NCCL on GPUs (UNVERIFIED: no multi-GPU machine was available).
 
 from __future__ import annotations
 
-import ctypes
-import os
 import pickle
-import signal
 import socket
 import subprocess
 import sys
@@ -24,7 +21,7 @@ import torch.distributed as dist
 
 from pagedjax.parallel import TensorParallelPlan
 
-_PR_SET_PDEATHSIG = 1  # Linux prctl: a signal for this process when its parent dies
+_WORKER_MODULE = "pagedjax.backends.torch.worker"  # what a rank > 0 runs
 
 
 @dataclass(frozen=True)
@@ -84,18 +81,19 @@ def broadcast(message: Any) -> Any:
 
 class Workers:
     """Ranks 1..N-1 of a tensor-parallel torch runner, seen from rank 0: separate Python
-    processes (`python -m pagedjax.backends.torch.parallel`, which never re-imports the user's
+    processes (`python -m pagedjax.backends.torch.worker`, which never re-imports the user's
     script), told their runner's arguments through stdin."""
 
     def __init__(self, runner_args: tuple, size: int) -> None:
         port = _free_port()
         self.processes = []
         for rank in range(1, size):
-            process = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE)
+            process = subprocess.Popen([sys.executable, "-m", _WORKER_MODULE],
+                                       stdin=subprocess.PIPE)
             pickle.dump((runner_args, rank, size, port), process.stdin)
             process.stdin.close()
             self.processes.append(process)
-        init_process_group(0, size, port, _device(0))
+        init_process_group(0, size, port, device_of(0))
 
     def send(self, kind: str, payload: Any = None) -> None:
         broadcast((kind, payload))
@@ -111,25 +109,7 @@ class Workers:
         dist.destroy_process_group()
 
 
-def _worker_main(runner_args: tuple, rank: int, size: int, port: int) -> None:
-    """A rank > 0: build this rank's runner, then run what rank 0 broadcasts until shutdown."""
-    if os.uname().sysname == "Linux":  # die with the engine's process, however it ends
-        ctypes.CDLL("libc.so.6").prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    from pagedjax.backends.torch.runner import TorchModelRunner
-
-    init_process_group(rank, size, port, _device(rank))
-    runner = TorchModelRunner(*runner_args, rank=rank)
-    try:
-        while True:
-            kind, payload = broadcast(None)
-            if kind == "shutdown":
-                break
-            getattr(runner, kind)(payload)  # "execute_local" or "allocate_kv_caches"
-    finally:
-        dist.destroy_process_group()
-
-
-def _device(rank: int) -> torch.device:
+def device_of(rank: int) -> torch.device:
     return torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")
 
 
@@ -137,7 +117,3 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-if __name__ == "__main__":
-    _worker_main(*pickle.load(sys.stdin.buffer))

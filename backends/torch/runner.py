@@ -28,7 +28,8 @@ from pagedjax.backends.torch.parallel import Shard, Workers
 from pagedjax.backends.torch.rejection_sampler import rejection_sample
 from pagedjax.backends.torch.sampler import gather_logprobs, sample, score_prompt_tokens
 from pagedjax.backends.torch.spec_step import propose_drafts
-from pagedjax.batch import (
+from pagedjax.config import EngineConfig, ModelConfig
+from pagedjax.core.batch import (
     SAMPLING_FIELDS,
     BatchLayout,
     ModelInput,
@@ -36,7 +37,8 @@ from pagedjax.batch import (
     StepOutput,
     bucket,
 )
-from pagedjax.config import EngineConfig, ModelConfig
+from pagedjax.core.kv_cache import num_kv_blocks_for_budget, warm_up_input
+from pagedjax.core.model_runner import auto_dtype
 from pagedjax.kernels_cuda import (
     ops_backend,
     ragged_paged_attention,
@@ -44,8 +46,6 @@ from pagedjax.kernels_cuda import (
     rotary_embedding_,
     write_kv,
 )
-from pagedjax.kv_cache import num_kv_blocks_for_budget, warm_up_input
-from pagedjax.model_runner import auto_dtype
 from pagedjax.parallel import TensorParallelPlan
 
 ATTENTION_IMPLS = ("auto", "reference")

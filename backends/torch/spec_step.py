@@ -17,7 +17,7 @@ from pagedjax import random as prng
 from pagedjax.backends.torch.model import AttentionMetadata, KVCache
 from pagedjax.backends.torch.rejection_sampler import sampling_probs
 from pagedjax.backends.torch.sampler import _mix32, uniform
-from pagedjax.batch import BatchLayout
+from pagedjax.core.batch import BatchLayout
 
 # (input_ids [T], kv_caches, metadata, logits_indices [L]) -> logits [L, V] (caches written)
 DraftForward = Callable[[torch.Tensor, list[KVCache], AttentionMetadata, torch.Tensor],

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from pagedjax import LLM, SamplingParams
-from pagedjax.batch import ModelInput, ModelOutput
+from pagedjax.core.batch import ModelInput, ModelOutput
 from tests.backends.test_jax_backend import make_prompts
 
 BACKENDS = ["jax", "torch"]

@@ -18,10 +18,10 @@ from pagedjax.backends.jax import rejection_sampler as jax_rejection
 from pagedjax.backends.jax import sampler as jax_sampler
 from pagedjax.backends.torch import rejection_sampler as torch_rejection
 from pagedjax.backends.torch import sampler as torch_sampler
-from pagedjax.batch import SAMPLING_FIELDS, ModelInput, build_model_input
+from pagedjax.core.batch import SAMPLING_FIELDS, ModelInput, build_model_input
+from pagedjax.core.scheduler_output import SampleSpec, ScheduledSequence, SchedulerOutput
+from pagedjax.core.sequence import Sequence
 from pagedjax.sampling_params import MAX_LOGPROBS, SamplingParams
-from pagedjax.scheduler_output import SampleSpec, ScheduledSequence, SchedulerOutput
-from pagedjax.sequence import Sequence
 from tests.sampling_reference import log_softmax, reference_logits, reference_rank
 
 VOCAB = 300

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from pagedjax import LLM, BeamSearchParams, SamplingParams
-from pagedjax.block_manager import BlockManager, CopyingBlockManager
+from pagedjax.core.block_manager import BlockManager, CopyingBlockManager
+from pagedjax.core.scheduler_output import SchedulerOutput
 from pagedjax.random import derive_seed
-from pagedjax.scheduler_output import SchedulerOutput
 from tests.hf_reference import hf_beam_search, hf_greedy
 
 BACKENDS = ["jax", "torch"]

@@ -15,10 +15,10 @@ from pagedjax.backends.jax.runner import JaxModelRunner
 from pagedjax.backends.torch.model import DecoderLayer
 from pagedjax.backends.torch.runner import TorchModelRunner
 from pagedjax.config import EngineConfig, ModelConfig
-from pagedjax.kv_cache import num_kv_blocks_for_budget, warm_up_input
-from pagedjax.llm import LLM
+from pagedjax.core.kv_cache import num_kv_blocks_for_budget, warm_up_input
+from pagedjax.core.scheduler_output import SchedulerOutput
+from pagedjax.entrypoints.llm import LLM
 from pagedjax.sampling_params import SamplingParams
-from pagedjax.scheduler_output import SchedulerOutput
 from tests import hf_reference
 from tests.backends.test_engine_step import record_steps
 

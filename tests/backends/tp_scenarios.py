@@ -58,7 +58,7 @@ def comm(model: str, size: int) -> dict:
 
     from pagedjax import LLM, SamplingParams
     from pagedjax.backends.jax.sharding import all_reduce_operands
-    from pagedjax.batch import build_model_input
+    from pagedjax.core.batch import build_model_input
 
     llm = LLM(model, tensor_parallel_size=size, max_model_len=128, num_gpu_blocks_override=40)
     engine, runner = llm.engine, llm.engine.runner

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from pagedjax.batch import BatchLayout, ModelOutput, build_model_input
+from pagedjax.core.batch import BatchLayout, ModelOutput, build_model_input
+from pagedjax.core.scheduler_output import SampleSpec, ScheduledSequence, SchedulerOutput
 from pagedjax.sampling_params import MAX_LOGPROBS, SamplingParams
-from pagedjax.scheduler_output import SampleSpec, ScheduledSequence, SchedulerOutput
 
 BS = 4
 GREEDY = SamplingParams(temperature=0.0)

@@ -8,8 +8,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from pagedjax import block_manager
-from pagedjax.block_manager import BlockManager
+from pagedjax.core import block_manager
+from pagedjax.core.block_manager import BlockManager
 
 
 def run_prompt(bm: BlockManager, seq_id: int, token_ids: list[int]) -> list[int]:

@@ -12,15 +12,15 @@ import itertools
 import numpy as np
 import pytest
 
-from pagedjax.batch import ModelOutput
-from pagedjax.beam_search import BeamSearch, BeamSearchParams
-from pagedjax.block_manager import BlockManager
+from pagedjax.core.batch import ModelOutput
+from pagedjax.core.beam_search import BeamSearch, BeamSearchParams
+from pagedjax.core.block_manager import BlockManager
+from pagedjax.core.request_policy import PolicyContext, RequestPolicy
+from pagedjax.core.scheduler import Scheduler
+from pagedjax.core.scheduler_output import ScheduledSequence
+from pagedjax.core.sequence import Sequence
+from pagedjax.core.stopping import StopChecker
 from pagedjax.outputs import RequestOutput
-from pagedjax.request_policy import PolicyContext, RequestPolicy
-from pagedjax.scheduler import Scheduler
-from pagedjax.scheduler_output import ScheduledSequence
-from pagedjax.sequence import Sequence
-from pagedjax.stopping import StopChecker
 
 BS, VOCAB, EOS, TOP = 4, 40, 0, 20
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import itertools
 
-from pagedjax.block_manager import BlockManager
-from pagedjax.request_policy import ParallelSampling, PolicyContext
+from pagedjax.core.block_manager import BlockManager
+from pagedjax.core.request_policy import ParallelSampling, PolicyContext
+from pagedjax.core.scheduler import Scheduler
+from pagedjax.core.sequence import Sequence, SequenceStatus
+from pagedjax.core.stopping import StopChecker
 from pagedjax.sampling_params import SamplingParams
-from pagedjax.scheduler import Scheduler
-from pagedjax.sequence import Sequence, SequenceStatus
-from pagedjax.stopping import StopChecker
 
 BS = 4
 

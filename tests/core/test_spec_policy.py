@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pagedjax.scheduler_output import ScheduledSequence, SchedulerOutput
-from pagedjax.spec_decode import AdaptiveSpeculation, SpeculativeConfig
+from pagedjax.core.scheduler_output import ScheduledSequence, SchedulerOutput
+from pagedjax.core.spec_decode import AdaptiveSpeculation, SpeculativeConfig
 
 
 def config(tmp_path, k: int = 4, adaptive: bool = True) -> SpeculativeConfig:

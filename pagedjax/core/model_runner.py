@@ -1,0 +1,66 @@
+"""The runner contract between the core and a backend, and the one backend registry.
+
+A runner owns the device: weights, KV caches (the draft model's too) and compiled steps. It
+executes one whole step per call (the forward and sampling; with drafts, the draft catch-up, k
+draft steps, verification and rejection sampling) and returns host arrays only.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Protocol
+
+from pagedjax.config import DTYPES, EngineConfig, ModelConfig
+from pagedjax.core.batch import ModelInput, ModelOutput
+
+# backend name → "module:class" of its runner, imported only when chosen (a backend's framework
+# never loads for the other one).
+BACKENDS = {
+    "jax": "pagedjax.backends.jax.runner:JaxModelRunner",
+    "torch": "pagedjax.backends.torch.runner:TorchModelRunner",
+}
+
+
+class ModelRunner(Protocol):
+    """What the engine needs from a backend."""
+
+    num_kv_blocks: int  # blocks in the pool; each holds the target's (and draft's) KV
+
+    @property
+    def num_compiles(self) -> int:
+        """Step shapes compiled (jit traces, CUDA graph captures) so far."""
+        ...
+
+    def execute(self, model_input: ModelInput) -> ModelOutput:
+        """Run one step: copy-on-write copies, the forward(s) and sampling."""
+        ...
+
+    def shutdown(self) -> None:
+        """Free the device memory (and worker processes); no step runs afterwards."""
+        ...
+
+
+class RunnerFactory(Protocol):
+    def __call__(self, config: EngineConfig, model_config: ModelConfig,
+                 draft_model_config: ModelConfig | None = None) -> ModelRunner:
+        """A runner for config.model, plus the draft model of config.speculative_config (whose
+        config is draft_model_config) sharing its block ids."""
+        ...
+
+    def default_dtype(self, model_config: ModelConfig) -> str:
+        """What dtype="auto" means on this backend's device for this checkpoint."""
+        ...
+
+
+def auto_dtype(model_config: ModelConfig, on_accelerator: bool) -> str:
+    """The checkpoint's dtype on an accelerator; float32 on CPU, or if it names none."""
+    if on_accelerator and model_config.dtype in DTYPES:
+        return model_config.dtype
+    return "float32"
+
+
+def get_runner_cls(backend: str) -> RunnerFactory:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is unknown; use one of {tuple(BACKENDS)}.")
+    module, name = BACKENDS[backend].split(":")
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,331 @@
+"""Continuous batching with one token budget per step.
+
+There are no prefill and decode phases. Every step each scheduled sequence's
+`num_computed_tokens` catches up with its `num_tokens` as far as the budget allows: a new prompt,
+a chunk of a long prompt, a decode token and a recompute after preemption are the same thing.
+Running sequences go first (oldest first); waiting ones are admitted FCFS after them. When the
+block pool is full the latest-arrived running sequence is preempted (its blocks freed, recomputed
+later), never the engine.
+
+With a draft model the engine asks for up to k drafts per sequence each step: the scheduler
+reserves their slots, lets the draft catch up on what it has not computed (within its own token
+budget), and after verification rolls rejected drafts back by bookkeeping.
+
+Request-level behaviour (n > 1 siblings, beams) lives in request policies (request_policy.py):
+they fork and drop sequences through the block manager and hand forks over with `add_fork`. The
+scheduler only sees sequences; a sequence with nothing left to compute (a beam waiting for its
+policy to pick its next token) is simply not scheduled, and when preempted it is parked, holding
+no blocks and queued nowhere, until tokens are appended to it.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+
+from pagedjax.core.block_manager import BlockManager
+from pagedjax.core.scheduler_output import SampleSpec, ScheduledSequence, SchedulerOutput
+from pagedjax.core.sequence import Sequence, SequenceStatus
+from pagedjax.core.stopping import StopChecker
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, *, max_num_seqs: int,
+                 max_num_batched_tokens: int, stop_checker: StopChecker,
+                 has_draft: bool = False) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.stop_checker = stop_checker
+        self.has_draft = has_draft  # a draft model shares the pool: track its KV progress
+        self.waiting: deque[Sequence] = deque()
+        self.parked: dict[int, Sequence] = {}  # preempted with nothing to compute, by seq id
+        self.running: list[Sequence] = []  # sorted by arrival
+        self.seqs: dict[int, Sequence] = {}  # every live sequence, forked children included
+        self.num_preemptions_total = 0
+        self.num_generation_tokens_total = 0
+
+    # ---- bookkeeping -------------------------------------------------------------------------
+
+    def add_sequence(self, seq: Sequence) -> None:
+        self.seqs[seq.seq_id] = seq
+        self.waiting.append(seq)
+
+    def add_fork(self, seq: Sequence) -> None:
+        """Track a sequence a request policy forked: it joins its parent's queue (running, in
+        arrival order; or waiting at the front, as the preempted do)."""
+        self.seqs[seq.seq_id] = seq
+        if seq.status is SequenceStatus.RUNNING:
+            bisect.insort(self.running, seq, key=lambda s: s.arrival)
+        else:
+            self.waiting.appendleft(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Forget a finished sequence once its output has been delivered."""
+        assert seq.is_finished
+        self.seqs.pop(seq.seq_id, None)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.parked)
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None,
+               num_output_tokens: int | None = None) -> None:
+        """Mark seq finished, release its blocks and drop it from the queues; with
+        num_output_tokens, drop the tokens after that many (a stop string ended it there)."""
+        if num_output_tokens is not None:
+            excess = seq.num_output_tokens - num_output_tokens
+            del seq.token_ids[seq.num_prompt_tokens + num_output_tokens :]
+            self.num_generation_tokens_total -= excess
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        self.block_manager.free(seq.seq_id)
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.parked.pop(seq.seq_id, None)
+
+    def _preempt(self, seq: Sequence) -> None:
+        idle = seq.num_computed_tokens == seq.num_tokens  # a beam whose row is in
+        self.block_manager.free(seq.seq_id)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = seq.num_draft_computed_tokens = 0
+        if idle:
+            self.parked[seq.seq_id] = seq  # recomputing it before it has a new token is useless
+        else:
+            self.waiting.appendleft(seq)  # latest preempted first, so the front stays oldest
+        self.num_preemptions_total += 1
+
+    # ---- schedule ----------------------------------------------------------------------------
+
+    def schedule(self, num_spec_tokens: int = 0) -> SchedulerOutput:
+        """This step's batch; with num_spec_tokens k > 0, up to k draft slots per sequence."""
+        assert not num_spec_tokens or self.has_draft
+        step = SchedulerOutput([], [], [], 0, num_spec_tokens)
+        self._draft_budget = self.max_num_batched_tokens if num_spec_tokens else 0
+        self._schedule_running(step)
+        if not step.preempted_seq_ids:
+            self._schedule_waiting(step)
+        if step.num_spec_tokens:
+            self._fit_num_spec_tokens(step)
+        return step
+
+    @staticmethod
+    def _fit_num_spec_tokens(step: SchedulerOutput) -> None:
+        """The step's k is the most drafts any of its sequences proposes (max_tokens caps them
+        near the end): the draft passes past it would propose nothing. A step with no drafts
+        runs the draft only for catch-ups (k = 1: the catch-up pass alone), else not at all."""
+        k = max((e.num_spec_tokens for e in step.scheduled), default=0)
+        step.num_spec_tokens = k or int(any(e.draft_token_ids for e in step.scheduled))
+
+    def _budget(self, step: SchedulerOutput) -> int:
+        return self.max_num_batched_tokens - step.num_batched_tokens
+
+    def _add(self, step: SchedulerOutput, seq: Sequence, num_new: int, num_spec: int,
+             copies: list[tuple[int, int]]) -> ScheduledSequence:
+        entry = self._scheduled(seq, num_new, num_spec)
+        step.scheduled.append(entry)
+        step.block_copies += copies
+        step.num_batched_tokens += num_new + num_spec
+        return entry
+
+    def _schedule_running(self, step: SchedulerOutput) -> None:
+        i = 0
+        while (i < len(self.running) and self._budget(step) > 0
+               and len(step.scheduled) < self.max_num_seqs):
+            seq = self.running[i]
+            i += 1
+            if seq.num_computed_tokens == seq.num_tokens:
+                continue  # waits for its request policy's next token (a beam)
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, self._budget(step))
+            num_spec = self._num_spec_tokens(step, seq, seq.num_computed_tokens, num_new)
+            allocated = self._allocate_or_preempt(seq, num_new, num_spec, step.preempted_seq_ids)
+            if allocated is None:
+                break  # seq itself was preempted: nothing after it runs either
+            self._add(step, seq, num_new, *allocated)
+            if i > len(self.running) or self.running[i - 1] is not seq:
+                i = self.running.index(seq) + 1  # an earlier, idle sequence was parked
+
+    def _num_seats(self) -> int:
+        """Running sequences plus the forks their policies will add (n > 1 siblings, beams)."""
+        return sum(1 + s.num_pending_forks for s in self.running)
+
+    def _schedule_waiting(self, step: SchedulerOutput) -> None:
+        seats = self._num_seats()
+        while self.waiting and self._budget(step) > 0:
+            seq = self.waiting[0]
+            if seats + 1 + seq.num_pending_forks > self.max_num_seqs:
+                break  # FCFS: a request takes a seat for each sequence it will fork into
+            # A prompt whose logprobs are due is computed whole, as vLLM does: no cache hits.
+            hits = ([] if seq.needs_prompt_logprobs
+                    else self.block_manager.get_computed_blocks(seq.token_ids))
+            num_computed = len(hits) * self.block_manager.block_size
+            num_new = min(seq.num_tokens - num_computed, self._budget(step))
+            num_spec = self._num_spec_tokens(step, seq, num_computed, num_new, 0)
+            allocated = self._allocate_with_drafts(seq, num_computed, num_new, num_spec, hits)
+            while allocated is None and self._park_idle(step.preempted_seq_ids):
+                allocated = self._allocate_with_drafts(seq, num_computed, num_new, num_spec,
+                                                       hits)
+            if allocated is None:
+                break  # FCFS: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            if seq.num_output_tokens == 0:
+                seq.num_cached_tokens = num_computed
+            # Cached blocks hold the target's KV; the draft's may be missing: it recomputes.
+            seq.num_computed_tokens, seq.num_draft_computed_tokens = num_computed, 0
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=lambda s: s.arrival)
+            seats += 1 + seq.num_pending_forks
+            self._add(step, seq, num_new, *allocated)
+
+    def _park_idle(self, preempted: list[int]) -> bool:
+        """Preempt (park) the latest running sequence with nothing to compute (a beam whose row
+        is in, waiting for a sibling's): it needs no blocks this step, and the sequences that
+        do (that sibling, maybe) must progress. False if there is none."""
+        for i in range(len(self.running) - 1, -1, -1):
+            seq = self.running[i]
+            if seq.num_computed_tokens == seq.num_tokens:
+                del self.running[i]
+                self._preempt(seq)
+                preempted.append(seq.seq_id)
+                return True
+        return False
+
+    def _num_spec_tokens(self, step: SchedulerOutput, seq: Sequence, num_computed: int,
+                         num_new: int, num_draft_computed: int | None = None) -> int:
+        """Draft slots for seq this step: only once its last real token is computed and the
+        draft can catch up to it, within the budget and `_drafts_left`, and never while forking
+        or below min_tokens."""
+        end_pos = num_computed + num_new
+        if num_draft_computed is None:
+            num_draft_computed = seq.num_draft_computed_tokens
+        if (not step.num_spec_tokens or end_pos < seq.num_tokens or seq.num_pending_forks
+                or seq.num_output_tokens < seq.sampling_params.min_tokens
+                or end_pos - num_draft_computed > self._draft_budget):
+            return 0
+        return max(0, min(step.num_spec_tokens, self._budget(step) - num_new,
+                          self._drafts_left(seq)))
+
+    @staticmethod
+    def _drafts_left(seq: Sequence) -> int:
+        """The most drafts seq may still propose in one step: max_tokens leaves room for
+        them beside the token its target pass yields; 0 for good where drafting cannot serve
+        it (penalties and logit_bias change the target's distribution per position: counts
+        grow with each accepted draft; a policy that picks the tokens, beams, takes none)."""
+        params = seq.sampling_params
+        if params.has_penalties or params.logit_bias or seq.policy_picks_tokens:
+            return 0
+        return seq.max_tokens - seq.num_output_tokens - 1
+
+    def _allocate_with_drafts(self, seq: Sequence, num_computed: int, num_new: int,
+                              num_spec: int, hits: list[int] | tuple = ()
+                              ) -> tuple[int, list[tuple[int, int]]] | None:
+        """Slots for the new tokens and the draft slots; when the pool is short, drafts go
+        first (fewer or none are proposed) rather than anybody being preempted for them."""
+        for spec in (num_spec, 0) if num_spec else (0,):
+            copies = self.block_manager.allocate_slots(seq.seq_id, num_computed, num_new + spec,
+                                                       hits)
+            if copies is not None:
+                return spec, copies
+        return None
+
+    def _allocate_or_preempt(self, seq: Sequence, num_new: int, num_spec: int,
+                             preempted: list[int]) -> tuple[int, list[tuple[int, int]]] | None:
+        """Slots for seq's new tokens, preempting idle sequences, then the latest arrivals,
+        until they fit."""
+        while True:
+            allocated = self._allocate_with_drafts(seq, seq.num_computed_tokens, num_new, num_spec)
+            if allocated is not None:
+                return allocated
+            if self._park_idle(preempted):
+                continue
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted.append(victim.seq_id)
+            if victim is seq:
+                return None
+
+    def _scheduled(self, seq: Sequence, num_new: int, num_spec: int) -> ScheduledSequence:
+        start = seq.num_computed_tokens
+        end = start + num_new
+        entry = ScheduledSequence(
+            seq_id=seq.seq_id,
+            token_ids=seq.token_ids[start:end],
+            start_pos=start,
+            block_table=list(self.block_manager.get_block_table(seq.seq_id)),
+            num_spec_tokens=num_spec,
+            draft_start_pos=seq.num_draft_computed_tokens,
+            prompt_logprob_token_ids=seq.prompt_logprob_token_ids(start, end),
+        )
+        # The draft runs this step: it catches up as far as it may, for sequences that may
+        # still draft (not one on its last token, or one that never drafts).
+        if self._draft_budget and self._drafts_left(seq) > 0:
+            num_catch_up = min(end - entry.draft_start_pos, self._draft_budget)
+            entry.draft_token_ids = seq.token_ids[entry.draft_start_pos :
+                                                  entry.draft_start_pos + num_catch_up]
+            self._draft_budget -= num_catch_up
+        if end == seq.num_tokens:  # caught up: its last position yields a token
+            entry.samples = [self._sample_spec(seq)]
+        return entry
+
+    def _sample_spec(self, seq: Sequence) -> SampleSpec:
+        params = seq.sampling_params
+        banned: list[int] = []
+        if seq.num_output_tokens < params.min_tokens:
+            banned = list(params.stop_token_ids)
+            if not params.ignore_eos:
+                banned += self.stop_checker.eos_token_ids
+        return SampleSpec(seq.seq_id, params, seq.rng_seed, seq.num_output_tokens, banned,
+                          *seq.penalty_token_ids())
+
+    # ---- update ------------------------------------------------------------------------------
+
+    def update(self, output: SchedulerOutput, sampled: dict[int, list[int]]) -> list[Sequence]:
+        """Advance computed counts, append sampled tokens, finish and free what stopped.
+
+        sampled: seq id → the tokens its row produced (one normally; its accepted drafts and a
+        recovered or bonus token with speculation). A sequence whose request policy picks its
+        tokens (a beam) gets none here. Returns every sequence that got tokens.
+        """
+        touched: list[Sequence] = []
+        for entry in output.scheduled:
+            seq = self.seqs[entry.seq_id]
+            seq.num_computed_tokens = entry.end_pos
+            if entry.draft_token_ids:  # the draft computed its catch-up and drafts 1..k-1
+                seq.num_draft_computed_tokens = entry.draft_end_pos + max(
+                    entry.num_spec_tokens - 1, 0)
+            for spec in entry.samples:
+                seq = self.seqs[spec.seq_id]
+                if seq.policy_picks_tokens:
+                    continue
+                tokens = sampled[spec.seq_id]
+                # Drafts kept; the last token is recovered or bonus. Rejected: rolled back.
+                seq.num_computed_tokens = entry.end_pos + len(tokens) - 1
+                self.append_tokens(seq, tokens)
+                touched.append(seq)
+        for seq in touched:
+            if not seq.is_finished:
+                self._release_rejected_slots(seq)
+        return touched
+
+    def _release_rejected_slots(self, seq: Sequence) -> None:
+        """Blocks past the new length go back to the pool; full blocks whose KV the target
+        computed enter the prefix cache."""
+        computed = seq.num_computed_tokens
+        if self.has_draft:
+            seq.num_draft_computed_tokens = min(seq.num_draft_computed_tokens, computed)
+            self.block_manager.truncate(seq.seq_id, seq.num_tokens)
+        self.block_manager.cache_blocks(seq.seq_id, seq.token_ids, computed)
+
+    def append_tokens(self, seq: Sequence, token_ids: list[int]) -> None:
+        """Append tokens to seq, finishing it at the first token-level stop; a parked
+        sequence queues again."""
+        if self.parked.pop(seq.seq_id, None) is not None:
+            self.waiting.appendleft(seq)
+        for token in token_ids:
+            seq.token_ids.append(token)
+            self.num_generation_tokens_total += 1
+            stop = self.stop_checker(seq, token)
+            if stop is not None:
+                self.finish(seq, *stop)
+                return

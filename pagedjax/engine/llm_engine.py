@@ -1,0 +1,379 @@
+"""LLMEngine: add requests, step the scheduler and a backend's runner, stream outputs.
+
+One step: drain the inbox of add/abort commands → the speculation policy picks k →
+Scheduler.schedule → request policies add sample rows (n > 1) → build_model_input (NumPy) →
+ModelRunner.execute (one device step) → Scheduler.update (token-level stops, rollback) →
+OutputProcessor (text, stop strings, logprobs, outputs) → request policies pick tokens, fork
+and drop (beam search).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pagedjax.config import EngineConfig, ModelConfig
+from pagedjax.core.batch import ModelOutput, build_model_input
+from pagedjax.core.beam_search import BeamSearch, BeamSearchParams
+from pagedjax.core.block_manager import BlockManager
+from pagedjax.core.model_runner import ModelRunner, get_runner_cls
+from pagedjax.core.request_policy import ParallelSampling, PolicyContext, RequestPolicy
+from pagedjax.core.scheduler import Scheduler
+from pagedjax.core.scheduler_output import ScheduledSequence, SchedulerOutput
+from pagedjax.core.sequence import Sequence
+from pagedjax.core.spec_decode import AdaptiveSpeculation, SpeculativeConfig
+from pagedjax.core.stopping import StopChecker
+from pagedjax.distributed import register_engine
+from pagedjax.engine.output_processor import OutputProcessor
+from pagedjax.outputs import RequestOutput
+from pagedjax.parallel import TensorParallelPlan
+from pagedjax.random import derive_seed
+from pagedjax.sampling_params import MAX_LOGPROBS, SamplingParams
+from pagedjax.tokenizer import load_eos_token_ids, load_tokenizer
+
+# A prompt: text, or {"prompt_token_ids": [...]} (optionally with "prompt": text).
+PromptType = str | dict[str, Any]
+
+
+@dataclass(frozen=True)
+class _AddCommand:
+    """A validated request waiting in the inbox."""
+
+    request_id: str
+    prompt: str | None
+    token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    beam_params: BeamSearchParams | None = None  # beam search: its policy picks the tokens
+
+
+STEP_PHASES = ("schedule", "prepare", "execute", "update", "output")
+
+
+@dataclass
+class StepTimings:
+    """Wall seconds spent in each phase of LLMEngine.step, summed over steps."""
+
+    num_steps: int = 0
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STEP_PHASES, 0.0))
+
+    def record(self, stamps: list[float]) -> None:
+        self.num_steps += 1
+        for name, start, end in zip(STEP_PHASES, stamps, stamps[1:]):
+            self.seconds[name] += end - start
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        if not Path(config.model).is_dir():
+            raise ValueError(f"model={config.model!r} is not a directory; pass a Hugging Face "
+                             "checkpoint directory (config.json, *.safetensors, tokenizer files).")
+        runner_cls = get_runner_cls(config.backend)
+        self.config = config
+        self.model_config = ModelConfig.from_pretrained(config.model)
+        config.validate(self.model_config, runner_cls.default_dtype(self.model_config))
+        TensorParallelPlan.for_model(self.model_config, config.tensor_parallel_size)  # it splits
+        self.tokenizer = load_tokenizer(config.tokenizer or config.model)
+        self.eos_token_ids = load_eos_token_ids(config.model, self.tokenizer)
+        self.speculation: AdaptiveSpeculation | None = None
+        draft_model_config = None
+        if config.speculative_config is not None:
+            spec_config = SpeculativeConfig.from_dict(config.speculative_config,
+                                                  config.tensor_parallel_size)
+            draft_model_config = self._check_draft(spec_config)
+            self.speculation = AdaptiveSpeculation(spec_config)
+        self.runner: ModelRunner | None = runner_cls(config, self.model_config,
+                                                     draft_model_config)
+        self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size,
+                                          config.enable_prefix_caching)
+        self._seq_ids = itertools.count()
+        self._arrivals = itertools.count()
+        self.scheduler = Scheduler(
+            self.block_manager, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            stop_checker=StopChecker(self.eos_token_ids, config.max_model_len),
+            has_draft=self.speculation is not None)
+        self.output_processor = OutputProcessor(self.tokenizer, self.scheduler)
+        self.policy_context = PolicyContext(self.scheduler, lambda: next(self._seq_ids),
+                                            self._rng_seed, self.eos_token_ids, self.tokenizer)
+        self.policies: dict[str, RequestPolicy] = {}  # request id → its policy, while it has one
+        self.prompt_tokens_total = 0
+        self.step_timings = StepTimings()
+        # add/abort commands from any thread, applied by step() in order (the inbox);
+        # _pending_ids: ids added but not yet drained (for the duplicate-id check)
+        self._inbox: list[_AddCommand | str] = []
+        self._pending_ids: set[str] = set()
+        self._inbox_lock = threading.Lock()
+        register_engine(self)
+
+    def shutdown(self) -> None:
+        """Abort what is in flight and free the device memory (weights, KV caches, compiled
+        steps). The engine cannot step afterwards."""
+        if self.runner is None:
+            return
+        with self._inbox_lock:
+            self._inbox.clear()
+            self._pending_ids.clear()
+        for request_id in list(self.output_processor.requests):
+            self._abort_now(request_id)
+        self.runner.shutdown()
+        self.runner = None
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineConfig) -> LLMEngine:
+        """An engine for EngineArgs (validated on a copy: the caller's stay as given)."""
+        return cls(EngineConfig(**{f.name: getattr(engine_args, f.name)
+                                   for f in dataclasses.fields(EngineConfig)}))
+
+    def _check_draft(self, spec_config: SpeculativeConfig) -> ModelConfig:
+        draft_model_config = ModelConfig.from_pretrained(spec_config.model)
+        spec_config.check_vocabulary(self.config.model, self.tokenizer,
+                                     load_tokenizer(spec_config.model),
+                                     self.model_config.vocab_size, draft_model_config.vocab_size)
+        if draft_model_config.max_position_embeddings < self.config.max_model_len:
+            raise ValueError(f"draft max_position_embeddings="
+                             f"{draft_model_config.max_position_embeddings} is below "
+                             f"max_model_len={self.config.max_model_len}; lower max_model_len.")
+        return draft_model_config
+
+    # ---- requests ----------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: PromptType,
+                    params: SamplingParams | BeamSearchParams | None = None) -> None:
+        """Queue a request (sampled, or beam-searched with BeamSearchParams); it joins at the
+        top of the next step. Invalid input raises ValueError here and leaves the engine
+        untouched. Thread-safe: another thread may be stepping (the server's engine loop)."""
+        params = params or SamplingParams()
+        text, token_ids = self._tokenize(prompt)
+        beam_params = params if isinstance(params, BeamSearchParams) else None
+        if beam_params is not None:
+            params = self._beam_sampling_params(beam_params)
+        max_tokens = self._check_lengths(token_ids, params)
+        self._check_logit_bias(params)
+        with self._inbox_lock:
+            if request_id in self._pending_ids or request_id in self.output_processor.requests:
+                raise ValueError(f"request_id={request_id!r} is already in use; pick a unique "
+                                 "id.")
+            self._pending_ids.add(request_id)
+            self._inbox.append(_AddCommand(request_id, text, token_ids, params, max_tokens,
+                                           beam_params))
+
+    def _apply_add(self, command: _AddCommand) -> None:
+        request_id, token_ids, params = command.request_id, command.token_ids, command.params
+        arrival = next(self._arrivals)
+        seq = Sequence(
+            seq_id=next(self._seq_ids), request_id=request_id, index=0,
+            arrival=(arrival, 0), token_ids=list(token_ids), num_prompt_tokens=len(token_ids),
+            sampling_params=params, max_tokens=command.max_tokens, rng_seed=0,
+            num_pending_forks=params.n - 1)
+        seq.rng_seed = self._rng_seed(seq, 0)
+        if command.beam_params is not None:
+            self.policies[request_id] = BeamSearch(seq, command.beam_params, command.prompt,
+                                                   self.policy_context)
+        elif params.n > 1:
+            self.policies[request_id] = ParallelSampling(seq, self.policy_context)
+        self.output_processor.add_request(request_id, command.prompt, seq)
+        self.scheduler.add_sequence(seq)
+        self.prompt_tokens_total += len(token_ids)
+
+    def _beam_sampling_params(self, params: BeamSearchParams) -> SamplingParams:
+        """What the beams of a request sample with; raises ValueError for a width this engine
+        cannot serve."""
+        if params.beam_width > self.config.max_num_seqs:
+            raise ValueError(f"BeamSearchParams.beam_width={params.beam_width} exceeds "
+                             f"max_num_seqs={self.config.max_num_seqs}; lower beam_width or "
+                             "raise max_num_seqs.")
+        num_candidates = params.num_candidates(len(self.eos_token_ids))
+        limit = min(MAX_LOGPROBS, self.model_config.vocab_size)
+        if num_candidates > limit:
+            per_beam = num_candidates // params.beam_width
+            raise ValueError(f"BeamSearchParams.beam_width={params.beam_width} needs the top "
+                             f"{num_candidates} logprobs per beam, over the {limit} a step "
+                             f"returns; use beam_width <= {limit // per_beam}.")
+        return params.sampling_params(num_candidates)
+
+    def _drain_inbox(self) -> list[RequestOutput]:
+        """Apply queued adds and aborts in order; the final outputs of the aborted requests."""
+        aborted = []
+        with self._inbox_lock:  # held while applying, so an id is never in neither place
+            commands, self._inbox = self._inbox, []
+            for command in commands:
+                if isinstance(command, _AddCommand):
+                    self._pending_ids.discard(command.request_id)
+                    self._apply_add(command)
+                else:
+                    output = self._abort_now(command)
+                    if output is not None:
+                        aborted.append(output)
+        return aborted
+
+    def _abort_now(self, request_id: str) -> RequestOutput | None:
+        """Finish a request (its policy's sequences too) and forget it; its final output."""
+        policy = self.policies.pop(request_id, None)
+        if policy is not None:
+            policy.abort()
+        return self.output_processor.abort_request(request_id)
+
+    def _rng_seed(self, seq: Sequence, index: int) -> int:
+        seed = seq.sampling_params.seed
+        if seed is not None:  # reproducible whatever else is in flight
+            return derive_seed(seed, index)
+        return derive_seed(self.config.seed, seq.arrival[0], index)
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            text, token_ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        elif isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"model {self.config.model!r} has no tokenizer; pass "
+                                 "{'prompt_token_ids': [...]} instead of text.")
+            text, token_ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            raise TypeError(f"prompt={prompt!r} must be a string or a dict with "
+                            "'prompt_token_ids'.")
+        if not token_ids:
+            raise ValueError(f"prompt={prompt!r} is empty; give at least one token.")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not isinstance(t, (int, np.integer)) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab}); "
+                             "tokenize with this model's tokenizer.")
+        return text, [int(t) for t in token_ids]
+
+    def _check_lengths(self, token_ids: list[int], params: SamplingParams) -> int:
+        max_len = self.config.max_model_len
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"SamplingParams.n={params.n} exceeds max_num_seqs="
+                             f"{self.config.max_num_seqs}; lower n or raise max_num_seqs.")
+        room = max_len - len(token_ids)
+        max_tokens = params.max_tokens if params.max_tokens is not None else room
+        if max_tokens > room or room < 1:
+            raise ValueError(
+                f"prompt ({len(token_ids)} tokens) + max_tokens ({max_tokens}) exceeds "
+                f"max_model_len={max_len}; shorten the prompt, lower max_tokens or raise "
+                "max_model_len.")
+        return max_tokens
+
+    def _check_logit_bias(self, params: SamplingParams) -> None:
+        vocab = self.model_config.vocab_size
+        bad = sorted(t for t in params.logit_bias or () if t >= vocab)
+        if bad:
+            raise ValueError(f"SamplingParams.logit_bias has token ids {bad[:5]} outside the "
+                             f"vocabulary [0, {vocab}); use this model's token ids.")
+
+    def abort_request(self, request_id: str) -> bool:
+        """Finish a request at the top of the next step (finish_reason "abort", its final
+        output among that step's outputs) and free its blocks. A request still in the inbox is
+        dropped at once, with no output: returns True then. Unknown ids: no-op. Thread-safe."""
+        with self._inbox_lock:
+            if request_id in self._pending_ids:
+                self._pending_ids.discard(request_id)
+                self._inbox = [c for c in self._inbox
+                               if not (isinstance(c, _AddCommand) and c.request_id == request_id)]
+                return True
+            self._inbox.append(request_id)
+            return False
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._inbox) or self.output_processor.has_unfinished_requests()
+
+    # ---- step --------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduler step and one device step; outputs of the requests that progressed."""
+        if self.runner is None:
+            raise RuntimeError("this engine was shut down; make a new one")
+        aborted = self._drain_inbox() if self._inbox else []
+        stamps = [time.perf_counter()]
+        k = self._choose_num_spec_tokens()
+        out = self.scheduler.schedule(k)
+        if out.is_empty:
+            return aborted
+        policies = self._policies_of(out)
+        for request_id, entries in policies.items():
+            self.policies[request_id].schedule(entries)
+        stamps.append(time.perf_counter())
+        model_input = build_model_input(out, block_size=self.config.block_size,
+                                        max_blocks_per_seq=self.config.max_blocks_per_seq,
+                                        max_spec_tokens=self.max_spec_tokens)
+        stamps.append(time.perf_counter())
+        num_compiles = self.runner.num_compiles
+        model_output = self.runner.execute(model_input)
+        stamps.append(time.perf_counter())
+        sampled = dict(zip(model_output.seq_ids, model_output.token_lists()))
+        touched = self.scheduler.update(out, sampled)
+        stamps.append(time.perf_counter())
+        outputs = self.output_processor.process(touched, model_output)
+        if policies:
+            outputs += self._update_policies(policies, model_output)
+        stamps.append(time.perf_counter())
+        self.step_timings.record(stamps)
+        if self.speculation is not None:
+            decode = all(e.num_new_tokens == 1 for e in out.scheduled)
+            self.speculation.observe(out, sampled, stamps[-1] - stamps[0],
+                                     timed=decode and self.runner.num_compiles == num_compiles)
+        return aborted + outputs if aborted else outputs
+
+    def _policies_of(self, out: SchedulerOutput) -> dict[str, list[ScheduledSequence]]:
+        """The scheduled sequences of each request that has a policy."""
+        policies: dict[str, list[ScheduledSequence]] = {}
+        if self.policies:
+            seqs = self.scheduler.seqs
+            for entry in out.scheduled:
+                request_id = seqs[entry.seq_id].request_id
+                if request_id in self.policies:
+                    policies.setdefault(request_id, []).append(entry)
+        return policies
+
+    def _update_policies(self, policies: dict[str, list[ScheduledSequence]],
+                         model_output: ModelOutput) -> list[RequestOutput]:
+        """Let the policies of the step's requests pick tokens, fork and drop; returns the
+        outputs of the requests they ended (the output processor forgets those)."""
+        rows = {seq_id: r for r, seq_id in enumerate(model_output.seq_ids)}
+        outputs = []
+        for request_id in policies:
+            policy = self.policies[request_id]
+            output = policy.update(model_output, rows)
+            if policy.done:
+                del self.policies[request_id]
+            if output is not None:
+                # Its policy built its output: the output processor only forgets it.
+                self.output_processor.remove_request(request_id)
+                outputs.append(output)
+        return outputs
+
+    @property
+    def max_spec_tokens(self) -> int:
+        return 0 if self.speculation is None else self.speculation.max_k
+
+    def _choose_num_spec_tokens(self) -> int:
+        if self.speculation is None:
+            return 0
+        sched = self.scheduler
+        num_seqs = min(len(sched.running) + len(sched.waiting), self.config.max_num_seqs)
+        return self.speculation.choose(max(num_seqs, 1))
+
+    # ---- metrics -----------------------------------------------------------------------------
+
+    def get_metrics(self) -> dict[str, Any]:
+        bm, sched = self.block_manager, self.scheduler
+        return {
+            "kv_blocks_total": bm.num_blocks,
+            "kv_blocks_free": bm.num_free_blocks,
+            "num_requests_running": len({s.request_id for s in sched.running}),
+            "num_requests_waiting": len({s.request_id for s in sched.waiting}
+                                        - {s.request_id for s in sched.running}),
+            "num_preemptions_total": sched.num_preemptions_total,
+            "prefix_cache_queries": bm.prefix_cache_queries,
+            "prefix_cache_hits": bm.prefix_cache_hits,
+            "prompt_tokens_total": self.prompt_tokens_total,
+            "generation_tokens_total": sched.num_generation_tokens_total,
+            **(self.speculation.as_dict() if self.speculation else {}),
+        }

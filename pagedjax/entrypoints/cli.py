@@ -1,0 +1,132 @@
+"""pagedjax command line: `pagedjax generate --prompt TEXT [--model DIR] [--backend jax|torch]`,
+`pagedjax serve MODEL_DIR [--port 8000 ...]`, `pagedjax bench serve --url URL ...`,
+`pagedjax convert --model DIR`, `pagedjax doctor [--json]`."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+
+
+def _parser() -> argparse.ArgumentParser:
+    from pagedjax.engine_args import EngineArgs, FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser(prog="pagedjax", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate completions for one or more prompts")
+    gen.add_argument("--model", help="HF checkpoint directory (default: the demo target)")
+    EngineArgs.add_cli_args(gen, skip=("model",))  # vllm serve's engine flags
+    gen.add_argument("--prompt", action="append", required=True,
+                     help="a prompt; repeat the flag for a batch")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--n", type=int, default=1)
+    gen.add_argument("--stop", action="append", default=None)
+    gen.add_argument("--speculative-model", help="draft checkpoint for speculative decoding "
+                                                 "(short for --speculative-config)")
+    gen.add_argument("--speculate", action="store_true",
+                     help="speculate with the demo draft (when --model is the demo target)")
+    gen.add_argument("--num-speculative-tokens", type=int, default=4,
+                     help="the most drafts per step (adaptive: each step picks 0..this)")
+    gen.add_argument("--no-adaptive", action="store_true",
+                     help="always propose --num-speculative-tokens drafts")
+    conv = sub.add_parser("convert", help="save a checkpoint's JAX parameters as Orbax (faster "
+                                         "reloads): DIR/orbax-DTYPE, restored automatically")
+    conv.add_argument("--model", required=True)
+    conv.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    from pagedjax.entrypoints.openai.cli_args import add_serve_args
+
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server for a model")
+    add_serve_args(serve)
+    EngineArgs.add_cli_args(serve, skip=("model",))
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench",
+                                                                       required=True)
+    from pagedjax.entrypoints.bench_serve import add_bench_serve_args
+
+    add_bench_serve_args(bench.add_parser("serve", help="load a running server, report "
+                                                        "TTFT/TPOT/ITL/E2E and throughput"))
+    doctor = sub.add_parser("doctor", help="device, versions, attention implementations and "
+                                           "the ops build; exit status 1 on a problem")
+    doctor.add_argument("--json", action="store_true", help="print the report as JSON")
+    return parser
+
+
+def convert(args: argparse.Namespace) -> None:
+    import jax.numpy as jnp
+
+    from pagedjax.backends.jax.params import save_orbax
+    from pagedjax.config import ModelConfig
+
+    path = save_orbax(args.model, ModelConfig.from_pretrained(args.model), jnp.dtype(args.dtype))
+    print(f"wrote {path}")
+
+
+def generate(args: argparse.Namespace) -> None:
+    from pagedjax import LLM, SamplingParams
+    from pagedjax.demo import demo_model_dirs
+    from pagedjax.engine_args import EngineArgs
+
+    model, draft = args.model, args.speculative_model
+    if model is None or (args.speculate and draft is None):
+        demo_target, demo_draft = demo_model_dirs()
+        model, draft = model or demo_target, draft or (demo_draft if args.speculate else None)
+    args.model = model
+    if draft:
+        args.speculative_config = {"model": draft,
+                                   "num_speculative_tokens": args.num_speculative_tokens,
+                                   "adaptive": not args.no_adaptive}
+    engine_args = EngineArgs.from_cli_args(args)
+    spec = engine_args.speculative_config
+    llm = LLM(**dataclasses.asdict(engine_args))
+    params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, max_tokens=args.max_tokens,
+                            stop=args.stop)
+    start = time.perf_counter()
+    outputs = llm.generate(args.prompt, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    for output in outputs:
+        for completion in output.outputs:
+            print(f"--- prompt: {output.prompt!r} [{completion.index}] "
+                  f"({completion.finish_reason})")
+            print(output.prompt + completion.text)
+    metrics = llm.get_metrics()
+    tokens = metrics["generation_tokens_total"]
+    summary = f"{tokens} tokens in {elapsed:.2f}s ({tokens / elapsed:.1f} tok/s, {args.backend})"
+    if spec:
+        accepted, drafted = (metrics["spec_decode_num_accepted_tokens"],
+                             metrics["spec_decode_num_draft_tokens"])
+        summary += f", drafts accepted {accepted}/{drafted}"
+    print(f"--- {summary}", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "doctor":
+        from pagedjax.entrypoints.doctor import main as doctor
+
+        return doctor(as_json=args.json)
+    try:
+        if args.command == "generate":
+            generate(args)
+        elif args.command == "serve":
+            from pagedjax.entrypoints.openai.api_server import run_server
+
+            run_server(args)
+        elif args.command == "bench":
+            from pagedjax.entrypoints.bench_serve import main as bench_serve
+
+            bench_serve(args)
+        elif args.command == "convert":
+            convert(args)
+    except ValueError as e:  # user errors: one clear line, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

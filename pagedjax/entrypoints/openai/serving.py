@@ -1,0 +1,173 @@
+"""What the completion and chat endpoints share: the model check, prompt lengths against the
+context, starting generations, aborting them when the client goes away, and SSE framing."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, TypeVar
+
+from fastapi.responses import StreamingResponse
+from starlette.requests import Request
+
+from pagedjax.engine.async_llm import AsyncLLM, EngineDeadError
+from pagedjax.entrypoints.openai.errors import OpenAIError, bad_request, error_body
+from pagedjax.entrypoints.openai.protocol import SamplingFields
+from pagedjax.entrypoints.openai.sampling import to_sampling_params
+from pagedjax.outputs import RequestOutput
+from pagedjax.sampling_params import RequestOutputKind, SamplingParams
+from pagedjax.tokenizer import default_sampling_kwargs
+
+T = TypeVar("T")
+logger = logging.getLogger("pagedjax")
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str]) -> None:
+        self.engine = engine
+        self.served_model_names = served_model_names
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.engine.config.max_model_len
+        self.vocab_size = engine.engine.model_config.vocab_size
+        self.defaults = default_sampling_kwargs(engine.engine.config.model)
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.served_model_names:
+            raise OpenAIError(404, f"The model `{model}` does not exist; this server serves "
+                                   f"{self.served_model_names}.", param="model",
+                              code="model_not_found")
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self.tokenizer is None:
+            raise OpenAIError(400, "this model has no tokenizer: send the prompt as token ids.",
+                              param="prompt")
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def max_tokens_for(self, num_prompt_tokens: int, max_tokens: int | None,
+                       what: str) -> int:
+        """max_tokens checked against the context (None: what the context leaves, capped by
+        the model's generation_config), with OpenAI's message when it does not fit."""
+        limit, param = self.max_model_len, "messages" if what == "messages" else "prompt"
+        if max_tokens is None:
+            if num_prompt_tokens >= limit:
+                raise OpenAIError(
+                    400, f"This model's maximum context length is {limit} tokens. However, "
+                         f"your request has {num_prompt_tokens} input tokens. Please reduce the "
+                         f"length of the {what}.", param=param, code="context_length_exceeded")
+            return min(limit - num_prompt_tokens, self.defaults.get("max_tokens", limit))
+        if isinstance(max_tokens, int) and num_prompt_tokens + max_tokens > limit:
+            raise OpenAIError(
+                400, f"This model's maximum context length is {limit} tokens. However, you "
+                     f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in "
+                     f"the {what}, {max_tokens} in the completion). Please reduce the length of "
+                     f"the {what} or completion.", param=param, code="context_length_exceeded")
+        return max_tokens
+
+    def sampling_params(self, request: SamplingFields, *, max_tokens: int,
+                        logprobs: int | None) -> SamplingParams:
+        params = to_sampling_params(request, max_tokens=max_tokens, logprobs=logprobs,
+                                    defaults=self.defaults)
+        params.output_kind = (RequestOutputKind.DELTA if request.stream
+                              else RequestOutputKind.FINAL_ONLY)
+        return params
+
+    def start(self, request_ids: list[str], prompts: list[dict[str, Any]],
+              params: list[SamplingParams]) -> list[AsyncIterator[RequestOutput]]:
+        """Queue every prompt, or none: a prompt the engine rejects aborts those before it."""
+        generators = []
+        try:
+            for request_id, prompt, p in zip(request_ids, prompts, params):
+                generators.append(self.engine.generate(prompt, p, request_id))
+        except (ValueError, TypeError) as e:
+            for request_id in request_ids[: len(generators)]:
+                self.engine.abort_request(request_id)
+            raise bad_request(e) from None
+        return generators
+
+    @contextlib.asynccontextmanager
+    async def abort_on_disconnect(self, raw_request: Request, request_ids: list[str]):
+        """Abort the requests as soon as the client disconnects (within one engine step)."""
+
+        async def watch() -> None:
+            while (await raw_request.receive())["type"] != "http.disconnect":
+                pass
+            await self.engine.abort(request_ids)
+
+        watcher = asyncio.create_task(watch())
+        try:
+            yield
+        finally:
+            watcher.cancel()
+
+
+def event_stream(events: AsyncIterator[str]) -> StreamingResponse:
+    """SSE of `events`; a failure after the headers went out (a dead engine) ends the stream
+    with an error event in OpenAI's shape and [DONE], never a traceback."""
+
+    async def guarded() -> AsyncIterator[str]:
+        try:
+            async for event in events:
+                yield event
+        except EngineDeadError as e:
+            yield sse(error_body(503, f"the engine is not running: {e}"))
+            yield SSE_DONE
+        except Exception as e:
+            logger.exception("internal error while streaming")
+            yield sse(error_body(500, f"internal server error ({type(e).__name__}); see the "
+                                      "server log"))
+            yield SSE_DONE
+
+    return StreamingResponse(guarded(), media_type="text/event-stream")
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
+            "total_tokens": num_prompt_tokens + num_completion_tokens}
+
+
+async def merge_async_iterators(*iterators: AsyncIterator[T]) -> AsyncIterator[tuple[int, T]]:
+    """Items of several async iterators as they come, tagged with the iterator's index.
+    Closing this closes them all (which aborts unfinished generations)."""
+    pending = {asyncio.ensure_future(anext(it)): i for i, it in enumerate(iterators)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for future in done:
+                i = pending.pop(future)
+                try:
+                    item = future.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(anext(iterators[i]))] = i
+                yield i, item
+    finally:
+        for future in pending:
+            future.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for it in iterators:
+            with contextlib.suppress(Exception):
+                await it.aclose()

@@ -34,9 +34,11 @@ Backend = Literal["cpp", "cuda", "reference"]
 
 _NAME = "pagedjax_ops"
 _CSRC = Path(__file__).parent / "csrc"
-_CPU_SOURCES = ("ops.cpp", "attention_cpu.cpp", "linear_cpu.cpp", "rotary_cpu.cpp",
-                "norm_act_cpu.cpp", "decoder_layer_cpu.cpp")
-_CUDA_SOURCES = ("attention_cuda.cu", "write_kv_cuda.cu")
+# Paths under csrc/: the op schemas (ops.cpp) and the shared headers at the top, what runs on the
+# CPU under cpu/, the CUDA kernels under cuda/.
+_CPU_SOURCES = ("ops.cpp", "cpu/attention_cpu.cpp", "cpu/linear_cpu.cpp", "cpu/rotary_cpu.cpp",
+                "cpu/norm_act_cpu.cpp", "cpu/decoder_layer_cpu.cpp")
+_CUDA_SOURCES = ("cuda/attention_cuda.cu", "cuda/write_kv_cuda.cu")
 DEFAULT_CUDA_ARCHS = "8.0;9.0+PTX"  # A100 and H100 SASS; PTX that newer GPUs JIT-compile
 _MIN_CAPABILITY = (8, 0)  # cp.async and bf16 paths
 
@@ -78,7 +80,7 @@ def _build() -> Backend:
     build_dir = build_directory(with_cuda)
     build_dir.mkdir(parents=True, exist_ok=True)
     library = build_dir / f"{_NAME}.so"
-    newest_source = max(path.stat().st_mtime for path in [*sources, *_CSRC.glob("*.h")])
+    newest_source = max(path.stat().st_mtime for path in [*sources, *_CSRC.rglob("*.h")])
     if library.exists() and library.stat().st_mtime >= newest_source:
         # Up to date: load it straight away (cpp_extension.load would run ninja to check, which
         # takes seconds, in every process, tensor-parallel workers included).

@@ -1,5 +1,5 @@
 """The JAX backend's attention and linear layers on CPU through XLA's FFI: the C++ kernels the
-torch backend runs on CPU (`kernels_cuda/csrc/attention_cpu_kernel.h`, `linear_cpu_kernel.h`),
+torch backend runs on CPU (`kernels_cuda/csrc/cpu/attention_cpu_kernel.h`, `linear_cpu_kernel.h`),
 in float32, as CPU custom calls; and a top-k for the logprobs (XLA's CPU TopK sorts every row).
 
 The library is compiled on first use with the system's C++ compiler (`$CXX`, else `c++`) and
@@ -32,8 +32,8 @@ LINEAR_TARGET = "pagedjax_linear_f32"
 TOP_K_TARGET = "pagedjax_top_k_f32"
 _SYMBOLS = {TARGET: "PagedjaxRaggedPagedAttentionF32", LINEAR_TARGET: "PagedjaxLinearF32",
             TOP_K_TARGET: "PagedjaxTopKF32"}
-_SOURCES = ("cpu_ffi.cpp", "attention_cpu_kernel.h", "attention_shape.h", "cpu_features.h",
-            "simd_math.h", "linear_cpu_kernel.h")
+_SOURCES = ("cpu/cpu_ffi.cpp", "cpu/attention_cpu_kernel.h", "attention_shape.h",
+            "cpu/cpu_features.h", "cpu/simd_math.h", "cpu/linear_cpu_kernel.h")  # under csrc/
 LINEAR_TILE = 16  # columns per packed tile (linear_cpu_kernel.h)
 
 

@@ -81,7 +81,7 @@ class Linear(nn.Module):
     the weight row by row into the output, ~1.6x faster on CPU than nn.Linear's [out, in].
 
     On the CPU in float32, `pack()` moves the weight to the tile-major layout of the
-    `pagedjax::linear` op (kernels_cuda/csrc/linear_cpu.cpp), which runs the few-row products of
+    `pagedjax::linear` op (kernels_cuda/csrc/cpu/linear_cpu.cpp), which runs the few-row products of
     decode steps at close to memory bandwidth.
     """
 

@@ -133,8 +133,8 @@ def test_cuda_sources_compile_for_sm80_and_sm90(tmp_path, monkeypatch):
     generated = tmp_path / "include" / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h"
     generated.parent.mkdir(parents=True)
     generated.write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
-    commands = [_nvcc_command(ops._CSRC / name, tmp_path / "include", tmp_path / f"{name}.o")
-                for name in ops._CUDA_SOURCES]
+    commands = [_nvcc_command(ops._CSRC / name, tmp_path / "include",
+                              tmp_path / f"{Path(name).name}.o") for name in ops._CUDA_SOURCES]
     with ThreadPoolExecutor(len(commands)) as pool:
         results = list(pool.map(lambda cmd: subprocess.run(cmd, capture_output=True, text=True,
                                                            timeout=900), commands))

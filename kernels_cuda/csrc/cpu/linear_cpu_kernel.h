@@ -77,9 +77,8 @@ __attribute__((target("avx2,fma"))) void block_avx2(const float* x, int64_t ldx,
 // The same blocks with AVX-512: a tile is one 16-float register, 32 registers hold 4 rows x 4
 // tiles of accumulators (16 independent chains where AVX2's 4 x 1 has 8, just what 2 FMA pipes
 // of 4-cycle latency need; a last block of 5 or 6 rows holds 20 or 24), and each k loads 4
-// broadcasts and 4 tile rows for 16 FMAs: 5-10 % faster at 64 rows on a 2-core AMD EPYC
-// (Zen 4), ~95 % of its FMA peak. Every element is still one FMA chain over k in order: the
-// same bits as the AVX2 blocks.
+// broadcasts and 4 tile rows for 16 FMAs (faster than AVX2 at 64 rows: RESULTS.md). Every
+// element is still one FMA chain over k in order: the same bits as the AVX2 blocks.
 template <int MR, int NT>
 __attribute__((target("avx512f"))) void block_avx512(const float* x, int64_t ldx,
                                                       const float* w, int64_t K,

@@ -9,7 +9,7 @@
 #include <cstdint>
 #include <utility>
 
-#include "attention.h"
+#include "../attention.h"
 #include "cuda_utils.h"
 
 namespace pagedjax {

@@ -9,7 +9,7 @@
 #include <algorithm>
 #include <vector>
 
-#include "attention.h"
+#include "../attention.h"
 #include "attention_cpu_kernel.h"
 
 namespace pagedjax {

@@ -3,10 +3,12 @@
 //
 // Why hand-written: a decode step multiplies a few rows by every weight of the model, where the
 // libraries run far below the memory bandwidth. Side by side (benchmarks/cpu_linear.py; figures
-// in benchmarks/results/RESULTS.md, "CPU linear"), at M <= 16 rows this kernel is 1.5-3.4x as
-// fast as oneDNN's prepacked linear, 1.5-5x MKL's sgemm (torch.nn.functional.linear) and
-// 1.3-3.7x XLA's dot; at 64 rows they are within ~10 %, and at 256 rows (prefill chunks) oneDNN
-// is ~1.2x faster. It stays for the few-row products of every decode and verification step.
+// in benchmarks/results/RESULTS.md, "CPU linear"), at 4 rows this kernel is 1.6-2.5x as fast as
+// oneDNN's prepacked linear, 3-5x MKL's sgemm (torch.nn.functional.linear) and 2.6-4.3x XLA's
+// dot; at 1 row 1.4-3.4x oneDNN's and 0.9-1.4x XLA's; at 16 rows 0.9-1.6x oneDNN's. From 64
+// rows on (prefill chunks) the libraries are within ~10 % or faster (oneDNN ~1.3x at 256 rows):
+// calling them there would need their weight layout beside this one (the weights twice), so
+// this layout serves every product.
 // With the tile-major layout each tile is one contiguous stream (the prefetchers' best case), the
 // tiles are split across threads, and a tile is read from DRAM once and reused from L1/L2 by
 // every group of 4 rows.

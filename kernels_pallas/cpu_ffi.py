@@ -3,9 +3,10 @@ torch backend runs on CPU (`kernels_cuda/csrc/cpu/attention_cpu_kernel.h`, `line
 in float32, as CPU custom calls; and a top-k for the logprobs (XLA's CPU TopK sorts every row).
 
 The library is compiled on first use with the system's C++ compiler (`$CXX`, else `c++`) and
-cached per source, compiler and jaxlib version in `$PAGEDJAX_CACHE` (default
-~/.cache/pagedjax); later processes only load it. Where it cannot be built or loaded,
-`available()` is False after one warning and the jnp attention serves. Imports no torch.
+cached per source, compiler and jaxlib version in pagedjax's cache folder (pagedjax/cache.py:
+`$PAGEDJAX_CACHE_DIR`, default ~/.cache/pagedjax); later processes only load it. Where it cannot
+be built or loaded, `available()` is False after one warning and the jnp attention serves.
+Imports no torch.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pagedjax.cache import cache_dir
 from pagedjax.native_build import loaded_libstdcxx_ldflags
 
 TARGET = "pagedjax_ragged_paged_attention_f32"
@@ -52,8 +54,7 @@ def library_path() -> Path:
     digest = hashlib.sha256(f"{_compiler()}|{jax.__version__}".encode())
     for name in _SOURCES:
         digest.update((_csrc() / name).read_bytes())
-    root = Path(os.environ.get("PAGEDJAX_CACHE") or Path.home() / ".cache" / "pagedjax")
-    return root / f"jax_ffi_attention_{digest.hexdigest()[:16]}.so"
+    return cache_dir() / f"jax_ffi_attention_{digest.hexdigest()[:16]}.so"
 
 
 def _build(path: Path) -> None:

@@ -76,7 +76,7 @@ class PackedLinear(nn.Module):
         return y
 
 
-def dense(features: int, name: str, dtype: jnp.dtype, bias: bool = False,
+def dense(features: int, name: str | None, dtype: jnp.dtype, bias: bool = False,
           packed: bool = False) -> nn.Module:
     if packed:
         return PackedLinear(features, dtype, bias, name=name)
@@ -200,8 +200,10 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Returns logits only for the rows in logits_indices (the positions that get sampled).
-    packed: the linear layers are PackedLinear (params from pack_params)."""
+    """`__call__` runs the decoder over the T tokens and returns their hidden states (before
+    the final norm); `logits` turns chosen rows of those into logits, so that a step computes
+    the LM head only for the rows it samples or scores. packed: the linear layers are
+    PackedLinear (params from pack_params)."""
 
     config: ModelConfig
     dtype: jnp.dtype
@@ -209,21 +211,33 @@ class LlamaForCausalLM(nn.Module):
     write_kv_fn: WriteKVFn
     packed: bool = False
 
-    @nn.compact
-    def __call__(self, input_ids: jax.Array, kv_caches: list[KVCache], meta: AttentionMetadata,
-                 logits_indices: jax.Array) -> tuple[jax.Array, list[KVCache]]:
+    def setup(self) -> None:
         cfg = self.config
-        embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype,
-                         param_dtype=self.dtype, name="embed_tokens")
-        x = embed(input_ids)  # [T, H]
+        self.embed_tokens = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype,
+                                     param_dtype=self.dtype)
+        self.layers = [DecoderLayer(cfg, self.dtype, self.attention_fn, self.write_kv_fn,
+                                    self.packed) for _ in range(cfg.num_layers)]
+        self.norm = RMSNorm(cfg.rms_norm_eps, self.dtype)
+        # packed and tied: pack_params gives the head its own copy of the embedding
+        if not cfg.tie_word_embeddings or self.packed:
+            self.lm_head = dense(cfg.vocab_size, None, self.dtype, packed=self.packed)
+
+    def __call__(self, input_ids: jax.Array, kv_caches: list[KVCache],
+                 meta: AttentionMetadata) -> tuple[jax.Array, list[KVCache]]:
+        """input_ids [T] → (hidden states [T, H], the updated KV caches)."""
+        x = self.embed_tokens(input_ids)  # [T, H]
         new_caches = []
-        for i in range(cfg.num_layers):
-            x, cache = DecoderLayer(cfg, self.dtype, self.attention_fn, self.write_kv_fn,
-                                    self.packed, name=f"layers_{i}")(x, kv_caches[i], meta)
+        for layer, cache in zip(self.layers, kv_caches):
+            x, cache = layer(x, cache, meta)
             new_caches.append(cache)
-        x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="norm")(x[logits_indices])  # [L, H]
-        if cfg.tie_word_embeddings and not self.packed:
-            logits = jnp.dot(x, embed.embedding.T, precision=matmul_precision(self.dtype))
-        else:  # packed and tied: pack_params gives the head its own copy of the embedding
-            logits = dense(cfg.vocab_size, "lm_head", self.dtype, packed=self.packed)(x)
-        return logits.astype(jnp.float32), new_caches  # [L, V]
+        return x, new_caches
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """hidden [R, H] (rows of __call__'s output) → float32 logits [R, V]."""
+        x = self.norm(hidden)
+        if self.config.tie_word_embeddings and not self.packed:
+            logits = jnp.dot(x, self.embed_tokens.embedding.T,
+                             precision=matmul_precision(self.dtype))
+        else:
+            logits = self.lm_head(x)
+        return logits.astype(jnp.float32)

@@ -19,87 +19,97 @@ import jax
 import jax.numpy as jnp
 
 from pagedjax.backends.jax.sampler import argmax, filter_logits, process_logits, uniform
+from pagedjax.core.batch import StepFlag
 
 PLACEHOLDER_TOKEN_ID = -1  # pads output_token_ids after the recovered / bonus token
 
 
-def sampling_probs(logits: jax.Array, sampling: dict, *, all_greedy: bool,
-                   use_filters: bool) -> jax.Array:
+def sampling_probs(logits: jax.Array, sampling: dict, flags: jax.Array) -> jax.Array:
     """The distribution the sampler draws from (the draft returns it as q).
 
-    logits [L, V] float32; sampling: [L] arrays (temperature, top_k, top_p, min_p).
-    Returns probs [L, V] float32: one-hot(argmax) on greedy rows, softmax(filter_logits(logits / T))
-    on random rows.
+    logits [L, V] float32; sampling: [L] arrays (temperature, top_k, top_p, min_p); flags: the
+    step's (batch.StepFlag). Returns probs [L, V] float32: one-hot(argmax) on greedy rows,
+    softmax(filter_logits(logits / T)) on random rows.
     """
     greedy = jax.nn.one_hot(argmax(logits), logits.shape[-1], dtype=jnp.float32)
-    if all_greedy:
-        return greedy
-    temperature = sampling["temperature"]  # [L]
-    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
-    if use_filters:
-        scaled = filter_logits(scaled, sampling["top_k"], sampling["top_p"], sampling["min_p"])
-    return jnp.where(temperature[:, None] > 0, jax.nn.softmax(scaled, axis=-1), greedy)
+
+    def random(logits: jax.Array) -> jax.Array:
+        temperature = sampling["temperature"]  # [L]
+        scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+        scaled = jax.lax.cond(flags[StepFlag.FILTERS], lambda x: filter_logits(
+            x, sampling["top_k"], sampling["top_p"], sampling["min_p"]), lambda x: x, scaled)
+        return jnp.where(temperature[:, None] > 0, jax.nn.softmax(scaled, axis=-1), greedy)
+
+    return jax.lax.cond(flags[StepFlag.SAMPLED], random, lambda _: greedy, logits)
 
 
 def rejection_sample(target_logits: jax.Array, draft_token_ids: jax.Array,
-                     draft_probs: jax.Array | None, num_draft_tokens: jax.Array, sampling: dict,
-                     *, all_greedy: bool, use_filters: bool) -> tuple[jax.Array, jax.Array]:
+                     draft_probs: jax.Array, num_draft_tokens: jax.Array, sampling: dict,
+                     flags: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Verify each row's drafts against the target; jit-compatible (K, V static from shapes).
 
     target_logits    [L, K+1, V] float32: position j scores draft j; j = k is the bonus position
     draft_token_ids  [L, K] int32, valid for j < num_draft_tokens[l] (anything, e.g. -1, after)
     draft_probs      [L, K, V] float32: q_j, the draft's sampling distribution for draft j
-                     (unused, may be None, when all_greedy)
+                     (one-hot on greedy rows)
     num_draft_tokens [L] int32 in [0, K]
-    sampling         [L] arrays as in the sampler; banned tokens, logit_bias and penalties, if
-                     present, apply at every position of their row (such rows have no drafts:
-                     the scheduler does not draft for them)
+    sampling         [L] arrays as in the sampler; its logit entries (banned tokens, logit_bias
+                     and penalties) apply at every position of their row (such rows have no
+                     drafts: the scheduler does not draft for them)
+    flags            the step's (batch.StepFlag): a step of greedy rows skips the random path
     Returns output_token_ids [L, K+1] int32 (accepted, then recovered or bonus, then -1) and
     num_accepted [L] int32.
     """
     num_drafts = draft_token_ids.shape[1]  # K
     num_rows, num_positions, vocab = target_logits.shape
     positions = _per_position(sampling, num_positions)  # [L * (K+1)] rows
-    target_logits = process_logits(target_logits.reshape(-1, vocab), positions).reshape(
+    target_logits = process_logits(target_logits.reshape(-1, vocab), positions, flags).reshape(
         num_rows, num_positions, vocab)
     target_argmax = argmax(target_logits)  # [L, K+1]
-    accepted = target_argmax[:, :num_drafts] == draft_token_ids  # [L, K], the greedy rule
-    if not all_greedy:
-        target_probs = _target_probs(target_logits, positions, use_filters=use_filters)
-        random_rows = (sampling["temperature"] > 0)[:, None]  # [L, 1]
-        accepted = jnp.where(random_rows, _accept_random(target_probs, draft_token_ids,
-                                                         draft_probs, sampling), accepted)
+    greedy_accepted = target_argmax[:, :num_drafts] == draft_token_ids  # [L, K]
     valid = jnp.arange(num_drafts)[None, :] < num_draft_tokens[:, None]  # [L, K]
-    num_accepted = jnp.sum(jnp.cumprod((accepted & valid).astype(jnp.int32), axis=1), axis=1)
-    next_token = jnp.take_along_axis(target_argmax, num_accepted[:, None], axis=1)[:, 0]  # [L]
-    if not all_greedy:
+
+    def count(accepted: jax.Array) -> jax.Array:
+        return jnp.sum(jnp.cumprod((accepted & valid).astype(jnp.int32), axis=1), axis=1)
+
+    def greedy(_: jax.Array) -> tuple[jax.Array, jax.Array]:
+        num_accepted = count(greedy_accepted)
+        return num_accepted, jnp.take_along_axis(target_argmax, num_accepted[:, None],
+                                                 axis=1)[:, 0]
+
+    def random(target_logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+        target_probs = _target_probs(target_logits, positions, flags)
+        random_rows = (sampling["temperature"] > 0)[:, None]  # [L, 1]
+        num_accepted = count(jnp.where(random_rows, _accept_random(
+            target_probs, draft_token_ids, draft_probs, sampling), greedy_accepted))
+        next_token = jnp.take_along_axis(target_argmax, num_accepted[:, None], axis=1)[:, 0]
         sampled = _recover_or_bonus(target_probs, draft_probs, num_accepted, num_draft_tokens,
                                     sampling)
-        next_token = jnp.where(random_rows[:, 0], sampled, next_token)
+        return num_accepted, jnp.where(random_rows[:, 0], sampled, next_token)
+
+    num_accepted, next_token = jax.lax.cond(flags[StepFlag.SAMPLED], random, greedy,
+                                            target_logits)
     return _assemble(draft_token_ids, next_token, num_accepted), num_accepted.astype(jnp.int32)
 
 
 def _per_position(sampling: dict, num_positions: int) -> dict:
     """The sampling inputs of rows [L] for rows [L * (K+1)], position j of row l being row
-    l * (K+1) + j: per-row knobs repeated, (row, token) pairs once per position."""
-    out = {}
-    for name, x in sampling.items():
-        if name.startswith("rng_"):
-            continue
-        if name.endswith("_rows"):  # -1 pads
-            rows = x[:, None] * num_positions + jnp.arange(num_positions, dtype=x.dtype)
-            out[name] = jnp.where(x[:, None] >= 0, rows, -1).reshape(-1)  # [P * (K+1)]
-        else:
-            out[name] = jnp.repeat(x, num_positions)
+    l * (K+1) + j: per-row knobs repeated, each logit entry once per position."""
+    out = {name: jnp.repeat(x, num_positions) for name, x in sampling.items()
+           if name not in ("entries", "rng_seed", "rng_step")}
+    ints, bias = sampling["entries"]  # [4, E], [E]
+    rows = ints[0][:, None] * num_positions + jnp.arange(num_positions, dtype=ints.dtype)
+    rows = jnp.where(ints[0][:, None] >= 0, rows, -1).reshape(-1)  # [E * (K+1)]
+    rest = jnp.repeat(ints[1:], num_positions, axis=1)  # [3, E * (K+1)]
+    out["entries"] = (jnp.concatenate([rows[None], rest]), jnp.repeat(bias, num_positions))
     return out
 
 
-def _target_probs(target_logits: jax.Array, positions: dict, *, use_filters: bool) -> jax.Array:
+def _target_probs(target_logits: jax.Array, positions: dict, flags: jax.Array) -> jax.Array:
     """p_j for every position: target_logits [L, K+1, V] → [L, K+1, V], as the sampler sees it.
     positions: the knobs per position (_per_position)."""
     num_rows, num_positions, vocab = target_logits.shape
-    probs = sampling_probs(target_logits.reshape(-1, vocab), positions, all_greedy=False,
-                           use_filters=use_filters)
+    probs = sampling_probs(target_logits.reshape(-1, vocab), positions, flags)
     return probs.reshape(num_rows, num_positions, vocab)
 
 

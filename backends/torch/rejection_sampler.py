@@ -44,17 +44,18 @@ def rejection_sample(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
     draft_token_ids  [L, K] int32, valid for j < num_draft_tokens[l] (anything, e.g. -1, after)
     draft_probs      [L, K, V] float32: q_j, the draft's sampling distribution for draft j
     num_draft_tokens [L] int32 in [0, K]
-    sampling         [L] tensors as in the sampler (rng_seed / rng_step int64); banned tokens,
-                     logit_bias and penalties, if present, apply at every position of their row
-                     (such rows have no drafts: the scheduler does not draft for them)
+    sampling         [L] tensors as in the sampler (rng_seed / rng_step int64); its logit entries
+                     (banned tokens, logit_bias and penalties), if any, apply at every position
+                     of their row (such rows have no drafts: the scheduler does not draft for
+                     them)
     Returns output_token_ids [L, K+1] int32 (accepted, then recovered or bonus, then -1) and
     num_accepted [L] int32.
     """
     num_drafts = draft_token_ids.shape[1]  # K
     num_rows, num_positions, vocab = target_logits.shape
-    # [L * (K+1)] rows; greedy rows with no logits processors need none of the knobs
+    # [L * (K+1)] rows; greedy rows with no logit entries need none of the knobs
     positions = (_per_position(sampling, num_positions)
-                 if not all_greedy or any(name.endswith("_rows") for name in sampling) else {})
+                 if not all_greedy or "entries" in sampling else {})
     target_logits = process_logits(target_logits.reshape(-1, vocab), positions).view(
         num_rows, num_positions, vocab)
     target_argmax = torch.argmax(target_logits, dim=-1)  # [L, K+1] int64
@@ -78,17 +79,16 @@ def rejection_sample(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
 def _per_position(sampling: dict[str, torch.Tensor], num_positions: int
                   ) -> dict[str, torch.Tensor]:
     """The sampling inputs of rows [L] for rows [L * (K+1)], position j of row l being row
-    l * (K+1) + j: per-row knobs repeated, (row, token) pairs once per position."""
-    out = {}
-    for name, x in sampling.items():
-        if name.startswith("rng_"):
-            continue
-        if name.endswith("_rows"):  # -1 pads
-            rows = x[:, None] * num_positions + torch.arange(num_positions, dtype=x.dtype,
-                                                             device=x.device)
-            out[name] = torch.where(x[:, None] >= 0, rows, -1).reshape(-1)  # [P * (K+1)]
-        else:
-            out[name] = x.repeat_interleave(num_positions)
+    l * (K+1) + j: per-row knobs repeated, each logit entry once per position."""
+    out = {name: x.repeat_interleave(num_positions) for name, x in sampling.items()
+           if name not in ("entries", "rng_seed", "rng_step")}
+    if "entries" in sampling:
+        ints, bias = sampling["entries"]  # [4, E], [E]
+        rows = ints[0][:, None] * num_positions + torch.arange(num_positions, dtype=ints.dtype,
+                                                               device=ints.device)
+        rows = torch.where(ints[0][:, None] >= 0, rows, -1).reshape(1, -1)  # [1, E * (K+1)]
+        out["entries"] = (torch.cat([rows, ints[1:].repeat_interleave(num_positions, dim=1)]),
+                          bias.repeat_interleave(num_positions))
     return out
 
 

@@ -65,7 +65,9 @@ class SchedulerOutput:
     block_copies: list[tuple[int, int]]  # (src, dst) copy-on-write block copies, before the forward
     preempted_seq_ids: list[int]  # sequences sent back to waiting (recompute) this step
     num_batched_tokens: int  # sum of num_new_tokens and draft slots
-    num_spec_tokens: int = 0  # K: most drafts per sequence; 0 = the draft model does not run
+    # k: the most drafts a sequence proposes (0: none; the draft model still runs when some
+    # sequence has draft_token_ids to catch up on)
+    num_spec_tokens: int = 0
 
     @property
     def is_empty(self) -> bool:

@@ -90,7 +90,7 @@ def test_rejects_other_dtypes() -> None:
 
 
 def test_a_failed_build_falls_back_to_jnp_with_one_warning(monkeypatch, tmp_path) -> None:
-    monkeypatch.setenv("PAGEDJAX_CACHE", str(tmp_path))
+    monkeypatch.setenv("PAGEDJAX_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CXX", "no-such-compiler")
     cpu_ffi.available.cache_clear()
     try:
@@ -109,7 +109,7 @@ def test_a_failed_build_falls_back_to_jnp_with_one_warning(monkeypatch, tmp_path
 
 
 def test_the_build_is_cached_per_source(tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv("PAGEDJAX_CACHE", str(tmp_path))
+    monkeypatch.setenv("PAGEDJAX_CACHE_DIR", str(tmp_path))
     path = cpu_ffi.library_path()
     assert path.parent == tmp_path and path.name.startswith("jax_ffi_attention_")
     monkeypatch.setenv("CXX", "g++-other")

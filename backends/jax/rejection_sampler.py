@@ -44,14 +44,14 @@ def sampling_probs(logits: jax.Array, sampling: dict, flags: jax.Array) -> jax.A
 
 
 def rejection_sample(target_logits: jax.Array, draft_token_ids: jax.Array,
-                     draft_probs: jax.Array, num_draft_tokens: jax.Array, sampling: dict,
+                     draft_probs: jax.Array | None, num_draft_tokens: jax.Array, sampling: dict,
                      flags: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Verify each row's drafts against the target; jit-compatible (K, V static from shapes).
 
     target_logits    [L, K+1, V] float32: position j scores draft j; j = k is the bonus position
     draft_token_ids  [L, K] int32, valid for j < num_draft_tokens[l] (anything, e.g. -1, after)
-    draft_probs      [L, K, V] float32: q_j, the draft's sampling distribution for draft j
-                     (one-hot on greedy rows)
+    draft_probs      [L, K, V] float32: q_j, the draft's sampling distribution for draft j;
+                     None: the drafts are the draft model's argmax (q_j one-hot at d_j)
     num_draft_tokens [L] int32 in [0, K]
     sampling         [L] arrays as in the sampler; its logit entries (banned tokens, logit_bias
                      and penalties) apply at every position of their row (such rows have no
@@ -83,8 +83,8 @@ def rejection_sample(target_logits: jax.Array, draft_token_ids: jax.Array,
         num_accepted = count(jnp.where(random_rows, _accept_random(
             target_probs, draft_token_ids, draft_probs, sampling), greedy_accepted))
         next_token = jnp.take_along_axis(target_argmax, num_accepted[:, None], axis=1)[:, 0]
-        sampled = _recover_or_bonus(target_probs, draft_probs, num_accepted, num_draft_tokens,
-                                    sampling)
+        sampled = _recover_or_bonus(target_probs, draft_token_ids, draft_probs, num_accepted,
+                                    num_draft_tokens, sampling)
         return num_accepted, jnp.where(random_rows[:, 0], sampled, next_token)
 
     num_accepted, next_token = jax.lax.cond(flags[StepFlag.SAMPLED], random, greedy,
@@ -113,37 +113,45 @@ def _target_probs(target_logits: jax.Array, positions: dict, flags: jax.Array) -
     return probs.reshape(num_rows, num_positions, vocab)
 
 
-def _accept_random(target_probs: jax.Array, draft_token_ids: jax.Array, draft_probs: jax.Array,
-                   sampling: dict) -> jax.Array:
+def _accept_random(target_probs: jax.Array, draft_token_ids: jax.Array,
+                   draft_probs: jax.Array | None, sampling: dict) -> jax.Array:
     """u_j * q_j(d_j) < p_j(d_j) → [L, K] bool (safe for q = 0); u_j = column V at step + j.
 
-    target_probs [L, K+1, V]; draft_token_ids [L, K]; draft_probs [L, K, V].
+    target_probs [L, K+1, V]; draft_token_ids [L, K]; draft_probs [L, K, V] or None (one-hot).
     """
-    num_rows, num_drafts, vocab = draft_probs.shape
+    num_rows, num_drafts = draft_token_ids.shape
+    vocab = target_probs.shape[-1]
     steps = sampling["rng_step"].astype(jnp.uint32)[:, None] + jnp.arange(num_drafts,
                                                                           dtype=jnp.uint32)
     seeds = jnp.broadcast_to(sampling["rng_seed"].astype(jnp.uint32)[:, None], steps.shape)
     u = uniform(seeds.reshape(-1), steps.reshape(-1), vocab + 1)[:, vocab]  # [L * K]
     index = jnp.clip(draft_token_ids, 0, vocab - 1)[..., None]  # padding drafts gather safely
     p = jnp.take_along_axis(target_probs[:, :num_drafts], index, axis=-1)[..., 0]  # [L, K]
-    q = jnp.take_along_axis(draft_probs, index, axis=-1)[..., 0]  # [L, K]
+    q = 1.0 if draft_probs is None else jnp.take_along_axis(draft_probs, index, axis=-1)[..., 0]
     return u.reshape(num_rows, num_drafts) * q < p
 
 
-def _recover_or_bonus(target_probs: jax.Array, draft_probs: jax.Array, num_accepted: jax.Array,
+def _recover_or_bonus(target_probs: jax.Array, draft_token_ids: jax.Array,
+                      draft_probs: jax.Array | None, num_accepted: jax.Array,
                       num_draft_tokens: jax.Array, sampling: dict) -> jax.Array:
     """The token after the accepted drafts, at position n = num_accepted → [L] int32.
 
     Recovered ~ max(p_n - q_n, 0) after a rejection (p_n if that is all zero); bonus ~ p_n
-    (q_n taken as 0). target_probs [L, K+1, V]; draft_probs [L, K, V]; the rest [L].
+    (q_n taken as 0). target_probs [L, K+1, V]; draft_token_ids [L, K]; draft_probs [L, K, V]
+    or None (one-hot at the drafts); the rest [L].
     """
-    num_drafts, vocab = draft_probs.shape[1:]
+    num_drafts, vocab = draft_token_ids.shape[1], target_probs.shape[-1]
     p = jnp.take_along_axis(target_probs, num_accepted[:, None, None], axis=1)[:, 0]  # [L, V]
     q = jnp.zeros_like(p)
     if num_drafts > 0:
-        position = jnp.minimum(num_accepted, num_drafts - 1)[:, None, None]
+        position = jnp.minimum(num_accepted, num_drafts - 1)[:, None]  # [L, 1]
         rejected = (num_accepted < num_draft_tokens)[:, None]  # [L, 1]
-        q = jnp.where(rejected, jnp.take_along_axis(draft_probs, position, axis=1)[:, 0], q)
+        if draft_probs is None:
+            draft = jnp.take_along_axis(draft_token_ids, position, axis=1)[:, 0]
+            q_n = jax.nn.one_hot(draft, vocab, dtype=p.dtype)
+        else:
+            q_n = jnp.take_along_axis(draft_probs, position[:, :, None], axis=1)[:, 0]
+        q = jnp.where(rejected, q_n, q)
     residual = jnp.maximum(p - q, 0.0)  # [L, V]
     residual = jnp.where(jnp.any(residual > 0, axis=-1, keepdims=True), residual, p)
     step = sampling["rng_step"].astype(jnp.uint32) + num_accepted.astype(jnp.uint32)

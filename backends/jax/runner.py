@@ -325,9 +325,9 @@ class JaxModelRunner:
         sampling["entries"] = (entry_ints, entry_bias)
         input_ids, k = b["input_ids"], layout.num_spec_tokens
         if k:
-            draft_kv_caches, drafts, draft_probs = propose_drafts(
-                self.draft.forward(draft_params), draft_kv_caches, b, sampling, flags,
-                self.draft.rope, layout=layout)
+            draft_kv_caches, drafts = propose_drafts(
+                self.draft.forward(draft_params), draft_kv_caches, b, self.draft.rope,
+                layout=layout)
             input_ids = input_ids.at[b["draft_token_index"].reshape(-1)].set(
                 drafts.reshape(-1), mode="drop")  # draft slots get their drafts
         elif layout.draft:  # a mixed step: the draft only catches up (its KV, no logits)
@@ -348,8 +348,8 @@ class JaxModelRunner:
             return kv_caches, draft_kv_caches, StepOutput(*out, *prompt)
         logits = logits.reshape(*indices.shape, -1)  # [L, K+1, V]
         seqs = b["sample_seq"]  # [L]: the sequence whose drafts row l verifies
-        tokens, _ = rejection_sample(logits, drafts[seqs], draft_probs[seqs],
-                                     b["num_draft_tokens"], sampling, flags)
+        tokens, _ = rejection_sample(logits, drafts[seqs], None, b["num_draft_tokens"],
+                                     sampling, flags)
         logprobs = jax.nn.log_softmax(logits, axis=-1)
         return kv_caches, draft_kv_caches, StepOutput(tokens, *gather_logprobs(
             logprobs, tokens, flags[StepFlag.LOGPROBS]), *prompt)

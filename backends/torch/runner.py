@@ -318,9 +318,9 @@ class TorchModelRunner:
         input_ids = b["input_ids"]
         if layout.draft:
             draft = self.models[1]
-            drafts, draft_probs = propose_drafts(
-                draft.forward, draft.kv_caches, b, sampling, flags, draft.rope, layout=layout,
-                max_query_len=max_draft_query_len, num_tokens=num_draft_tokens)
+            drafts = propose_drafts(draft.forward, draft.kv_caches, b, draft.rope,
+                                    layout=layout, max_query_len=max_draft_query_len,
+                                    num_tokens=num_draft_tokens)
         if k:
             # Draft slots get their drafts; index T (no draft) lands in a discarded extra row.
             input_ids = torch.cat([input_ids, input_ids.new_zeros(1)])
@@ -343,10 +343,9 @@ class TorchModelRunner:
             return StepOutput(*(None if x is None else x[:, None] for x in out), *prompt)
         logits = logits.view(*indices.shape, -1)  # [L, K+1, V]
         seqs = b["sample_seq"].long()  # [L]: the sequence whose drafts row l verifies
-        tokens, _ = rejection_sample(
-            logits, drafts[seqs], None if draft_probs is None else draft_probs[seqs],
-            b["num_draft_tokens"], sampling, all_greedy=not flags.sampled,
-            use_filters=flags.filters)
+        tokens, _ = rejection_sample(logits, drafts[seqs], None, b["num_draft_tokens"],
+                                     sampling, all_greedy=not flags.sampled,
+                                     use_filters=flags.filters)
         logprobs = torch.log_softmax(logits, dim=-1)
         return StepOutput(tokens, *gather_logprobs(
             logprobs, tokens, MAX_LOGPROBS if flags.logprobs else 0), *prompt)

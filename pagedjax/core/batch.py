@@ -301,8 +301,7 @@ def _layout(shapes: StepShapes, entries: Sequence[ScheduledSequence], num_sample
     num_seqs = max(len(entries), num_samples)
     if any(e.num_new_tokens != 1 for e in entries):
         assert not any(e.num_spec_tokens for e in entries), "mixed steps propose no drafts"
-        return shapes.mixed_layout(max(num_tokens, num_draft, num_samples),
-                                   draft=num_draft > 0)
+        return shapes.mixed_layout(max(num_tokens, num_draft, num_samples))
     if not num_draft:
         return shapes.decode_layout(num_seqs)
     s = shapes.seq_bucket(num_seqs)

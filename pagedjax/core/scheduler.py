@@ -104,29 +104,31 @@ class Scheduler:
         """This step's batch; with num_spec_tokens k > 0, up to k draft slots per sequence."""
         assert not num_spec_tokens or self.has_draft
         step = SchedulerOutput([], [], [], 0, num_spec_tokens)
-        self._draft_budget = self.max_num_batched_tokens if num_spec_tokens else 0
+        self._draft_budget = self.max_num_batched_tokens if self.has_draft else 0
         self._entries_budget = self.max_logit_entries
         self._schedule_running(step)
         if not step.preempted_seq_ids:
             self._schedule_waiting(step)
-        if step.num_spec_tokens:
+        if self.has_draft:
             self._fit_drafts(step)
         return step
 
     @staticmethod
     def _fit_drafts(step: SchedulerOutput) -> None:
-        """Drafts fit the step's shape (step_shapes.py). A step where some sequence computes
-        more than one token (a prompt chunk) proposes none: the draft only catches up. In a
-        decode step a sequence catches up on at most k + 1 tokens (the rest next step; it
-        drafts once caught up). The step's k is then the most drafts a sequence proposes
-        (max_tokens caps them near the end)."""
+        """The draft's work fits the step's shape (step_shapes.py). A step where some
+        sequence computes more than one token (a prompt chunk) proposes no drafts, and the
+        draft catches up in it whatever k is. In a decode step the draft runs only with k > 0,
+        and a sequence catches up on at most k + 1 tokens there (the rest next step: it drafts
+        once caught up). The step's k is then the most drafts a sequence proposes (max_tokens
+        caps them near the end)."""
         k = step.num_spec_tokens
         decode = all(e.num_new_tokens == 1 for e in step.scheduled)
         for e in step.scheduled:
             if not decode or len(e.draft_token_ids) > k + 1:
                 step.num_batched_tokens -= e.num_spec_tokens
                 e.num_spec_tokens = 0
-                e.draft_token_ids = e.draft_token_ids[: k + 1] if decode else e.draft_token_ids
+            if decode:
+                e.draft_token_ids = e.draft_token_ids[: k + 1] if k else []
         step.num_spec_tokens = max((e.num_spec_tokens for e in step.scheduled), default=0)
 
     def _budget(self, step: SchedulerOutput) -> int:

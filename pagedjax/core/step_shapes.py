@@ -5,27 +5,29 @@ captures (CUDA graphs) all of them before the first request and nothing while se
 features (logprobs, penalties, logit_bias, filters, banned tokens, prompt logprobs, greedy and
 seeded mixes) are fixed-size inputs with masks and in-graph branches: they never add a shape.
 
-Three families, plus one when a draft model is loaded (vLLM's TPU runner pads num_tokens and
-num_reqs the same way):
+Two families, and a third with a draft model (vLLM's TPU runner pads num_tokens and num_reqs
+the same way):
 - decode: every sequence computes one token, T = S for S in the sequence buckets
   (1, 2, 4, ..., max_num_seqs rounded up to a power of two);
 - mixed (prefill chunks, recomputes, anything else): T in the token buckets (16, 32, ...,
-  max_num_batched_tokens rounded up) and S = min(T, the largest sequence bucket);
-- with a draft, mixed steps in which the draft catches up on the same T rows (it proposes
-  nothing in them), and speculative decode steps: S in the sequence buckets, one executable per
-  k in `spec_ks` (the policy chooses among those only), T = S * (k + 1).
+  max_num_batched_tokens rounded up) and S = min(T, the largest sequence bucket); with a draft
+  the draft catches up on the same T rows in them (it proposes nothing there);
+- with a draft, speculative decode steps: S in the sequence buckets, one shape per k in
+  `spec_ks` (powers of two up to num_speculative_tokens, and it; the policy chooses among
+  those only), T = S * (k + 1).
 
-So the set holds |sequence buckets| + |token buckets| shapes, plus |token buckets| +
-|sequence buckets| * |spec_ks| with a draft; max_num_seqs, max_num_batched_tokens and
-num_speculative_tokens grow it (logarithmically), max_model_len only widens the block tables.
+So the set holds |sequence buckets| * (1 + |spec_ks|) + |token buckets| shapes:
+max_num_seqs, max_num_batched_tokens and num_speculative_tokens grow it (logarithmically),
+max_model_len only widens the block tables.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-# The ks a speculative engine compiles: every k up to 4, then a few larger ones, and its maximum.
-SPEC_K_CANDIDATES = (1, 2, 3, 4, 6, 8, 12, 16)
+# The ks a speculative engine compiles besides its maximum (each k is one shape per batch bucket,
+# and a speculative shape compiles in 3-5 s on a 2-core CPU).
+SPEC_K_CANDIDATES = (1, 2, 4, 8, 16)
 MIN_MIXED_TOKENS = 16  # the smallest token bucket of a mixed step
 
 
@@ -86,25 +88,24 @@ class StepShapes:
     def layouts(self) -> list[BatchLayout]:
         """Every shape, in a fixed order (cheap shapes first)."""
         out = [self.decode_layout(s) for s in self.seq_buckets]
-        out += [self.mixed_layout(t, draft=False) for t in self.token_buckets]
-        if self.spec_ks:
-            out += [self.mixed_layout(t, draft=True) for t in self.token_buckets]
-            out += [self.spec_layout(s, k) for k in self.spec_ks for s in self.seq_buckets]
+        out += [self.mixed_layout(t) for t in self.token_buckets]
+        out += [self.spec_layout(s, k) for k in self.spec_ks for s in self.seq_buckets]
         return out
 
     def decode_layout(self, num_seqs: int) -> BatchLayout:
         s = self.seq_bucket(num_seqs)
         return BatchLayout(s, s, self.max_blocks_per_seq, decode=True)
 
-    def mixed_layout(self, num_tokens: int, *, draft: bool) -> BatchLayout:
+    def mixed_layout(self, num_tokens: int) -> BatchLayout:
         """T rows for num_tokens tokens (target's or draft's, whichever is more); as many
-        sequences and sample rows as T, at most max_num_seqs."""
+        sequences and sample rows as T, at most max_num_seqs; the draft catches up if any."""
         fits = [t for t in self.token_buckets if t >= num_tokens]
         if not fits:
             raise ValueError(f"{num_tokens} tokens exceed the largest step of "
                              f"{self.token_buckets[-1]}")
         t = fits[0]
-        return BatchLayout(t, min(t, self.max_num_seqs), self.max_blocks_per_seq, draft=draft)
+        return BatchLayout(t, min(t, self.max_num_seqs), self.max_blocks_per_seq,
+                           draft=bool(self.spec_ks))
 
     def spec_layout(self, num_seqs: int, k: int) -> BatchLayout:
         s, k = self.seq_bucket(num_seqs), self.spec_k(k)

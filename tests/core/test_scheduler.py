@@ -82,21 +82,20 @@ def test_the_draft_runs_only_for_drafts_it_can_still_propose() -> None:
 
 
 def test_a_decode_step_catches_the_draft_up_on_k_plus_one_tokens() -> None:
-    """After steps without drafting, the draft lags: a decode step catches it up on at most
-    k + 1 tokens (the shape of a speculative step holds no more) and the sequence drafts once
-    it is caught up."""
+    """The draft catches up in every mixed step (the prompt here) but runs in decode steps only
+    with k > 0: after decode steps without drafting it lags, and a decode step catches it up on
+    at most k + 1 tokens (a speculative step's shape holds no more); the sequence drafts once
+    caught up."""
     sched = make_scheduler(64, budget=64, has_draft=True)
     add(sched, 0, 4)
-    for _ in range(6):  # the prompt, then five tokens with k = 0: the draft never runs
+    for _ in range(6):  # the prompt, then five tokens with k = 0
         out = sched.schedule(0)
+        assert out.num_spec_tokens == 0
         sched.update(out, {0: [5]})
-    assert sched.seqs[0].num_draft_computed_tokens == 0
-    out = sched.schedule(2)  # 10 tokens behind, k = 2: 3 of them now, no drafts
-    assert out.scheduled[0].draft_token_ids == [1, 2, 3]
+    assert sched.seqs[0].num_draft_computed_tokens == 4  # the prompt, caught up on
+    out = sched.schedule(2)  # 6 tokens behind, k = 2: 3 of them now, no drafts
+    assert out.scheduled[0].draft_token_ids == [5, 5, 5]
     assert out.num_spec_tokens == 0 and out.num_batched_tokens == 1
-    sched.update(out, {0: [5]})
-    out = sched.schedule(4)  # 8 behind, k = 4: 5 of them, still no drafts
-    assert out.num_spec_tokens == 0 and len(out.scheduled[0].draft_token_ids) == 5
     sched.update(out, {0: [5]})
     out = sched.schedule(4)  # 4 behind: caught up, and 4 drafts
     assert out.num_spec_tokens == 4 and len(out.scheduled[0].draft_token_ids) == 4

@@ -54,11 +54,11 @@ class ExecutableStore:
         self.enabled = compile_cache_enabled() and jax.config.jax_compilation_cache_dir is None
         self.root = cache_dir() / "steps"
         digest = hashlib.sha256(f"{source_digest()}|{_machine()}|{description}".encode())
-        self._prefix = digest.hexdigest()[:24]
+        self.key = digest.hexdigest()[:24]  # what every entry of this runner shares
         self.hits = 0
 
     def _path(self, key: Hashable) -> Path:
-        name = hashlib.sha256(f"{self._prefix}|{key!r}".encode()).hexdigest()[:32]
+        name = hashlib.sha256(f"{self.key}|{key!r}".encode()).hexdigest()[:32]
         return self.root / f"{name}.exe"
 
     def load(self, key: Hashable) -> jax.stages.Compiled | None:

@@ -249,6 +249,9 @@ class JaxModelRunner:
         """Steps loaded from the executable store instead of compiled."""
         return self._store.hits
 
+    def cache_key(self) -> str:
+        return f"jax:{self._store.key}"
+
     def _lower(self, layout: BatchLayout | str) -> jax.stages.Lowered:
         """The step of a layout (or "copy": the block copies) traced for the arrays it takes."""
         def spec(x: jax.Array) -> jax.ShapeDtypeStruct:
@@ -339,9 +342,14 @@ class JaxModelRunner:
         hidden, kv_caches = self.target.hidden(params)(input_ids, kv_caches, meta)  # [T, H]
         indices = b["logits_indices"]  # [L, K+1]
         logits = self.target.logits(params)(hidden[indices.reshape(-1)])
-        prompt = jax.lax.cond(flags[StepFlag.PROMPT_LOGPROBS], lambda h: score_prompt_tokens(
-            self.target.logits(params)(h[b["prompt_logprobs_indices"]]),
-            b["prompt_logprobs_token_ids"]), _no_prompt_logprobs, hidden)
+        # Only a mixed step scores prompt tokens: in a decode-shaped one every sequence is
+        # past its prompt, or at its single token (which scores nothing).
+        prompt = _no_prompt_logprobs(hidden)
+        if not (layout.decode or k):
+            prompt = jax.lax.cond(
+                flags[StepFlag.PROMPT_LOGPROBS], lambda h: score_prompt_tokens(
+                    self.target.logits(params)(h[b["prompt_logprobs_indices"]]),
+                    b["prompt_logprobs_token_ids"]), _no_prompt_logprobs, hidden)
         if not k:
             out = sample(logits, sampling, flags)
             out = tuple(x[:, None] for x in out)  # [L, 1, ...]

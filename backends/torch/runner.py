@@ -12,6 +12,8 @@ left after a warm-up of the largest step.
 from __future__ import annotations
 
 import functools
+import os
+import platform
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -30,6 +32,7 @@ from pagedjax.backends.torch.parallel import Shard, Workers
 from pagedjax.backends.torch.rejection_sampler import rejection_sample
 from pagedjax.backends.torch.sampler import gather_logprobs, sample, score_prompt_tokens
 from pagedjax.backends.torch.spec_step import propose_drafts
+from pagedjax.cache import source_digest
 from pagedjax.config import EngineConfig, ModelConfig
 from pagedjax.core.batch import (
     SAMPLING_FIELDS,
@@ -176,6 +179,13 @@ class TorchModelRunner:
     def num_cache_hits(self) -> int:
         """CUDA graphs are captured in every process: none come from a cache."""
         return 0
+
+    def cache_key(self) -> str:
+        device = (torch.cuda.get_device_name(self.device) if self.device.type == "cuda"
+                  else f"cpu {platform.processor() or platform.machine()} x{os.cpu_count()}")
+        models = [(m.config, str(m.module.norm.weight.dtype), m.shard) for m in self.models]
+        return repr(("torch", torch.__version__, device, ops_backend(), source_digest(),
+                     models, self.num_kv_blocks, self.config.enforce_eager))
 
     @staticmethod
     def graph_plan(layouts: list[BatchLayout]) -> list[tuple[BatchLayout, str]]:

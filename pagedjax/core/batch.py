@@ -299,7 +299,7 @@ def _layout(shapes: StepShapes, entries: Sequence[ScheduledSequence], num_sample
             num_tokens: int, num_draft: int) -> BatchLayout:
     """The step's shape (see build_model_input)."""
     num_seqs = max(len(entries), num_samples)
-    if any(e.num_new_tokens != 1 for e in entries):
+    if not all(e.is_decode for e in entries):
         assert not any(e.num_spec_tokens for e in entries), "mixed steps propose no drafts"
         return shapes.mixed_layout(max(num_tokens, num_draft, num_samples))
     if not num_draft:

@@ -34,6 +34,11 @@ class ModelRunner(Protocol):
         outside the closed set, logged; 0 while the set holds."""
         ...
 
+    def cache_key(self) -> str:
+        """What the runner's compiled steps, and so their timings, depend on: the device, the
+        framework's version, pagedjax's code, the models' and KV caches' shapes."""
+        ...
+
     @property
     def num_cache_hits(self) -> int:
         """Compiled steps loaded from a persistent cache instead of compiled."""

@@ -122,7 +122,7 @@ class Scheduler:
         once caught up). The step's k is then the most drafts a sequence proposes (max_tokens
         caps them near the end)."""
         k = step.num_spec_tokens
-        decode = all(e.num_new_tokens == 1 for e in step.scheduled)
+        decode = all(e.is_decode for e in step.scheduled)
         for e in step.scheduled:
             if not decode or len(e.draft_token_ids) > k + 1:
                 step.num_batched_tokens -= e.num_spec_tokens

@@ -47,6 +47,12 @@ class ScheduledSequence:
         return len(self.token_ids)
 
     @property
+    def is_decode(self) -> bool:
+        """One new token, scoring no prompt token: what a decode-shaped step holds only (any
+        other sequence makes the step mixed, step_shapes.py)."""
+        return len(self.token_ids) == 1 and not self.prompt_logprob_token_ids
+
+    @property
     def end_pos(self) -> int:
         """Position after the last real token computed this step."""
         return self.start_pos + len(self.token_ids)

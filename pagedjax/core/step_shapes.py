@@ -13,8 +13,8 @@ the same way):
   max_num_batched_tokens rounded up) and S = min(T, the largest sequence bucket); with a draft
   the draft catches up on the same T rows in them (it proposes nothing there);
 - with a draft, speculative decode steps: S in the sequence buckets, one shape per k in
-  `spec_ks` (powers of two up to num_speculative_tokens, and it; the policy chooses among
-  those only), T = S * (k + 1).
+  `spec_ks` (powers of two from 2 up to num_speculative_tokens, and it; the policy chooses
+  among those only), T = S * (k + 1).
 
 So the set holds |sequence buckets| * (1 + |spec_ks|) + |token buckets| shapes:
 max_num_seqs, max_num_batched_tokens and num_speculative_tokens grow it (logarithmically),
@@ -25,9 +25,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# The ks a speculative engine compiles besides its maximum (each k is one shape per batch bucket,
-# and a speculative shape compiles in 3-5 s on a 2-core CPU).
-SPEC_K_CANDIDATES = (1, 2, 4, 8, 16)
+# The ks a speculative engine compiles besides its maximum: each k is one shape per batch bucket,
+# and a speculative shape compiles in 3-5 s on a 2-core CPU (the demo pair's 7 batch buckets
+# with ks 2 and 4 take about a minute more to start than without a draft).
+SPEC_K_CANDIDATES = (2, 4, 8, 16)
 MIN_MIXED_TOKENS = 16  # the smallest token bucket of a mixed step
 
 

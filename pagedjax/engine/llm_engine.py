@@ -14,8 +14,11 @@ bucket once (the speculation policy's cost table).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
+import json
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -25,6 +28,7 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
+from pagedjax.cache import cache_dir, compile_cache_enabled
 from pagedjax.config import EngineConfig, ModelConfig
 from pagedjax.core.batch import ModelOutput, build_model_input
 from pagedjax.core.beam_search import BeamSearch, BeamSearchParams
@@ -34,7 +38,12 @@ from pagedjax.core.request_policy import ParallelSampling, PolicyContext, Reques
 from pagedjax.core.scheduler import Scheduler
 from pagedjax.core.scheduler_output import ScheduledSequence, SchedulerOutput
 from pagedjax.core.sequence import Sequence
-from pagedjax.core.spec_decode import AdaptiveSpeculation, SpeculativeConfig, measure_step_costs
+from pagedjax.core.spec_decode import (
+    AdaptiveSpeculation,
+    SpeculativeConfig,
+    StepCosts,
+    measure_step_costs,
+)
 from pagedjax.core.step_shapes import StepShapes
 from pagedjax.core.stopping import StopChecker
 from pagedjax.distributed import register_engine
@@ -105,10 +114,7 @@ class LLMEngine:
         self.startup_compile_seconds = self._compile()
         self.speculation: AdaptiveSpeculation | None = None
         if spec_config is not None:
-            costs = None
-            if spec_config.adaptive:
-                costs = measure_step_costs(self.runner.execute, self.shapes, config,
-                                           self.runner.num_kv_blocks)
+            costs = self._step_costs() if spec_config.adaptive else None
             self.speculation = AdaptiveSpeculation(spec_config, self.shapes, costs)
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size,
                                           config.enable_prefix_caching)
@@ -160,6 +166,25 @@ class LLMEngine:
                     "loaded from the compile cache)", len(layouts), seconds, len(plan),
                     self.runner.num_cache_hits)
         return seconds
+
+    def _step_costs(self) -> StepCosts:
+        """The speculation policy's cost table: measured once per runner (device, code,
+        shapes) and kept in pagedjax's cache folder beside the compiled steps."""
+        key = hashlib.sha256(f"{self.runner.cache_key()}|{self.shapes!r}".encode()).hexdigest()
+        path = cache_dir() / "step_costs" / f"{key[:32]}.json"
+        if compile_cache_enabled() and path.is_file():
+            table = json.loads(path.read_text())
+            return {int(s): {int(k): t for k, t in row.items()} for s, row in table.items()}
+        costs = measure_step_costs(self.runner.execute, self.shapes, self.config,
+                                   self.runner.num_kv_blocks)
+        if compile_cache_enabled():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(costs))
+            tmp.replace(path)
+        logger.info("step costs (ms) by batch bucket and k: %s", {
+            s: {k: round(1e3 * t, 2) for k, t in row.items()} for s, row in costs.items()})
+        return costs
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineConfig) -> LLMEngine:

@@ -20,15 +20,16 @@ def test_the_set_and_its_bound() -> None:
     layouts = plain.layouts()
     assert len(layouts) == len(set(layouts)) == 7 + 6  # decode + mixed
     speculative = shapes(k=4).layouts()
-    assert len(speculative) == len(set(speculative)) == 13 + 7 * 3  # + speculative decode
-    assert {layout.num_spec_tokens for layout in speculative} == {0, 1, 2, 4}
+    assert len(speculative) == len(set(speculative)) == 13 + 7 * 2  # + speculative decode
+    assert {layout.num_spec_tokens for layout in speculative} == {0, 2, 4}
     assert all(layout.draft for layout in speculative if not layout.decode)
     assert all(layout.max_blocks_per_seq == 64 for layout in speculative)
 
 
 def test_compiled_ks_and_the_odd_sizes() -> None:
-    assert shapes(k=10).spec_ks == (1, 2, 4, 8, 10)
-    assert shapes(k=16).spec_ks == (1, 2, 4, 8, 16)
+    assert shapes(k=10).spec_ks == (2, 4, 8, 10)
+    assert shapes(k=16).spec_ks == (2, 4, 8, 16)
+    assert shapes(k=1).spec_ks == (1,) and shapes(k=3).spec_ks == (2, 3)
     odd = shapes(seqs=6, tokens=100)
     assert odd.seq_buckets == (1, 2, 4, 8) and odd.token_buckets == (16, 32, 64, 128)
     assert shapes(seqs=4, tokens=8).token_buckets == (8,)  # a budget under 16 tokens
@@ -42,7 +43,8 @@ def test_each_step_gets_the_smallest_shape_that_holds_it() -> None:
     assert shapes().mixed_layout(5) == BatchLayout(16, 16, 64)
     assert s.mixed_layout(300) == BatchLayout(512, 64, 64, draft=True)  # the draft catches up
     assert s.spec_layout(5, 3) == BatchLayout(40, 8, 64, num_spec_tokens=4, draft=True)
-    assert all(layout in s.layouts() for layout in (s.decode_layout(64), s.spec_layout(1, 1),
+    assert s.spec_layout(1, 1) == BatchLayout(3, 1, 64, num_spec_tokens=2, draft=True)
+    assert all(layout in s.layouts() for layout in (s.decode_layout(64), s.spec_layout(1, 2),
                                                     s.mixed_layout(512)))
     for bad in (lambda: s.decode_layout(65), lambda: s.mixed_layout(513), lambda: s.spec_k(5)):
         with pytest.raises(ValueError):

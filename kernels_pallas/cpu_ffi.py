@@ -32,10 +32,12 @@ from pagedjax.native_build import loaded_libstdcxx_ldflags
 TARGET = "pagedjax_ragged_paged_attention_f32"
 LINEAR_TARGET = "pagedjax_linear_f32"
 TOP_K_TARGET = "pagedjax_top_k_f32"
+FILTER_TARGET = "pagedjax_filter_logits_f32"
 _SYMBOLS = {TARGET: "PagedjaxRaggedPagedAttentionF32", LINEAR_TARGET: "PagedjaxLinearF32",
-            TOP_K_TARGET: "PagedjaxTopKF32"}
+            TOP_K_TARGET: "PagedjaxTopKF32", FILTER_TARGET: "PagedjaxFilterLogitsF32"}
 _SOURCES = ("cpu/cpu_ffi.cpp", "cpu/attention_cpu_kernel.h", "attention_shape.h",
-            "cpu/cpu_features.h", "cpu/simd_math.h", "cpu/linear_cpu_kernel.h")  # under csrc/
+            "cpu/cpu_features.h", "cpu/simd_math.h", "cpu/linear_cpu_kernel.h",
+            "cpu/filter_cpu_kernel.h")  # under csrc/
 LINEAR_TILE = 16  # columns per packed tile (linear_cpu_kernel.h)
 
 
@@ -155,3 +157,13 @@ def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
                             vmap_method="sequential")
     values, indices = call(rows)
     return values.reshape(*x.shape[:-1], k), indices.reshape(*x.shape[:-1], k)
+
+
+def filter_logits(x: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                  min_p: jax.Array) -> jax.Array:
+    """The samplers' top-k / top-p / min-p filter of float32 x [R, V] with knobs [R]: x with
+    what the filter drops at -inf (filter_cpu_kernel.h). Call `available()` first."""
+    call = jax.ffi.ffi_call(FILTER_TARGET, jax.ShapeDtypeStruct(x.shape, jnp.float32),
+                            vmap_method="sequential")
+    return call(x.astype(jnp.float32), top_k.astype(jnp.int32), top_p.astype(jnp.float32),
+                min_p.astype(jnp.float32))

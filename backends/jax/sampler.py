@@ -57,13 +57,25 @@ def _top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
 
 def filter_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array,
                   min_p: jax.Array) -> jax.Array:
-    """Mask to -inf what top-k, then top-p, then min-p drop. logits [L, V]; knobs [L]."""
+    """Mask to -inf what top-k, then top-p, then min-p drop. logits [L, V]; knobs [L]. On CPU in
+    float32 the C++ filter (the sort-based version below took 70 ms for 64 rows of 4,096)."""
+    from pagedjax.kernels_pallas import cpu_ffi
+
+    if jax.default_backend() == "cpu" and logits.dtype == jnp.float32 and cpu_ffi.available():
+        return cpu_ffi.filter_logits(logits, top_k, top_p, min_p)
+    return filter_logits_sorted(logits, top_k, top_p, min_p)
+
+
+def filter_logits_sorted(logits: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                         min_p: jax.Array) -> jax.Array:
+    """filter_logits by sorting each row: the definition (filter_cpu_kernel.h states it)."""
     vocab = logits.shape[-1]
     sorted_desc = -jnp.sort(-logits, axis=-1)  # [L, V]
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)  # [L]
     in_top_k = jnp.arange(vocab)[None, :] < k[:, None]
     probs = jax.nn.softmax(jnp.where(in_top_k, sorted_desc, -jnp.inf), axis=-1)
-    keep = in_top_k & (jnp.cumsum(probs, axis=-1) - probs < top_p[:, None])
+    keep = in_top_k & ((jnp.cumsum(probs, axis=-1) - probs < top_p[:, None])
+                       | (top_p[:, None] >= 1.0))
     num_kept = jnp.sum(keep, axis=-1)  # [L] >= 1
     threshold = jnp.take_along_axis(sorted_desc, (num_kept - 1)[:, None], axis=-1)[:, 0]
     min_p_threshold = jnp.where(min_p > 0, sorted_desc[:, 0] + jnp.log(min_p), -jnp.inf)

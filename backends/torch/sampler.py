@@ -14,6 +14,7 @@ import torch
 from pagedjax import random as prng
 from pagedjax.core.batch import StepFlags
 from pagedjax.core.logit_entries import EntryFlag
+from pagedjax.kernels_cuda import ops_backend
 from pagedjax.sampling_params import MAX_LOGPROBS
 
 _MASK32 = 0xFFFFFFFF
@@ -38,13 +39,26 @@ def uniform(seed: torch.Tensor, step: torch.Tensor, num: int) -> torch.Tensor:
 
 def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                   min_p: torch.Tensor) -> torch.Tensor:
-    """Mask to -inf what top-k, then top-p, then min-p drop. logits [L, V]; knobs [L]."""
+    """Mask to -inf what top-k, then top-p, then min-p drop. logits [L, V]; knobs [L]. On CPU in
+    float32 the C++ op (the JAX backend's filter too: the same kernel)."""
+    if (logits.device.type == "cpu" and logits.dtype == torch.float32
+            and ops_backend() != "reference"):
+        return torch.ops.pagedjax.filter_logits(logits.contiguous(), top_k.to(torch.int32),
+                                                top_p.to(torch.float32),
+                                                min_p.to(torch.float32))
+    return filter_logits_sorted(logits, top_k, top_p, min_p)
+
+
+def filter_logits_sorted(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                         min_p: torch.Tensor) -> torch.Tensor:
+    """filter_logits by sorting each row: the definition (filter_cpu_kernel.h states it)."""
     vocab = logits.shape[-1]
     sorted_desc = torch.sort(logits, dim=-1, descending=True).values  # [L, V]
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)  # [L]
     in_top_k = torch.arange(vocab, device=logits.device)[None, :] < k[:, None]
     probs = torch.softmax(sorted_desc.masked_fill(~in_top_k, float("-inf")), dim=-1)
-    keep = in_top_k & (torch.cumsum(probs, dim=-1) - probs < top_p[:, None])
+    keep = in_top_k & ((torch.cumsum(probs, dim=-1) - probs < top_p[:, None])
+                       | (top_p[:, None] >= 1.0))
     num_kept = keep.sum(dim=-1)  # [L] >= 1
     threshold = torch.gather(sorted_desc, 1, (num_kept - 1)[:, None])[:, 0]
     min_p_threshold = torch.where(min_p > 0, sorted_desc[:, 0] + torch.log(min_p),

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "attention_cpu_kernel.h"
+#include "filter_cpu_kernel.h"
 #include "linear_cpu_kernel.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -167,8 +168,37 @@ ffi::Error top_k_f32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   return ffi::Error::Success();
 }
 
+// The samplers' top-k / top-p / min-p filter (filter_cpu_kernel.h): x [R, V] and knobs [R] →
+// x with what the filter drops at -inf.
+ffi::Error filter_logits_f32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                             ffi::Buffer<ffi::S32> top_k, ffi::Buffer<ffi::F32> top_p,
+                             ffi::Buffer<ffi::F32> min_p, ffi::ResultBuffer<ffi::F32> out) {
+  const auto xd = x.dimensions();
+  if (xd.size() != 2 || top_k.dimensions()[0] != xd[0] || top_p.dimensions()[0] != xd[0] ||
+      min_p.dimensions()[0] != xd[0]) {
+    return ffi::Error::InvalidArgument("filter_logits (FFI): expected x [R, V], knobs [R]");
+  }
+  const int64_t rows = xd[0], V = xd[1];
+  const int64_t parts = num_parts(pool, rows);
+  run_parts(pool, parts, [&](int64_t p) {
+    cpu_filter::filter_rows(x.typed_data(), V, top_k.typed_data(), top_p.typed_data(),
+                            min_p.typed_data(), out->typed_data(), rows * p / parts,
+                            rows * (p + 1) / parts);
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace pagedjax
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxFilterLogitsF32, pagedjax::filter_logits_f32,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxRaggedPagedAttentionF32,
                               pagedjax::ragged_paged_attention_f32,

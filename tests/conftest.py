@@ -12,6 +12,12 @@ from pathlib import Path
 if not Path("/dev/nvidiactl").exists():
     os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 "
                                        "--xla_llvm_disable_expensive_passes=true")
+# The session's own cache folder (compiled steps, step costs, the FFI library): engines of the
+# same configuration share their compiled steps across tests, and nothing outside the run leaks
+# in. Subprocesses the tests start inherit it.
+os.environ.setdefault("PAGEDJAX_CACHE_DIR", tempfile.mkdtemp(prefix="pagedjax-tests-"))
+
+import tempfile
 
 import pytest
 

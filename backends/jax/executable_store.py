@@ -49,11 +49,15 @@ def _machine() -> str:
 class ExecutableStore:
     """Executables of one runner, by key (a step's BatchLayout, or a name)."""
 
-    def __init__(self, description: str) -> None:
-        """description: everything besides the key that the runner's traces depend on."""
+    def __init__(self, description: str, devices: list[jax.Device]) -> None:
+        """description: everything besides the key that the runner's traces depend on;
+        devices: the ones its executables run on (a loaded executable would otherwise take
+        every device of the platform)."""
+        self.devices = devices
         self.enabled = compile_cache_enabled() and jax.config.jax_compilation_cache_dir is None
         self.root = cache_dir() / "steps"
-        digest = hashlib.sha256(f"{source_digest()}|{_machine()}|{description}".encode())
+        ids = [d.id for d in devices]
+        digest = hashlib.sha256(f"{source_digest()}|{_machine()}|{ids}|{description}".encode())
         self.key = digest.hexdigest()[:24]  # what every entry of this runner shares
         self.hits = 0
 
@@ -68,7 +72,8 @@ class ExecutableStore:
             return None
         try:
             payload, in_tree, out_tree = pickle.loads(path.read_bytes())
-            executable = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+            executable = serialize_executable.deserialize_and_load(
+                payload, in_tree, out_tree, execution_devices=self.devices)
         except Exception as error:  # a stale or truncated entry: compile it again
             logger.warning("could not load the compiled step %s (%s); compiling it again",
                            path, error)

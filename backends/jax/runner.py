@@ -163,7 +163,9 @@ class JaxModelRunner:
         entries = shapes.num_logit_entries
         self._no_entries = self._put((np.full((4, entries), -1, np.int32),
                                       np.zeros(entries, np.float32)))
-        self._store = ExecutableStore(self._description())
+        devices = (list(self.mesh.devices.flat) if self.mesh is not None
+                   else [jax.devices()[0]])
+        self._store = ExecutableStore(self._description(), devices)
 
     def _description(self) -> str:
         """What the compiled steps depend on besides a layout (ExecutableStore's key)."""

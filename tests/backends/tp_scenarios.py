@@ -54,7 +54,6 @@ def orbax(model: str, prompts: list[list[int]]) -> dict:
 
 def comm(model: str, size: int) -> dict:
     """All-reduce bytes of the sharded step's HLO beside TensorParallelPlan's count."""
-    import jax.numpy as jnp
 
     from pagedjax import LLM, SamplingParams
     from pagedjax.backends.jax.sharding import all_reduce_operands
@@ -65,11 +64,8 @@ def comm(model: str, size: int) -> dict:
     engine.add_request("r", {"prompt_token_ids": list(range(1, 30))},
                        SamplingParams(temperature=0.0, max_tokens=2))
     engine._drain_inbox()  # the request reaches the scheduler (step() would do this first)
-    model_input = build_model_input(engine.scheduler.schedule(), block_size=16,
-                                    max_blocks_per_seq=engine.config.max_blocks_per_seq)
-    hlo = runner._step.lower(runner.target.params, None, runner.kv_caches, [],
-                             jnp.asarray(model_input.ints), jnp.asarray(model_input.floats),
-                             layout=model_input.layout).compile().as_text()
+    model_input = build_model_input(engine.scheduler.schedule(), engine.shapes, block_size=16)
+    hlo = runner._executables[model_input.layout].as_text()  # compiled at startup
     cfg, plan = engine.model_config, runner.target.plan
     return {"all_reduces": [[dtype, list(shape)] for dtype, shape in all_reduce_operands(hlo)],
             "num_tokens": model_input.layout.num_tokens,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
 
 # On a CPU-only machine XLA's LLVM optimisations make up most of a compile and change no float
@@ -16,8 +17,6 @@ if not Path("/dev/nvidiactl").exists():
 # same configuration share their compiled steps across tests, and nothing outside the run leaks
 # in. Subprocesses the tests start inherit it.
 os.environ.setdefault("PAGEDJAX_CACHE_DIR", tempfile.mkdtemp(prefix="pagedjax-tests-"))
-
-import tempfile
 
 import pytest
 

@@ -206,3 +206,4 @@ def test_metrics_use_vllms_names(server, client) -> None:
     assert metrics["pagedjax:prefix_cache_hits_total"] > 0  # the prompts repeat
     assert metrics["pagedjax:num_requests_running"] == 0
     assert metrics["pagedjax:kv_cache_usage_perc"] == 0.0
+    assert metrics["pagedjax:compiles_after_startup_total"] == 0  # the closed set holds

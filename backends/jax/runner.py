@@ -37,6 +37,7 @@ from pagedjax.backends.jax.sampler import gather_logprobs, sample, score_prompt_
 from pagedjax.backends.jax.sharding import KV_CACHE, REPLICATED, make_mesh, per_shard
 from pagedjax.backends.jax.spec_step import catch_up_metadata, propose_drafts
 from pagedjax.backends.rope import rope_cos_sin
+from pagedjax.cache import compile_at_startup
 from pagedjax.config import EngineConfig, ModelConfig
 from pagedjax.core.batch import (
     SAMPLING_FIELDS,
@@ -155,6 +156,7 @@ class JaxModelRunner:
         self._copy = jax.jit(_copy_blocks, donate_argnums=(0,))
         self._executables: dict[BatchLayout | str, jax.stages.Compiled] = {}
         self.num_compiles = 0  # step shapes compiled after `compile`: each one a logged bug
+        self._late_compiles_expected = not compile_at_startup()  # unless startup compiled none
         self.kv_caches: list[KVCache] = []
         self.draft_kv_caches: list[KVCache] = []
         self.num_kv_blocks = config.num_gpu_blocks_override or self._blocks_from_memory()
@@ -278,8 +280,11 @@ class JaxModelRunner:
         executable = self._executables.get(layout)
         if executable is None:
             self.num_compiles += 1
-            logger.warning("compiling a step shape after startup (%s): the closed set of "
-                           "step_shapes.py missed it", layout)
+            if self._late_compiles_expected:
+                logger.info("compiling a step shape on first use (%s)", layout)
+            else:
+                logger.warning("compiling a step shape after startup (%s): the closed set of "
+                               "step_shapes.py missed it", layout)
             executable = self._executables[layout] = self._lower(layout).compile()
         return executable
 

@@ -12,6 +12,8 @@ from collections.abc import Callable, Hashable
 import numpy as np
 import torch
 
+from pagedjax.cache import compile_at_startup
+
 logger = logging.getLogger(__name__)
 
 
@@ -63,6 +65,7 @@ class StepGraphs:
         self.graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor,
                                           tuple[torch.Tensor | None, ...]]] = {}
         self.num_late_captures = 0  # graphs captured while serving: each one a logged bug
+        self._late_captures_expected = not compile_at_startup()  # unless startup captured none
 
     def capture(self, key: Hashable, step: StepFn, ints: np.ndarray, floats: np.ndarray,
                 upload: HostToDevice) -> None:
@@ -73,8 +76,11 @@ class StepGraphs:
             upload: HostToDevice) -> tuple[torch.Tensor | None, ...]:
         if key not in self.graphs:
             self.num_late_captures += 1
-            logger.warning("capturing a CUDA graph after startup (%s): the closed set of "
-                           "step_shapes.py missed it", key)
+            if self._late_captures_expected:
+                logger.info("capturing a CUDA graph on first use (%s)", key)
+            else:
+                logger.warning("capturing a CUDA graph after startup (%s): the closed set of "
+                               "step_shapes.py missed it", key)
             self.graphs[key] = self._capture(step, ints, floats, upload)
         graph, ints_buffer, floats_buffer, outputs = self.graphs[key]
         upload("ints", ints, out=ints_buffer)

@@ -177,7 +177,7 @@ class AdaptiveSpeculation:
     def __init__(self, config: SpeculativeConfig, shapes: StepShapes,
                  costs: StepCosts | None) -> None:
         self.max_k = config.num_speculative_tokens
-        self.adaptive = config.adaptive
+        self.adaptive = config.adaptive and costs is not None  # no table: k stays fixed
         self.shapes, self.costs = shapes, costs
         self.metrics = SpecDecodeMetrics(self.max_k)
         self.k = self.max_k  # the latest choice

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from pagedjax.cache import cache_dir, compile_cache_enabled
+from pagedjax.cache import cache_dir, compile_at_startup, compile_cache_enabled
 from pagedjax.config import EngineConfig, ModelConfig
 from pagedjax.core.batch import ModelOutput, build_model_input
 from pagedjax.core.beam_search import BeamSearch, BeamSearchParams
@@ -114,7 +114,13 @@ class LLMEngine:
         self.startup_compile_seconds = self._compile()
         self.speculation: AdaptiveSpeculation | None = None
         if spec_config is not None:
-            costs = self._step_costs() if spec_config.adaptive else None
+            costs = None
+            if spec_config.adaptive and compile_at_startup():
+                costs = self._step_costs()
+            elif spec_config.adaptive:
+                logger.info("PAGEDJAX_COMPILE_AT_STARTUP=0: speculation keeps k = %d fixed (the "
+                            "adaptive policy's step-time table would compile every speculative "
+                            "step)", spec_config.num_speculative_tokens)
             self.speculation = AdaptiveSpeculation(spec_config, self.shapes, costs)
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size,
                                           config.enable_prefix_caching)
@@ -156,6 +162,10 @@ class LLMEngine:
         """Compile (JAX) or capture (CUDA graphs) every step shape before the first request,
         with a progress bar and one log line; returns the seconds it took."""
         layouts = self.shapes.layouts()
+        if not compile_at_startup():
+            logger.info("PAGEDJAX_COMPILE_AT_STARTUP=0: each of the %d step shapes compiles "
+                        "when a step first needs it", len(layouts))
+            return 0.0
         plan = self.runner.compile_plan(layouts)
         start = time.perf_counter()
         with tqdm(total=len(plan), desc="Compiling step shapes", unit="shape",

@@ -34,6 +34,9 @@ jax.monitoring.register_event_duration_secs_listener(
     else None)
 
 
+pytestmark = pytest.mark.usefixtures("compile_at_startup")
+
+
 @pytest.mark.parametrize("speculative", [False, True], ids=["plain", "speculative"])
 def test_a_varied_workload_compiles_nothing_after_startup(tiny_model, speculative: bool) -> None:
     """Prompts of 1 to max_model_len - 16 tokens, prefix-cache hits, n = 2, logprobs and
@@ -66,7 +69,7 @@ def test_a_second_process_loads_the_compiled_steps(tiny_model, tmp_path) -> None
               f"llm = LLM({tiny_model('llama')!r}, backend='jax', **{SMALL!r}); "
               "print(json.dumps({'hits': llm.get_metrics()['compile_cache_hits'], "
               "'compiles': len(compiles), 'shapes': llm.get_metrics()['num_step_shapes']}))")
-    env = {**os.environ, "PAGEDJAX_CACHE_DIR": str(tmp_path)}
+    env = {**os.environ, "PAGEDJAX_CACHE_DIR": str(tmp_path), "PAGEDJAX_COMPILE_AT_STARTUP": "1"}
     runs = [json.loads(subprocess.run([sys.executable, "-c", script], env=env, check=True,
                                       capture_output=True, text=True).stdout.splitlines()[-1])
             for _ in range(2)]

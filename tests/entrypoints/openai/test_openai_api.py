@@ -21,7 +21,9 @@ ENGINE = dict(backend="jax", max_model_len=128, num_gpu_blocks_override=64, max_
 
 @pytest.fixture(scope="module")
 def server(chat_model):
-    server = start_server(chat_model, **ENGINE)
+    with pytest.MonkeyPatch.context() as patch:  # as `pagedjax serve` runs: all compiled first
+        patch.setenv("PAGEDJAX_COMPILE_AT_STARTUP", "1")
+        server = start_server(chat_model, **ENGINE)
     yield server
     server.stop()
 

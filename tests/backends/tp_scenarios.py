@@ -65,11 +65,12 @@ def comm(model: str, size: int) -> dict:
                        SamplingParams(temperature=0.0, max_tokens=2))
     engine._drain_inbox()  # the request reaches the scheduler (step() would do this first)
     model_input = build_model_input(engine.scheduler.schedule(), engine.shapes, block_size=16)
-    hlo = runner._executables[model_input.layout].as_text()  # compiled at startup
+    hlo = runner._executable(model_input.layout).as_text()  # the step this input runs
     cfg, plan = engine.model_config, runner.target.plan
     return {"all_reduces": [[dtype, list(shape)] for dtype, shape in all_reduce_operands(hlo)],
             "num_tokens": model_input.layout.num_tokens,
             "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
+            "num_logit_entries": engine.shapes.num_logit_entries,
             "planned_bytes_per_layer": plan.all_reduce_bytes_per_layer(
                 model_input.layout.num_tokens, cfg.hidden_size, 4)}
 

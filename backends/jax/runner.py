@@ -69,6 +69,12 @@ def uses_cpu_linear(attention_impl: str, dtype: jnp.dtype, mesh: Mesh | None) ->
     return cpu_ffi.available()
 
 
+def _measures_memory(device: jax.Device) -> bool:
+    """Whether the KV pool is sized from the device's memory after a trial step (accelerators)
+    rather than from the host budget (CPU)."""
+    return device.platform != "cpu"
+
+
 @dataclasses.dataclass(frozen=True)
 class _Model:
     """One model on the device(s): module, params, rope tables and how it is split."""
@@ -157,14 +163,14 @@ class JaxModelRunner:
         self._executables: dict[BatchLayout | str, jax.stages.Compiled] = {}
         self.num_compiles = 0  # step shapes compiled after `compile`: each one a logged bug
         self._late_compiles_expected = not compile_at_startup()  # unless startup compiled none
-        self.kv_caches: list[KVCache] = []
-        self.draft_kv_caches: list[KVCache] = []
-        self.num_kv_blocks = config.num_gpu_blocks_override or self._blocks_from_memory()
-        self._allocate_kv_caches(self.num_kv_blocks)
         # The logit entries of a step that has none: rows -1 (padding), kept on the device.
         entries = shapes.num_logit_entries
         self._no_entries = self._put((np.full((4, entries), -1, np.int32),
                                       np.zeros(entries, np.float32)))
+        self.kv_caches: list[KVCache] = []
+        self.draft_kv_caches: list[KVCache] = []
+        self.num_kv_blocks = config.num_gpu_blocks_override or self._blocks_from_memory()
+        self._allocate_kv_caches(self.num_kv_blocks)
         devices = (list(self.mesh.devices.flat) if self.mesh is not None
                    else [jax.devices()[0]])
         self._store = ExecutableStore(self._description(), devices)
@@ -193,18 +199,19 @@ class JaxModelRunner:
 
     def _blocks_from_memory(self) -> int:
         """On an accelerator: what gpu_memory_utilization leaves after the weights and the peak of
-        the heaviest step (run once on throwaway caches). UNVERIFIED on a GPU."""
+        the heaviest step (run once on throwaway caches)."""
         device = jax.devices()[0]
         stats = None
-        if device.platform != "cpu":
+        if _measures_memory(device):
             model_input = warm_up_input(self.config, self.shapes)
             self._allocate_kv_caches(int(model_input.fields()["block_tables"].max()) + 1)
             # compiled for these throwaway caches' shapes: kept by neither cache
             self._run(self._lower(model_input.layout).compile(), model_input)
             self.kv_caches, self.draft_kv_caches = [], []
             memory = device.memory_stats()
-            stats = {"bytes_limit": memory["bytes_limit"],
-                     "bytes_in_use": memory.get("peak_bytes_in_use", memory["bytes_in_use"])}
+            if memory:  # else the default budget, as on a CPU
+                stats = {"bytes_limit": memory["bytes_limit"],
+                         "bytes_in_use": memory.get("peak_bytes_in_use", memory["bytes_in_use"])}
         per_block = sum(m.kv_bytes_per_block(self.config.block_size, self.config.dtype_bytes)
                         for m in (self.target, self.draft) if m is not None)
         return num_kv_blocks_for_budget(per_block, self.config, stats)

@@ -199,6 +199,7 @@ class TorchModelRunner:
         enforce_eager (eager steps compile nothing)."""
         return [] if self.graphs is None else self.graph_plan(layouts)
 
+    @torch.inference_mode()  # as execute_local: the graphs share its staging buffers
     def compile(self, layouts: list[BatchLayout],
                 on_compiled: Callable[[], None] = lambda: None) -> None:
         """Capture the CUDA graph of every decode-shaped step before the first request (on a

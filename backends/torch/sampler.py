@@ -59,7 +59,8 @@ def filter_logits_sorted(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch
     probs = torch.softmax(sorted_desc.masked_fill(~in_top_k, float("-inf")), dim=-1)
     keep = in_top_k & ((torch.cumsum(probs, dim=-1) - probs < top_p[:, None])
                        | (top_p[:, None] >= 1.0))
-    num_kept = keep.sum(dim=-1)  # [L] >= 1
+    # [L]: >= 1 for a request's knobs; padding rows (top_p 0) keep 0 and read column 0
+    num_kept = keep.sum(dim=-1).clamp(min=1)
     threshold = torch.gather(sorted_desc, 1, (num_kept - 1)[:, None])[:, 0]
     min_p_threshold = torch.where(min_p > 0, sorted_desc[:, 0] + torch.log(min_p),
                                   float("-inf"))

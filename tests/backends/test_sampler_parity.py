@@ -168,3 +168,16 @@ def test_the_jax_argmax_is_jnps():
         got = jax_sampler.argmax(logits)
         assert got.dtype == jnp.int32
         np.testing.assert_array_equal(got, jnp.argmax(logits, axis=-1))
+
+
+def test_filters_pass_padding_rows() -> None:
+    """Padding rows carry zero knobs (top_p 0 keeps nothing): both torch filters return a row
+    for them instead of indexing out of range (on a GPU that was a device-side assert in every
+    CUDA graph of a sampled step), and leave the request rows as they were."""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    top_k, top_p, min_p = torch.tensor([5, 0, 0]), torch.tensor([0.9, 0.0, 0.0]), torch.zeros(3)
+    sorted_out = torch_sampler.filter_logits_sorted(logits, top_k, top_p, min_p)
+    cpu_out = torch_sampler.filter_logits(logits, top_k, top_p, min_p)
+    assert sorted_out.shape == cpu_out.shape == logits.shape
+    assert torch.equal(torch.isfinite(sorted_out[0]), torch.isfinite(cpu_out[0]))
+    assert int(torch.isfinite(sorted_out[0]).sum()) <= 5

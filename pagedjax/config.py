@@ -7,14 +7,20 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+from pagedjax.architectures import (
+    ARCHITECTURE_BY_MODEL_TYPE,
+    SUPPORTED_ARCHITECTURES,
+    architecture,
+)
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The Llama family's shape, read from config.json (transformers v4 and v5 layouts)."""
+    """The model's shape and its architecture's variations of the Llama decoder
+    (pagedjax/architectures.py), read from config.json (transformers v4 and v5 layouts)."""
 
     architecture: str
     vocab_size: int
@@ -33,6 +39,26 @@ class ModelConfig:
     sliding_window: int | None
     dtype: str | None = None  # the checkpoint's torch_dtype ("bfloat16", ...), if it names one
     has_remote_code: bool = False  # config.json maps classes to the checkpoint's own code
+    # Variations of the decoder (architectures.py); the defaults are Llama's.
+    qk_norm: str | None = None  # "head": RMSNorm [D] on each q/k head; "full": on [H * D]
+    norm_layout: str = "pre"  # "pre": norm, then attention/MLP; "post": norm on their outputs
+    embedding_multiplier: float = 1.0  # embeddings scaled by it (Granite)
+    residual_multiplier: float = 1.0  # attention/MLP outputs scaled by it before the residual add
+    attention_multiplier: float | None = None  # the softmax scale; None: head_dim ** -0.5
+    logits_scaling: float = 1.0  # logits divided by it (Granite)
+
+    @property
+    def sm_scale(self) -> float:
+        """The scale of q.k before the softmax."""
+        if self.attention_multiplier is not None:
+            return self.attention_multiplier
+        return self.head_dim**-0.5
+
+    @property
+    def plain_decoder_layer(self) -> bool:
+        """Llama's layer exactly (what the fused C++ CPU decoder layer computes)."""
+        return (self.qk_norm is None and self.norm_layout == "pre"
+                and self.residual_multiplier == 1.0)
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> ModelConfig:
@@ -44,18 +70,26 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, cfg: dict) -> ModelConfig:
-        archs = cfg.get("architectures") or [_ARCH_BY_MODEL_TYPE.get(cfg.get("model_type"), "?")]
+        archs = cfg.get("architectures") or [
+            ARCHITECTURE_BY_MODEL_TYPE.get(cfg.get("model_type"), "?")]
         arch = archs[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"architecture {arch!r} is not supported; pagedjax serves "
-                             f"{', '.join(SUPPORTED_ARCHITECTURES)}.")
+        row = architecture(arch)
         if cfg.get("mlp_bias"):
             raise ValueError("mlp_bias=True is not supported; use a checkpoint without MLP biases.")
+        if arch == "Qwen3ForCausalLM" and cfg.get("attention_bias"):
+            raise ValueError("Qwen3 with attention_bias=True (an o_proj bias) is not supported.")
         num_q_heads = cfg["num_attention_heads"]
         rope_theta, rope_scaling = _parse_rope(cfg)
         window = cfg.get("sliding_window")
-        if arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
+        if row.window_flag is not None and not cfg.get(row.window_flag, False):
             window = None
+        multipliers = {}
+        if row.multipliers:
+            multipliers = dict(
+                embedding_multiplier=float(cfg.get("embedding_multiplier", 1.0)),
+                residual_multiplier=float(cfg.get("residual_multiplier", 1.0)),
+                attention_multiplier=cfg.get("attention_multiplier"),
+                logits_scaling=float(cfg.get("logits_scaling", 1.0)))
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -70,19 +104,18 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            attention_bias=bool(cfg.get("attention_bias", row.attention_bias)),
             sliding_window=window,
             dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             has_remote_code="auto_map" in cfg,
+            qk_norm=row.qk_norm,
+            norm_layout=row.norm_layout,
+            **multipliers,
         )
 
     def kv_bytes_per_block(self, block_size: int, dtype_bytes: int) -> int:
         """Bytes one KV block takes across all layers (keys and values)."""
         return 2 * self.num_layers * self.num_kv_heads * block_size * self.head_dim * dtype_bytes
-
-
-_ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                       "qwen2": "Qwen2ForCausalLM"}
 
 
 def _parse_rope(cfg: dict) -> tuple[float, dict | None]:
@@ -150,6 +183,10 @@ class EngineConfig:
             raise ValueError(f"model {self.model!r} needs its own code (auto_map), which "
                              f"pagedjax does not run (trust_remote_code=True); supported "
                              f"architectures: {', '.join(SUPPORTED_ARCHITECTURES)}.")
+        if model_config.qk_norm == "full" and self.tensor_parallel_size > 1:
+            raise ValueError(f"{model_config.architecture} normalises q and k over all heads, "
+                             "which tensor parallelism does not split yet; use "
+                             "tensor_parallel_size=1.")
         if self.max_model_len is None:
             self.max_model_len = min(model_config.max_position_embeddings, 4096)
         if self.max_model_len > model_config.max_position_embeddings:

@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2) in Flax linen over a paged KV cache.
+"""Llama-family decoder in Flax linen over a paged KV cache: Llama, and the variations other
+architectures take of it (pagedjax/architectures.py: q/k norms, post-norms, multipliers).
 
 The model sees one flattened ragged batch: T tokens from S sequences. Attention metadata is
 passed explicitly (never a global: jit cannot see globals); KV caches go in and come out so the
@@ -99,7 +100,8 @@ def pack_params(params: dict, tie_word_embeddings: bool) -> dict:
         return {**out, "bias": layer["bias"]} if "bias" in layer else out
 
     def fuse(block: dict, fused: str, parts: tuple[str, ...]) -> dict:
-        rest = {name: packed(block[name]) for name in block if name not in parts}
+        rest = {name: packed(layer) if "kernel" in layer else layer  # norms stay
+                for name, layer in block.items() if name not in parts}
         layers = [block[name] for name in parts]
         kernel = jnp.concatenate([layer["kernel"] for layer in layers], axis=-1)
         joined = {"kernel": kernel}
@@ -152,11 +154,18 @@ class Attention(nn.Module):
             q = proj("q_proj", hq)  # [T, Hq, D]
             k = proj("k_proj", hkv)  # [T, Hkv, D]
             v = proj("v_proj", hkv)  # [T, Hkv, D]
+        if cfg.qk_norm is not None:  # "head": over each head's D; "full": over all heads
+            def norm(name: str, x: jax.Array) -> jax.Array:
+                shape = x.shape if cfg.qk_norm == "head" else (num_tokens, -1)
+                return RMSNorm(cfg.rms_norm_eps, self.dtype, name=name)(
+                    x.reshape(shape)).reshape(x.shape)
+
+            q, k = norm("q_norm", q), norm("k_norm", k)
         cos, sin = meta.rope_cos[meta.positions], meta.rope_sin[meta.positions]  # [T, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_cache, v_cache = self.write_kv_fn(k, v, *kv_cache, meta.slot_mapping)
         out = self.attention_fn(q, k_cache, v_cache, meta.kv_lens, meta.block_tables,
-                                meta.query_start_loc, sm_scale=d**-0.5,
+                                meta.query_start_loc, sm_scale=cfg.sm_scale,
                                 sliding_window=cfg.sliding_window, decode=meta.decode)  # [T, Hq, D]
         out = dense(cfg.hidden_size, "o_proj", self.dtype, packed=self.packed)(
             out.reshape(num_tokens, hq * d))
@@ -190,13 +199,24 @@ class DecoderLayer(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, kv_cache: KVCache,
                  meta: AttentionMetadata) -> tuple[jax.Array, KVCache]:
-        eps = self.config.rms_norm_eps
-        h = RMSNorm(eps, self.dtype, name="input_layernorm")(x)
-        h, kv_cache = Attention(self.config, self.dtype, self.attention_fn, self.write_kv_fn,
-                                self.packed, name="self_attn")(h, kv_cache, meta)
-        x = x + h
-        h = RMSNorm(eps, self.dtype, name="post_attention_layernorm")(x)
-        return x + MLP(self.config, self.dtype, self.packed, name="mlp")(h), kv_cache
+        cfg = self.config
+        attention = Attention(cfg, self.dtype, self.attention_fn, self.write_kv_fn, self.packed,
+                              name="self_attn")
+        mlp = MLP(cfg, self.dtype, self.packed, name="mlp")
+
+        def norm(name: str) -> RMSNorm:
+            return RMSNorm(cfg.rms_norm_eps, self.dtype, name=name)
+
+        def residual(h: jax.Array) -> jax.Array:
+            return h if cfg.residual_multiplier == 1.0 else h * cfg.residual_multiplier
+
+        if cfg.norm_layout == "post":  # OLMo 2: the sublayers' outputs are normalised
+            h, kv_cache = attention(x, kv_cache, meta)
+            x = x + residual(norm("post_attention_layernorm")(h))
+            return x + residual(norm("post_feedforward_layernorm")(mlp(x))), kv_cache
+        h, kv_cache = attention(norm("input_layernorm")(x), kv_cache, meta)
+        x = x + residual(h)
+        return x + residual(mlp(norm("post_attention_layernorm")(x))), kv_cache
 
 
 class LlamaForCausalLM(nn.Module):
@@ -226,6 +246,8 @@ class LlamaForCausalLM(nn.Module):
                  meta: AttentionMetadata) -> tuple[jax.Array, list[KVCache]]:
         """input_ids [T] → (hidden states [T, H], the updated KV caches)."""
         x = self.embed_tokens(input_ids)  # [T, H]
+        if self.config.embedding_multiplier != 1.0:
+            x = x * self.config.embedding_multiplier
         new_caches = []
         for layer, cache in zip(self.layers, kv_caches):
             x, cache = layer(x, cache, meta)
@@ -240,4 +262,6 @@ class LlamaForCausalLM(nn.Module):
                              precision=matmul_precision(self.dtype))
         else:
             logits = self.lm_head(x)
+        if self.config.logits_scaling != 1.0:
+            logits = logits / self.config.logits_scaling
         return logits.astype(jnp.float32)

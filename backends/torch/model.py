@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2) in PyTorch over a paged KV cache.
+"""Llama-family decoder in PyTorch over a paged KV cache: Llama, and the variations other
+architectures take of it (pagedjax/architectures.py: q/k norms, post-norms, multipliers).
 
 The model sees one flattened ragged batch: T tokens from S sequences. Attention metadata is
 passed explicitly (never a global), as in the JAX model; the KV caches are written in place by
@@ -19,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedjax.backends.torch.parallel import Shard
-from pagedjax.backends.weights import load_weights, repeat_kv_heads
+from pagedjax.backends.weights import layer_norm_names, load_weights, repeat_kv_heads
 from pagedjax.config import ModelConfig
 from pagedjax.kernels_cuda import (
     fused_add_rms_norm,
@@ -125,21 +126,38 @@ class Attention(nn.Module):
         self.sizes = [self.num_q_heads * d, self.num_kv_heads * d, self.num_kv_heads * d]
         self.qkv_proj = Linear(config.hidden_size, sum(self.sizes), bias=config.attention_bias)
         self.o_proj = Linear(self.num_q_heads * d, config.hidden_size)
+        if config.qk_norm is not None:  # "head": over each head's D; "full": over all heads
+            q_size, k_size = (d, d) if config.qk_norm == "head" else self.sizes[:2]
+            self.q_norm = RMSNorm(q_size, config.rms_norm_eps)
+            self.k_norm = RMSNorm(k_size, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         cfg, num_tokens = self.config, x.shape[0]
         d = cfg.head_dim
         qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) D]
-        num_qk = self.num_q_heads + self.num_kv_heads
-        self.ops.rotary(qkv[:, : num_qk * d].view(num_tokens, num_qk, d), cos, sin)  # q and k
-        q, k, v = (t.view(num_tokens, -1, d) for t in qkv.split(self.sizes, dim=-1))
+        q, k, v = qkv.split(self.sizes, dim=-1)
+        if cfg.qk_norm is None:  # q and k rotated in place, in one call
+            num_qk = self.num_q_heads + self.num_kv_heads
+            self.ops.rotary(qkv[:, : num_qk * d].view(num_tokens, num_qk, d), cos, sin)
+        else:
+            q, k = self._norm(self.q_norm, q), self._norm(self.k_norm, k)
+            self.ops.rotary(q.view(num_tokens, -1, d), cos, sin)
+            self.ops.rotary(k.view(num_tokens, -1, d), cos, sin)
+        q, k, v = (t.view(num_tokens, -1, d) for t in (q, k, v))
         self.ops.write_kv(k, v, *kv_cache, meta.slot_mapping)  # k, v [T, Hkv, D]
         out = self.ops.attention(q, *kv_cache, meta.kv_lens, meta.block_tables,
-                                 meta.query_start_loc, sm_scale=d**-0.5,
+                                 meta.query_start_loc, sm_scale=cfg.sm_scale,
                                  sliding_window=cfg.sliding_window,
                                  max_query_len=meta.max_query_len)  # [T, Hq, D]
         return self.shard.all_reduce(self.o_proj(out.reshape(num_tokens, -1)))
+
+    @staticmethod
+    def _norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H * D] (a view of the qkv product) normalised by rows of norm's width → a new
+        contiguous [T, H * D]."""
+        width = norm.weight.shape[0]
+        return norm(x.reshape(-1, width).contiguous()).view(x.shape[0], -1)
 
 
 class MLP(nn.Module):
@@ -180,9 +198,11 @@ class VocabEmbedding(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, ops: LayerOps, shard: Shard) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.config = config
+        for name in layer_norm_names(config):
+            if name not in ("q_norm", "k_norm"):  # those are the attention's
+                setattr(self, name, RMSNorm(config.hidden_size, config.rms_norm_eps))
         self.self_attn = Attention(config, ops, shard)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config, shard)
         self.fused = False  # the whole layer as one C++ op (`fuse`)
 
@@ -204,15 +224,25 @@ class DecoderLayer(nn.Module):
                 mlp.gate_up_proj.weight, mlp.down_proj.weight, *kv_cache, cos, sin,
                 meta.slot_mapping, meta.kv_lens, meta.block_tables, meta.query_start_loc,
                 attn.num_q_heads, attn.num_kv_heads, mlp.intermediate_size,
-                self.input_layernorm.eps, cfg.head_dim**-0.5, cfg.sliding_window,
+                self.input_layernorm.eps, cfg.sm_scale, cfg.sliding_window,
                 meta.max_query_len)
+        if self.config.norm_layout == "post":  # OLMo 2: the sublayers' outputs are normalised
+            stream = x if residual is None else x + residual
+            stream = stream + self.post_attention_layernorm(
+                self.self_attn(stream, cos, sin, kv_cache, meta))
+            return self.post_feedforward_layernorm(self.mlp(stream)), stream
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, cos, sin, kv_cache, meta)
+        x = self._scaled(self.self_attn(x, cos, sin, kv_cache, meta))
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        return self._scaled(self.mlp(x)), residual
+
+    def _scaled(self, x: torch.Tensor) -> torch.Tensor:
+        """A sublayer's output as the residual stream adds it (Granite scales it)."""
+        multiplier = self.config.residual_multiplier
+        return x if multiplier == 1.0 else x * multiplier
 
 
 class LlamaForCausalLM(nn.Module):
@@ -233,6 +263,8 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
         """input_ids [T], logits_indices [L] → logits [L, V] float32; kv_caches written."""
         x = self.embed_tokens(input_ids)  # [T, H]
+        if self.config.embedding_multiplier != 1.0:
+            x = x * self.config.embedding_multiplier
         cos = meta.rope_cos.index_select(0, meta.positions)  # [T, D]
         sin = meta.rope_sin.index_select(0, meta.positions)  # [T, D]
         residual = None
@@ -244,6 +276,8 @@ class LlamaForCausalLM(nn.Module):
             logits = F.linear(x, self.embed_tokens.weight)  # [L, V / shards]
         else:
             logits = self.lm_head(x)  # [L, V / shards]
+        if self.config.logits_scaling != 1.0:
+            logits = logits / self.config.logits_scaling
         return self.shard.all_gather_vocab(logits, self.config.vocab_size).to(torch.float32)
 
     def pack_linears(self) -> None:
@@ -255,7 +289,7 @@ class LlamaForCausalLM(nn.Module):
                 module.pack()
         if self.lm_head is None:
             self.lm_head = Linear.packed_from(self.embed_tokens.weight.T)
-        if self.shard.size == 1:
+        if self.shard.size == 1 and self.config.plain_decoder_layer:
             for layer in self.layers:
                 layer.fuse()
 
@@ -305,8 +339,9 @@ def _fused_state_dict(weights: dict[str, np.ndarray], config: ModelConfig,
         ).T  # [H, 2I / shards]
         state[f"{layer}.mlp.down_proj.weight"] = shard.slice(
             weights[f"{layer}.down_proj.weight"], inter, axis=1).T
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            state[f"{layer}.{norm}.weight"] = weights[f"{layer}.{norm}"]
+        for norm in layer_norm_names(config):
+            module = f"self_attn.{norm}" if norm in ("q_norm", "k_norm") else norm
+            state[f"{layer}.{module}.weight"] = weights[f"{layer}.{norm}"]
     return state
 
 

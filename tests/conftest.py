@@ -41,6 +41,10 @@ TINY_MODELS = {
     "llama": ("llama", {"rope_scaling": LLAMA3_ROPE}),
     "mistral": ("mistral", {"sliding_window": 24}),
     "qwen2": ("qwen2", {"tie_word_embeddings": True}),
+    "qwen3": ("qwen3", {"tie_word_embeddings": True}),
+    "olmo2": ("olmo2", {}),
+    "granite": ("granite", {}),
+    "phi3": ("phi3", {"sliding_window": 24}),
     # A much smaller random model with the same tokenizer: a low-acceptance draft for "llama".
     "draft": ("llama", {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1}),
 }

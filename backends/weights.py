@@ -3,7 +3,8 @@
 Canonical names (Llama family), linear weights kept in HF's [out, in] layout:
     embed_tokens [V, H], norm [H], lm_head [V, H]
     layers.{i}.{input_layernorm, post_attention_layernorm} [H] (norm_layout "pre")
-    layers.{i}.{post_attention_layernorm, post_feedforward_layernorm} [H] (norm_layout "post")
+    layers.{i}.{post_attention_layernorm, post_feedforward_layernorm} [H] (norm_layout "post"),
+        and input_layernorm, pre_feedforward_layernorm too (norm_layout "sandwich")
     layers.{i}.{q,k}_norm [D] (qk_norm "head") or [Hq * D], [Hkv * D] (qk_norm "full")
     layers.{i}.{q,k,v,o}_proj.weight, layers.{i}.{q,k,v}_proj.bias (attention_bias)
     layers.{i}.{gate,up,down}_proj.weight
@@ -33,14 +34,17 @@ _SAFETENSORS_DTYPES = {
 _LAYER_RE = re.compile(
     r"model\.layers\.(\d+)\.(?:self_attn|mlp)?\.?"
     r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|input_layernorm|"
-    r"post_attention_layernorm|post_feedforward_layernorm|q_norm|k_norm)\.(weight|bias)$"
+    r"post_attention_layernorm|pre_feedforward_layernorm|post_feedforward_layernorm|q_norm|"
+    r"k_norm)\.(weight|bias)$"
 )
 _TOP_LEVEL = {"model.embed_tokens.weight": "embed_tokens", "model.norm.weight": "norm",
               "lm_head.weight": "lm_head"}
-_NORMS = ("input_layernorm", "post_attention_layernorm", "post_feedforward_layernorm", "q_norm",
-          "k_norm")
+_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+          "post_feedforward_layernorm", "q_norm", "k_norm")
 _LAYER_NORMS = {"pre": ("input_layernorm", "post_attention_layernorm"),
-                "post": ("post_attention_layernorm", "post_feedforward_layernorm")}
+                "post": ("post_attention_layernorm", "post_feedforward_layernorm"),
+                "sandwich": ("input_layernorm", "post_attention_layernorm",
+                             "pre_feedforward_layernorm", "post_feedforward_layernorm")}
 
 
 def canonical_name(hf_name: str) -> str | None:

@@ -12,8 +12,10 @@ from dataclasses import dataclass, field
 
 # The variations a decoder layer can take (ModelConfig fields of the same names).
 QK_NORMS = (None, "head", "full")  # RMSNorm on q and k before rope: per head, or whole projection
-NORM_LAYOUTS = ("pre", "post")  # norms before attention/MLP (Llama) or on their outputs (OLMo 2)
-HIDDEN_ACTS = ("silu",)
+# "pre": norms before attention and MLP (Llama); "post": on their outputs (OLMo 2);
+# "sandwich": both (Gemma)
+NORM_LAYOUTS = ("pre", "post", "sandwich")
+HIDDEN_ACTS = ("silu", "gelu_tanh")  # the gated MLP's activation
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,13 @@ class Architecture:
     fused_weights: dict[str, tuple[str, ...]] = field(default_factory=dict)
     # config.json keys read as multipliers (Granite); absent keys mean 1 (or head_dim**-0.5)
     multipliers: bool = False
+    hidden_act: str = "silu"
+    norm_weight_offset: float = 0.0  # RMSNorm multiplies by (offset + weight): Gemma's 1 + w
+    scaled_embeddings: bool = False  # embeddings times sqrt(hidden_size) (Gemma)
+    # config.json's layer_types give each layer its window ("sliding_attention") or none, its
+    # softmax scale is query_pre_attn_scalar ** -0.5, and sliding layers may have their own rope
+    # base (Gemma)
+    gemma_attention: bool = False
 
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -42,6 +51,9 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Qwen3ForCausalLM": Architecture("qwen3", qk_norm="head", window_flag="use_sliding_window"),
     "Olmo2ForCausalLM": Architecture("olmo2", qk_norm="full", norm_layout="post"),
     "GraniteForCausalLM": Architecture("granite", multipliers=True),
+    "Gemma3ForCausalLM": Architecture("gemma3_text", qk_norm="head", norm_layout="sandwich",
+                                      hidden_act="gelu_tanh", norm_weight_offset=1.0,
+                                      scaled_embeddings=True, gemma_attention=True),
     "Phi3ForCausalLM": Architecture("phi3", fused_weights={
         "self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"),
         "mlp.gate_up_proj": ("gate_proj", "up_proj")}),

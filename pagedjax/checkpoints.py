@@ -53,6 +53,10 @@ TINY_ARCHITECTURES: dict[str, tuple[str, str, dict]] = {
         "embedding_multiplier": 6.0, "residual_multiplier": 0.5, "attention_multiplier": 0.1,
         "logits_scaling": 2.0}),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {}),
+    # a sliding and a global layer, each with its own rope base; a softmax scale of its own
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {
+        "head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 24,
+        "layer_types": ["sliding_attention", "full_attention"]}),
 }
 
 

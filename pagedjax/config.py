@@ -46,6 +46,11 @@ class ModelConfig:
     residual_multiplier: float = 1.0  # attention/MLP outputs scaled by it before the residual add
     attention_multiplier: float | None = None  # the softmax scale; None: head_dim ** -0.5
     logits_scaling: float = 1.0  # logits divided by it (Granite)
+    hidden_act: str = "silu"  # the gated MLP's activation: "silu" | "gelu_tanh"
+    norm_weight_offset: float = 0.0  # RMSNorm multiplies by (offset + weight) (Gemma: 1)
+    # per layer: its sliding window or None (full attention); None: every layer sliding_window
+    layer_sliding_windows: tuple[int | None, ...] | None = None
+    local_rope_theta: float | None = None  # the sliding layers' own rope base (Gemma 3)
 
     @property
     def sm_scale(self) -> float:
@@ -57,8 +62,18 @@ class ModelConfig:
     @property
     def plain_decoder_layer(self) -> bool:
         """Llama's layer exactly (what the fused C++ CPU decoder layer computes)."""
-        return (self.qk_norm is None and self.norm_layout == "pre"
-                and self.residual_multiplier == 1.0)
+        return (self.qk_norm is None and self.norm_layout == "pre" and self.hidden_act == "silu"
+                and self.residual_multiplier == 1.0 and self.norm_weight_offset == 0.0)
+
+    def sliding_window_of(self, layer: int) -> int | None:
+        """The window of one layer's attention (None: it attends to the whole context)."""
+        if self.layer_sliding_windows is None:
+            return self.sliding_window
+        return self.layer_sliding_windows[layer]
+
+    def local_rope(self, layer: int) -> bool:
+        """Whether a layer rotates by the local rope table (rope_cos_sin's second half)."""
+        return self.local_rope_theta is not None and self.sliding_window_of(layer) is not None
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> ModelConfig:
@@ -83,6 +98,11 @@ class ModelConfig:
         window = cfg.get("sliding_window")
         if row.window_flag is not None and not cfg.get(row.window_flag, False):
             window = None
+        variations = dict(hidden_act=row.hidden_act, norm_weight_offset=row.norm_weight_offset)
+        if row.scaled_embeddings:
+            variations["embedding_multiplier"] = float(cfg["hidden_size"]) ** 0.5
+        if row.gemma_attention:
+            variations.update(_gemma_attention(cfg, window, rope_theta))
         multipliers = {}
         if row.multipliers:
             multipliers = dict(
@@ -110,6 +130,7 @@ class ModelConfig:
             has_remote_code="auto_map" in cfg,
             qk_norm=row.qk_norm,
             norm_layout=row.norm_layout,
+            **variations,
             **multipliers,
         )
 
@@ -118,8 +139,30 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * block_size * self.head_dim * dtype_bytes
 
 
+def _gemma_attention(cfg: dict, window: int | None, global_theta: float) -> dict:
+    """Gemma's per-layer windows (layer_types, or every sliding_window_pattern-th layer global),
+    softmax scale and the sliding layers' rope base."""
+    num_layers = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types")
+    if types is None:
+        pattern = cfg.get("sliding_window_pattern", 2)
+        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                 for i in range(num_layers)]
+    out: dict = {"layer_sliding_windows": tuple(
+        window if t == "sliding_attention" else None for t in types)}
+    out["attention_multiplier"] = float(cfg.get("query_pre_attn_scalar", cfg["head_dim"])) ** -0.5
+    local = (cfg.get("rope_parameters") or {}).get("sliding_attention")
+    local_theta = local["rope_theta"] if local else cfg.get("rope_local_base_freq")
+    if local is not None and local.get("rope_type", "default") != "default":
+        raise ValueError(f"rope_type={local['rope_type']!r} on sliding layers is not supported.")
+    if local_theta is not None and float(local_theta) != global_theta:
+        out["local_rope_theta"] = float(local_theta)
+    return out
+
+
 def _parse_rope(cfg: dict) -> tuple[float, dict | None]:
     params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    params = dict(params.get("full_attention", params))  # per layer type (Gemma 3): the global
     theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:

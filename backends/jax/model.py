@@ -39,14 +39,19 @@ WriteKVFn = Callable[..., KVCache]
 
 
 class RMSNorm(nn.Module):
+    """HF's RMSNorm; with an offset (Gemma's 1 + w) the product is taken in float32 first."""
+
     eps: float
     dtype: jnp.dtype
+    offset: float = 0.0
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.dtype)
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.offset:
+            return (x32 * (self.offset + weight.astype(jnp.float32))).astype(self.dtype)
         return weight * x32.astype(self.dtype)
 
 
@@ -135,6 +140,7 @@ class Attention(nn.Module):
     attention_fn: AttentionFn
     write_kv_fn: WriteKVFn
     packed: bool = False
+    layer: int = 0  # its index: the window and rope table it uses
 
     @nn.compact
     def __call__(self, x: jax.Array, kv_cache: KVCache,
@@ -157,16 +163,20 @@ class Attention(nn.Module):
         if cfg.qk_norm is not None:  # "head": over each head's D; "full": over all heads
             def norm(name: str, x: jax.Array) -> jax.Array:
                 shape = x.shape if cfg.qk_norm == "head" else (num_tokens, -1)
-                return RMSNorm(cfg.rms_norm_eps, self.dtype, name=name)(
-                    x.reshape(shape)).reshape(x.shape)
+                return RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_weight_offset,
+                               name=name)(x.reshape(shape)).reshape(x.shape)
 
             q, k = norm("q_norm", q), norm("k_norm", k)
-        cos, sin = meta.rope_cos[meta.positions], meta.rope_sin[meta.positions]  # [T, D]
+        positions = meta.positions
+        if cfg.local_rope(self.layer):  # the local table follows the global one
+            positions = positions + meta.rope_cos.shape[0] // 2
+        cos, sin = meta.rope_cos[positions], meta.rope_sin[positions]  # [T, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_cache, v_cache = self.write_kv_fn(k, v, *kv_cache, meta.slot_mapping)
         out = self.attention_fn(q, k_cache, v_cache, meta.kv_lens, meta.block_tables,
                                 meta.query_start_loc, sm_scale=cfg.sm_scale,
-                                sliding_window=cfg.sliding_window, decode=meta.decode)  # [T, Hq, D]
+                                sliding_window=cfg.sliding_window_of(self.layer),
+                                decode=meta.decode)  # [T, Hq, D]
         out = dense(cfg.hidden_size, "o_proj", self.dtype, packed=self.packed)(
             out.reshape(num_tokens, hq * d))
         return out, (k_cache, v_cache)
@@ -185,8 +195,8 @@ class MLP(nn.Module):
             gate, up = gate_up[:, :inter], gate_up[:, inter:]
         else:
             gate, up = dense(inter, "gate_proj", dtype)(x), dense(inter, "up_proj", dtype)(x)
-        return dense(self.config.hidden_size, "down_proj", dtype, packed=packed)(
-            nn.silu(gate) * up)
+        act = nn.silu(gate) if self.config.hidden_act == "silu" else nn.gelu(gate, approximate=True)
+        return dense(self.config.hidden_size, "down_proj", dtype, packed=packed)(act * up)
 
 
 class DecoderLayer(nn.Module):
@@ -195,25 +205,29 @@ class DecoderLayer(nn.Module):
     attention_fn: AttentionFn
     write_kv_fn: WriteKVFn
     packed: bool = False
+    layer: int = 0  # its index
 
     @nn.compact
     def __call__(self, x: jax.Array, kv_cache: KVCache,
                  meta: AttentionMetadata) -> tuple[jax.Array, KVCache]:
         cfg = self.config
         attention = Attention(cfg, self.dtype, self.attention_fn, self.write_kv_fn, self.packed,
-                              name="self_attn")
+                              self.layer, name="self_attn")
         mlp = MLP(cfg, self.dtype, self.packed, name="mlp")
 
         def norm(name: str) -> RMSNorm:
-            return RMSNorm(cfg.rms_norm_eps, self.dtype, name=name)
+            return RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_weight_offset, name=name)
 
         def residual(h: jax.Array) -> jax.Array:
             return h if cfg.residual_multiplier == 1.0 else h * cfg.residual_multiplier
 
-        if cfg.norm_layout == "post":  # OLMo 2: the sublayers' outputs are normalised
-            h, kv_cache = attention(x, kv_cache, meta)
+        if cfg.norm_layout != "pre":  # the sublayers' outputs are normalised (OLMo 2, Gemma)
+            sandwich = cfg.norm_layout == "sandwich"  # their inputs too (Gemma)
+            h = norm("input_layernorm")(x) if sandwich else x
+            h, kv_cache = attention(h, kv_cache, meta)
             x = x + residual(norm("post_attention_layernorm")(h))
-            return x + residual(norm("post_feedforward_layernorm")(mlp(x))), kv_cache
+            h = mlp(norm("pre_feedforward_layernorm")(x) if sandwich else x)
+            return x + residual(norm("post_feedforward_layernorm")(h)), kv_cache
         h, kv_cache = attention(norm("input_layernorm")(x), kv_cache, meta)
         x = x + residual(h)
         return x + residual(mlp(norm("post_attention_layernorm")(x))), kv_cache
@@ -236,8 +250,8 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype,
                                      param_dtype=self.dtype)
         self.layers = [DecoderLayer(cfg, self.dtype, self.attention_fn, self.write_kv_fn,
-                                    self.packed) for _ in range(cfg.num_layers)]
-        self.norm = RMSNorm(cfg.rms_norm_eps, self.dtype)
+                                    self.packed, i) for i in range(cfg.num_layers)]
+        self.norm = RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_weight_offset)
         # packed and tied: pack_params gives the head its own copy of the embedding
         if not cfg.tie_word_embeddings or self.packed:
             self.lm_head = dense(cfg.vocab_size, None, self.dtype, packed=self.packed)

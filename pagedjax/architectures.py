@@ -38,8 +38,8 @@ class Architecture:
     norm_weight_offset: float = 0.0  # RMSNorm multiplies by (offset + weight): Gemma's 1 + w
     scaled_embeddings: bool = False  # embeddings times sqrt(hidden_size) (Gemma)
     # config.json's layer_types give each layer its window ("sliding_attention") or none, its
-    # softmax scale is query_pre_attn_scalar ** -0.5, and sliding layers may have their own rope
-    # base (Gemma)
+    # softmax scale is query_pre_attn_scalar ** -0.5, sliding layers may have their own rope
+    # base, and attn_logit_softcapping / final_logit_softcapping cap scores and logits (Gemma)
     gemma_attention: bool = False
 
 
@@ -51,6 +51,9 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Qwen3ForCausalLM": Architecture("qwen3", qk_norm="head", window_flag="use_sliding_window"),
     "Olmo2ForCausalLM": Architecture("olmo2", qk_norm="full", norm_layout="post"),
     "GraniteForCausalLM": Architecture("granite", multipliers=True),
+    "Gemma2ForCausalLM": Architecture("gemma2", norm_layout="sandwich", hidden_act="gelu_tanh",
+                                      norm_weight_offset=1.0, scaled_embeddings=True,
+                                      gemma_attention=True),
     "Gemma3ForCausalLM": Architecture("gemma3_text", qk_norm="head", norm_layout="sandwich",
                                       hidden_act="gelu_tanh", norm_weight_offset=1.0,
                                       scaled_embeddings=True, gemma_attention=True),

@@ -52,11 +52,21 @@ TINY_ARCHITECTURES: dict[str, tuple[str, str, dict]] = {
     "granite": ("GraniteConfig", "GraniteForCausalLM", {
         "embedding_multiplier": 6.0, "residual_multiplier": 0.5, "attention_multiplier": 0.1,
         "logits_scaling": 2.0}),
-    "phi3": ("Phi3Config", "Phi3ForCausalLM", {}),
+    # LongRoPE: 8 short and long factors (head_dim 16), pretrained on 128 of 512 positions
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {
+        "original_max_position_embeddings": 128, "rope_scaling": {
+            "rope_type": "longrope", "short_factor": [1.0 + 0.25 * i for i in range(8)],
+            "long_factor": [2.0 + 0.5 * i for i in range(8)]}}),
+    # Gemma scales embeddings by sqrt(hidden): a narrow init keeps greedy output varied. The
+    # attention cap is low enough to change the greedy tokens (a test checks it does).
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {
+        "head_dim": 16, "query_pre_attn_scalar": 1, "sliding_window": 24,
+        "attn_logit_softcapping": 0.3, "final_logit_softcapping": 10.0,
+        "initializer_range": 0.02}),
     # a sliding and a global layer, each with its own rope base; a softmax scale of its own
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {
         "head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 24,
-        "layer_types": ["sliding_attention", "full_attention"]}),
+        "layer_types": ["sliding_attention", "full_attention"], "initializer_range": 0.02}),
 }
 
 

@@ -4,6 +4,7 @@ core knows shapes (for KV sizing and validation) without importing transformers,
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from pagedjax.architectures import (
     architecture,
 )
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -51,6 +52,9 @@ class ModelConfig:
     # per layer: its sliding window or None (full attention); None: every layer sliding_window
     layer_sliding_windows: tuple[int | None, ...] | None = None
     local_rope_theta: float | None = None  # the sliding layers' own rope base (Gemma 3)
+    # scores and logits capped to cap * tanh(x / cap) (Gemma 2); None: uncapped
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
 
     @property
     def sm_scale(self) -> float:
@@ -63,7 +67,8 @@ class ModelConfig:
     def plain_decoder_layer(self) -> bool:
         """Llama's layer exactly (what the fused C++ CPU decoder layer computes)."""
         return (self.qk_norm is None and self.norm_layout == "pre" and self.hidden_act == "silu"
-                and self.residual_multiplier == 1.0 and self.norm_weight_offset == 0.0)
+                and self.residual_multiplier == 1.0 and self.norm_weight_offset == 0.0
+                and self.attn_logit_softcapping is None)
 
     def sliding_window_of(self, layer: int) -> int | None:
         """The window of one layer's attention (None: it attends to the whole context)."""
@@ -91,10 +96,6 @@ class ModelConfig:
         row = architecture(arch)
         if cfg.get("mlp_bias"):
             raise ValueError("mlp_bias=True is not supported; use a checkpoint without MLP biases.")
-        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-            if cfg.get(key) is not None:
-                raise ValueError(f"{key}={cfg[key]} is not supported yet (the attention kernels "
-                                 "take no soft-cap); use a checkpoint without it.")
         if arch == "Qwen3ForCausalLM" and cfg.get("attention_bias"):
             raise ValueError("Qwen3 with attention_bias=True (an o_proj bias) is not supported.")
         num_q_heads = cfg["num_attention_heads"]
@@ -145,7 +146,7 @@ class ModelConfig:
 
 def _gemma_attention(cfg: dict, window: int | None, global_theta: float) -> dict:
     """Gemma's per-layer windows (layer_types, or every sliding_window_pattern-th layer global),
-    softmax scale and the sliding layers' rope base."""
+    softmax scale, the sliding layers' rope base and the soft-caps."""
     num_layers = cfg["num_hidden_layers"]
     types = cfg.get("layer_types")
     if types is None:
@@ -161,6 +162,9 @@ def _gemma_attention(cfg: dict, window: int | None, global_theta: float) -> dict
         raise ValueError(f"rope_type={local['rope_type']!r} on sliding layers is not supported.")
     if local_theta is not None and float(local_theta) != global_theta:
         out["local_rope_theta"] = float(local_theta)
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if cfg.get(key) is not None:
+            out[key] = float(cfg[key])
     return out
 
 
@@ -172,10 +176,28 @@ def _parse_rope(cfg: dict) -> tuple[float, dict | None]:
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"rope_type={rope_type!r} is not supported; use one of "
                          f"{SUPPORTED_ROPE_TYPES}.")
+    if float(params.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 1.0) != 1:
+        raise ValueError("partial_rotary_factor != 1 is not supported.")
     if rope_type == "default":
         return theta, None
     params["rope_type"] = rope_type
+    if rope_type == "longrope":
+        params.update(_longrope(cfg, params))
     return theta, params
+
+
+def _longrope(cfg: dict, params: dict) -> dict:
+    """LongRoPE (Phi-3) as transformers derives it: the pretraining length, and the cos/sin
+    scale from the extension factor (max_position_embeddings over that length)."""
+    original = int(params.get("original_max_position_embeddings")
+                   or cfg["original_max_position_embeddings"])
+    factor = params.get("factor") or cfg["max_position_embeddings"] / original
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = (1.0 if factor <= 1.0
+                            else math.sqrt(1 + math.log(factor) / math.log(original)))
+    return {"original_max_position_embeddings": original,
+            "attention_factor": float(attention_factor)}
 
 
 @dataclass

@@ -45,6 +45,7 @@ TINY_MODELS = {
     "olmo2": ("olmo2", {}),
     "granite": ("granite", {}),
     "phi3": ("phi3", {"sliding_window": 24}),
+    "gemma2": ("gemma2", {}),
     "gemma3": ("gemma3", {}),
     # A much smaller random model with the same tokenizer: a low-acceptance draft for "llama".
     "draft": ("llama", {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1}),

@@ -32,7 +32,7 @@ class AttentionMetadata(NamedTuple):
 
 
 # (q [T, Hq, D], k_cache, v_cache, kv_lens, block_tables, query_start_loc, *, sm_scale,
-#  sliding_window, decode) -> [T, Hq, D]
+#  sliding_window, soft_cap, decode) -> [T, Hq, D]
 AttentionFn = Callable[..., jax.Array]
 # (k [T, Hkv, D], v [T, Hkv, D], k_cache, v_cache, slot_mapping) -> (k_cache, v_cache)
 WriteKVFn = Callable[..., KVCache]
@@ -176,6 +176,7 @@ class Attention(nn.Module):
         out = self.attention_fn(q, k_cache, v_cache, meta.kv_lens, meta.block_tables,
                                 meta.query_start_loc, sm_scale=cfg.sm_scale,
                                 sliding_window=cfg.sliding_window_of(self.layer),
+                                soft_cap=cfg.attn_logit_softcapping,
                                 decode=meta.decode)  # [T, Hq, D]
         out = dense(cfg.hidden_size, "o_proj", self.dtype, packed=self.packed)(
             out.reshape(num_tokens, hq * d))
@@ -278,4 +279,6 @@ class LlamaForCausalLM(nn.Module):
             logits = self.lm_head(x)
         if self.config.logits_scaling != 1.0:
             logits = logits / self.config.logits_scaling
-        return logits.astype(jnp.float32)
+        logits = logits.astype(jnp.float32)
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else cap * jnp.tanh(logits / cap)

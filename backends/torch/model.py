@@ -32,7 +32,7 @@ from pagedjax.kernels_cuda import (
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # k, v: [num_blocks, Hkv, block_size, D]
 # (q [T, Hq, D], k_cache, v_cache, kv_lens, block_tables, query_start_loc, *, sm_scale,
-#  sliding_window, max_query_len) -> [T, Hq, D]
+#  sliding_window, soft_cap, max_query_len) -> [T, Hq, D]
 AttentionFn = Callable[..., torch.Tensor]
 # (k [T, Hkv, D], v [T, Hkv, D], k_cache, v_cache, slot_mapping) -> None, caches written in place
 WriteKVFn = Callable[..., None]
@@ -161,6 +161,7 @@ class Attention(nn.Module):
         out = self.ops.attention(q, *kv_cache, meta.kv_lens, meta.block_tables,
                                  meta.query_start_loc, sm_scale=cfg.sm_scale,
                                  sliding_window=self.sliding_window,
+                                 soft_cap=cfg.attn_logit_softcapping,
                                  max_query_len=meta.max_query_len)  # [T, Hq, D]
         return self.shard.all_reduce(self.o_proj(out.reshape(num_tokens, -1)))
 
@@ -306,7 +307,9 @@ class LlamaForCausalLM(nn.Module):
             logits = self.lm_head(x)  # [L, V / shards]
         if self.config.logits_scaling != 1.0:
             logits = logits / self.config.logits_scaling
-        return self.shard.all_gather_vocab(logits, self.config.vocab_size).to(torch.float32)
+        logits = self.shard.all_gather_vocab(logits, self.config.vocab_size).to(torch.float32)
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else cap * torch.tanh(logits / cap)
 
     def pack_linears(self) -> None:
         """CPU float32: every projection (and the LM head, tied or not) on the packed

@@ -48,6 +48,7 @@ from pagedjax.core.step_shapes import StepShapes
 from pagedjax.core.stopping import StopChecker
 from pagedjax.distributed import register_engine
 from pagedjax.engine.output_processor import OutputProcessor
+from pagedjax.gguf_loader import resolve_model_source
 from pagedjax.outputs import RequestOutput
 from pagedjax.parallel import TensorParallelPlan
 from pagedjax.random import derive_seed
@@ -89,9 +90,11 @@ class StepTimings:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
+        config.model = resolve_model_source(config.model)  # a GGUF file: its HF conversion
         if not Path(config.model).is_dir():
             raise ValueError(f"model={config.model!r} is not a directory; pass a Hugging Face "
-                             "checkpoint directory (config.json, *.safetensors, tokenizer files).")
+                             "checkpoint directory (config.json, *.safetensors, tokenizer files) "
+                             "or a .gguf file.")
         runner_cls = get_runner_cls(config.backend)
         self.config = config
         self.model_config = ModelConfig.from_pretrained(config.model)

@@ -13,7 +13,7 @@ from pagedjax import LLM, SamplingParams
 from pagedjax.config import ModelConfig
 from tests.hf_reference import hf_greedy
 
-ARCHITECTURES = ["qwen3", "olmo2", "granite", "phi3", "gemma3"]
+ARCHITECTURES = ["qwen3", "olmo2", "granite", "phi3", "gemma2", "gemma3"]
 PROMPT_LENS = (1, 17, 40)
 MAX_TOKENS = 8
 SCENARIOS = {
@@ -34,7 +34,9 @@ def test_greedy_matches_hf(tiny_model, name: str, backend: str, scenario: str) -
     llm = LLM(model_dir, backend=backend, max_model_len=64, **SCENARIOS[scenario])
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(model_dir, prompts, MAX_TOKENS)
+    expected = hf_greedy(model_dir, prompts, MAX_TOKENS)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert len({t for tokens in expected for t in tokens}) > 3, "a degenerate tiny model"
     if scenario == "stress":
         assert llm.engine.scheduler.num_preemptions_total > 0
     llm.shutdown()
@@ -49,7 +51,11 @@ def test_rows_read_what_sets_them_apart(tiny_model) -> None:
     granite = ModelConfig.from_pretrained(tiny_model("granite"))
     assert (granite.embedding_multiplier, granite.residual_multiplier, granite.sm_scale,
             granite.logits_scaling) == (6.0, 0.5, 0.1, 2.0)
-    assert ModelConfig.from_pretrained(tiny_model("phi3")).sliding_window == 24
+    phi3 = ModelConfig.from_pretrained(tiny_model("phi3"))
+    assert (phi3.sliding_window, phi3.rope_scaling["rope_type"]) == (24, "longrope")
+    gemma2 = ModelConfig.from_pretrained(tiny_model("gemma2"))
+    assert (gemma2.attn_logit_softcapping, gemma2.final_logit_softcapping) == (0.3, 10.0)
+    assert gemma2.layer_sliding_windows == (24, None) and gemma2.local_rope_theta is None
     gemma3 = ModelConfig.from_pretrained(tiny_model("gemma3"))
     assert (gemma3.layer_sliding_windows, gemma3.local_rope_theta) == ((24, None), 10000.0)
     assert (gemma3.local_rope(0), gemma3.local_rope(1)) == (True, False)
@@ -62,8 +68,40 @@ def test_unsupported_architecture_names_the_served_ones() -> None:
         ModelConfig.from_dict({"architectures": ["GPTNeoXForCausalLM"]})
 
 
-def test_soft_capping_is_refused_by_name() -> None:
-    """Gemma 2's soft-caps are not served yet: its config is refused naming the key."""
-    config = {"architectures": ["Gemma3ForCausalLM"], "attn_logit_softcapping": 50.0}
-    with pytest.raises(ValueError, match="attn_logit_softcapping=50.0 is not supported"):
-        ModelConfig.from_dict(config)
+def test_longrope_tables_are_transformers(tiny_model) -> None:
+    """Phi-3's LongRoPE tables: positions within the pretraining length (128 here) rotate as
+    transformers' short factors, later ones as its long factors, both scaled as it scales."""
+    import torch
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from pagedjax.backends.rope import rope_cos_sin
+
+    model_dir = tiny_model("phi3")
+    config = ModelConfig.from_pretrained(model_dir)
+    cos, sin = rope_cos_sin(config, 256)
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    for seq_len, rows in ((None, slice(0, 128)), (129, slice(128, 256))):
+        inv_freq, factor = ROPE_INIT_FUNCTIONS["longrope"](hf_config, "cpu", seq_len=seq_len)
+        freqs = torch.arange(256, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        np.testing.assert_allclose(cos[rows], (emb.cos() * factor).numpy()[rows], atol=1e-6)
+        np.testing.assert_allclose(sin[rows], (emb.sin() * factor).numpy()[rows], atol=1e-6)
+    assert config.rope_scaling["attention_factor"] == pytest.approx((1 + np.log(4) / np.log(128))
+                                                                    ** 0.5)
+
+
+def test_gemma2_attention_cap_changes_the_tokens(tiny_model, tmp_path) -> None:
+    """The tiny Gemma 2's attention soft-cap binds: HF's greedy tokens differ without it, so the
+    parity above checks the kernels' cap."""
+    import shutil
+
+    model_dir = tiny_model("gemma2")
+    uncapped = shutil.copytree(model_dir, tmp_path / "uncapped")
+    config = json.loads((uncapped / "config.json").read_text())
+    config["attn_logit_softcapping"] = None
+    (uncapped / "config.json").write_text(json.dumps(config))
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(1, config["vocab_size"], n).tolist() for n in PROMPT_LENS]
+    assert hf_greedy(model_dir, prompts, MAX_TOKENS) != hf_greedy(str(uncapped), prompts,
+                                                                 MAX_TOKENS)

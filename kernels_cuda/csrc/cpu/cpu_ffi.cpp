@@ -63,8 +63,9 @@ ffi::Error ragged_paged_attention_f32(
     ffi::Buffer<ffi::S32> block_tables,       // [S, M]
     ffi::Buffer<ffi::S32> query_start_loc,    // [S+1]
     ffi::ResultBuffer<ffi::F32> out,          // [T, Hq, D]
-    float sm_scale, int64_t sliding_window,   // 0: none
-    float logits_soft_cap) {                  // 0: none
+    float sm_scale,
+    int64_t sliding_window,  // 0: none
+    float soft_cap) {        // scores soft_cap * tanh(s / soft_cap); 0: none
   const auto qd = q.dimensions(), cd = k_cache.dimensions(), td = block_tables.dimensions();
   const auto vd = v_cache.dimensions();
   if (qd.size() != 3 || cd.size() != 4 || td.size() != 2 || cd[3] != qd[2] ||
@@ -94,7 +95,7 @@ ffi::Error ragged_paged_attention_f32(
   const cpu_attention::CpuAttention<float, float> attention{
       shape, batch, q.typed_data(), shape.num_q_heads * shape.head_dim, shape.head_dim,
       k_cache.typed_data(), v_cache.typed_data(), out->typed_data(), sm_scale,
-      std::max<int64_t>(sliding_window, 0), std::max(logits_soft_cap, 0.f)};
+      std::max<int64_t>(sliding_window, 0), std::max(soft_cap, 0.f)};
   // One item per (query row, KV head), in contiguous ranges of equal cost.
   const int64_t parts = num_parts(pool, shape.num_tokens * shape.num_kv_heads);
   const std::vector<int64_t> bounds = attention.split_items(parts);
@@ -213,7 +214,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxRaggedPagedAttentionF32,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("sm_scale")
                                   .Attr<int64_t>("sliding_window")
-                                  .Attr<float>("logits_soft_cap"));
+                                  .Attr<float>("soft_cap"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxLinearF32, pagedjax::linear_f32,
                               ffi::Ffi::Bind()

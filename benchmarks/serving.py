@@ -1,8 +1,9 @@
 """Online serving: `pagedjax serve` on the demo target, loaded by `pagedjax bench serve` at several
 concurrencies (TTFT, TPOT, ITL, E2E percentiles and throughput, vLLM's definitions).
 
-Starts the server as a subprocess on 127.0.0.1, runs one benchmark per concurrency (each after
-as many untimed warm-up requests as the concurrency, so the batch shapes are compiled), stops it.
+Starts the server as a subprocess on 127.0.0.1 (its startup, compiles included, is reported),
+runs one benchmark per concurrency with no warm-up request (the server compiled its step shapes
+before it answered /health), stops it; reports the compiles the server met while serving.
 
     python benchmarks/serving.py [--backend torch|jax] [--concurrency 1 8 32]
                                  [--input-len 64] [--output-len 64] [--out DIR]
@@ -28,17 +29,19 @@ from pagedjax.entrypoints.bench_serve import add_bench_serve_args  # noqa: E402
 from pagedjax.entrypoints.bench_serve import main as bench_serve  # noqa: E402
 
 
-def start_server(backend: str, port: int, log_path: Path) -> subprocess.Popen:
+def start_server(backend: str, port: int, log_path: Path) -> tuple[subprocess.Popen, float]:
+    """The server process, and the seconds until it answered /health."""
     command = [sys.executable, "-m", "pagedjax.entrypoints.cli", "serve", demo_model_dirs()[0],
                "--backend", backend, "--port", str(port), "--uvicorn-log-level", "warning"]
+    start = time.monotonic()
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + 600
     while time.monotonic() < deadline and process.poll() is None:
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health") as response:
                 if response.status == 200:
-                    return process
+                    return process, time.monotonic() - start
         except OSError:
             time.sleep(0.5)
     process.kill()
@@ -59,17 +62,20 @@ def main() -> None:
         port = sock.getsockname()[1]
     args.out.mkdir(parents=True, exist_ok=True)
     log_path = args.out / f"serving_{args.backend}_cpu.log"
-    process = start_server(args.backend, port, log_path)
+    process, startup = start_server(args.backend, port, log_path)
     runs = []
     try:
         for concurrency in args.concurrency:
             bench = add_bench_serve_args(argparse.ArgumentParser()).parse_args([
                 "--url", f"http://127.0.0.1:{port}", "--max-concurrency", str(concurrency),
                 "--num-prompts", str(max(16, 4 * concurrency)),
-                "--num-warmups", str(concurrency), "--input-len", str(args.input_len),
+                "--num-warmups", "0", "--input-len", str(args.input_len),
                 "--output-len", str(args.output_len), "--ignore-eos"])
             load = os.getloadavg()[0]
             runs.append({**bench_serve(bench), "load_average_1min_before": load})
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics") as response:
+            compiles = [line for line in response.read().decode().splitlines()
+                        if line.startswith("pagedjax:compiles_after_startup_total")]
     finally:
         process.send_signal(signal.SIGINT)
         process.wait(timeout=60)
@@ -80,9 +86,11 @@ def main() -> None:
              "ITL p50": r["median_itl_ms"], "ITL p99": r["p99_itl_ms"],
              "E2E p50": r["median_e2el_ms"], "E2E p99": r["p99_e2el_ms"]} for r in runs]
     print_table(rows, list(rows[0]))
+    print(f"server startup {startup:.1f} s; {compiles[0] if compiles else 'no compile count'}")
     path = write_json(f"serving_{args.backend}_cpu.json",
                       {"environment": environment(), "backend": args.backend,
-                       "model": "demo target", "runs": runs}, args.out)
+                       "model": "demo target", "startup_s": startup,
+                       "compiles_after_startup": compiles, "runs": runs}, args.out)
     print(f"wrote {path}")
 
 

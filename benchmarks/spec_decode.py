@@ -4,9 +4,11 @@ Every request decodes --max-tokens greedy tokens from a prompt cut from this Pyt
 library source. For each backend and batch size B: no speculation (k = 0), each fixed k
 (`"adaptive": False`), and the adaptive policy (k chosen per step up to --adaptive-k) with one
 LLM configuration for every B; the configurations take turns pass by pass, so that a drifting
-host slows them alike. Reports output tokens/s, the speed-up over k = 0, the acceptance α,
-tokens per verification beside the i.i.d. expectation (1 − α^(k+1)) / (1 − α), and for
-adaptive runs the k chosen. Writes spec_decode_*.json and a PNG plot to --out.
+host slows them alike. As a user meets them: timed from LLM(...) with no warm-up, every pass
+counted (the mean; the adaptive policy's first steps and any compile included). Reports output
+tokens/s, the speed-up over k = 0, the acceptance α, tokens per verification beside the i.i.d.
+expectation (1 − α^(k+1)) / (1 − α), for adaptive runs the k chosen, and the compiles each LLM
+met after startup. Writes spec_decode_*.json and a PNG plot to --out.
 
     python benchmarks/spec_decode.py [--target DIR --draft DIR] [--backends jax torch]
 """
@@ -24,7 +26,6 @@ from common import add_out_argument, environment, print_table, write_json  # noq
 
 _SOURCES = ("argparse.py", "dataclasses.py", "functools.py", "json/decoder.py", "pathlib.py",
             "textwrap.py", "typing.py", "inspect.py")
-_MAX_ROUNDS = 24  # the adaptive policy explores k (and shapes) for a while at large batches
 _MIN_PROMPTS = 8  # small batches run this many prompts, b at a time: no one-prompt verdicts
 _DELTAS = ("spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
            "spec_decode_num_verifications")
@@ -43,36 +44,25 @@ def code_prompts(tokenizer, num: int, length: int = 64) -> list[list[int]]:
 
 
 def timed_generate(llms: dict, groups: list[list[list[int]]], max_tokens: int,
-                   repeats: int, warmup: int = 0) -> dict[str, tuple[float, int]]:
-    """name -> seconds and output tokens of greedy batches run one after another (one per group
-    of prompts) on that LLM: the fastest of `repeats` rounds, after `warmup` rounds left untimed
-    (the adaptive policy's exploration: steady state). In a round every LLM runs one pass, in
-    turns, so that a host whose speed drifts (a shared machine) slows them alike; a round counts
-    only if no LLM compiled in it (the adaptive policy may try a new k, hence new shapes, in its
-    first steps), so that every LLM is timed in the same rounds."""
+                   repeats: int) -> dict[str, tuple[float, int]]:
+    """name -> mean seconds and output tokens of greedy batches run one after another (one per
+    group of prompts) on that LLM, over `repeats` rounds: every round counts, the first too. In
+    a round every LLM runs one pass, in turns, so that a host whose speed drifts (a shared
+    machine) slows them alike."""
     from pagedjax import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    timed: dict[str, list[float]] = {name: [] for name in llms}  # the same rounds for each
+    seconds: dict[str, float] = dict.fromkeys(llms, 0.0)
     tokens: dict[str, int] = {}
-    for _ in range(_MAX_ROUNDS + warmup + repeats):
-        compiled, seconds = False, {}
+    for _ in range(repeats):
         for name, llm in llms.items():
-            num_compiles, start = llm.engine.runner.num_compiles, time.perf_counter()
-            tokens[name] = 0
+            start, tokens[name] = time.perf_counter(), 0
             for group in groups:
                 outputs = llm.generate([{"prompt_token_ids": p} for p in group], params,
                                        use_tqdm=False)
                 tokens[name] += sum(len(o.outputs[0].token_ids) for o in outputs)
-            seconds[name] = time.perf_counter() - start
-            compiled |= llm.engine.runner.num_compiles != num_compiles
-        if compiled:
-            continue
-        for name, s in seconds.items():
-            timed[name].append(s)
-        if len(timed[name]) == warmup + repeats:
-            return {name: (min(t[warmup:]), tokens[name]) for name, t in timed.items()}
-    raise RuntimeError(f"still compiling after {_MAX_ROUNDS} rounds: the shape set is unbounded")
+            seconds[name] += time.perf_counter() - start
+    return {name: (s / repeats, tokens[name]) for name, s in seconds.items()}
 
 
 def make_llm(model: str, backend: str, args, draft: str | None = None, k: int = 0,
@@ -81,8 +71,7 @@ def make_llm(model: str, backend: str, args, draft: str | None = None, k: int = 
 
     spec = ({"model": draft, "num_speculative_tokens": k, "adaptive": adaptive} if k else None)
     return LLM(model, backend=backend, max_model_len=args.max_model_len,
-               max_num_seqs=max(args.batch_sizes), enable_prefix_caching=False,
-               speculative_config=spec)
+               max_num_seqs=max(args.batch_sizes), speculative_config=spec)
 
 
 def run_backend(backend: str, args) -> list[dict]:
@@ -96,8 +85,7 @@ def run_backend(backend: str, args) -> list[dict]:
         pool = prompts[: max(b, _MIN_PROMPTS)]
         groups = [pool[i : i + b] for i in range(0, len(pool), b)]
         before = {mode: llm.get_metrics() for mode, llm in llms.items()}
-        results = timed_generate(llms, groups, args.max_tokens, args.repeats,
-                                 args.warmup_passes)
+        results = timed_generate(llms, groups, args.max_tokens, args.repeats)
         for mode, k, _ in configs:
             rows.append(_row(backend, b, mode, k, *results[mode], before[mode],
                              llms[mode].get_metrics()))
@@ -109,7 +97,8 @@ def run_backend(backend: str, args) -> list[dict]:
 def _row(backend: str, b: int, mode: str, k: int, seconds: float, tokens: int, before: dict,
          after: dict) -> dict:
     row = {"backend": backend, "batch": b, "mode": mode, "output tok/s": tokens / seconds,
-           "ms/token": 1e3 * seconds * b / tokens, "seconds": seconds}
+           "ms/token": 1e3 * seconds * b / tokens, "seconds": seconds,
+           "compiles after startup": after["num_compiles_after_startup"]}
     if not k:
         return row
     # every pass decodes the same tokens: acceptance over all of them
@@ -173,21 +162,19 @@ def main() -> None:
     parser.add_argument("--backends", nargs="+", default=["jax", "torch"])
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 32, 64])
     parser.add_argument("--ks", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--adaptive-k", type=int, default=6, help="the adaptive policy's max k")
+    parser.add_argument("--adaptive-k", type=int, default=4, help="the adaptive policy's max k")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--max-model-len", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=2,
-                        help="timed passes per case; the fastest counts (a busy machine)")
-    parser.add_argument("--warmup-passes", type=int, default=0,
-                        help="compile-free passes left untimed first: the steady state of the "
-                             "adaptive policy, after its exploration")
+                        help="timed passes per case; every one counts (the mean)")
     add_out_argument(parser)
     args = parser.parse_args()
 
     rows = [r for backend in args.backends for r in run_backend(backend, args)]
     add_speedups(rows)
     print_table(rows, ["backend", "batch", "mode", "output tok/s", "ms/token", "speedup",
-                       "alpha", "tokens/verify", "expected tokens/verify", "mean k"])
+                       "alpha", "tokens/verify", "expected tokens/verify", "mean k",
+                       "compiles after startup"])
     env = environment()
     tag = "_".join([*args.backends, env["accelerator"].replace(" ", "_")])
     path = write_json(f"spec_decode_{tag}.json", {"args": vars(args), "results": rows,

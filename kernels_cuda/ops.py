@@ -15,6 +15,7 @@ Where the build fails:
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import re
 import shutil
@@ -37,7 +38,7 @@ _CSRC = Path(__file__).parent / "csrc"
 # Paths under csrc/: the op schemas (ops.cpp) and the shared headers at the top, what runs on the
 # CPU under cpu/, the CUDA kernels under cuda/.
 _CPU_SOURCES = ("ops.cpp", "cpu/attention_cpu.cpp", "cpu/linear_cpu.cpp", "cpu/rotary_cpu.cpp",
-                "cpu/norm_act_cpu.cpp", "cpu/decoder_layer_cpu.cpp")
+                "cpu/norm_act_cpu.cpp", "cpu/decoder_layer_cpu.cpp", "cpu/filter_cpu.cpp")
 _CUDA_SOURCES = ("cuda/attention_cuda.cu", "cuda/write_kv_cuda.cu")
 DEFAULT_CUDA_ARCHS = "8.0;9.0+PTX"  # A100 and H100 SASS; PTX that newer GPUs JIT-compile
 _MIN_CAPABILITY = (8, 0)  # cp.async and bf16 paths
@@ -64,9 +65,15 @@ def cuda_arch_flags(arch_list: str | None = None) -> list[str]:
 
 
 def build_directory(with_cuda: bool) -> Path:
-    """The cached build of one flavour: keyed by torch version, CUDA version and archs."""
+    """The cached build of one flavour: keyed by torch version, CUDA version and archs, and by
+    the sources' contents (not their times: a checkout older than a build of other sources must
+    not load that build)."""
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
-    flavour = f"torch{torch.__version__}"
+    digest = hashlib.sha256()
+    for path in sorted(_CSRC.rglob("*")):
+        if path.is_file():
+            digest.update(path.relative_to(_CSRC).as_posix().encode() + path.read_bytes())
+    flavour = f"torch{torch.__version__}_src{digest.hexdigest()[:12]}"
     if with_cuda:
         archs = "-".join(flag.rsplit("=", 1)[1] for flag in cuda_arch_flags())
         flavour += f"_cuda{torch.version.cuda}_{archs}"
@@ -80,10 +87,9 @@ def _build() -> Backend:
     build_dir = build_directory(with_cuda)
     build_dir.mkdir(parents=True, exist_ok=True)
     library = build_dir / f"{_NAME}.so"
-    newest_source = max(path.stat().st_mtime for path in [*sources, *_CSRC.rglob("*.h")])
-    if library.exists() and library.stat().st_mtime >= newest_source:
-        # Up to date: load it straight away (cpp_extension.load would run ninja to check, which
-        # takes seconds, in every process, tensor-parallel workers included).
+    if library.exists():
+        # Built from these sources: load it straight away (cpp_extension.load would run ninja
+        # to check, which takes seconds, in every process, tensor-parallel workers included).
         torch.ops.load_library(str(library))
         return "cuda" if with_cuda else "cpp"
     print(f"pagedjax: building {_NAME} in {build_dir} (once, ~1-3 min)", file=sys.stderr)
@@ -166,7 +172,7 @@ def ragged_paged_attention(
     *,
     sm_scale: float,
     sliding_window: int | None = None,
-    logits_soft_cap: float | None = None,
+    soft_cap: float | None = None,
     max_query_len: int | None = None,
     out: torch.Tensor | None = None,  # [T, Hq, D], contiguous; written in place when given
 ) -> torch.Tensor:  # [T, Hq, D]; padding rows (past query_start_loc[-1]) are zeros
@@ -179,11 +185,11 @@ def ragged_paged_attention(
     if ops_backend() == "reference":
         result = reference.ragged_paged_attention(
             q, k_cache, v_cache, kv_lens, block_tables, query_start_loc,
-            sm_scale=sm_scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+            sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
         )  # fmt: skip
         return result if out is None else out.copy_(result)
     args = (q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, sm_scale,
-            sliding_window, logits_soft_cap, max_query_len)  # fmt: skip
+            sliding_window, soft_cap, max_query_len)  # fmt: skip
     if out is None:
         return torch.ops.pagedjax.ragged_paged_attention(*args)
     torch.ops.pagedjax.ragged_paged_attention_out(out, *args)

@@ -20,7 +20,7 @@ def ragged_paged_attention(
     *,
     sm_scale: float,
     sliding_window: int | None = None,
-    logits_soft_cap: float | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:  # [T, Hq, D]; padding rows are zeros
     """Attention of each sequence's last q_len tokens over its paged context (causal)."""
     num_q_heads, head_dim = q.shape[1:]
@@ -39,8 +39,8 @@ def ragged_paged_attention(
         values = v_cache[blocks].transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[:, :kv_len]
         qs = q[start:end].to(acc_dtype).view(end - start, num_kv_heads, group, head_dim)
         logits = torch.einsum("thgd,hkd->hgtk", qs, keys.to(acc_dtype)) * sm_scale
-        if logits_soft_cap is not None:
-            logits = logits_soft_cap * torch.tanh(logits / logits_soft_cap)
+        if soft_cap is not None:
+            logits = soft_cap * torch.tanh(logits / soft_cap)
         positions = torch.arange(kv_len - (end - start), kv_len, device=q.device)  # [q_len]
         key_pos = torch.arange(kv_len, device=q.device)  # [kv_len]
         visible = key_pos[None, :] <= positions[:, None]  # [q_len, kv_len]

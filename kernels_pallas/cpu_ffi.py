@@ -3,9 +3,10 @@ torch backend runs on CPU (`kernels_cuda/csrc/cpu/attention_cpu_kernel.h`, `line
 in float32, as CPU custom calls; and a top-k for the logprobs (XLA's CPU TopK sorts every row).
 
 The library is compiled on first use with the system's C++ compiler (`$CXX`, else `c++`) and
-cached per source, compiler and jaxlib version in `$PAGEDJAX_CACHE` (default
-~/.cache/pagedjax); later processes only load it. Where it cannot be built or loaded,
-`available()` is False after one warning and the jnp attention serves. Imports no torch.
+cached per source, compiler and jaxlib version in pagedjax's cache folder (pagedjax/cache.py:
+`$PAGEDJAX_CACHE_DIR`, default ~/.cache/pagedjax); later processes only load it. Where it cannot
+be built or loaded, `available()` is False after one warning and the jnp attention serves.
+Imports no torch.
 """
 
 from __future__ import annotations
@@ -25,15 +26,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pagedjax.cache import cache_dir
 from pagedjax.native_build import loaded_libstdcxx_ldflags
 
 TARGET = "pagedjax_ragged_paged_attention_f32"
 LINEAR_TARGET = "pagedjax_linear_f32"
 TOP_K_TARGET = "pagedjax_top_k_f32"
+FILTER_TARGET = "pagedjax_filter_logits_f32"
 _SYMBOLS = {TARGET: "PagedjaxRaggedPagedAttentionF32", LINEAR_TARGET: "PagedjaxLinearF32",
-            TOP_K_TARGET: "PagedjaxTopKF32"}
+            TOP_K_TARGET: "PagedjaxTopKF32", FILTER_TARGET: "PagedjaxFilterLogitsF32"}
 _SOURCES = ("cpu/cpu_ffi.cpp", "cpu/attention_cpu_kernel.h", "attention_shape.h",
-            "cpu/cpu_features.h", "cpu/simd_math.h", "cpu/linear_cpu_kernel.h")  # under csrc/
+            "cpu/cpu_features.h", "cpu/simd_math.h", "cpu/linear_cpu_kernel.h",
+            "cpu/filter_cpu_kernel.h")  # under csrc/
 LINEAR_TILE = 16  # columns per packed tile (linear_cpu_kernel.h)
 
 
@@ -52,8 +56,7 @@ def library_path() -> Path:
     digest = hashlib.sha256(f"{_compiler()}|{jax.__version__}".encode())
     for name in _SOURCES:
         digest.update((_csrc() / name).read_bytes())
-    root = Path(os.environ.get("PAGEDJAX_CACHE") or Path.home() / ".cache" / "pagedjax")
-    return root / f"jax_ffi_attention_{digest.hexdigest()[:16]}.so"
+    return cache_dir() / f"jax_ffi_attention_{digest.hexdigest()[:16]}.so"
 
 
 def _build(path: Path) -> None:
@@ -102,7 +105,7 @@ def ragged_paged_attention(
     *,
     sm_scale: float,
     sliding_window: int | None = None,
-    logits_soft_cap: float | None = None,
+    soft_cap: float | None = None,
 ) -> jax.Array:  # [T, Hq, D]; padding rows (past query_start_loc[-1]) are zeros
     """Causal attention of each sequence's last q_len tokens over its paged KV context (the
     batch contract of the reference), computed by the C++ kernel. Call `available()` first."""
@@ -114,7 +117,7 @@ def ragged_paged_attention(
     int32 = functools.partial(jnp.asarray, dtype=jnp.int32)
     return call(q, k_cache, v_cache, int32(kv_lens), int32(block_tables), int32(query_start_loc),
                 sm_scale=np.float32(sm_scale), sliding_window=np.int64(sliding_window or 0),
-                logits_soft_cap=np.float32(logits_soft_cap or 0.0))
+                soft_cap=np.float32(soft_cap or 0.0))
 
 
 def pack_linear_weight(weight: jax.Array) -> jax.Array:
@@ -154,3 +157,13 @@ def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
                             vmap_method="sequential")
     values, indices = call(rows)
     return values.reshape(*x.shape[:-1], k), indices.reshape(*x.shape[:-1], k)
+
+
+def filter_logits(x: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                  min_p: jax.Array) -> jax.Array:
+    """The samplers' top-k / top-p / min-p filter of float32 x [R, V] with knobs [R]: x with
+    what the filter drops at -inf (filter_cpu_kernel.h). Call `available()` first."""
+    call = jax.ffi.ffi_call(FILTER_TARGET, jax.ShapeDtypeStruct(x.shape, jnp.float32),
+                            vmap_method="sequential")
+    return call(x.astype(jnp.float32), top_k.astype(jnp.int32), top_p.astype(jnp.float32),
+                min_p.astype(jnp.float32))

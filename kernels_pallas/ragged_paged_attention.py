@@ -137,15 +137,15 @@ def _masked_logits(
     *,
     sm_scale: float,
     sliding_window: int | None,
-    logits_soft_cap: float | None,
+    soft_cap: float | None,
 ) -> tuple[jax.Array, jax.Array]:  # base-2 logits [rows, block_k], visible [rows, block_k]
     """Scaled, soft-capped logits in base 2 (for exp2), masked causally and by the window."""
     s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=_dot_precision(q.dtype),
                         preferred_element_type=acc_dtype)
-    if logits_soft_cap is None:
+    if soft_cap is None:
         s = s * (sm_scale * _LOG2E)
     else:
-        s = (logits_soft_cap * _LOG2E) * jnp.tanh(s * (sm_scale / logits_soft_cap))
+        s = (soft_cap * _LOG2E) * jnp.tanh(s * (sm_scale / soft_cap))
     visible = key_pos[None, :] <= row_pos[:, None]
     if sliding_window is not None:
         visible &= row_pos[:, None] - key_pos[None, :] < sliding_window
@@ -164,7 +164,7 @@ def _kernel(
     pages_per_chunk: int,
     num_splits: int,
     masked_load: bool,
-    **semantics,  # sm_scale, sliding_window, logits_soft_cap
+    **semantics,  # sm_scale, sliding_window, soft_cap
 ):
     """Online softmax (base 2) of one query tile over one KV split of one KV head."""
     rows, head_dim_padded = q_ref.shape
@@ -399,7 +399,7 @@ def _check_inputs(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc) -
 @functools.partial(
     jax.jit,
     static_argnames=(
-        "sm_scale", "sliding_window", "logits_soft_cap", "decode", "interpret", "rows_per_tile",
+        "sm_scale", "sliding_window", "soft_cap", "decode", "interpret", "rows_per_tile",
         "num_kv_pages_per_chunk", "num_splits", "num_warps", "num_stages",
     ),
 )
@@ -413,7 +413,7 @@ def ragged_paged_attention(
     *,
     sm_scale: float,
     sliding_window: int | None = None,
-    logits_soft_cap: float | None = None,
+    soft_cap: float | None = None,
     decode: bool = False,
     interpret: bool | None = None,
     rows_per_tile: int | None = None,
@@ -432,9 +432,9 @@ def ragged_paged_attention(
     (None: fill the GPU); `num_warps`, `num_stages` for Triton.
     """
     _check_inputs(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc)
-    if (sliding_window is not None and sliding_window < 1) or (logits_soft_cap or 1) <= 0:
-        raise ValueError(f"need sliding_window >= 1 and logits_soft_cap > 0 (or None), got "
-                         f"{sliding_window}, {logits_soft_cap}")
+    if (sliding_window is not None and sliding_window < 1) or (soft_cap or 1) <= 0:
+        raise ValueError(f"need sliding_window >= 1 and soft_cap > 0 (or None), got "
+                         f"{sliding_window}, {soft_cap}")
     num_tokens, num_q_heads, _ = q.shape
     num_blocks, num_kv_heads, block_size, _ = k_cache.shape
     if decode and num_tokens != kv_lens.shape[0]:
@@ -456,4 +456,4 @@ def ragged_paged_attention(
     else:
         tiles = multi_token_tiles(query_start_loc, kv_lens, num_tokens, group, tiling.rows)
     return _attend(q, k_cache, v_cache, tables, tiles, tiling, sm_scale=sm_scale,
-                   sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, group=group)
+                   sliding_window=sliding_window, soft_cap=soft_cap, group=group)

@@ -8,8 +8,10 @@ JAX backend's attention on CPU. Layout (per layer):
 Sequence s owns the queries q[query_start_loc[s]:query_start_loc[s+1]] (its last q_len tokens);
 its context after this step is kv_lens[s] tokens, stored in the blocks block_tables[s, :].
 Query i of sequence s sits at position p = kv_lens[s] - q_len + i and sees key j when
-j <= p (causal) and, with a sliding window w, p - j < w. Rows past query_start_loc[-1] are
-padding and come out as zeros.
+j <= p (causal) and, with a sliding window w, p - j < w. The score of key j is
+s = (q . k_j) * sm_scale, soft-capped (Gemma 2's attn_logit_softcapping) to
+soft_cap * tanh(s / soft_cap) when soft_cap is given, before the mask and the softmax. Rows past
+query_start_loc[-1] are padding and come out as zeros.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ def ragged_paged_attention_reference(
     *,
     sm_scale: float,
     sliding_window: int | None = None,
-    logits_soft_cap: float | None = None,
+    soft_cap: float | None = None,
     decode: bool = False,
 ) -> jax.Array:  # [T, Hq, D]
     """Online-softmax loop over KV blocks; each query row gathers its own sequence's blocks.
@@ -71,8 +73,8 @@ def ragged_paged_attention_reference(
         kb = k_cache[tables[:, j]].astype(acc_dtype)  # [T, Hkv, bs, D]
         vb = v_cache[tables[:, j]].astype(acc_dtype)  # [T, Hkv, bs, D]
         s = jnp.einsum("thgd,thkd->thgk", qg, kb, precision=_HIGHEST)  # [T, Hkv, G, bs]
-        if logits_soft_cap is not None:
-            s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
         key_pos = j * block_size + jnp.arange(block_size)  # [bs]
         visible = key_pos[None, :] <= positions[:, None]  # [T, bs]
         if sliding_window is not None:

@@ -60,7 +60,7 @@ def ragged_paged_attention_tiled(
     *,
     sm_scale: float,
     sliding_window: int | None = None,
-    logits_soft_cap: float | None = None,
+    soft_cap: float | None = None,
     decode: bool = False,
     rows_per_tile: int = 16,
     chunk_blocks: int = 8,
@@ -103,8 +103,8 @@ def ragged_paged_attention_tiled(
         blocks = jax.lax.dynamic_slice_in_dim(tables, j * chunk_blocks, chunk_blocks, axis=1)
         s = jnp.einsum("nrhgd,nhkd->nrhgk", qt, gather(k_cache, blocks),
                        precision=_HIGHEST)  # [N, R, Hkv, G, C]
-        if logits_soft_cap is not None:
-            s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
         key_pos = j * chunk + jnp.arange(chunk)
         visible = key_pos[None, None, :] <= position[:, :, None]  # [N, R, C]
         if sliding_window is not None:
@@ -140,7 +140,7 @@ def ragged_paged_attention_cpu(
     query_start_loc: jax.Array,  # [S+1] int32
     *,
     decode: bool = False,
-    **kwargs,  # sm_scale, sliding_window, logits_soft_cap
+    **kwargs,  # sm_scale, sliding_window, soft_cap
 ) -> jax.Array:  # [T, Hq, D]
     """The fastest correct attention for this (static) shape on CPU: the C++ kernel through
     XLA's FFI in float32 (where it builds), else the faster of the reference and the tiled

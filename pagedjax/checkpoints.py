@@ -41,35 +41,52 @@ def train_tokenizer(texts: list[str], vocab_size: int = 512):
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN)
 
 
+# name -> (transformers config class, model class, overrides its tiny config needs)
+TINY_ARCHITECTURES: dict[str, tuple[str, str, dict]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"layer_types": None}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"layer_types": None, "head_dim": 24}),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
+    # multipliers away from 1, so that each one matters
+    "granite": ("GraniteConfig", "GraniteForCausalLM", {
+        "embedding_multiplier": 6.0, "residual_multiplier": 0.5, "attention_multiplier": 0.1,
+        "logits_scaling": 2.0}),
+    # LongRoPE: 8 short and long factors (head_dim 16), pretrained on 128 of 512 positions
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {
+        "original_max_position_embeddings": 128, "rope_scaling": {
+            "rope_type": "longrope", "short_factor": [1.0 + 0.25 * i for i in range(8)],
+            "long_factor": [2.0 + 0.5 * i for i in range(8)]}}),
+    # Gemma scales embeddings by sqrt(hidden): a narrow init keeps greedy output varied. The
+    # attention cap is low enough to change the greedy tokens (a test checks it does).
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {
+        "head_dim": 16, "query_pre_attn_scalar": 1, "sliding_window": 24,
+        "attn_logit_softcapping": 0.3, "final_logit_softcapping": 10.0,
+        "initializer_range": 0.02}),
+    # a sliding and a global layer, each with its own rope base; a softmax scale of its own
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {
+        "head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 24,
+        "layer_types": ["sliding_attention", "full_attention"], "initializer_range": 0.02}),
+}
+
+
 def make_tiny_checkpoint(out_dir: str | Path, architecture: str = "llama", *, seed: int = 0,
                          tokenizer=None, **overrides) -> Path:
-    """Save a random `architecture` ("llama" | "mistral" | "qwen2") model + tokenizer."""
+    """Save a random `architecture` (a TINY_ARCHITECTURES name) model + tokenizer."""
     import torch
-    from transformers import (
-        LlamaConfig,
-        LlamaForCausalLM,
-        MistralConfig,
-        MistralForCausalLM,
-        Qwen2Config,
-        Qwen2ForCausalLM,
-    )
+    import transformers
 
-    classes = {"llama": (LlamaConfig, LlamaForCausalLM),
-               "mistral": (MistralConfig, MistralForCausalLM),
-               "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
-    if architecture not in classes:
-        raise ValueError(f"architecture={architecture!r}; use one of {tuple(classes)}.")
+    if architecture not in TINY_ARCHITECTURES:
+        raise ValueError(f"architecture={architecture!r}; use one of {tuple(TINY_ARCHITECTURES)}.")
     tokenizer = tokenizer or train_tokenizer(stdlib_corpus() + [MULTIBYTE_TEXT])
-    config_cls, model_cls = classes[architecture]
+    config_name, model_name, arch_overrides = TINY_ARCHITECTURES[architecture]
     kwargs = dict(TINY_ARCH_DEFAULTS, vocab_size=len(tokenizer),
                   eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
-                  pad_token_id=tokenizer.pad_token_id)
-    if architecture == "qwen2":
-        kwargs["layer_types"] = None
+                  pad_token_id=tokenizer.pad_token_id, **arch_overrides)
     kwargs.update(overrides)
-    config = config_cls(**kwargs)
+    config = getattr(transformers, config_name)(**kwargs)
     torch.manual_seed(seed)
-    model = model_cls(config).to(torch.float32).eval()
+    model = getattr(transformers, model_name)(config).to(torch.float32).eval()
     out_dir = Path(out_dir)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)

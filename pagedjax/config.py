@@ -4,17 +4,24 @@ core knows shapes (for KV sizing and validation) without importing transformers,
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+from pagedjax.architectures import (
+    ARCHITECTURE_BY_MODEL_TYPE,
+    SUPPORTED_ARCHITECTURES,
+    architecture,
+)
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The Llama family's shape, read from config.json (transformers v4 and v5 layouts)."""
+    """The model's shape and its architecture's variations of the Llama decoder
+    (pagedjax/architectures.py), read from config.json (transformers v4 and v5 layouts)."""
 
     architecture: str
     vocab_size: int
@@ -33,6 +40,45 @@ class ModelConfig:
     sliding_window: int | None
     dtype: str | None = None  # the checkpoint's torch_dtype ("bfloat16", ...), if it names one
     has_remote_code: bool = False  # config.json maps classes to the checkpoint's own code
+    # Variations of the decoder (architectures.py); the defaults are Llama's.
+    qk_norm: str | None = None  # "head": RMSNorm [D] on each q/k head; "full": on [H * D]
+    norm_layout: str = "pre"  # "pre": norm, then attention/MLP; "post": norm on their outputs
+    embedding_multiplier: float = 1.0  # embeddings scaled by it (Granite)
+    residual_multiplier: float = 1.0  # attention/MLP outputs scaled by it before the residual add
+    attention_multiplier: float | None = None  # the softmax scale; None: head_dim ** -0.5
+    logits_scaling: float = 1.0  # logits divided by it (Granite)
+    hidden_act: str = "silu"  # the gated MLP's activation: "silu" | "gelu_tanh"
+    norm_weight_offset: float = 0.0  # RMSNorm multiplies by (offset + weight) (Gemma: 1)
+    # per layer: its sliding window or None (full attention); None: every layer sliding_window
+    layer_sliding_windows: tuple[int | None, ...] | None = None
+    local_rope_theta: float | None = None  # the sliding layers' own rope base (Gemma 3)
+    # scores and logits capped to cap * tanh(x / cap) (Gemma 2); None: uncapped
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+
+    @property
+    def sm_scale(self) -> float:
+        """The scale of q.k before the softmax."""
+        if self.attention_multiplier is not None:
+            return self.attention_multiplier
+        return self.head_dim**-0.5
+
+    @property
+    def plain_decoder_layer(self) -> bool:
+        """Llama's layer exactly (what the fused C++ CPU decoder layer computes)."""
+        return (self.qk_norm is None and self.norm_layout == "pre" and self.hidden_act == "silu"
+                and self.residual_multiplier == 1.0 and self.norm_weight_offset == 0.0
+                and self.attn_logit_softcapping is None)
+
+    def sliding_window_of(self, layer: int) -> int | None:
+        """The window of one layer's attention (None: it attends to the whole context)."""
+        if self.layer_sliding_windows is None:
+            return self.sliding_window
+        return self.layer_sliding_windows[layer]
+
+    def local_rope(self, layer: int) -> bool:
+        """Whether a layer rotates by the local rope table (rope_cos_sin's second half)."""
+        return self.local_rope_theta is not None and self.sliding_window_of(layer) is not None
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> ModelConfig:
@@ -44,18 +90,31 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, cfg: dict) -> ModelConfig:
-        archs = cfg.get("architectures") or [_ARCH_BY_MODEL_TYPE.get(cfg.get("model_type"), "?")]
+        archs = cfg.get("architectures") or [
+            ARCHITECTURE_BY_MODEL_TYPE.get(cfg.get("model_type"), "?")]
         arch = archs[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"architecture {arch!r} is not supported; pagedjax serves "
-                             f"{', '.join(SUPPORTED_ARCHITECTURES)}.")
+        row = architecture(arch)
         if cfg.get("mlp_bias"):
             raise ValueError("mlp_bias=True is not supported; use a checkpoint without MLP biases.")
+        if arch == "Qwen3ForCausalLM" and cfg.get("attention_bias"):
+            raise ValueError("Qwen3 with attention_bias=True (an o_proj bias) is not supported.")
         num_q_heads = cfg["num_attention_heads"]
         rope_theta, rope_scaling = _parse_rope(cfg)
         window = cfg.get("sliding_window")
-        if arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
+        if row.window_flag is not None and not cfg.get(row.window_flag, False):
             window = None
+        variations = dict(hidden_act=row.hidden_act, norm_weight_offset=row.norm_weight_offset)
+        if row.scaled_embeddings:
+            variations["embedding_multiplier"] = float(cfg["hidden_size"]) ** 0.5
+        if row.gemma_attention:
+            variations.update(_gemma_attention(cfg, window, rope_theta))
+        multipliers = {}
+        if row.multipliers:
+            multipliers = dict(
+                embedding_multiplier=float(cfg.get("embedding_multiplier", 1.0)),
+                residual_multiplier=float(cfg.get("residual_multiplier", 1.0)),
+                attention_multiplier=cfg.get("attention_multiplier"),
+                logits_scaling=float(cfg.get("logits_scaling", 1.0)))
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -70,10 +129,14 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            attention_bias=bool(cfg.get("attention_bias", row.attention_bias)),
             sliding_window=window,
             dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             has_remote_code="auto_map" in cfg,
+            qk_norm=row.qk_norm,
+            norm_layout=row.norm_layout,
+            **variations,
+            **multipliers,
         )
 
     def kv_bytes_per_block(self, block_size: int, dtype_bytes: int) -> int:
@@ -81,21 +144,60 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * block_size * self.head_dim * dtype_bytes
 
 
-_ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                       "qwen2": "Qwen2ForCausalLM"}
+def _gemma_attention(cfg: dict, window: int | None, global_theta: float) -> dict:
+    """Gemma's per-layer windows (layer_types, or every sliding_window_pattern-th layer global),
+    softmax scale, the sliding layers' rope base and the soft-caps."""
+    num_layers = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types")
+    if types is None:
+        pattern = cfg.get("sliding_window_pattern", 2)
+        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                 for i in range(num_layers)]
+    out: dict = {"layer_sliding_windows": tuple(
+        window if t == "sliding_attention" else None for t in types)}
+    out["attention_multiplier"] = float(cfg.get("query_pre_attn_scalar", cfg["head_dim"])) ** -0.5
+    local = (cfg.get("rope_parameters") or {}).get("sliding_attention")
+    local_theta = local["rope_theta"] if local else cfg.get("rope_local_base_freq")
+    if local is not None and local.get("rope_type", "default") != "default":
+        raise ValueError(f"rope_type={local['rope_type']!r} on sliding layers is not supported.")
+    if local_theta is not None and float(local_theta) != global_theta:
+        out["local_rope_theta"] = float(local_theta)
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if cfg.get(key) is not None:
+            out[key] = float(cfg[key])
+    return out
 
 
 def _parse_rope(cfg: dict) -> tuple[float, dict | None]:
     params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    params = dict(params.get("full_attention", params))  # per layer type (Gemma 3): the global
     theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"rope_type={rope_type!r} is not supported; use one of "
                          f"{SUPPORTED_ROPE_TYPES}.")
+    if float(params.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 1.0) != 1:
+        raise ValueError("partial_rotary_factor != 1 is not supported.")
     if rope_type == "default":
         return theta, None
     params["rope_type"] = rope_type
+    if rope_type == "longrope":
+        params.update(_longrope(cfg, params))
     return theta, params
+
+
+def _longrope(cfg: dict, params: dict) -> dict:
+    """LongRoPE (Phi-3) as transformers derives it: the pretraining length, and the cos/sin
+    scale from the extension factor (max_position_embeddings over that length)."""
+    original = int(params.get("original_max_position_embeddings")
+                   or cfg["original_max_position_embeddings"])
+    factor = params.get("factor") or cfg["max_position_embeddings"] / original
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = (1.0 if factor <= 1.0
+                            else math.sqrt(1 + math.log(factor) / math.log(original)))
+    return {"original_max_position_embeddings": original,
+            "attention_factor": float(attention_factor)}
 
 
 @dataclass
@@ -117,6 +219,8 @@ class EngineConfig:
     # share of a fixed 4 GiB KV budget (kv_cache.CPU_KV_CACHE_BYTES).
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None  # the KV pool's size in blocks, not measured
+    # The closed set of compiled steps (core/step_shapes.py) grows with these two, each
+    # doubling adding a bucket; max_model_len widens every step's block tables.
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     enable_prefix_caching: bool = True
@@ -148,6 +252,10 @@ class EngineConfig:
             raise ValueError(f"model {self.model!r} needs its own code (auto_map), which "
                              f"pagedjax does not run (trust_remote_code=True); supported "
                              f"architectures: {', '.join(SUPPORTED_ARCHITECTURES)}.")
+        if model_config.qk_norm == "full" and self.tensor_parallel_size > 1:
+            raise ValueError(f"{model_config.architecture} normalises q and k over all heads, "
+                             "which tensor parallelism does not split yet; use "
+                             "tensor_parallel_size=1.")
         if self.max_model_len is None:
             self.max_model_len = min(model_config.max_position_embeddings, 4096)
         if self.max_model_len > model_config.max_position_embeddings:

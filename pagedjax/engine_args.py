@@ -21,20 +21,26 @@ _FLAGS: dict[str, tuple[str, dict]] = {
     "dtype": ("weights and KV cache dtype; auto: the checkpoint's on a GPU, float32 on CPU",
               {"choices": ("auto", *DTYPES)}),
     "seed": ("seed of requests that give none", {"type": int}),
-    "max_model_len": ("longest prompt + output (default: the model's, at most 4096)",
+    "max_model_len": ("longest prompt + output (default: the model's, at most 4096); "
+                      "widens every compiled step's block tables and logit-entry buffer",
                       {"type": int}),
     "block_size": ("tokens per KV block", {"type": int, "choices": (8, 16, 32)}),
     "gpu_memory_utilization": ("share of the accelerator's memory to use (on CPU: of a 4 GiB "
                                "KV budget)", {"type": float}),
     "num_gpu_blocks_override": ("KV pool size in blocks (instead of measuring memory)",
                                 {"type": int}),
-    "max_num_seqs": ("most sequences per step", {"type": int}),
-    "max_num_batched_tokens": ("token budget per step", {"type": int}),
+    "max_num_seqs": ("most sequences per step; each doubling adds a batch bucket: 1 + the "
+                     "number of speculative ks more steps to compile at startup",
+                     {"type": int}),
+    "max_num_batched_tokens": ("token budget per step; each doubling adds a prefill step to "
+                               "compile at startup", {"type": int}),
     "enable_prefix_caching": ("reuse cached prompt blocks",
                               {"action": argparse.BooleanOptionalAction}),
     "enforce_eager": ("no CUDA graphs", {"action": "store_true"}),
     "tensor_parallel_size": ("devices to shard the model over", {"type": int}),
-    "speculative_config": ("JSON, e.g. '{\"model\": DIR, \"num_speculative_tokens\": 4}'",
+    "speculative_config": ("JSON, e.g. '{\"model\": DIR, \"num_speculative_tokens\": 4}'; "
+                           "each k compiled (2, 4, 8, 16 below num_speculative_tokens, and it) "
+                           "adds a step per batch bucket to compile at startup",
                            {"type": json.loads}),
     "trust_remote_code": ("accepted; checkpoints with custom code are refused",
                           {"action": "store_true"}),

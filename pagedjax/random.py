@@ -13,7 +13,6 @@ GOLDEN = 0x9E3779B9  # step stride
 STREAM = 0x85EBCA6B  # vocabulary-index stride
 MIX_MUL_1 = 0x7FEB352D  # lowbias32 multipliers (Wellons' hash prospector)
 MIX_MUL_2 = 0x846CA68B
-DRAFT_STREAM = 0x0D8AF7  # a speculative draft samples from mix32(seed ^ DRAFT_STREAM)
 
 
 def mix32(x: np.ndarray) -> np.ndarray:
@@ -34,11 +33,6 @@ def uniform(seed: np.ndarray, step: np.ndarray, num: int) -> np.ndarray:
     key = mix32(seed ^ mix32(step * np.uint32(GOLDEN)))
     bits = mix32(key + np.arange(num, dtype=np.uint32)[None, :] * np.uint32(STREAM))
     return ((bits >> np.uint32(8)).astype(np.float32) + np.float32(0.5)) * np.float32(2.0**-24)
-
-
-def draft_seed(seed: np.ndarray) -> np.ndarray:
-    """The draft model's random stream for a completion's stream `seed` (uint32)."""
-    return mix32(np.asarray(seed, np.uint32) ^ np.uint32(DRAFT_STREAM))
 
 
 def derive_seed(*values: int) -> int:

@@ -9,10 +9,23 @@ from typing import Any
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 
+# tokenizer_config.json's tokenizer_class values that name transformers' generic fast tokenizer:
+# loaded by that class directly, which AutoTokenizer would pick too, without importing what
+# AutoTokenizer imports (torch among it: ~4 s of an engine's startup)
+_GENERIC = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
 def load_tokenizer(model_dir: str) -> Any | None:
-    """transformers' AutoTokenizer for the directory, or None if it ships no tokenizer files."""
+    """transformers' tokenizer for the directory (the class AutoTokenizer picks), or None if it
+    ships no tokenizer files."""
     if not any((Path(model_dir) / f).is_file() for f in _TOKENIZER_FILES):
         return None
+    config_path = Path(model_dir) / "tokenizer_config.json"
+    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    if config.get("tokenizer_class") in _GENERIC and (Path(model_dir) / "tokenizer.json").is_file():
+        import transformers
+
+        return getattr(transformers, config["tokenizer_class"]).from_pretrained(model_dir)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_dir)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
 
 # On a CPU-only machine XLA's LLVM optimisations make up most of a compile and change no float
@@ -12,6 +13,15 @@ from pathlib import Path
 if not Path("/dev/nvidiactl").exists():
     os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 "
                                        "--xla_llvm_disable_expensive_passes=true")
+# The session's own cache folder (compiled steps, step costs, the FFI library): engines of the
+# same configuration share their compiled steps across tests, and nothing outside the run leaks
+# in. Subprocesses the tests start inherit it.
+os.environ.setdefault("PAGEDJAX_CACHE_DIR", tempfile.mkdtemp(prefix="pagedjax-tests-"))
+# Engines compile each step shape when a step first needs it, not the whole set at startup: a
+# test's few steps need a few of the dozens of shapes of its configuration. The tests of the
+# closed set itself (compile-once, the engine's layouts, the server's metrics, adaptive
+# speculation) turn startup compiles back on with the `compile_at_startup` fixture.
+os.environ.setdefault("PAGEDJAX_COMPILE_AT_STARTUP", "0")
 
 import pytest
 
@@ -31,9 +41,22 @@ TINY_MODELS = {
     "llama": ("llama", {"rope_scaling": LLAMA3_ROPE}),
     "mistral": ("mistral", {"sliding_window": 24}),
     "qwen2": ("qwen2", {"tie_word_embeddings": True}),
+    "qwen3": ("qwen3", {"tie_word_embeddings": True}),
+    "olmo2": ("olmo2", {}),
+    "granite": ("granite", {}),
+    "phi3": ("phi3", {"sliding_window": 24}),
+    "gemma2": ("gemma2", {}),
+    "gemma3": ("gemma3", {}),
     # A much smaller random model with the same tokenizer: a low-acceptance draft for "llama".
     "draft": ("llama", {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1}),
 }
+
+
+@pytest.fixture
+def compile_at_startup(monkeypatch) -> None:
+    """Engines made in this test build their whole closed set of step shapes at startup, as
+    users' engines do."""
+    monkeypatch.setenv("PAGEDJAX_COMPILE_AT_STARTUP", "1")
 
 
 @pytest.fixture(scope="session")

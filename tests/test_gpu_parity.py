@@ -45,3 +45,19 @@ def test_greedy_parity_with_hf(model_and_reference, backend: str, dtype: str) ->
         if diverged:
             first = diverged[0]
             assert want[first] in got.logprobs[first], (first, got.logprobs[first], want[first])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["jax", "torch"])
+def test_users_default_engine_on_the_gpu(model_and_reference, compile_at_startup,
+                                         backend: str) -> None:
+    """What users get on a GPU: the KV pool sized from device memory after a trial step, every
+    step shape compiled (jax) or its CUDA graph captured (torch) at startup; float32 greedy is
+    HF's, and no step compiles after startup."""
+    model_dir, prompts, expected = model_and_reference
+    llm = LLM(model_dir, backend=backend, dtype="float32", max_model_len=128,
+              gpu_memory_utilization=0.3)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert llm.engine.get_metrics()["num_compiles_after_startup"] == 0

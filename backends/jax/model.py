@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2) in Flax linen over a paged KV cache.
+"""Llama-family decoder in Flax linen over a paged KV cache: Llama, and the variations other
+architectures take of it (pagedjax/architectures.py: q/k norms, post-norms, multipliers).
 
 The model sees one flattened ragged batch: T tokens from S sequences. Attention metadata is
 passed explicitly (never a global: jit cannot see globals); KV caches go in and come out so the
@@ -31,21 +32,26 @@ class AttentionMetadata(NamedTuple):
 
 
 # (q [T, Hq, D], k_cache, v_cache, kv_lens, block_tables, query_start_loc, *, sm_scale,
-#  sliding_window, decode) -> [T, Hq, D]
+#  sliding_window, soft_cap, decode) -> [T, Hq, D]
 AttentionFn = Callable[..., jax.Array]
 # (k [T, Hkv, D], v [T, Hkv, D], k_cache, v_cache, slot_mapping) -> (k_cache, v_cache)
 WriteKVFn = Callable[..., KVCache]
 
 
 class RMSNorm(nn.Module):
+    """HF's RMSNorm; with an offset (Gemma's 1 + w) the product is taken in float32 first."""
+
     eps: float
     dtype: jnp.dtype
+    offset: float = 0.0
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.dtype)
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.offset:
+            return (x32 * (self.offset + weight.astype(jnp.float32))).astype(self.dtype)
         return weight * x32.astype(self.dtype)
 
 
@@ -76,7 +82,7 @@ class PackedLinear(nn.Module):
         return y
 
 
-def dense(features: int, name: str, dtype: jnp.dtype, bias: bool = False,
+def dense(features: int, name: str | None, dtype: jnp.dtype, bias: bool = False,
           packed: bool = False) -> nn.Module:
     if packed:
         return PackedLinear(features, dtype, bias, name=name)
@@ -99,7 +105,8 @@ def pack_params(params: dict, tie_word_embeddings: bool) -> dict:
         return {**out, "bias": layer["bias"]} if "bias" in layer else out
 
     def fuse(block: dict, fused: str, parts: tuple[str, ...]) -> dict:
-        rest = {name: packed(block[name]) for name in block if name not in parts}
+        rest = {name: packed(layer) if "kernel" in layer else layer  # norms stay
+                for name, layer in block.items() if name not in parts}
         layers = [block[name] for name in parts]
         kernel = jnp.concatenate([layer["kernel"] for layer in layers], axis=-1)
         joined = {"kernel": kernel}
@@ -133,6 +140,7 @@ class Attention(nn.Module):
     attention_fn: AttentionFn
     write_kv_fn: WriteKVFn
     packed: bool = False
+    layer: int = 0  # its index: the window and rope table it uses
 
     @nn.compact
     def __call__(self, x: jax.Array, kv_cache: KVCache,
@@ -152,12 +160,24 @@ class Attention(nn.Module):
             q = proj("q_proj", hq)  # [T, Hq, D]
             k = proj("k_proj", hkv)  # [T, Hkv, D]
             v = proj("v_proj", hkv)  # [T, Hkv, D]
-        cos, sin = meta.rope_cos[meta.positions], meta.rope_sin[meta.positions]  # [T, D]
+        if cfg.qk_norm is not None:  # "head": over each head's D; "full": over all heads
+            def norm(name: str, x: jax.Array) -> jax.Array:
+                shape = x.shape if cfg.qk_norm == "head" else (num_tokens, -1)
+                return RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_weight_offset,
+                               name=name)(x.reshape(shape)).reshape(x.shape)
+
+            q, k = norm("q_norm", q), norm("k_norm", k)
+        positions = meta.positions
+        if cfg.local_rope(self.layer):  # the local table follows the global one
+            positions = positions + meta.rope_cos.shape[0] // 2
+        cos, sin = meta.rope_cos[positions], meta.rope_sin[positions]  # [T, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_cache, v_cache = self.write_kv_fn(k, v, *kv_cache, meta.slot_mapping)
         out = self.attention_fn(q, k_cache, v_cache, meta.kv_lens, meta.block_tables,
-                                meta.query_start_loc, sm_scale=d**-0.5,
-                                sliding_window=cfg.sliding_window, decode=meta.decode)  # [T, Hq, D]
+                                meta.query_start_loc, sm_scale=cfg.sm_scale,
+                                sliding_window=cfg.sliding_window_of(self.layer),
+                                soft_cap=cfg.attn_logit_softcapping,
+                                decode=meta.decode)  # [T, Hq, D]
         out = dense(cfg.hidden_size, "o_proj", self.dtype, packed=self.packed)(
             out.reshape(num_tokens, hq * d))
         return out, (k_cache, v_cache)
@@ -176,8 +196,8 @@ class MLP(nn.Module):
             gate, up = gate_up[:, :inter], gate_up[:, inter:]
         else:
             gate, up = dense(inter, "gate_proj", dtype)(x), dense(inter, "up_proj", dtype)(x)
-        return dense(self.config.hidden_size, "down_proj", dtype, packed=packed)(
-            nn.silu(gate) * up)
+        act = nn.silu(gate) if self.config.hidden_act == "silu" else nn.gelu(gate, approximate=True)
+        return dense(self.config.hidden_size, "down_proj", dtype, packed=packed)(act * up)
 
 
 class DecoderLayer(nn.Module):
@@ -186,22 +206,39 @@ class DecoderLayer(nn.Module):
     attention_fn: AttentionFn
     write_kv_fn: WriteKVFn
     packed: bool = False
+    layer: int = 0  # its index
 
     @nn.compact
     def __call__(self, x: jax.Array, kv_cache: KVCache,
                  meta: AttentionMetadata) -> tuple[jax.Array, KVCache]:
-        eps = self.config.rms_norm_eps
-        h = RMSNorm(eps, self.dtype, name="input_layernorm")(x)
-        h, kv_cache = Attention(self.config, self.dtype, self.attention_fn, self.write_kv_fn,
-                                self.packed, name="self_attn")(h, kv_cache, meta)
-        x = x + h
-        h = RMSNorm(eps, self.dtype, name="post_attention_layernorm")(x)
-        return x + MLP(self.config, self.dtype, self.packed, name="mlp")(h), kv_cache
+        cfg = self.config
+        attention = Attention(cfg, self.dtype, self.attention_fn, self.write_kv_fn, self.packed,
+                              self.layer, name="self_attn")
+        mlp = MLP(cfg, self.dtype, self.packed, name="mlp")
+
+        def norm(name: str) -> RMSNorm:
+            return RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_weight_offset, name=name)
+
+        def residual(h: jax.Array) -> jax.Array:
+            return h if cfg.residual_multiplier == 1.0 else h * cfg.residual_multiplier
+
+        if cfg.norm_layout != "pre":  # the sublayers' outputs are normalised (OLMo 2, Gemma)
+            sandwich = cfg.norm_layout == "sandwich"  # their inputs too (Gemma)
+            h = norm("input_layernorm")(x) if sandwich else x
+            h, kv_cache = attention(h, kv_cache, meta)
+            x = x + residual(norm("post_attention_layernorm")(h))
+            h = mlp(norm("pre_feedforward_layernorm")(x) if sandwich else x)
+            return x + residual(norm("post_feedforward_layernorm")(h)), kv_cache
+        h, kv_cache = attention(norm("input_layernorm")(x), kv_cache, meta)
+        x = x + residual(h)
+        return x + residual(mlp(norm("post_attention_layernorm")(x))), kv_cache
 
 
 class LlamaForCausalLM(nn.Module):
-    """Returns logits only for the rows in logits_indices (the positions that get sampled).
-    packed: the linear layers are PackedLinear (params from pack_params)."""
+    """`__call__` runs the decoder over the T tokens and returns their hidden states (before
+    the final norm); `logits` turns chosen rows of those into logits, so that a step computes
+    the LM head only for the rows it samples or scores. packed: the linear layers are
+    PackedLinear (params from pack_params)."""
 
     config: ModelConfig
     dtype: jnp.dtype
@@ -209,21 +246,39 @@ class LlamaForCausalLM(nn.Module):
     write_kv_fn: WriteKVFn
     packed: bool = False
 
-    @nn.compact
-    def __call__(self, input_ids: jax.Array, kv_caches: list[KVCache], meta: AttentionMetadata,
-                 logits_indices: jax.Array) -> tuple[jax.Array, list[KVCache]]:
+    def setup(self) -> None:
         cfg = self.config
-        embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype,
-                         param_dtype=self.dtype, name="embed_tokens")
-        x = embed(input_ids)  # [T, H]
+        self.embed_tokens = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype,
+                                     param_dtype=self.dtype)
+        self.layers = [DecoderLayer(cfg, self.dtype, self.attention_fn, self.write_kv_fn,
+                                    self.packed, i) for i in range(cfg.num_layers)]
+        self.norm = RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_weight_offset)
+        # packed and tied: pack_params gives the head its own copy of the embedding
+        if not cfg.tie_word_embeddings or self.packed:
+            self.lm_head = dense(cfg.vocab_size, None, self.dtype, packed=self.packed)
+
+    def __call__(self, input_ids: jax.Array, kv_caches: list[KVCache],
+                 meta: AttentionMetadata) -> tuple[jax.Array, list[KVCache]]:
+        """input_ids [T] → (hidden states [T, H], the updated KV caches)."""
+        x = self.embed_tokens(input_ids)  # [T, H]
+        if self.config.embedding_multiplier != 1.0:
+            x = x * self.config.embedding_multiplier
         new_caches = []
-        for i in range(cfg.num_layers):
-            x, cache = DecoderLayer(cfg, self.dtype, self.attention_fn, self.write_kv_fn,
-                                    self.packed, name=f"layers_{i}")(x, kv_caches[i], meta)
+        for layer, cache in zip(self.layers, kv_caches):
+            x, cache = layer(x, cache, meta)
             new_caches.append(cache)
-        x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="norm")(x[logits_indices])  # [L, H]
-        if cfg.tie_word_embeddings and not self.packed:
-            logits = jnp.dot(x, embed.embedding.T, precision=matmul_precision(self.dtype))
-        else:  # packed and tied: pack_params gives the head its own copy of the embedding
-            logits = dense(cfg.vocab_size, "lm_head", self.dtype, packed=self.packed)(x)
-        return logits.astype(jnp.float32), new_caches  # [L, V]
+        return x, new_caches
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """hidden [R, H] (rows of __call__'s output) → float32 logits [R, V]."""
+        x = self.norm(hidden)
+        if self.config.tie_word_embeddings and not self.packed:
+            logits = jnp.dot(x, self.embed_tokens.embedding.T,
+                             precision=matmul_precision(self.dtype))
+        else:
+            logits = self.lm_head(x)
+        if self.config.logits_scaling != 1.0:
+            logits = logits / self.config.logits_scaling
+        logits = logits.astype(jnp.float32)
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else cap * jnp.tanh(logits / cap)

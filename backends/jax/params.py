@@ -14,12 +14,13 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from pagedjax.backends.jax.sharding import param_specs, shardings
-from pagedjax.backends.weights import load_weights, repeat_kv_heads
+from pagedjax.backends.weights import layer_norm_names, load_weights, repeat_kv_heads
 from pagedjax.config import ModelConfig
 from pagedjax.parallel import TensorParallelPlan
 
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
+_QK_NORMS = ("q_norm", "k_norm")  # inside self_attn
 
 
 def orbax_dir(model_dir: str, dtype: jnp.dtype) -> Path:
@@ -119,12 +120,14 @@ def convert_weights(model_dir: str, config: ModelConfig, dtype: jnp.dtype, *,
                     "norm": {"weight": arr("norm")}}
     if not config.tie_word_embeddings:
         params["lm_head"] = {"kernel": arr("lm_head", transpose=True)}
+    norms = layer_norm_names(config)
     for i in range(config.num_layers):
         p = f"layers.{i}"
+        attention = {name: dense(f"{p}.{name}") for name in _ATTN}
+        attention.update({n: {"weight": arr(f"{p}.{n}")} for n in norms if n in _QK_NORMS})
         params[f"layers_{i}"] = {
-            "input_layernorm": {"weight": arr(f"{p}.input_layernorm")},
-            "post_attention_layernorm": {"weight": arr(f"{p}.post_attention_layernorm")},
-            "self_attn": {name: dense(f"{p}.{name}") for name in _ATTN},
+            **{n: {"weight": arr(f"{p}.{n}")} for n in norms if n not in _QK_NORMS},
+            "self_attn": attention,
             "mlp": {name: dense(f"{p}.{name}") for name in _MLP},
         }
     return {"params": params}

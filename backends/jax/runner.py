@@ -1,22 +1,30 @@
-"""JAX model runner: owns the params and KV caches (target and draft), one jitted step per batch.
+"""JAX model runner: owns the params and KV caches (target and draft), one compiled step per
+step shape, all compiled before the first request.
 
-Each step uploads two arrays (the packed int32 and float32 buffers of ModelInput) and calls one
-jitted function, specialised on the step's BatchLayout, with the KV caches donated. With drafts
-that function also runs the draft catch-up, the k - 1 draft steps (spec_step.py), the target's
-verification pass and rejection sampling: one device call per step.
+Each step uploads two arrays (the packed int32 and float32 buffers of ModelInput; two more when
+a row has logit entries) and calls the step's executable, with the KV caches donated. With a
+draft model that executable also runs the draft catch-up, the k - 1 draft steps (spec_step.py),
+the target's verification pass and rejection sampling: one device call per step. `compile`
+builds the engine's whole closed set of shapes (step_shapes.py) ahead of time, XLA compiling in
+parallel threads; a shape met later still compiles, but is counted and logged as the bug it is.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, as_completed
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
 from pagedjax.backends.jax.attention import resolve_attention
+from pagedjax.backends.jax.executable_store import ExecutableStore
 from pagedjax.backends.jax.model import (
     AttentionMetadata,
     KVCache,
@@ -27,20 +35,26 @@ from pagedjax.backends.jax.params import load_params
 from pagedjax.backends.jax.rejection_sampler import rejection_sample
 from pagedjax.backends.jax.sampler import gather_logprobs, sample, score_prompt_tokens
 from pagedjax.backends.jax.sharding import KV_CACHE, REPLICATED, make_mesh, per_shard
-from pagedjax.backends.jax.spec_step import propose_drafts
+from pagedjax.backends.jax.spec_step import catch_up_metadata, propose_drafts
 from pagedjax.backends.rope import rope_cos_sin
+from pagedjax.cache import compile_at_startup
 from pagedjax.config import EngineConfig, ModelConfig
 from pagedjax.core.batch import (
     SAMPLING_FIELDS,
-    BatchLayout,
     ModelInput,
     ModelOutput,
+    StepFlag,
     StepOutput,
-    bucket,
+    buffer_sizes,
+    unpack,
 )
 from pagedjax.core.kv_cache import num_kv_blocks_for_budget, warm_up_input
 from pagedjax.core.model_runner import auto_dtype
+from pagedjax.core.step_shapes import BatchLayout, StepShapes
 from pagedjax.parallel import TensorParallelPlan
+from pagedjax.sampling_params import MAX_LOGPROBS
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -53,6 +67,12 @@ def uses_cpu_linear(attention_impl: str, dtype: jnp.dtype, mesh: Mesh | None) ->
     from pagedjax.kernels_pallas import cpu_ffi
 
     return cpu_ffi.available()
+
+
+def _measures_memory(device: jax.Device) -> bool:
+    """Whether the KV pool is sized from the device's memory after a trial step (accelerators)
+    rather than from the host budget (CPU)."""
+    return device.platform != "cpu"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,9 +102,21 @@ class _Model:
         return cls(module, params, (jnp.asarray(cos), jnp.asarray(sin)), shard_config, plan,
                    source)
 
-    def forward(self, params: dict) -> functools.partial:
-        """(input_ids, kv_caches, meta, logits_indices) -> (logits, kv_caches) with params."""
+    def hidden(self, params: dict) -> functools.partial:
+        """(input_ids [T], kv_caches, meta) -> (hidden states [T, H], kv_caches)."""
         return functools.partial(self.module.apply, params)
+
+    def logits(self, params: dict) -> Callable[[jax.Array], jax.Array]:
+        """hidden states [R, H] -> float32 logits [R, V]."""
+        return functools.partial(self.module.apply, params, method=LlamaForCausalLM.logits)
+
+    def forward(self, params: dict) -> Callable:
+        """(input_ids, kv_caches, meta, logits_indices [R]) -> (logits [R, V], kv_caches)."""
+        def run(input_ids, kv_caches, meta, logits_indices):
+            hidden, kv_caches = self.hidden(params)(input_ids, kv_caches, meta)
+            return self.logits(params)(hidden[logits_indices]), kv_caches
+
+        return run
 
     def allocate_kv_caches(self, num_blocks: int, block_size: int,
                            mesh: Mesh | None) -> list[KVCache]:
@@ -109,8 +141,8 @@ class JaxModelRunner:
     """Executes ModelInputs; returns sampled token ids and logprobs (nothing else leaves)."""
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig,
-                 draft_model_config: ModelConfig | None = None) -> None:
-        self.config = config
+                 draft_model_config: ModelConfig | None, shapes: StepShapes) -> None:
+        self.config, self.shapes = config, shapes
         self.attention_impl = resolve_attention(config.attention_impl)[2]
         size = config.tensor_parallel_size
         self.mesh = make_mesh(size)
@@ -123,12 +155,37 @@ class JaxModelRunner:
                 config.speculative_config.get("draft_tensor_parallel_size"))
             self.draft = _Model.load(config.speculative_config["model"], draft_model_config,
                                      config, plan, self.mesh)
-        self.num_compiles = 0  # traces of the step function: must stay bounded
+        # Host inputs go to every device whole (replicated) or to the one device.
+        self._inputs = (NamedSharding(self.mesh, REPLICATED) if self.mesh is not None
+                        else SingleDeviceSharding(jax.devices()[0]))
         self._step = jax.jit(self._step_fn, donate_argnums=(2, 3), static_argnames=("layout",))
+        self._copy = jax.jit(_copy_blocks, donate_argnums=(0,))
+        self._executables: dict[BatchLayout | str, jax.stages.Compiled] = {}
+        self.num_compiles = 0  # step shapes compiled after `compile`: each one a logged bug
+        self._late_compiles_expected = not compile_at_startup()  # unless startup compiled none
+        # The logit entries of a step that has none: rows -1 (padding), kept on the device.
+        entries = shapes.num_logit_entries
+        self._no_entries = self._put((np.full((4, entries), -1, np.int32),
+                                      np.zeros(entries, np.float32)))
         self.kv_caches: list[KVCache] = []
         self.draft_kv_caches: list[KVCache] = []
         self.num_kv_blocks = config.num_gpu_blocks_override or self._blocks_from_memory()
         self._allocate_kv_caches(self.num_kv_blocks)
+        devices = (list(self.mesh.devices.flat) if self.mesh is not None
+                   else [jax.devices()[0]])
+        self._store = ExecutableStore(self._description(), devices)
+
+    def _description(self) -> str:
+        """What the compiled steps depend on besides a layout (ExecutableStore's key)."""
+        def spec(x: jax.Array) -> tuple:
+            return x.shape, str(x.dtype), str(x.sharding)
+
+        models = [(m.config, str(m.module.dtype), m.module.packed, m.plan)
+                  for m in (self.target, self.draft) if m is not None]
+        arrays = jax.tree.map(spec, ([m.params for m in (self.target, self.draft) if m],
+                                     self.kv_caches, self.draft_kv_caches))
+        return repr((models, self.attention_impl, self.config.block_size,
+                     self.config.max_model_len, self.shapes, arrays))
 
     @staticmethod
     def default_dtype(model_config: ModelConfig) -> str:
@@ -142,17 +199,19 @@ class JaxModelRunner:
 
     def _blocks_from_memory(self) -> int:
         """On an accelerator: what gpu_memory_utilization leaves after the weights and the peak of
-        the heaviest step (run once on throwaway caches). UNVERIFIED on a GPU."""
+        the heaviest step (run once on throwaway caches)."""
         device = jax.devices()[0]
         stats = None
-        if device.platform != "cpu":
-            model_input = warm_up_input(self.config)
+        if _measures_memory(device):
+            model_input = warm_up_input(self.config, self.shapes)
             self._allocate_kv_caches(int(model_input.fields()["block_tables"].max()) + 1)
-            self.execute(model_input)
+            # compiled for these throwaway caches' shapes: kept by neither cache
+            self._run(self._lower(model_input.layout).compile(), model_input)
             self.kv_caches, self.draft_kv_caches = [], []
             memory = device.memory_stats()
-            stats = {"bytes_limit": memory["bytes_limit"],
-                     "bytes_in_use": memory.get("peak_bytes_in_use", memory["bytes_in_use"])}
+            if memory:  # else the default budget, as on a CPU
+                stats = {"bytes_limit": memory["bytes_limit"],
+                         "bytes_in_use": memory.get("peak_bytes_in_use", memory["bytes_in_use"])}
         per_block = sum(m.kv_bytes_per_block(self.config.block_size, self.config.dtype_bytes)
                         for m in (self.target, self.draft) if m is not None)
         return num_kv_blocks_for_budget(per_block, self.config, stats)
@@ -162,77 +221,169 @@ class JaxModelRunner:
         collected, and drop the compiled steps."""
         models = [m for m in (self.target, self.draft) if m is not None]
         for array in jax.tree.leaves(([m.params for m in models], [m.rope for m in models],
-                                      self.kv_caches, self.draft_kv_caches)):
+                                      self.kv_caches, self.draft_kv_caches, self._no_entries)):
             array.delete()
         self.kv_caches, self.draft_kv_caches, self.target, self.draft = [], [], None, None
-        self._step = None
+        self._step = self._copy = None
+        self._executables.clear()
+
+    # ---- compile -----------------------------------------------------------------------------
+
+    def compile_plan(self, layouts: list[BatchLayout]) -> list[BatchLayout | str]:
+        """What `compile` builds: the steps of the layouts not compiled yet, and the
+        copy-on-write copy ("copy")."""
+        todo = [layout for layout in layouts if layout not in self._executables]
+        return todo + ([] if "copy" in self._executables else ["copy"])
+
+    def compile(self, layouts: list[BatchLayout],
+                on_compiled: Callable[[], None] = lambda: None) -> None:
+        """Build compile_plan(layouts) ahead of time: each step loaded from the executable
+        store where it was compiled before, else traced here one after the other and compiled
+        by XLA on a thread per core (and stored); on_compiled() runs after each one."""
+        with ThreadPoolExecutor(max(1, os.cpu_count() or 1)) as pool:
+            plan = self.compile_plan(layouts)
+            loaded = dict(zip(plan, pool.map(self._store.load, plan)))
+            for key, executable in loaded.items():
+                if executable is not None:
+                    self._executables[key] = executable
+                    on_compiled()
+            futures = {pool.submit(self._lower(key).compile): key
+                       for key, executable in loaded.items() if executable is None}
+            for future in as_completed(futures):
+                key = futures[future]
+                self._executables[key] = future.result()
+                self._store.save(key, self._executables[key])
+                on_compiled()
+
+    @property
+    def num_cache_hits(self) -> int:
+        """Steps loaded from the executable store instead of compiled."""
+        return self._store.hits
+
+    def cache_key(self) -> str:
+        return f"jax:{self._store.key}"
+
+    def _lower(self, layout: BatchLayout | str) -> jax.stages.Lowered:
+        """The step of a layout (or "copy": the block copies) traced for the arrays it takes."""
+        def spec(x: jax.Array) -> jax.ShapeDtypeStruct:
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+
+        caches = jax.tree.map(spec, (self.kv_caches, self.draft_kv_caches))
+        if layout == "copy":
+            return self._copy.lower(caches, self._input_spec((self.shapes.max_num_seqs, 2)))
+        params = jax.tree.map(spec, (self.target.params,
+                                     None if self.draft is None else self.draft.params))
+        int_size, float_size = buffer_sizes(layout)
+        entries = jax.tree.map(spec, self._no_entries)
+        return self._step.lower(*params, *caches, self._input_spec((int_size,)),
+                                self._input_spec((float_size,), jnp.float32), *entries,
+                                layout=layout)
+
+    def _input_spec(self, shape: tuple[int, ...], dtype=jnp.int32) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=self._inputs)
+
+    def _executable(self, layout: BatchLayout | str) -> jax.stages.Compiled:
+        """The compiled step; a layout outside what `compile` built compiles now, logged."""
+        executable = self._executables.get(layout)
+        if executable is None:
+            self.num_compiles += 1
+            if self._late_compiles_expected:
+                logger.info("compiling a step shape on first use (%s)", layout)
+            else:
+                logger.warning("compiling a step shape after startup (%s): the closed set of "
+                               "step_shapes.py missed it", layout)
+            executable = self._executables[layout] = self._lower(layout).compile()
+        return executable
+
+    def _put(self, arrays):
+        """Host arrays (any pytree) onto the device(s) the steps read them from."""
+        return jax.device_put(arrays, self._inputs)
 
     # ---- execute -----------------------------------------------------------------------------
 
     def execute(self, model_input: ModelInput) -> ModelOutput:
         """Run one step (see the module docstring)."""
         if len(model_input.block_copies):
-            # Padded to a power of two (dst past the pool: dropped), so that beams, whose
-            # copy-on-write count changes every step, compile a few copy shapes only.
-            copies = np.full((bucket(len(model_input.block_copies)), 2), self.num_kv_blocks,
-                             np.int32)
-            copies[: len(model_input.block_copies)] = model_input.block_copies
-            copies[:, 0] = np.minimum(copies[:, 0], self.num_kv_blocks - 1)
-            copies = jnp.asarray(copies)
-            self.kv_caches, self.draft_kv_caches = _copy_blocks(
-                (self.kv_caches, self.draft_kv_caches), copies)
+            self._copy_blocks(model_input.block_copies)
+        return self._run(self._executable(model_input.layout), model_input)
+
+    def _run(self, executable: jax.stages.Compiled, model_input: ModelInput) -> ModelOutput:
         draft_params = None if self.draft is None else self.draft.params
-        self.kv_caches, self.draft_kv_caches, out = self._step(
-            self.target.params, draft_params, self.kv_caches, self.draft_kv_caches,
-            jnp.asarray(model_input.ints), jnp.asarray(model_input.floats),
-            layout=model_input.layout)
-        return ModelOutput.from_step(model_input, jax.device_get(out))
+        entries = self._no_entries
+        if model_input.entries is not None:
+            entries = self._put((model_input.entries.ints, model_input.entries.bias))
+        ints, floats = self._put((model_input.ints, model_input.floats))
+        self.kv_caches, self.draft_kv_caches, out = executable(
+            self.target.params, draft_params, self.kv_caches, self.draft_kv_caches, ints,
+            floats, *entries)
+        return ModelOutput.from_step(model_input, jax.device_get(out.wanted(model_input.flags)))
+
+    def _copy_blocks(self, block_copies: np.ndarray) -> None:
+        """Copy-on-write copies, padded to max_num_seqs (a sequence copies one block a step at
+        most; dst past the pool: dropped) so that one executable serves every step."""
+        copies = np.full((self.shapes.max_num_seqs, 2), self.num_kv_blocks, np.int32)
+        copies[: len(block_copies)] = block_copies
+        copies[:, 0] = np.minimum(copies[:, 0], self.num_kv_blocks - 1)
+        self.kv_caches, self.draft_kv_caches = self._executable("copy")(
+            (self.kv_caches, self.draft_kv_caches), self._put(copies))
 
     def _step_fn(self, params: dict, draft_params: dict | None, kv_caches: list[KVCache],
-                 draft_kv_caches: list[KVCache], ints: jax.Array, floats: jax.Array, *,
+                 draft_kv_caches: list[KVCache], ints: jax.Array, floats: jax.Array,
+                 entry_ints: jax.Array, entry_bias: jax.Array, *,
                  layout: BatchLayout) -> tuple:
         """The whole step on the device → (caches, draft caches, StepOutput with tokens and
-        logprobs [L, K+1], and what the layout asks for besides)."""
-        self.num_compiles += 1  # runs only while tracing
-        b = layout.unpack(ints, floats)
-        sampling = {name: b[name] for name in SAMPLING_FIELDS if name in b}
+        logprobs [L, K+1] and, computed where the step's flags ask, top logprobs and prompt
+        logprobs)."""
+        b = unpack(layout, ints, floats)
+        flags = b["step_flags"] != 0  # [len(StepFlag)] bool
+        sampling = {name: b[name] for name in SAMPLING_FIELDS}
         for name in ("rng_seed", "rng_step"):  # uint32 counters carried as int32 bits
             sampling[name] = jax.lax.bitcast_convert_type(b[name], jnp.uint32)
+        sampling["entries"] = (entry_ints, entry_bias)
         input_ids, k = b["input_ids"], layout.num_spec_tokens
         if k:
-            draft_kv_caches, drafts, draft_probs = propose_drafts(
-                self.draft.forward(draft_params), draft_kv_caches, b, sampling, self.draft.rope,
+            draft_kv_caches, drafts = propose_drafts(
+                self.draft.forward(draft_params), draft_kv_caches, b, self.draft.rope,
                 layout=layout)
             input_ids = input_ids.at[b["draft_token_index"].reshape(-1)].set(
                 drafts.reshape(-1), mode="drop")  # draft slots get their drafts
+        elif layout.draft:  # a mixed step: the draft only catches up (its KV, no logits)
+            _, draft_kv_caches = self.draft.hidden(draft_params)(
+                b["draft_input_ids"], draft_kv_caches, catch_up_metadata(b, self.draft.rope))
         meta = AttentionMetadata(b["positions"], b["slot_mapping"], b["query_start_loc"],
                                  b["kv_lens"], b["block_tables"], *self.target.rope,
                                  decode=layout.decode)
+        hidden, kv_caches = self.target.hidden(params)(input_ids, kv_caches, meta)  # [T, H]
         indices = b["logits_indices"]  # [L, K+1]
-        rows = indices.reshape(-1)
-        if layout.num_prompt_logprobs:  # the prompt positions scored, after the sampled rows
-            rows = jnp.concatenate([rows, b["prompt_logprobs_indices"]])
-        logits, kv_caches = self.target.forward(params)(input_ids, kv_caches, meta, rows)
-        prompt = ()
-        if layout.num_prompt_logprobs:
-            logits, prompt_logits = logits[: indices.size], logits[indices.size :]
-            prompt = score_prompt_tokens(prompt_logits, b["prompt_logprobs_token_ids"])
-        flags = dict(all_greedy=layout.all_greedy, use_filters=layout.use_filters)
+        logits = self.target.logits(params)(hidden[indices.reshape(-1)])
+        # Only a mixed step scores prompt tokens: in a decode-shaped one every sequence is
+        # past its prompt, or at its single token (which scores nothing).
+        prompt = _no_prompt_logprobs(hidden)
+        if not (layout.decode or k):
+            prompt = jax.lax.cond(
+                flags[StepFlag.PROMPT_LOGPROBS], lambda h: score_prompt_tokens(
+                    self.target.logits(params)(h[b["prompt_logprobs_indices"]]),
+                    b["prompt_logprobs_token_ids"]), _no_prompt_logprobs, hidden)
         if not k:
-            out = sample(logits, sampling, num_top_logprobs=layout.num_top_logprobs, **flags)
-            out = tuple(None if x is None else x[:, None] for x in out)  # [L, 1, ...]
+            out = sample(logits, sampling, flags)
+            out = tuple(x[:, None] for x in out)  # [L, 1, ...]
             return kv_caches, draft_kv_caches, StepOutput(*out, *prompt)
         logits = logits.reshape(*indices.shape, -1)  # [L, K+1, V]
         seqs = b["sample_seq"]  # [L]: the sequence whose drafts row l verifies
-        tokens, _ = rejection_sample(
-            logits, drafts[seqs], None if draft_probs is None else draft_probs[seqs],
-            b["num_draft_tokens"], sampling, **flags)
+        tokens, _ = rejection_sample(logits, drafts[seqs], None, b["num_draft_tokens"],
+                                     sampling, flags)
         logprobs = jax.nn.log_softmax(logits, axis=-1)
         return kv_caches, draft_kv_caches, StepOutput(tokens, *gather_logprobs(
-            logprobs, tokens, layout.num_top_logprobs), *prompt)
+            logprobs, tokens, flags[StepFlag.LOGPROBS]), *prompt)
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
+def _no_prompt_logprobs(hidden: jax.Array) -> tuple[jax.Array, ...]:
+    """score_prompt_tokens' four outputs for T rows, as zeros (a step scoring no prompt)."""
+    t = hidden.shape[0]
+    return (jnp.zeros(t, jnp.float32), jnp.zeros((t, MAX_LOGPROBS), jnp.int32),
+            jnp.zeros((t, MAX_LOGPROBS), jnp.float32), jnp.zeros(t, jnp.int32))
+
+
 def _copy_blocks(caches: tuple[list[KVCache], ...], copies: jax.Array) -> tuple:
     """Copy-on-write: block copies[:, 1] becomes a copy of block copies[:, 0] in every layer of
     every model (target and draft); a dst past the pool is padding, dropped."""

@@ -6,10 +6,15 @@ UNVERIFIED on a GPU: written without one at hand. CPU runs only use HostToDevice
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Hashable
 
 import numpy as np
 import torch
+
+from pagedjax.cache import compile_at_startup
+
+logger = logging.getLogger(__name__)
 
 
 class HostToDevice:
@@ -48,10 +53,10 @@ StepFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor | None, ...]]
 
 
 class StepGraphs:
-    """Whole steps (draft loop, target pass, sampling) replayed from CUDA graphs, captured
-    lazily, one per key (the step's BatchLayout and launch bounds). A graph reads the packed
-    inputs from two fixed device buffers, refilled before each replay; its outputs are views of
-    the graph's own buffers, valid until the next replay.
+    """Whole steps (draft loop, target pass, sampling) replayed from CUDA graphs, one per key
+    (the step's BatchLayout and sampler variant), all captured before the first request
+    (`capture`). A graph reads the packed inputs from two fixed device buffers, refilled before
+    each replay; its outputs are views of the graph's own buffers, valid until the next replay.
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -59,10 +64,23 @@ class StepGraphs:
         self.pool = torch.cuda.graph_pool_handle()  # graphs share one memory pool
         self.graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor,
                                           tuple[torch.Tensor | None, ...]]] = {}
+        self.num_late_captures = 0  # graphs captured while serving: each one a logged bug
+        self._late_captures_expected = not compile_at_startup()  # unless startup captured none
+
+    def capture(self, key: Hashable, step: StepFn, ints: np.ndarray, floats: np.ndarray,
+                upload: HostToDevice) -> None:
+        """Capture the graph of one key (on inputs that write no KV, such as padding)."""
+        self.graphs[key] = self._capture(step, ints, floats, upload)
 
     def run(self, key: Hashable, step: StepFn, ints: np.ndarray, floats: np.ndarray,
             upload: HostToDevice) -> tuple[torch.Tensor | None, ...]:
         if key not in self.graphs:
+            self.num_late_captures += 1
+            if self._late_captures_expected:
+                logger.info("capturing a CUDA graph on first use (%s)", key)
+            else:
+                logger.warning("capturing a CUDA graph after startup (%s): the closed set of "
+                               "step_shapes.py missed it", key)
             self.graphs[key] = self._capture(step, ints, floats, upload)
         graph, ints_buffer, floats_buffer, outputs = self.graphs[key]
         upload("ints", ints, out=ints_buffer)

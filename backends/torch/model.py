@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2) in PyTorch over a paged KV cache.
+"""Llama-family decoder in PyTorch over a paged KV cache: Llama, and the variations other
+architectures take of it (pagedjax/architectures.py: q/k norms, post-norms, multipliers).
 
 The model sees one flattened ragged batch: T tokens from S sequences. Attention metadata is
 passed explicitly (never a global), as in the JAX model; the KV caches are written in place by
@@ -19,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedjax.backends.torch.parallel import Shard
-from pagedjax.backends.weights import load_weights, repeat_kv_heads
+from pagedjax.backends.weights import layer_norm_names, load_weights, repeat_kv_heads
 from pagedjax.config import ModelConfig
 from pagedjax.kernels_cuda import (
     fused_add_rms_norm,
@@ -31,7 +32,7 @@ from pagedjax.kernels_cuda import (
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # k, v: [num_blocks, Hkv, block_size, D]
 # (q [T, Hq, D], k_cache, v_cache, kv_lens, block_tables, query_start_loc, *, sm_scale,
-#  sliding_window, max_query_len) -> [T, Hq, D]
+#  sliding_window, soft_cap, max_query_len) -> [T, Hq, D]
 AttentionFn = Callable[..., torch.Tensor]
 # (k [T, Hkv, D], v [T, Hkv, D], k_cache, v_cache, slot_mapping) -> None, caches written in place
 WriteKVFn = Callable[..., None]
@@ -61,19 +62,30 @@ class AttentionMetadata:
 
 
 class RMSNorm(nn.Module):
-    """As HF: variance in float32, normalised x cast back to the input dtype, then * weight.
+    """As HF: variance in float32, normalised x cast back to the input dtype, then * weight;
+    with an offset (Gemma's 1 + w), times (offset + weight) in float32, then cast.
     Given the residual stream too, it adds x to it first: (norm(x + residual), x + residual)."""
 
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, eps: float, offset: float = 0.0) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.eps = eps
+        self.eps, self.offset = eps, offset
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self.offset:
+            if residual is not None:
+                residual = x + residual
+                return self._offset_norm(residual), residual
+            return self._offset_norm(x)
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
         return fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+    def _offset_norm(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (self.offset + self.weight.float())).to(x.dtype)
 
 
 class Linear(nn.Module):
@@ -116,30 +128,49 @@ class Linear(nn.Module):
 class Attention(nn.Module):
     """Column-parallel q/k/v (this shard's heads), row-parallel o_proj (all-reduced)."""
 
-    def __init__(self, config: ModelConfig, ops: LayerOps, shard: Shard) -> None:
+    def __init__(self, config: ModelConfig, ops: LayerOps, shard: Shard, layer: int) -> None:
         super().__init__()
         self.config, self.shard, self.ops = config, shard, ops
+        self.sliding_window = config.sliding_window_of(layer)
         d = config.head_dim
         self.num_q_heads = shard.part(config.num_q_heads)
         self.num_kv_heads = shard.part(config.num_kv_heads)
         self.sizes = [self.num_q_heads * d, self.num_kv_heads * d, self.num_kv_heads * d]
         self.qkv_proj = Linear(config.hidden_size, sum(self.sizes), bias=config.attention_bias)
         self.o_proj = Linear(self.num_q_heads * d, config.hidden_size)
+        if config.qk_norm is not None:  # "head": over each head's D; "full": over all heads
+            q_size, k_size = (d, d) if config.qk_norm == "head" else self.sizes[:2]
+            self.q_norm = RMSNorm(q_size, config.rms_norm_eps, config.norm_weight_offset)
+            self.k_norm = RMSNorm(k_size, config.rms_norm_eps, config.norm_weight_offset)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         cfg, num_tokens = self.config, x.shape[0]
         d = cfg.head_dim
         qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) D]
-        num_qk = self.num_q_heads + self.num_kv_heads
-        self.ops.rotary(qkv[:, : num_qk * d].view(num_tokens, num_qk, d), cos, sin)  # q and k
-        q, k, v = (t.view(num_tokens, -1, d) for t in qkv.split(self.sizes, dim=-1))
+        q, k, v = qkv.split(self.sizes, dim=-1)
+        if cfg.qk_norm is None:  # q and k rotated in place, in one call
+            num_qk = self.num_q_heads + self.num_kv_heads
+            self.ops.rotary(qkv[:, : num_qk * d].view(num_tokens, num_qk, d), cos, sin)
+        else:
+            q, k = self._norm(self.q_norm, q), self._norm(self.k_norm, k)
+            self.ops.rotary(q.view(num_tokens, -1, d), cos, sin)
+            self.ops.rotary(k.view(num_tokens, -1, d), cos, sin)
+        q, k, v = (t.view(num_tokens, -1, d) for t in (q, k, v))
         self.ops.write_kv(k, v, *kv_cache, meta.slot_mapping)  # k, v [T, Hkv, D]
         out = self.ops.attention(q, *kv_cache, meta.kv_lens, meta.block_tables,
-                                 meta.query_start_loc, sm_scale=d**-0.5,
-                                 sliding_window=cfg.sliding_window,
+                                 meta.query_start_loc, sm_scale=cfg.sm_scale,
+                                 sliding_window=self.sliding_window,
+                                 soft_cap=cfg.attn_logit_softcapping,
                                  max_query_len=meta.max_query_len)  # [T, Hq, D]
         return self.shard.all_reduce(self.o_proj(out.reshape(num_tokens, -1)))
+
+    @staticmethod
+    def _norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H * D] (a view of the qkv product) normalised by rows of norm's width → a new
+        contiguous [T, H * D]."""
+        width = norm.weight.shape[0]
+        return norm(x.reshape(-1, width).contiguous()).view(x.shape[0], -1)
 
 
 class MLP(nn.Module):
@@ -147,14 +178,19 @@ class MLP(nn.Module):
 
     def __init__(self, config: ModelConfig, shard: Shard) -> None:
         super().__init__()
-        self.shard = shard
+        self.shard, self.hidden_act = shard, config.hidden_act
         inter = self.intermediate_size = shard.part(config.intermediate_size)
         self.gate_up_proj = Linear(config.hidden_size, 2 * inter)
         self.down_proj = Linear(inter, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2I]
-        return self.shard.all_reduce(self.down_proj(silu_and_mul(gate_up)))
+        if self.hidden_act == "silu":
+            h = silu_and_mul(gate_up)
+        else:  # gelu_tanh
+            gate, up = gate_up.chunk(2, dim=-1)
+            h = F.gelu(gate, approximate="tanh") * up
+        return self.shard.all_reduce(self.down_proj(h))
 
 
 class VocabEmbedding(nn.Module):
@@ -178,11 +214,15 @@ class VocabEmbedding(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, ops: LayerOps, shard: Shard) -> None:
+    def __init__(self, config: ModelConfig, ops: LayerOps, shard: Shard, layer: int) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, ops, shard)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.config = config
+        self.local_rope = config.local_rope(layer)  # rotates by the local table (Gemma 3)
+        for name in layer_norm_names(config):
+            if name not in ("q_norm", "k_norm"):  # those are the attention's
+                setattr(self, name, RMSNorm(config.hidden_size, config.rms_norm_eps,
+                                            config.norm_weight_offset))
+        self.self_attn = Attention(config, ops, shard, layer)
         self.mlp = MLP(config, shard)
         self.fused = False  # the whole layer as one C++ op (`fuse`)
 
@@ -204,15 +244,28 @@ class DecoderLayer(nn.Module):
                 mlp.gate_up_proj.weight, mlp.down_proj.weight, *kv_cache, cos, sin,
                 meta.slot_mapping, meta.kv_lens, meta.block_tables, meta.query_start_loc,
                 attn.num_q_heads, attn.num_kv_heads, mlp.intermediate_size,
-                self.input_layernorm.eps, cfg.head_dim**-0.5, cfg.sliding_window,
+                self.input_layernorm.eps, cfg.sm_scale, attn.sliding_window,
                 meta.max_query_len)
+        if self.config.norm_layout != "pre":  # the sublayers' outputs are normalised
+            sandwich = self.config.norm_layout == "sandwich"  # their inputs too (Gemma)
+            stream = x if residual is None else x + residual
+            h = self.input_layernorm(stream) if sandwich else stream
+            stream = stream + self._scaled(self.post_attention_layernorm(
+                self.self_attn(h, cos, sin, kv_cache, meta)))
+            h = self.pre_feedforward_layernorm(stream) if sandwich else stream
+            return self._scaled(self.post_feedforward_layernorm(self.mlp(h))), stream
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, cos, sin, kv_cache, meta)
+        x = self._scaled(self.self_attn(x, cos, sin, kv_cache, meta))
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        return self._scaled(self.mlp(x)), residual
+
+    def _scaled(self, x: torch.Tensor) -> torch.Tensor:
+        """A sublayer's output as the residual stream adds it (Granite scales it)."""
+        multiplier = self.config.residual_multiplier
+        return x if multiplier == 1.0 else x * multiplier
 
 
 class LlamaForCausalLM(nn.Module):
@@ -222,9 +275,9 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config, self.shard = config, shard
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, shard)
-        self.layers = nn.ModuleList(DecoderLayer(config, ops, shard)
-                                    for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(config, ops, shard, i)
+                                    for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_weight_offset)
         start, end = shard.vocab_range(config.vocab_size)
         self.lm_head = (None if config.tie_word_embeddings
                         else Linear(config.hidden_size, end - start))
@@ -233,18 +286,30 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
         """input_ids [T], logits_indices [L] → logits [L, V] float32; kv_caches written."""
         x = self.embed_tokens(input_ids)  # [T, H]
+        if self.config.embedding_multiplier != 1.0:
+            x = x * self.config.embedding_multiplier
         cos = meta.rope_cos.index_select(0, meta.positions)  # [T, D]
         sin = meta.rope_sin.index_select(0, meta.positions)  # [T, D]
+        local = (cos, sin)
+        if self.config.local_rope_theta is not None:  # the local table follows the global one
+            positions = meta.positions + meta.rope_cos.shape[0] // 2
+            local = (meta.rope_cos.index_select(0, positions),
+                     meta.rope_sin.index_select(0, positions))
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, cos, sin, kv_cache, meta)
+            x, residual = layer(x, residual, *(local if layer.local_rope else (cos, sin)),
+                                kv_cache, meta)
         x, _ = self.norm(x.index_select(0, logits_indices),
                          residual.index_select(0, logits_indices))  # [L, H]
         if self.lm_head is None:  # tied: the embedding is [V, H]
             logits = F.linear(x, self.embed_tokens.weight)  # [L, V / shards]
         else:
             logits = self.lm_head(x)  # [L, V / shards]
-        return self.shard.all_gather_vocab(logits, self.config.vocab_size).to(torch.float32)
+        if self.config.logits_scaling != 1.0:
+            logits = logits / self.config.logits_scaling
+        logits = self.shard.all_gather_vocab(logits, self.config.vocab_size).to(torch.float32)
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else cap * torch.tanh(logits / cap)
 
     def pack_linears(self) -> None:
         """CPU float32: every projection (and the LM head, tied or not) on the packed
@@ -255,7 +320,7 @@ class LlamaForCausalLM(nn.Module):
                 module.pack()
         if self.lm_head is None:
             self.lm_head = Linear.packed_from(self.embed_tokens.weight.T)
-        if self.shard.size == 1:
+        if self.shard.size == 1 and self.config.plain_decoder_layer:
             for layer in self.layers:
                 layer.fuse()
 
@@ -305,8 +370,9 @@ def _fused_state_dict(weights: dict[str, np.ndarray], config: ModelConfig,
         ).T  # [H, 2I / shards]
         state[f"{layer}.mlp.down_proj.weight"] = shard.slice(
             weights[f"{layer}.down_proj.weight"], inter, axis=1).T
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            state[f"{layer}.{norm}.weight"] = weights[f"{layer}.{norm}"]
+        for norm in layer_norm_names(config):
+            module = f"self_attn.{norm}" if norm in ("q_norm", "k_norm") else norm
+            state[f"{layer}.{module}.weight"] = weights[f"{layer}.{norm}"]
     return state
 
 

@@ -35,26 +35,28 @@ def sampling_probs(logits: torch.Tensor, sampling: dict[str, torch.Tensor], *, a
 
 
 def rejection_sample(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
-                     draft_probs: torch.Tensor, num_draft_tokens: torch.Tensor,
+                     draft_probs: torch.Tensor | None, num_draft_tokens: torch.Tensor,
                      sampling: dict[str, torch.Tensor], *, all_greedy: bool,
                      use_filters: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Verify each row's drafts against the target.
 
     target_logits    [L, K+1, V] float32: position j scores draft j; j = k is the bonus position
     draft_token_ids  [L, K] int32, valid for j < num_draft_tokens[l] (anything, e.g. -1, after)
-    draft_probs      [L, K, V] float32: q_j, the draft's sampling distribution for draft j
+    draft_probs      [L, K, V] float32: q_j, the draft's sampling distribution for draft j;
+                     None: the drafts are the draft model's argmax (q_j one-hot at d_j)
     num_draft_tokens [L] int32 in [0, K]
-    sampling         [L] tensors as in the sampler (rng_seed / rng_step int64); banned tokens,
-                     logit_bias and penalties, if present, apply at every position of their row
-                     (such rows have no drafts: the scheduler does not draft for them)
+    sampling         [L] tensors as in the sampler (rng_seed / rng_step int64); its logit entries
+                     (banned tokens, logit_bias and penalties), if any, apply at every position
+                     of their row (such rows have no drafts: the scheduler does not draft for
+                     them)
     Returns output_token_ids [L, K+1] int32 (accepted, then recovered or bonus, then -1) and
     num_accepted [L] int32.
     """
     num_drafts = draft_token_ids.shape[1]  # K
     num_rows, num_positions, vocab = target_logits.shape
-    # [L * (K+1)] rows; greedy rows with no logits processors need none of the knobs
+    # [L * (K+1)] rows; greedy rows with no logit entries need none of the knobs
     positions = (_per_position(sampling, num_positions)
-                 if not all_greedy or any(name.endswith("_rows") for name in sampling) else {})
+                 if not all_greedy or "entries" in sampling else {})
     target_logits = process_logits(target_logits.reshape(-1, vocab), positions).view(
         num_rows, num_positions, vocab)
     target_argmax = torch.argmax(target_logits, dim=-1)  # [L, K+1] int64
@@ -69,8 +71,8 @@ def rejection_sample(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
     num_accepted = torch.cumprod((accepted & valid).long(), dim=1).sum(dim=1)  # [L] int64
     next_token = torch.gather(target_argmax, 1, num_accepted[:, None])[:, 0]  # [L]
     if not all_greedy:
-        sampled = _recover_or_bonus(target_probs, draft_probs, num_accepted, num_draft_tokens,
-                                    sampling)
+        sampled = _recover_or_bonus(target_probs, draft_token_ids, draft_probs, num_accepted,
+                                    num_draft_tokens, sampling)
         next_token = torch.where(random_rows[:, 0], sampled, next_token)
     return _assemble(draft_token_ids, next_token, num_accepted), num_accepted.to(torch.int32)
 
@@ -78,17 +80,16 @@ def rejection_sample(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
 def _per_position(sampling: dict[str, torch.Tensor], num_positions: int
                   ) -> dict[str, torch.Tensor]:
     """The sampling inputs of rows [L] for rows [L * (K+1)], position j of row l being row
-    l * (K+1) + j: per-row knobs repeated, (row, token) pairs once per position."""
-    out = {}
-    for name, x in sampling.items():
-        if name.startswith("rng_"):
-            continue
-        if name.endswith("_rows"):  # -1 pads
-            rows = x[:, None] * num_positions + torch.arange(num_positions, dtype=x.dtype,
-                                                             device=x.device)
-            out[name] = torch.where(x[:, None] >= 0, rows, -1).reshape(-1)  # [P * (K+1)]
-        else:
-            out[name] = x.repeat_interleave(num_positions)
+    l * (K+1) + j: per-row knobs repeated, each logit entry once per position."""
+    out = {name: x.repeat_interleave(num_positions) for name, x in sampling.items()
+           if name not in ("entries", "rng_seed", "rng_step")}
+    if "entries" in sampling:
+        ints, bias = sampling["entries"]  # [4, E], [E]
+        rows = ints[0][:, None] * num_positions + torch.arange(num_positions, dtype=ints.dtype,
+                                                               device=ints.device)
+        rows = torch.where(ints[0][:, None] >= 0, rows, -1).reshape(1, -1)  # [1, E * (K+1)]
+        out["entries"] = (torch.cat([rows, ints[1:].repeat_interleave(num_positions, dim=1)]),
+                          bias.repeat_interleave(num_positions))
     return out
 
 
@@ -103,38 +104,47 @@ def _target_probs(target_logits: torch.Tensor, positions: dict[str, torch.Tensor
 
 
 def _accept_random(target_probs: torch.Tensor, draft_token_ids: torch.Tensor,
-                   draft_probs: torch.Tensor, sampling: dict[str, torch.Tensor]) -> torch.Tensor:
+                   draft_probs: torch.Tensor | None,
+                   sampling: dict[str, torch.Tensor]) -> torch.Tensor:
     """u_j * q_j(d_j) < p_j(d_j) → [L, K] bool (safe for q = 0); u_j = column V at step + j.
 
-    target_probs [L, K+1, V]; draft_token_ids [L, K]; draft_probs [L, K, V].
+    target_probs [L, K+1, V]; draft_token_ids [L, K]; draft_probs [L, K, V] or None (one-hot).
     """
-    num_rows, num_drafts, vocab = draft_probs.shape
-    positions = torch.arange(num_drafts, device=draft_probs.device)
+    num_rows, num_drafts = draft_token_ids.shape
+    vocab = target_probs.shape[-1]
+    positions = torch.arange(num_drafts, device=target_probs.device)
     steps = (sampling["rng_step"].long()[:, None] + positions) & _MASK32  # [L, K]
     seeds = sampling["rng_seed"].long()[:, None].expand(steps.shape)
     u = uniform(seeds.reshape(-1), steps.reshape(-1), vocab + 1)[:, vocab]  # [L * K]
     index = draft_token_ids.long().clamp(0, vocab - 1)[..., None]  # padding drafts gather safely
     p = torch.gather(target_probs[:, :num_drafts], 2, index)[..., 0]  # [L, K]
-    q = torch.gather(draft_probs, 2, index)[..., 0]  # [L, K]
+    q = 1.0 if draft_probs is None else torch.gather(draft_probs, 2, index)[..., 0]  # [L, K]
     return u.reshape(num_rows, num_drafts) * q < p
 
 
-def _recover_or_bonus(target_probs: torch.Tensor, draft_probs: torch.Tensor,
-                      num_accepted: torch.Tensor, num_draft_tokens: torch.Tensor,
+def _recover_or_bonus(target_probs: torch.Tensor, draft_token_ids: torch.Tensor,
+                      draft_probs: torch.Tensor | None, num_accepted: torch.Tensor,
+                      num_draft_tokens: torch.Tensor,
                       sampling: dict[str, torch.Tensor]) -> torch.Tensor:
     """The token after the accepted drafts, at position n = num_accepted → [L] int64.
 
     Recovered ~ max(p_n - q_n, 0) after a rejection (p_n if that is all zero); bonus ~ p_n
-    (q_n taken as 0). target_probs [L, K+1, V]; draft_probs [L, K, V]; the rest [L].
+    (q_n taken as 0). target_probs [L, K+1, V]; draft_token_ids [L, K]; draft_probs
+    [L, K, V] or None (one-hot at the drafts); the rest [L].
     """
-    num_drafts, vocab = draft_probs.shape[1:]
+    num_drafts, vocab = draft_token_ids.shape[1], target_probs.shape[-1]
     gather_index = num_accepted[:, None, None].expand(-1, 1, vocab)  # [L, 1, V]
     p = torch.gather(target_probs, 1, gather_index)[:, 0]  # [L, V]
     q = torch.zeros_like(p)
     if num_drafts > 0:
-        position = gather_index.clamp(max=num_drafts - 1)
+        position = num_accepted.clamp(max=num_drafts - 1)[:, None]  # [L, 1]
         rejected = (num_accepted < num_draft_tokens)[:, None]  # [L, 1]
-        q = torch.where(rejected, torch.gather(draft_probs, 1, position)[:, 0], q)
+        if draft_probs is None:
+            draft = torch.gather(draft_token_ids.long(), 1, position)[:, 0]
+            q_n = torch.nn.functional.one_hot(draft, vocab).to(p.dtype)
+        else:
+            q_n = torch.gather(draft_probs, 1, position[:, :, None].expand(-1, 1, vocab))[:, 0]
+        q = torch.where(rejected, q_n, q)
     residual = torch.clamp(p - q, min=0.0)  # [L, V]
     residual = torch.where((residual > 0).any(dim=-1, keepdim=True), residual, p)
     step = (sampling["rng_step"].long() + num_accepted) & _MASK32

@@ -4,13 +4,17 @@ Each step uploads the two packed buffers of ModelInput and runs the whole step o
 with drafts, the draft catch-up and k - 1 draft steps (spec_step.py), the target's verification
 pass and rejection sampling, with no host synchronisation until the sampled tokens come back.
 CPU: eager, on the C++ CPU ops. CUDA: decode and speculative-decode steps replay CUDA graphs of
-the whole step (cuda_graphs.py), other steps run eagerly; the KV pool is sized from the device
-memory left after a warm-up of the largest step.
+the whole step (cuda_graphs.py), all captured by `compile` before the first request (the closed
+set of step_shapes.py); other steps run eagerly. The KV pool is sized from the device memory
+left after a warm-up of the largest step.
 """
 
 from __future__ import annotations
 
 import functools
+import os
+import platform
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -28,17 +32,20 @@ from pagedjax.backends.torch.parallel import Shard, Workers
 from pagedjax.backends.torch.rejection_sampler import rejection_sample
 from pagedjax.backends.torch.sampler import gather_logprobs, sample, score_prompt_tokens
 from pagedjax.backends.torch.spec_step import propose_drafts
+from pagedjax.cache import source_digest
 from pagedjax.config import EngineConfig, ModelConfig
 from pagedjax.core.batch import (
     SAMPLING_FIELDS,
-    BatchLayout,
     ModelInput,
     ModelOutput,
+    StepFlags,
     StepOutput,
-    bucket,
+    padding_input,
+    unpack,
 )
 from pagedjax.core.kv_cache import num_kv_blocks_for_budget, warm_up_input
 from pagedjax.core.model_runner import auto_dtype
+from pagedjax.core.step_shapes import BatchLayout, StepShapes
 from pagedjax.kernels_cuda import (
     ops_backend,
     ragged_paged_attention,
@@ -47,10 +54,16 @@ from pagedjax.kernels_cuda import (
     write_kv,
 )
 from pagedjax.parallel import TensorParallelPlan
+from pagedjax.sampling_params import MAX_LOGPROBS
 
 ATTENTION_IMPLS = ("auto", "reference")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_MAX_GRAPH_DRAFT_QUERY = 4  # graphs serve steps whose draft catch-up is at most this long
+# The two CUDA graphs of a decode-shaped step: greedy rows with nothing else ("plain"), or the
+# whole sampler (random rows, filters, top logprobs: "full", correct for any such step because
+# rows that do not use a feature are left as they are). Steps with prompt logprobs or logit
+# entries run eagerly.
+GRAPH_FLAGS = {"plain": StepFlags(), "full": StepFlags(sampled=True, filters=True,
+                                                       logprobs=True)}
 
 
 def resolve_attention(attention_impl: str) -> LayerOps:
@@ -126,13 +139,14 @@ class TorchModelRunner:
     """
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig,
-                 draft_model_config: ModelConfig | None = None, *, rank: int = 0) -> None:
-        self.config, self.rank = config, rank
+                 draft_model_config: ModelConfig | None, shapes: StepShapes, *,
+                 rank: int = 0) -> None:
+        self.config, self.shapes, self.rank = config, shapes, rank
         size = config.tensor_parallel_size
         if size > 1 and torch.cuda.is_available() and size > torch.cuda.device_count():
             raise ValueError(f"tensor_parallel_size={size} exceeds the "
                              f"{torch.cuda.device_count()} GPU(s) present.")
-        self.workers = (Workers((config, model_config, draft_model_config), size)
+        self.workers = (Workers((config, model_config, draft_model_config, shapes), size)
                         if size > 1 and rank == 0 else None)
         self.device = (torch.device("cuda", rank) if torch.cuda.is_available()
                        else torch.device("cpu"))
@@ -158,8 +172,43 @@ class TorchModelRunner:
 
     @property
     def num_compiles(self) -> int:
-        """CUDA graphs captured, one per step key; 0 on CPU (all eager)."""
-        return 0 if self.graphs is None else len(self.graphs.graphs)
+        """CUDA graphs captured after `compile` (each one a logged bug); 0 on CPU (eager)."""
+        return 0 if self.graphs is None else self.graphs.num_late_captures
+
+    @property
+    def num_cache_hits(self) -> int:
+        """CUDA graphs are captured in every process: none come from a cache."""
+        return 0
+
+    def cache_key(self) -> str:
+        device = (torch.cuda.get_device_name(self.device) if self.device.type == "cuda"
+                  else f"cpu {platform.processor() or platform.machine()} x{os.cpu_count()}")
+        models = [(m.config, str(m.module.norm.weight.dtype), m.shard) for m in self.models]
+        return repr(("torch", torch.__version__, device, ops_backend(), source_digest(),
+                     models, self.num_kv_blocks, self.config.enforce_eager))
+
+    @staticmethod
+    def graph_plan(layouts: list[BatchLayout]) -> list[tuple[BatchLayout, str]]:
+        """The CUDA graphs of the closed set: both variants (GRAPH_FLAGS) of every decode and
+        speculative decode shape; mixed steps run eagerly."""
+        return [(layout, variant) for layout in layouts
+                if layout.decode or layout.num_spec_tokens for variant in GRAPH_FLAGS]
+
+    def compile_plan(self, layouts: list[BatchLayout]) -> list[tuple[BatchLayout, str]]:
+        """What `compile` captures: graph_plan(layouts) on CUDA; nothing on CPU or with
+        enforce_eager (eager steps compile nothing)."""
+        return [] if self.graphs is None else self.graph_plan(layouts)
+
+    @torch.inference_mode()  # as execute_local: the graphs share its staging buffers
+    def compile(self, layouts: list[BatchLayout],
+                on_compiled: Callable[[], None] = lambda: None) -> None:
+        """Capture the CUDA graph of every decode-shaped step before the first request (on a
+        step of padding: it writes no KV)."""
+        for layout, variant in self.compile_plan(layouts):
+            model_input = padding_input(layout, GRAPH_FLAGS[variant])
+            self.graphs.capture((layout, variant), self._graph_step(layout, variant),
+                                model_input.ints, model_input.floats, self.upload)
+            on_compiled()
 
     def allocate_kv_caches(self, num_blocks: int) -> None:
         """The KV pool of num_blocks blocks, on every rank."""
@@ -183,7 +232,7 @@ class TorchModelRunner:
         of the 1 - gpu_memory_utilization headroom.
         """
         torch.cuda.reset_peak_memory_stats()
-        model_input = warm_up_input(self.config)
+        model_input = warm_up_input(self.config, self.shapes)
         self.allocate_kv_caches(int(model_input.fields()["block_tables"].max()) + 1)
         self.execute(model_input)
         self.allocate_kv_caches(0)
@@ -219,51 +268,71 @@ class TorchModelRunner:
         """This rank's part of the step."""
         if len(model_input.block_copies):
             self._copy_blocks(self.upload("block_copies", model_input.block_copies))
-        layout, k = model_input.layout, model_input.num_spec_tokens
-        draft_bound = bucket(model_input.max_draft_query_len)
-        step = functools.partial(self._step, layout=layout, num_spec_tokens=k,
-                                 max_query_len=model_input.max_query_len,
-                                 max_draft_query_len=draft_bound)
-        if self.graphs is not None and self._graphable(model_input, draft_bound):
-            step = functools.partial(step, max_query_len=k + 1)
-            out = self.graphs.run((layout, k, draft_bound), step, model_input.ints,
-                                  model_input.floats, self.upload)
+        variant = self._graph_variant(model_input)
+        if variant is not None:
+            out = self.graphs.run((model_input.layout, variant),
+                                  self._graph_step(model_input.layout, variant),
+                                  model_input.ints, model_input.floats, self.upload)
         else:  # eager: the padding tokens need not run (a graph replays the padded shapes)
-            out = step(self.upload("ints", model_input.ints),
-                       self.upload("floats", model_input.floats),
-                       num_tokens=model_input.num_tokens,
-                       num_draft_tokens=model_input.num_draft_tokens)
+            out = self._step(self.upload("ints", model_input.ints),
+                             self.upload("floats", model_input.floats),
+                             self._entries(model_input), layout=model_input.layout,
+                             flags=model_input.flags, max_query_len=model_input.max_query_len,
+                             max_draft_query_len=model_input.max_draft_query_len,
+                             num_tokens=model_input.num_tokens,
+                             num_draft_tokens=model_input.num_draft_tokens)
         return self._to_host(out, model_input)
 
-    @staticmethod
-    def _graphable(model_input: ModelInput, draft_bound: int) -> bool:
-        """Decode steps (one token per sequence, plus its drafts) with a short draft catch-up."""
-        k = model_input.num_spec_tokens
-        return (model_input.max_query_len <= k + 1
-                and (not k or draft_bound <= _MAX_GRAPH_DRAFT_QUERY))
+    def _graph_variant(self, model_input: ModelInput) -> str | None:
+        """The graph a step replays: decode-shaped steps without prompt logprobs or logit
+        entries; None: eager."""
+        layout, flags = model_input.layout, model_input.flags
+        if (self.graphs is None or not (layout.decode or layout.num_spec_tokens)
+                or flags.prompt_logprobs or flags.logit_entries):
+            return None
+        return "plain" if flags == GRAPH_FLAGS["plain"] else "full"
 
-    def _step(self, ints: torch.Tensor, floats: torch.Tensor, *, layout: BatchLayout,
-              num_spec_tokens: int, max_query_len: int, max_draft_query_len: int,
+    def _graph_step(self, layout: BatchLayout, variant: str) -> functools.partial:
+        """The step a graph captures: launch bounds from the shape (a query of K + 1 tokens at
+        most, and a draft catch-up as long: Scheduler._fit_drafts)."""
+        k = layout.num_spec_tokens
+        return functools.partial(self._step, entries=None, layout=layout,
+                                 flags=GRAPH_FLAGS[variant], max_query_len=k + 1,
+                                 max_draft_query_len=k + 1)
+
+    def _entries(self, model_input: ModelInput) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The step's real logit entries on the device (no padding: an eager step)."""
+        entries = model_input.entries
+        if entries is None:
+            return None
+        n = entries.num_entries
+        return (self.upload("entry_ints", entries.ints[:, :n]),
+                self.upload("entry_bias", entries.bias[:n]))
+
+    def _step(self, ints: torch.Tensor, floats: torch.Tensor,
+              entries: tuple[torch.Tensor, torch.Tensor] | None, *, layout: BatchLayout,
+              flags: StepFlags, max_query_len: int, max_draft_query_len: int,
               num_tokens: int | None = None, num_draft_tokens: int | None = None
               ) -> StepOutput:
         """The whole step on the device → StepOutput: tokens and logprobs [L, K+1], and what the
-        layout asks for besides. num_spec_tokens: the step's k (<= K); num_tokens and
-        num_draft_tokens: the real tokens of the target and of the draft's catch-up, when only
-        those run (the padding rows are skipped: a speculative step of one sequence pads 5
-        tokens to 8)."""
+        flags ask for besides. num_tokens and num_draft_tokens: the real tokens of the target
+        and of the draft's catch-up, when only those run (the padding rows are skipped: a
+        speculative step of one sequence pads 5 tokens to 8)."""
         num_tokens = layout.num_tokens if num_tokens is None else num_tokens
-        b = layout.unpack(ints, floats)
-        sampling = {name: b[name] for name in SAMPLING_FIELDS if name in b}
+        b = unpack(layout, ints, floats)
+        sampling = {name: b[name] for name in SAMPLING_FIELDS}
         for name in ("rng_seed", "rng_step"):  # uint32 counters, emulated in int64
             sampling[name] = b[name].to(torch.int64) & 0xFFFFFFFF
+        if entries is not None:
+            sampling["entries"] = entries
         target, k = self.models[0], layout.num_spec_tokens
         input_ids = b["input_ids"]
-        if k:
+        if layout.draft:
             draft = self.models[1]
-            drafts, draft_probs = propose_drafts(
-                draft.forward, draft.kv_caches, b, sampling, draft.rope, layout=layout,
-                num_steps=num_spec_tokens, max_query_len=max_draft_query_len,
-                num_tokens=num_draft_tokens)
+            drafts = propose_drafts(draft.forward, draft.kv_caches, b, draft.rope,
+                                    layout=layout, max_query_len=max_draft_query_len,
+                                    num_tokens=num_draft_tokens)
+        if k:
             # Draft slots get their drafts; index T (no draft) lands in a discarded extra row.
             input_ids = torch.cat([input_ids, input_ids.new_zeros(1)])
             input_ids[b["draft_token_index"].reshape(-1).long()] = drafts.reshape(-1)
@@ -273,25 +342,24 @@ class TorchModelRunner:
                                  *target.rope, max_query_len=max_query_len)
         indices = b["logits_indices"]  # [L, K+1]
         rows = indices.reshape(-1)
-        if layout.num_prompt_logprobs:  # the prompt positions scored, after the sampled rows
+        if flags.prompt_logprobs:  # the prompt positions scored, after the sampled rows
             rows = torch.cat([rows, b["prompt_logprobs_indices"]])
         logits = target.forward(input_ids, target.kv_caches, meta, rows)
         prompt = ()
-        if layout.num_prompt_logprobs:
+        if flags.prompt_logprobs:
             logits, prompt_logits = logits[: indices.numel()], logits[indices.numel() :]
             prompt = score_prompt_tokens(prompt_logits, b["prompt_logprobs_token_ids"])
-        flags = dict(all_greedy=layout.all_greedy, use_filters=layout.use_filters)
         if not k:
-            out = sample(logits, sampling, num_top_logprobs=layout.num_top_logprobs, **flags)
+            out = sample(logits, sampling, flags)
             return StepOutput(*(None if x is None else x[:, None] for x in out), *prompt)
         logits = logits.view(*indices.shape, -1)  # [L, K+1, V]
         seqs = b["sample_seq"].long()  # [L]: the sequence whose drafts row l verifies
-        tokens, _ = rejection_sample(
-            logits, drafts[seqs], None if draft_probs is None else draft_probs[seqs],
-            b["num_draft_tokens"], sampling, **flags)
+        tokens, _ = rejection_sample(logits, drafts[seqs], None, b["num_draft_tokens"],
+                                     sampling, all_greedy=not flags.sampled,
+                                     use_filters=flags.filters)
         logprobs = torch.log_softmax(logits, dim=-1)
-        return StepOutput(tokens, *gather_logprobs(logprobs, tokens, layout.num_top_logprobs),
-                          *prompt)
+        return StepOutput(tokens, *gather_logprobs(
+            logprobs, tokens, MAX_LOGPROBS if flags.logprobs else 0), *prompt)
 
     def _copy_blocks(self, copies: torch.Tensor) -> None:
         """Copy-on-write: block copies[:, 1] becomes a copy of block copies[:, 0] in every layer
@@ -303,7 +371,7 @@ class TorchModelRunner:
     def _to_host(self, out: StepOutput, model_input: ModelInput) -> ModelOutput:
         """The step's one device→host transfer (and its one synchronisation)."""
         host = StepOutput(*(None if t is None else t.to("cpu", non_blocking=True)
-                            for t in out.cut(model_input)))
+                            for t in out.wanted(model_input.flags).cut(model_input)))
         if self.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
         return ModelOutput.from_step(model_input, host)

@@ -12,6 +12,9 @@ from __future__ import annotations
 import torch
 
 from pagedjax import random as prng
+from pagedjax.core.batch import StepFlags
+from pagedjax.core.logit_entries import EntryFlag
+from pagedjax.kernels_cuda import ops_backend
 from pagedjax.sampling_params import MAX_LOGPROBS
 
 _MASK32 = 0xFFFFFFFF
@@ -36,14 +39,28 @@ def uniform(seed: torch.Tensor, step: torch.Tensor, num: int) -> torch.Tensor:
 
 def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                   min_p: torch.Tensor) -> torch.Tensor:
-    """Mask to -inf what top-k, then top-p, then min-p drop. logits [L, V]; knobs [L]."""
+    """Mask to -inf what top-k, then top-p, then min-p drop. logits [L, V]; knobs [L]. On CPU in
+    float32 the C++ op (the JAX backend's filter too: the same kernel)."""
+    if (logits.device.type == "cpu" and logits.dtype == torch.float32
+            and ops_backend() != "reference"):
+        return torch.ops.pagedjax.filter_logits(logits.contiguous(), top_k.to(torch.int32),
+                                                top_p.to(torch.float32),
+                                                min_p.to(torch.float32))
+    return filter_logits_sorted(logits, top_k, top_p, min_p)
+
+
+def filter_logits_sorted(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                         min_p: torch.Tensor) -> torch.Tensor:
+    """filter_logits by sorting each row: the definition (filter_cpu_kernel.h states it)."""
     vocab = logits.shape[-1]
     sorted_desc = torch.sort(logits, dim=-1, descending=True).values  # [L, V]
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)  # [L]
     in_top_k = torch.arange(vocab, device=logits.device)[None, :] < k[:, None]
     probs = torch.softmax(sorted_desc.masked_fill(~in_top_k, float("-inf")), dim=-1)
-    keep = in_top_k & (torch.cumsum(probs, dim=-1) - probs < top_p[:, None])
-    num_kept = keep.sum(dim=-1)  # [L] >= 1
+    keep = in_top_k & ((torch.cumsum(probs, dim=-1) - probs < top_p[:, None])
+                       | (top_p[:, None] >= 1.0))
+    # [L]: >= 1 for a request's knobs; padding rows (top_p 0) keep 0 and read column 0
+    num_kept = keep.sum(dim=-1).clamp(min=1)
     threshold = torch.gather(sorted_desc, 1, (num_kept - 1)[:, None])[:, 0]
     min_p_threshold = torch.where(min_p > 0, sorted_desc[:, 0] + torch.log(min_p),
                                   float("-inf"))
@@ -51,53 +68,47 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     return logits.masked_fill(logits < threshold[:, None], float("-inf"))
 
 
-def _scatter(sampling: dict[str, torch.Tensor], prefix: str, num_rows: int, vocab: int,
-             values: torch.Tensor | None = None) -> torch.Tensor:
-    """At the (row, token) pairs sampling[prefix + "_rows"], sampling[prefix + "_token_ids"]
-    [P] (row -1 pads): [L, V] bool, True there; or with values [P], their sums there.
-
-    Padding pairs land in an extra row that is cut off (no data-dependent shapes, no host sync).
-    """
-    rows = sampling[prefix + "_rows"]
-    rows = torch.where(rows >= 0, rows, num_rows).long()
-    index = (rows, sampling[prefix + "_token_ids"].long())
-    dtype = torch.bool if values is None else values.dtype
-    out = torch.zeros(num_rows + 1, vocab, dtype=dtype, device=rows.device)
-    if values is None:  # ones on the device: a Python True is a host-to-device copy, which
-        out.index_put_(index, torch.ones_like(rows, dtype=torch.bool))  # CUDA graphs refuse
-    else:
-        out.index_put_(index, values, accumulate=True)
+def apply_logit_entries(logits: torch.Tensor, entries: tuple[torch.Tensor, torch.Tensor],
+                        sampling: dict[str, torch.Tensor]) -> torch.Tensor:
+    """logits [R, V] with the (row, token) entries of logit_entries.py applied (the JAX
+    sampler's apply_logit_entries, op for op). entries: (ints [4, E] = rows (-1 pads), tokens,
+    output counts, flags; bias [E]); sampling: the penalty knobs [R]."""
+    ints, bias = entries
+    rows, tokens, counts, flags = ints[0].long(), ints[1].long(), ints[2], ints[3]
+    num_rows = logits.shape[0]
+    valid = rows >= 0
+    safe_rows = torch.where(valid, rows, 0)
+    x = logits[safe_rows, tokens]  # [E]
+    x = x.masked_fill(flags & EntryFlag.BANNED != 0, float("-inf"))
+    x = x + bias
+    penalty = sampling["repetition_penalty"][safe_rows]
+    x = torch.where(flags & EntryFlag.SEEN != 0, torch.where(x > 0, x / penalty, x * penalty), x)
+    x = x - sampling["frequency_penalty"][safe_rows] * counts
+    x = x - sampling["presence_penalty"][safe_rows] * (counts > 0)
+    # padding entries land in an extra row that is cut off (no data-dependent shape)
+    out = torch.cat([logits, logits.new_zeros(1, logits.shape[1])])
+    out[torch.where(valid, rows, num_rows), tokens] = x
     return out[:num_rows]
 
 
 def process_logits(logits: torch.Tensor, sampling: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The logits [L, V] rows sample from: banned tokens at -inf, logit_bias added, then
-    repetition, frequency and presence penalties (vLLM's definitions). Inputs the layout lacks
-    are skipped."""
-    num_rows, vocab = logits.shape
-    if "banned_rows" in sampling:
-        logits = logits.masked_fill(_scatter(sampling, "banned", num_rows, vocab), float("-inf"))
-    if "bias_rows" in sampling:
-        logits = logits + _scatter(sampling, "bias", num_rows, vocab, sampling["logit_bias"])
-    if "penalty_rows" in sampling:
-        # [L, V]: output occurrences, and whether a token is in the prompt or the output
-        counts = _scatter(sampling, "penalty", num_rows, vocab, sampling["penalty_counts"])
-        seen = _scatter(sampling, "penalty", num_rows, vocab)
-        penalty = torch.where(seen, sampling["repetition_penalty"][:, None], 1.0)  # [L, V]
-        logits = torch.where(logits > 0, logits / penalty, logits * penalty)
-        logits = logits - sampling["frequency_penalty"][:, None] * counts
-        logits = logits - sampling["presence_penalty"][:, None] * (counts > 0)
-    return logits
+    """The logits [R, V] rows sample from: the logit entries applied, where the step has any
+    (sampling["entries"])."""
+    entries = sampling.get("entries")
+    return logits if entries is None else apply_logit_entries(logits, entries, sampling)
 
 
-def sample(logits: torch.Tensor, sampling: dict[str, torch.Tensor], *, num_top_logprobs: int,
-           all_greedy: bool, use_filters: bool) -> tuple[torch.Tensor | None, ...]:
+def sample(logits: torch.Tensor, sampling: dict[str, torch.Tensor], flags: StepFlags
+           ) -> tuple[torch.Tensor | None, ...]:
     """logits [L, V] float32 → token ids [L], then gather_logprobs' (logprobs [L], top ids
     [L, N], top logprobs [L, N], ranks [L]): a StepOutput's first five fields.
 
-    sampling: the SamplingMetadata arrays as tensors on logits' device (rng_seed / rng_step as
-    int64 holding uint32 values).
+    sampling: the knobs as tensors on logits' device (rng_seed / rng_step as int64 holding
+    uint32 values), and "entries" when the step has logit entries; flags: what the step's rows
+    use (the host's copy): the rest is skipped.
     """
+    all_greedy, use_filters = not flags.sampled, flags.filters
+    num_top_logprobs = MAX_LOGPROBS if flags.logprobs else 0
     logprobs = torch.log_softmax(logits, dim=-1)
     logits = process_logits(logits, sampling)
     tokens = torch.argmax(logits, dim=-1).to(torch.int32)

@@ -4,7 +4,9 @@
 // Layout (per layer): k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim].
 // Sequence s owns query rows [query_start_loc[s], query_start_loc[s+1]), its last q_len tokens;
 // query i sits at position kv_lens[s] - q_len + i and sees key j iff j <= pos and, with a
-// sliding window w, pos - j < w. Rows past query_start_loc[S] are padding and come out as zeros.
+// sliding window w, pos - j < w. The score s = (q . k_j) * sm_scale is soft-capped to
+// soft_cap * tanh(s / soft_cap) before the mask and the softmax when soft_cap is given (the
+// kernels take 0 for none). Rows past query_start_loc[S] are padding and come out as zeros.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -26,7 +28,7 @@ AttentionShape check_attention_args(
     const at::Tensor& block_tables,     // [S, M] int32
     const at::Tensor& query_start_loc,  // [S+1] int32
     std::optional<int64_t> sliding_window,
-    std::optional<double> logits_soft_cap);
+    std::optional<double> soft_cap);
 
 // TORCH_CHECKs the arguments of write_kv.
 void check_write_kv_args(
@@ -44,7 +46,7 @@ using AttentionOutFn = void(
     const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
     const at::Tensor& v_cache, const at::Tensor& kv_lens, const at::Tensor& block_tables,
     const at::Tensor& query_start_loc, double sm_scale, std::optional<int64_t> sliding_window,
-    std::optional<double> logits_soft_cap, std::optional<int64_t> max_query_len);
+    std::optional<double> soft_cap, std::optional<int64_t> max_query_len);
 
 using WriteKvFn = void(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
                        const at::Tensor& v_cache, const at::Tensor& slot_mapping);

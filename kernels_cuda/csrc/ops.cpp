@@ -46,7 +46,7 @@ AttentionShape check_attention_args(const at::Tensor& out, const at::Tensor& q,
                                     const at::Tensor& kv_lens, const at::Tensor& block_tables,
                                     const at::Tensor& query_start_loc,
                                     std::optional<int64_t> sliding_window,
-                                    std::optional<double> logits_soft_cap) {
+                                    std::optional<double> soft_cap) {
   const char* op = "ragged_paged_attention";
   TORCH_CHECK(q.dim() == 3, op, ": q must be [num_tokens, num_q_heads, head_dim], got shape ",
               q.sizes());
@@ -90,8 +90,8 @@ AttentionShape check_attention_args(const at::Tensor& out, const at::Tensor& q,
               shape.num_seqs + 1, " entries (num_seqs + 1), got ", query_start_loc.size(0));
   TORCH_CHECK(!sliding_window || *sliding_window > 0, op, ": sliding_window must be >= 1, got ",
               sliding_window.value_or(0));
-  TORCH_CHECK(!logits_soft_cap || *logits_soft_cap > 0, op,
-              ": logits_soft_cap must be > 0, got ", logits_soft_cap.value_or(0.0));
+  TORCH_CHECK(!soft_cap || *soft_cap > 0, op,
+              ": soft_cap must be > 0, got ", soft_cap.value_or(0.0));
   return shape;
 }
 
@@ -131,14 +131,14 @@ at::Tensor ragged_paged_attention(const at::Tensor& q, const at::Tensor& k_cache
                                   const at::Tensor& block_tables,
                                   const at::Tensor& query_start_loc, double sm_scale,
                                   std::optional<int64_t> sliding_window,
-                                  std::optional<double> logits_soft_cap,
+                                  std::optional<double> soft_cap,
                                   std::optional<int64_t> max_query_len) {
   static const auto out_op = c10::Dispatcher::singleton()
                                  .findSchemaOrThrow("pagedjax::ragged_paged_attention_out", "")
                                  .typed<AttentionOutFn>();
   at::Tensor out = at::empty(q.sizes(), q.options());  // [T, Hq, D], contiguous
   out_op.call(out, q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, sm_scale,
-              sliding_window, logits_soft_cap, max_query_len);
+              sliding_window, soft_cap, max_query_len);
   return out;
 }
 
@@ -148,10 +148,10 @@ void ragged_paged_attention_out_meta(const at::Tensor& out, const at::Tensor& q,
                                      const at::Tensor& kv_lens, const at::Tensor& block_tables,
                                      const at::Tensor& query_start_loc, double /*sm_scale*/,
                                      std::optional<int64_t> sliding_window,
-                                     std::optional<double> logits_soft_cap,
+                                     std::optional<double> soft_cap,
                                      std::optional<int64_t> /*max_query_len*/) {
   check_attention_args(out, q, k_cache, v_cache, kv_lens, block_tables, query_start_loc,
-                       sliding_window, logits_soft_cap);
+                       sliding_window, soft_cap);
 }
 
 }  // namespace
@@ -161,11 +161,11 @@ TORCH_LIBRARY(pagedjax, m) {
   m.def(
       "ragged_paged_attention_out(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
       "Tensor kv_lens, Tensor block_tables, Tensor query_start_loc, float sm_scale, "
-      "int? sliding_window=None, float? logits_soft_cap=None, int? max_query_len=None) -> ()");
+      "int? sliding_window=None, float? soft_cap=None, int? max_query_len=None) -> ()");
   m.def(
       "ragged_paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor kv_lens, "
       "Tensor block_tables, Tensor query_start_loc, float sm_scale, int? sliding_window=None, "
-      "float? logits_soft_cap=None, int? max_query_len=None) -> Tensor");
+      "float? soft_cap=None, int? max_query_len=None) -> Tensor");
   m.def(
       "write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "Tensor slot_mapping) -> ()");

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pagedjax.config import EngineConfig
 from pagedjax.core.batch import ModelInput, build_model_input
 from pagedjax.core.scheduler_output import SampleSpec, ScheduledSequence, SchedulerOutput
+from pagedjax.core.step_shapes import StepShapes
 from pagedjax.sampling_params import MAX_LOGPROBS, SamplingParams
 
 CPU_KV_CACHE_BYTES = 4 << 30  # host memory the CPU backends may give the KV pool at utilization 1
@@ -34,7 +35,7 @@ def num_kv_blocks_for_budget(per_block: int, config: EngineConfig,
     return int(num_blocks)
 
 
-def warm_up_input(config: EngineConfig) -> ModelInput:
+def warm_up_input(config: EngineConfig, shapes: StepShapes) -> ModelInput:
     """The heaviest step the scheduler can produce: max_num_batched_tokens prompt tokens over up
     to max_num_seqs sequences, every one sampled with filters and top logprobs."""
     block_size = config.block_size
@@ -51,5 +52,4 @@ def warm_up_input(config: EngineConfig) -> ModelInput:
     ]
     out = SchedulerOutput(scheduled=scheduled, block_copies=[], preempted_seq_ids=[],
                           num_batched_tokens=num_seqs * q_len)
-    return build_model_input(out, block_size=block_size,
-                             max_blocks_per_seq=config.max_blocks_per_seq)
+    return build_model_input(out, shapes, block_size=block_size)

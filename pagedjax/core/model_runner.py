@@ -8,10 +8,12 @@ draft steps, verification and rejection sampling) and returns host arrays only.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable, Hashable
 from typing import Protocol
 
 from pagedjax.config import DTYPES, EngineConfig, ModelConfig
 from pagedjax.core.batch import ModelInput, ModelOutput
+from pagedjax.core.step_shapes import BatchLayout, StepShapes
 
 # backend name → "module:class" of its runner, imported only when chosen (a backend's framework
 # never loads for the other one).
@@ -28,7 +30,27 @@ class ModelRunner(Protocol):
 
     @property
     def num_compiles(self) -> int:
-        """Step shapes compiled (jit traces, CUDA graph captures) so far."""
+        """Step shapes compiled (jit) or captured (CUDA graphs) after `compile`: a shape
+        outside the closed set, logged; 0 while the set holds."""
+        ...
+
+    def cache_key(self) -> str:
+        """What the runner's compiled steps, and so their timings, depend on: the device, the
+        framework's version, pagedjax's code, the models' and KV caches' shapes."""
+        ...
+
+    @property
+    def num_cache_hits(self) -> int:
+        """Compiled steps loaded from a persistent cache instead of compiled."""
+        ...
+
+    def compile_plan(self, layouts: list[BatchLayout]) -> list[Hashable]:
+        """What `compile` will compile or capture for these layouts (possibly nothing)."""
+        ...
+
+    def compile(self, layouts: list[BatchLayout], on_compiled: Callable[[], None]) -> None:
+        """Compile or capture every step of these layouts before the first request;
+        on_compiled() after each item of compile_plan."""
         ...
 
     def execute(self, model_input: ModelInput) -> ModelOutput:
@@ -42,9 +64,9 @@ class ModelRunner(Protocol):
 
 class RunnerFactory(Protocol):
     def __call__(self, config: EngineConfig, model_config: ModelConfig,
-                 draft_model_config: ModelConfig | None = None) -> ModelRunner:
+                 draft_model_config: ModelConfig | None, shapes: StepShapes) -> ModelRunner:
         """A runner for config.model, plus the draft model of config.speculative_config (whose
-        config is draft_model_config) sharing its block ids."""
+        config is draft_model_config) sharing its block ids, for steps of these shapes."""
         ...
 
     def default_dtype(self, model_config: ModelConfig) -> str:

@@ -32,10 +32,12 @@ from pagedjax.core.stopping import StopChecker
 class Scheduler:
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int,
                  max_num_batched_tokens: int, stop_checker: StopChecker,
-                 has_draft: bool = False) -> None:
+                 has_draft: bool = False, max_logit_entries: int | None = None) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # The step's capacity for penalty, logit_bias and min_tokens entries (StepShapes)
+        self.max_logit_entries = max_logit_entries
         self.stop_checker = stop_checker
         self.has_draft = has_draft  # a draft model shares the pool: track its KV progress
         self.waiting: deque[Sequence] = deque()
@@ -102,21 +104,32 @@ class Scheduler:
         """This step's batch; with num_spec_tokens k > 0, up to k draft slots per sequence."""
         assert not num_spec_tokens or self.has_draft
         step = SchedulerOutput([], [], [], 0, num_spec_tokens)
-        self._draft_budget = self.max_num_batched_tokens if num_spec_tokens else 0
+        self._draft_budget = self.max_num_batched_tokens if self.has_draft else 0
+        self._entries_budget = self.max_logit_entries
         self._schedule_running(step)
         if not step.preempted_seq_ids:
             self._schedule_waiting(step)
-        if step.num_spec_tokens:
-            self._fit_num_spec_tokens(step)
+        if self.has_draft:
+            self._fit_drafts(step)
         return step
 
     @staticmethod
-    def _fit_num_spec_tokens(step: SchedulerOutput) -> None:
-        """The step's k is the most drafts any of its sequences proposes (max_tokens caps them
-        near the end): the draft passes past it would propose nothing. A step with no drafts
-        runs the draft only for catch-ups (k = 1: the catch-up pass alone), else not at all."""
-        k = max((e.num_spec_tokens for e in step.scheduled), default=0)
-        step.num_spec_tokens = k or int(any(e.draft_token_ids for e in step.scheduled))
+    def _fit_drafts(step: SchedulerOutput) -> None:
+        """The draft's work fits the step's shape (step_shapes.py). A step where some
+        sequence computes more than one token (a prompt chunk) proposes no drafts, and the
+        draft catches up in it whatever k is. In a decode step the draft runs only with k > 0,
+        and a sequence catches up on at most k + 1 tokens there (the rest next step: it drafts
+        once caught up). The step's k is then the most drafts a sequence proposes (max_tokens
+        caps them near the end)."""
+        k = step.num_spec_tokens
+        decode = all(e.is_decode for e in step.scheduled)
+        for e in step.scheduled:
+            if not decode or len(e.draft_token_ids) > k + 1:
+                step.num_batched_tokens -= e.num_spec_tokens
+                e.num_spec_tokens = 0
+            if decode:
+                e.draft_token_ids = e.draft_token_ids[: k + 1] if k else []
+        step.num_spec_tokens = max((e.num_spec_tokens for e in step.scheduled), default=0)
 
     def _budget(self, step: SchedulerOutput) -> int:
         return self.max_num_batched_tokens - step.num_batched_tokens
@@ -138,6 +151,8 @@ class Scheduler:
             if seq.num_computed_tokens == seq.num_tokens:
                 continue  # waits for its request policy's next token (a beam)
             num_new = min(seq.num_tokens - seq.num_computed_tokens, self._budget(step))
+            if not self._take_logit_entries(seq, seq.num_computed_tokens + num_new):
+                break
             num_spec = self._num_spec_tokens(step, seq, seq.num_computed_tokens, num_new)
             allocated = self._allocate_or_preempt(seq, num_new, num_spec, step.preempted_seq_ids)
             if allocated is None:
@@ -161,6 +176,8 @@ class Scheduler:
                     else self.block_manager.get_computed_blocks(seq.token_ids))
             num_computed = len(hits) * self.block_manager.block_size
             num_new = min(seq.num_tokens - num_computed, self._budget(step))
+            if not self._take_logit_entries(seq, num_computed + num_new):
+                break
             num_spec = self._num_spec_tokens(step, seq, num_computed, num_new, 0)
             allocated = self._allocate_with_drafts(seq, num_computed, num_new, num_spec, hits)
             while allocated is None and self._park_idle(step.preempted_seq_ids):
@@ -178,6 +195,18 @@ class Scheduler:
             seats += 1 + seq.num_pending_forks
             self._add(step, seq, num_new, *allocated)
 
+    def _take_logit_entries(self, seq: Sequence, end_pos: int) -> bool:
+        """Whether the rows seq samples this step (itself and the forks it makes) fit what is
+        left of the step's logit entries (taking them); rows that do not sample take none."""
+        if self._entries_budget is None or end_pos < seq.num_tokens:
+            return True
+        need = (seq.num_logit_entries(len(self.stop_checker.eos_token_ids))
+                * (1 + seq.num_pending_forks))
+        if need > self._entries_budget:
+            return False
+        self._entries_budget -= need
+        return True
+
     def _park_idle(self, preempted: list[int]) -> bool:
         """Preempt (park) the latest running sequence with nothing to compute (a beam whose row
         is in, waiting for a sibling's): it needs no blocks this step, and the sequences that
@@ -194,14 +223,15 @@ class Scheduler:
     def _num_spec_tokens(self, step: SchedulerOutput, seq: Sequence, num_computed: int,
                          num_new: int, num_draft_computed: int | None = None) -> int:
         """Draft slots for seq this step: only once its last real token is computed and the
-        draft can catch up to it, within the budget and `_drafts_left`, and never while forking
-        or below min_tokens."""
+        draft can catch up to it on at most k + 1 tokens, within the budget and `_drafts_left`,
+        and never while forking or below min_tokens."""
         end_pos = num_computed + num_new
         if num_draft_computed is None:
             num_draft_computed = seq.num_draft_computed_tokens
         if (not step.num_spec_tokens or end_pos < seq.num_tokens or seq.num_pending_forks
                 or seq.num_output_tokens < seq.sampling_params.min_tokens
-                or end_pos - num_draft_computed > self._draft_budget):
+                or end_pos - num_draft_computed > min(self._draft_budget,
+                                                      step.num_spec_tokens + 1)):
             return 0
         return max(0, min(step.num_spec_tokens, self._budget(step) - num_new,
                           self._drafts_left(seq)))

@@ -47,6 +47,12 @@ class ScheduledSequence:
         return len(self.token_ids)
 
     @property
+    def is_decode(self) -> bool:
+        """One new token, scoring no prompt token: what a decode-shaped step holds only (any
+        other sequence makes the step mixed, step_shapes.py)."""
+        return len(self.token_ids) == 1 and not self.prompt_logprob_token_ids
+
+    @property
     def end_pos(self) -> int:
         """Position after the last real token computed this step."""
         return self.start_pos + len(self.token_ids)
@@ -65,7 +71,9 @@ class SchedulerOutput:
     block_copies: list[tuple[int, int]]  # (src, dst) copy-on-write block copies, before the forward
     preempted_seq_ids: list[int]  # sequences sent back to waiting (recompute) this step
     num_batched_tokens: int  # sum of num_new_tokens and draft slots
-    num_spec_tokens: int = 0  # K: most drafts per sequence; 0 = the draft model does not run
+    # k: the most drafts a sequence proposes (0: none; the draft model still runs when some
+    # sequence has draft_token_ids to catch up on)
+    num_spec_tokens: int = 0
 
     @property
     def is_empty(self) -> bool:

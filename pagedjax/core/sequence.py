@@ -69,6 +69,16 @@ class Sequence:
             return []
         return self.token_ids[start + 1 : min(end + 1, self.num_prompt_tokens)]
 
+    def num_logit_entries(self, num_eos_token_ids: int) -> int:
+        """At most how many logit entries (logit_entries.py) a row of it carries this step:
+        banned tokens while below min_tokens, its logit_bias, and what its penalties count."""
+        params = self.sampling_params
+        n = len(params.logit_bias or ())
+        if self.num_output_tokens < params.min_tokens:
+            n += len(params.stop_token_ids) + (0 if params.ignore_eos else num_eos_token_ids)
+        prompt, output = self.penalty_token_ids()
+        return n + len(prompt) + len(output)
+
     def penalty_token_ids(self) -> tuple[list[int], list[int]]:
         """(distinct prompt tokens, output tokens with repeats): what the penalties count. Both
         empty without penalties; the prompt's only matter to repetition_penalty."""

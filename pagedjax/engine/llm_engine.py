@@ -5,12 +5,20 @@ Scheduler.schedule → request policies add sample rows (n > 1) → build_model_
 ModelRunner.execute (one device step) → Scheduler.update (token-level stops, rollback) →
 OutputProcessor (text, stop strings, logprobs, outputs) → request policies pick tokens, fork
 and drop (beam search).
+
+Before the first request the engine has its runner compile every step shape it can ever run
+(the closed set of core/step_shapes.py) and, with an adaptive draft, times each k at each batch
+bucket once (the speculation policy's cost table).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
+import json
+import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -18,7 +26,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from tqdm.auto import tqdm
 
+from pagedjax.cache import cache_dir, compile_at_startup, compile_cache_enabled
 from pagedjax.config import EngineConfig, ModelConfig
 from pagedjax.core.batch import ModelOutput, build_model_input
 from pagedjax.core.beam_search import BeamSearch, BeamSearchParams
@@ -28,10 +38,17 @@ from pagedjax.core.request_policy import ParallelSampling, PolicyContext, Reques
 from pagedjax.core.scheduler import Scheduler
 from pagedjax.core.scheduler_output import ScheduledSequence, SchedulerOutput
 from pagedjax.core.sequence import Sequence
-from pagedjax.core.spec_decode import AdaptiveSpeculation, SpeculativeConfig
+from pagedjax.core.spec_decode import (
+    AdaptiveSpeculation,
+    SpeculativeConfig,
+    StepCosts,
+    measure_step_costs,
+)
+from pagedjax.core.step_shapes import StepShapes
 from pagedjax.core.stopping import StopChecker
 from pagedjax.distributed import register_engine
 from pagedjax.engine.output_processor import OutputProcessor
+from pagedjax.gguf_loader import resolve_model_source
 from pagedjax.outputs import RequestOutput
 from pagedjax.parallel import TensorParallelPlan
 from pagedjax.random import derive_seed
@@ -40,6 +57,7 @@ from pagedjax.tokenizer import load_eos_token_ids, load_tokenizer
 
 # A prompt: text, or {"prompt_token_ids": [...]} (optionally with "prompt": text).
 PromptType = str | dict[str, Any]
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -72,9 +90,11 @@ class StepTimings:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
+        config.model = resolve_model_source(config.model)  # a GGUF file: its HF conversion
         if not Path(config.model).is_dir():
             raise ValueError(f"model={config.model!r} is not a directory; pass a Hugging Face "
-                             "checkpoint directory (config.json, *.safetensors, tokenizer files).")
+                             "checkpoint directory (config.json, *.safetensors, tokenizer files) "
+                             "or a .gguf file.")
         runner_cls = get_runner_cls(config.backend)
         self.config = config
         self.model_config = ModelConfig.from_pretrained(config.model)
@@ -82,15 +102,29 @@ class LLMEngine:
         TensorParallelPlan.for_model(self.model_config, config.tensor_parallel_size)  # it splits
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
         self.eos_token_ids = load_eos_token_ids(config.model, self.tokenizer)
-        self.speculation: AdaptiveSpeculation | None = None
-        draft_model_config = None
+        spec_config = draft_model_config = None
         if config.speculative_config is not None:
             spec_config = SpeculativeConfig.from_dict(config.speculative_config,
-                                                  config.tensor_parallel_size)
+                                                      config.tensor_parallel_size)
             draft_model_config = self._check_draft(spec_config)
-            self.speculation = AdaptiveSpeculation(spec_config)
+        self.shapes = StepShapes.for_engine(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_blocks_per_seq=config.max_blocks_per_seq, max_model_len=config.max_model_len,
+            num_speculative_tokens=spec_config.num_speculative_tokens if spec_config else 0)
         self.runner: ModelRunner | None = runner_cls(config, self.model_config,
-                                                     draft_model_config)
+                                                     draft_model_config, self.shapes)
+        self.startup_compile_seconds = self._compile()
+        self.speculation: AdaptiveSpeculation | None = None
+        if spec_config is not None:
+            costs = None
+            if spec_config.adaptive and compile_at_startup():
+                costs = self._step_costs()
+            elif spec_config.adaptive:
+                logger.info("PAGEDJAX_COMPILE_AT_STARTUP=0: speculation keeps k = %d fixed (the "
+                            "adaptive policy's step-time table would compile every speculative "
+                            "step)", spec_config.num_speculative_tokens)
+            self.speculation = AdaptiveSpeculation(spec_config, self.shapes, costs)
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size,
                                           config.enable_prefix_caching)
         self._seq_ids = itertools.count()
@@ -99,7 +133,8 @@ class LLMEngine:
             self.block_manager, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             stop_checker=StopChecker(self.eos_token_ids, config.max_model_len),
-            has_draft=self.speculation is not None)
+            has_draft=self.speculation is not None,
+            max_logit_entries=self.shapes.num_logit_entries)
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler)
         self.policy_context = PolicyContext(self.scheduler, lambda: next(self._seq_ids),
                                             self._rng_seed, self.eos_token_ids, self.tokenizer)
@@ -125,6 +160,44 @@ class LLMEngine:
             self._abort_now(request_id)
         self.runner.shutdown()
         self.runner = None
+
+    def _compile(self) -> float:
+        """Compile (JAX) or capture (CUDA graphs) every step shape before the first request,
+        with a progress bar and one log line; returns the seconds it took."""
+        layouts = self.shapes.layouts()
+        if not compile_at_startup():
+            logger.info("PAGEDJAX_COMPILE_AT_STARTUP=0: each of the %d step shapes compiles "
+                        "when a step first needs it", len(layouts))
+            return 0.0
+        plan = self.runner.compile_plan(layouts)
+        start = time.perf_counter()
+        with tqdm(total=len(plan), desc="Compiling step shapes", unit="shape",
+                  disable=not plan) as bar:
+            self.runner.compile(layouts, bar.update)
+        seconds = time.perf_counter() - start
+        logger.info("%d step shapes ready in %.1f s (%d compiled or captured, %d of them "
+                    "loaded from the compile cache)", len(layouts), seconds, len(plan),
+                    self.runner.num_cache_hits)
+        return seconds
+
+    def _step_costs(self) -> StepCosts:
+        """The speculation policy's cost table: measured once per runner (device, code,
+        shapes) and kept in pagedjax's cache folder beside the compiled steps."""
+        key = hashlib.sha256(f"{self.runner.cache_key()}|{self.shapes!r}".encode()).hexdigest()
+        path = cache_dir() / "step_costs" / f"{key[:32]}.json"
+        if compile_cache_enabled() and path.is_file():
+            table = json.loads(path.read_text())
+            return {int(s): {int(k): t for k, t in row.items()} for s, row in table.items()}
+        costs = measure_step_costs(self.runner.execute, self.shapes, self.config,
+                                   self.runner.num_kv_blocks)
+        if compile_cache_enabled():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(costs))
+            tmp.replace(path)
+        logger.info("step costs (ms) by batch bucket and k: %s", {
+            s: {k: round(1e3 * t, 2) for k, t in row.items()} for s, row in costs.items()})
+        return costs
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineConfig) -> LLMEngine:
@@ -157,6 +230,7 @@ class LLMEngine:
             params = self._beam_sampling_params(beam_params)
         max_tokens = self._check_lengths(token_ids, params)
         self._check_logit_bias(params)
+        self._check_logit_entries(token_ids, params, max_tokens)
         with self._inbox_lock:
             if request_id in self._pending_ids or request_id in self.output_processor.requests:
                 raise ValueError(f"request_id={request_id!r} is already in use; pick a unique "
@@ -268,6 +342,23 @@ class LLMEngine:
             raise ValueError(f"SamplingParams.logit_bias has token ids {bad[:5]} outside the "
                              f"vocabulary [0, {vocab}); use this model's token ids.")
 
+    def _check_logit_entries(self, token_ids: list[int], params: SamplingParams,
+                             max_tokens: int) -> None:
+        """The request's rows must fit one step's logit entries (logit_entries.py) even at
+        their largest: n rows with their logit_bias, banned tokens and penalties' tokens."""
+        per_row = len(params.logit_bias or ()) + len(params.stop_token_ids) + len(
+            self.eos_token_ids)
+        if params.has_penalties:
+            per_row += max_tokens + (len(set(token_ids))
+                                     if params.repetition_penalty != 1.0 else 0)
+        capacity = self.shapes.num_logit_entries
+        if params.n * per_row > capacity:
+            raise ValueError(
+                f"SamplingParams n={params.n} with these penalties, logit_bias and stop tokens "
+                f"needs up to {params.n * per_row} logit entries per step, over this engine's "
+                f"{capacity} (4 x max_model_len); lower n, max_tokens or the logit_bias, or "
+                "raise max_model_len.")
+
     def abort_request(self, request_id: str) -> bool:
         """Finish a request at the top of the next step (finish_reason "abort", its final
         output among that step's outputs) and free its blocks. A request still in the inbox is
@@ -300,11 +391,8 @@ class LLMEngine:
         for request_id, entries in policies.items():
             self.policies[request_id].schedule(entries)
         stamps.append(time.perf_counter())
-        model_input = build_model_input(out, block_size=self.config.block_size,
-                                        max_blocks_per_seq=self.config.max_blocks_per_seq,
-                                        max_spec_tokens=self.max_spec_tokens)
+        model_input = build_model_input(out, self.shapes, block_size=self.config.block_size)
         stamps.append(time.perf_counter())
-        num_compiles = self.runner.num_compiles
         model_output = self.runner.execute(model_input)
         stamps.append(time.perf_counter())
         sampled = dict(zip(model_output.seq_ids, model_output.token_lists()))
@@ -316,9 +404,7 @@ class LLMEngine:
         stamps.append(time.perf_counter())
         self.step_timings.record(stamps)
         if self.speculation is not None:
-            decode = all(e.num_new_tokens == 1 for e in out.scheduled)
-            self.speculation.observe(out, sampled, stamps[-1] - stamps[0],
-                                     timed=decode and self.runner.num_compiles == num_compiles)
+            self.speculation.observe(out, sampled)
         return aborted + outputs if aborted else outputs
 
     def _policies_of(self, out: SchedulerOutput) -> dict[str, list[ScheduledSequence]]:
@@ -349,10 +435,6 @@ class LLMEngine:
                 outputs.append(output)
         return outputs
 
-    @property
-    def max_spec_tokens(self) -> int:
-        return 0 if self.speculation is None else self.speculation.max_k
-
     def _choose_num_spec_tokens(self) -> int:
         if self.speculation is None:
             return 0
@@ -375,5 +457,10 @@ class LLMEngine:
             "prefix_cache_hits": bm.prefix_cache_hits,
             "prompt_tokens_total": self.prompt_tokens_total,
             "generation_tokens_total": sched.num_generation_tokens_total,
+            # the closed set of step shapes, its startup compile, and compiles since (a bug)
+            "num_step_shapes": len(self.shapes.layouts()),
+            "startup_compile_seconds": self.startup_compile_seconds,
+            "num_compiles_after_startup": self.runner.num_compiles if self.runner else 0,
+            "compile_cache_hits": self.runner.num_cache_hits if self.runner else 0,
             **(self.speculation.as_dict() if self.speculation else {}),
         }

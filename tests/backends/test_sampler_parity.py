@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -10,7 +13,10 @@ import torch
 from pagedjax import random as prng
 from pagedjax.backends.jax import sampler as jax_sampler
 from pagedjax.backends.torch import sampler as torch_sampler
-from pagedjax.sampling_params import MAX_LOGPROBS
+from pagedjax.core.batch import StepFlags
+from pagedjax.core.logit_entries import build_logit_entries
+from pagedjax.core.scheduler_output import SampleSpec
+from pagedjax.sampling_params import MAX_LOGPROBS, SamplingParams
 
 # One row per knob mix: (temperature, top_k, top_p, min_p); 0 temperature = greedy.
 ROWS = [
@@ -31,107 +37,111 @@ ROWS = [
 ]
 
 
-def _metadata(seed: int, vocab: int, logits: np.ndarray) -> dict[str, np.ndarray]:
+def _metadata(seed: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     num_rows = len(ROWS)
     temperature, top_k, top_p, min_p = (np.array(c) for c in zip(*ROWS))
-    # Ban the argmax of a greedy row and of a random row (plus a few others); -1 rows pad.
-    banned = [(0, int(logits[0].argmax())), (1, int(logits[1].argmax())), (0, 3), (5, 7)]
-    rows, ids = (list(c) for c in zip(*banned))
-    rows += [-1, -1, -1, -1]
-    ids += [0, 1, 2, 3]
     return {
         "temperature": temperature.astype(np.float32), "top_k": top_k.astype(np.int32),
         "top_p": top_p.astype(np.float32), "min_p": min_p.astype(np.float32),
         "rng_seed": rng.integers(0, 2**32, num_rows, dtype=np.uint32),
         "rng_step": rng.integers(0, 2**32, num_rows, dtype=np.uint32),
-        "banned_rows": np.array(rows, np.int32), "banned_token_ids": np.array(ids, np.int32),
+        "presence_penalty": np.zeros(num_rows, np.float32),
+        "frequency_penalty": np.zeros(num_rows, np.float32),
+        "repetition_penalty": np.ones(num_rows, np.float32),
     }
 
 
-def _processor_metadata(seed: int, vocab: int, logits: np.ndarray) -> dict[str, np.ndarray]:
-    """Penalties on rows 1, 3, 5, 9 and 11 (counting each row's likeliest tokens) and logit_bias
-    on rows 0, 2 and 9, packed as build_model_input packs them; -1 rows pad."""
+def _specs(logits: np.ndarray, processors: bool, seed: int) -> list[SampleSpec]:
+    """Each row's banned tokens (the argmax of a greedy and a random row, plus a few others)
+    and, with processors, penalties on rows 1, 3, 5, 9 and 11 (counting each row's likeliest
+    tokens) and logit_bias on rows 0, 2 and 9: what build_logit_entries packs."""
     rng = np.random.default_rng(seed + 100)
-    num_rows = len(ROWS)
     top = np.argsort(-logits, axis=-1)[:, :3]  # [L, 3]
-    rows, tokens, counts = [], [], []
-    for r in (1, 3, 5, 9, 11):
-        prompt = [int(top[r, 1]), *rng.integers(0, vocab, 6).tolist()]  # count 0: prompt
-        output = [int(top[r, 0])] * 2 + [int(top[r, 2])]  # count 1 per occurrence
-        rows += [r] * (len(prompt) + len(output))
-        tokens += prompt + output
-        counts += [0] * len(prompt) + [1] * len(output)
-    bias = [(0, int(top[0, 0]), -100.0), (0, 4, 3.0), (2, 11, 100.0), (9, int(top[9, 1]), 2.5)]
-    penalties = np.zeros((3, num_rows), np.float32)
-    penalties[2] = 1.0  # repetition 1: off
-    penalties[:, [1, 3, 5, 9, 11]] = [[2.0, -1.0, 2.0, 1.0, 1.0], [1.5, 2.0, -0.5, 2.0, 2.0],
-                                      [1.3, 0.8, 1.0, 2.0, 1.1]]
-    pad = [-1, -1, -1]
-    return {
-        "penalty_rows": np.array(rows + pad, np.int32),
-        "penalty_token_ids": np.array(tokens + [0, 0, 0], np.int32),
-        "penalty_counts": np.array(counts + [1, 1, 1], np.int32),
-        "presence_penalty": penalties[0], "frequency_penalty": penalties[1],
-        "repetition_penalty": penalties[2],
-        "bias_rows": np.array([r for r, _, _ in bias] + pad, np.int32),
-        "bias_token_ids": np.array([t for _, t, _ in bias] + [0, 0, 0], np.int32),
-        "logit_bias": np.array([b for _, _, b in bias] + [0.0, 0.0, 0.0], np.float32),
-    }
+    banned = {0: [int(logits[0].argmax()), 3], 1: [int(logits[1].argmax())], 5: [7]}
+    bias = {0: {int(top[0, 0]): -100.0, 4: 3.0}, 2: {11: 100.0}, 9: {int(top[9, 1]): 2.5}}
+    specs = []
+    for r in range(len(ROWS)):
+        prompt, output, row_bias = [], [], None
+        if processors and r in (1, 3, 5, 9, 11):
+            prompt = sorted({int(top[r, 1]), *rng.integers(0, logits.shape[1], 6).tolist()})
+            output = [int(top[r, 0])] * 2 + [int(top[r, 2])]
+        if processors:
+            row_bias = bias.get(r)
+        specs.append(SampleSpec(r, SamplingParams(logit_bias=row_bias), 0, 0, banned.get(r, []),
+                                prompt, output))
+    return specs
 
 
-def _torch_sampling(meta: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
-    out = {k: torch.from_numpy(v) for k, v in meta.items()}
-    out["rng_seed"] = torch.from_numpy(meta["rng_seed"].astype(np.int64))
-    out["rng_step"] = torch.from_numpy(meta["rng_step"].astype(np.int64))
-    return out
+def _set_penalties(meta: dict[str, np.ndarray]) -> None:
+    rows = [1, 3, 5, 9, 11]
+    meta["presence_penalty"][rows] = [2.0, -1.0, 2.0, 1.0, 1.0]
+    meta["frequency_penalty"][rows] = [1.5, 2.0, -0.5, 2.0, 2.0]
+    meta["repetition_penalty"][rows] = [1.3, 0.8, 1.0, 2.0, 1.1]
+
+
+def _sample_both(logits: np.ndarray, meta: dict[str, np.ndarray], specs: list[SampleSpec],
+                 flags: StepFlags) -> tuple[tuple, tuple]:
+    """(JAX's sample, torch's sample) of the same rows."""
+    entries = build_logit_entries(specs, 256)
+    flags = dataclasses.replace(flags, logit_entries=entries is not None)
+    packed = ((entries.ints, entries.bias) if entries is not None
+              else (np.full((4, 1), -1, np.int32), np.zeros(1, np.float32)))
+    jax_sampling = {k: jnp.asarray(v) for k, v in meta.items()}
+    jax_sampling["entries"] = tuple(map(jnp.asarray, packed))
+    ref = jax.jit(jax_sampler.sample)(jnp.asarray(logits), jax_sampling,
+                                      jnp.asarray(flags.as_array()) != 0)
+    torch_sampling = {k: torch.from_numpy(v) for k, v in meta.items()}
+    for name in ("rng_seed", "rng_step"):
+        torch_sampling[name] = torch.from_numpy(meta[name].astype(np.int64))
+    if entries is not None:
+        n = entries.num_entries
+        torch_sampling["entries"] = (torch.from_numpy(entries.ints[:, :n]),
+                                     torch.from_numpy(entries.bias[:n]))
+    got = torch_sampler.sample(torch.from_numpy(logits), torch_sampling, flags)
+    return tuple(None if x is None else np.asarray(x) for x in ref), got
 
 
 @pytest.mark.parametrize("seed,vocab", [(0, 512), (1, 1000), (2, 4099)])
-@pytest.mark.parametrize("num_top_logprobs", [0, MAX_LOGPROBS])
+@pytest.mark.parametrize("logprobs", [False, True])
 @pytest.mark.parametrize("processors", [False, True])
-def test_samplers_agree(seed: int, vocab: int, num_top_logprobs: int, processors: bool) -> None:
+def test_samplers_agree(seed: int, vocab: int, logprobs: bool, processors: bool) -> None:
     """processors: some rows also have penalties and logit_bias."""
     logits = np.random.default_rng(seed).normal(0, 3, (len(ROWS), vocab)).astype(np.float32)
-    meta = _metadata(seed, vocab, logits)
+    meta = _metadata(seed)
     if processors:
-        meta.update(_processor_metadata(seed, vocab, logits))
-    flags = dict(num_top_logprobs=num_top_logprobs, all_greedy=False, use_filters=True)
-    ref = jax_sampler.sample(jnp.asarray(logits), {k: jnp.asarray(v) for k, v in meta.items()},
-                             **flags)
-    got = torch_sampler.sample(torch.from_numpy(logits), _torch_sampling(meta), **flags)
-    np.testing.assert_array_equal(got[0].numpy(), np.asarray(ref[0]))
-    np.testing.assert_allclose(got[1].numpy(), np.asarray(ref[1]), rtol=0, atol=1e-5)
+        _set_penalties(meta)
+    flags = StepFlags(sampled=True, filters=True, logprobs=logprobs)
+    ref, got = _sample_both(logits, meta, _specs(logits, processors, seed), flags)
+    np.testing.assert_array_equal(got[0].numpy(), ref[0])
+    np.testing.assert_allclose(got[1].numpy(), ref[1], rtol=0, atol=1e-5)
     assert got[0][0] != logits[0].argmax() and got[0][1] != logits[1].argmax()  # banned
     if processors:  # they matter: the plain sampler picks otherwise in most processed rows
         assert got[0][2] == 11  # logit_bias +100
-        plain = jax_sampler.sample(jnp.asarray(logits), {k: jnp.asarray(v) for k, v in
-                                                         _metadata(seed, vocab, logits).items()},
-                                   **flags)
-        assert (np.asarray(plain[0]) != got[0].numpy()).sum() >= 3
-    if num_top_logprobs:
-        np.testing.assert_array_equal(got[2].numpy(), np.asarray(ref[2]))
-        np.testing.assert_allclose(got[3].numpy(), np.asarray(ref[3]), rtol=0, atol=1e-5)
-        np.testing.assert_array_equal(got[4].numpy(), np.asarray(ref[4]))  # ranks
+        plain, _ = _sample_both(logits, _metadata(seed), _specs(logits, False, seed), flags)
+        assert (plain[0] != got[0].numpy()).sum() >= 3
+    if logprobs:
+        np.testing.assert_array_equal(got[2].numpy(), ref[2])
+        np.testing.assert_allclose(got[3].numpy(), ref[3], rtol=0, atol=1e-5)
+        np.testing.assert_array_equal(got[4].numpy(), ref[4])  # ranks
         assert got[4].min() >= 1 and (got[4][0] > 1 or got[4][1] > 1)
+        assert ref[2].shape == (len(ROWS), MAX_LOGPROBS)
     else:
-        assert got[2] is None and ref[2] is None and got[4] is None and ref[4] is None
+        assert got[2] is None and got[4] is None and not ref[2].any()  # a branch not taken
 
 
-@pytest.mark.parametrize("all_greedy,use_filters", [(True, False), (False, False)])
-def test_samplers_agree_static_paths(all_greedy: bool, use_filters: bool) -> None:
-    """The all-greedy and no-filter fast paths match too (filters off in every row)."""
+@pytest.mark.parametrize("sampled,filters", [(False, False), (True, False)])
+def test_samplers_agree_on_the_skipped_paths(sampled: bool, filters: bool) -> None:
+    """The all-greedy and no-filter paths (the branches a step skips) match too."""
     logits = np.random.default_rng(7).normal(0, 3, (len(ROWS), 777)).astype(np.float32)
-    meta = _metadata(7, 777, logits)
-    if all_greedy:
+    meta = _metadata(7)
+    if not sampled:
         meta["temperature"][:] = 0.0
     meta["top_k"][:], meta["top_p"][:], meta["min_p"][:] = 0, 1.0, 0.0
-    flags = dict(num_top_logprobs=0, all_greedy=all_greedy, use_filters=use_filters)
-    ref = jax_sampler.sample(jnp.asarray(logits), {k: jnp.asarray(v) for k, v in meta.items()},
-                             **flags)
-    got = torch_sampler.sample(torch.from_numpy(logits), _torch_sampling(meta), **flags)
-    np.testing.assert_array_equal(got[0].numpy(), np.asarray(ref[0]))
-    np.testing.assert_allclose(got[1].numpy(), np.asarray(ref[1]), rtol=0, atol=1e-5)
+    ref, got = _sample_both(logits, meta, _specs(logits, False, 7),
+                            StepFlags(sampled=sampled, filters=filters))
+    np.testing.assert_array_equal(got[0].numpy(), ref[0])
+    np.testing.assert_allclose(got[1].numpy(), ref[1], rtol=0, atol=1e-5)
 
 
 def test_uniform_is_bit_exact() -> None:
@@ -158,3 +168,16 @@ def test_the_jax_argmax_is_jnps():
         got = jax_sampler.argmax(logits)
         assert got.dtype == jnp.int32
         np.testing.assert_array_equal(got, jnp.argmax(logits, axis=-1))
+
+
+def test_filters_pass_padding_rows() -> None:
+    """Padding rows carry zero knobs (top_p 0 keeps nothing): both torch filters return a row
+    for them instead of indexing out of range (on a GPU that was a device-side assert in every
+    CUDA graph of a sampled step), and leave the request rows as they were."""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    top_k, top_p, min_p = torch.tensor([5, 0, 0]), torch.tensor([0.9, 0.0, 0.0]), torch.zeros(3)
+    sorted_out = torch_sampler.filter_logits_sorted(logits, top_k, top_p, min_p)
+    cpu_out = torch_sampler.filter_logits(logits, top_k, top_p, min_p)
+    assert sorted_out.shape == cpu_out.shape == logits.shape
+    assert torch.equal(torch.isfinite(sorted_out[0]), torch.isfinite(cpu_out[0]))
+    assert int(torch.isfinite(sorted_out[0]).sum()) <= 5

@@ -61,6 +61,21 @@ def test_greedy_speculation_is_exact(tiny_model, reference, backend: str, draft_
     assert_no_leak(llm)
 
 
+@pytest.mark.usefixtures("compile_at_startup")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_adaptive_speculation_is_exact(tiny_model, reference, backend: str) -> None:
+    """The adaptive policy (its step-time table measured at startup) switches among the compiled
+    ks 0, 2 and 4 from step to step; greedy output stays exactly the output without a draft."""
+    llm = make_llm(tiny_model("llama"), backend, tiny_model("draft"), k=4, max_num_seqs=8)
+    assert llm.engine.speculation.adaptive and llm.engine.shapes.spec_ks == (2, 4)
+    outputs = llm.generate(prompts(llm), GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == reference[backend]
+    steps_per_k = llm.get_metrics()["spec_decode_steps_per_k"]
+    assert sum(steps_per_k[1:]) > 0
+    assert llm.get_metrics()["num_compiles_after_startup"] == 0
+    assert_no_leak(llm)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_stop_token_inside_accepted_drafts(tiny_model, reference, backend: str) -> None:
     """A stop token among accepted drafts ends the completion right there."""

@@ -13,10 +13,11 @@ import torch
 
 from pagedjax.backends.jax.runner import JaxModelRunner
 from pagedjax.backends.torch.model import DecoderLayer
-from pagedjax.backends.torch.runner import TorchModelRunner
+from pagedjax.backends.torch.runner import GRAPH_FLAGS, TorchModelRunner
 from pagedjax.config import EngineConfig, ModelConfig
 from pagedjax.core.kv_cache import num_kv_blocks_for_budget, warm_up_input
 from pagedjax.core.scheduler_output import SchedulerOutput
+from pagedjax.core.step_shapes import StepShapes
 from pagedjax.entrypoints.llm import LLM
 from pagedjax.sampling_params import SamplingParams
 from tests import hf_reference
@@ -220,14 +221,19 @@ def test_kv_pool_sizing_matches_jax(checkpoints: dict[str, Path]) -> None:
     model_config = ModelConfig.from_pretrained(model_dir)
     config = EngineConfig(model=model_dir, backend="torch", max_model_len=256, max_num_seqs=4)
     config.validate(model_config)
-    runner = TorchModelRunner(config, model_config)
+    shapes = StepShapes.for_engine(max_num_seqs=4, max_num_batched_tokens=512,
+                                   max_blocks_per_seq=config.max_blocks_per_seq,
+                                   max_model_len=256)
+    runner = TorchModelRunner(config, model_config, None, shapes)
     expected = num_kv_blocks_for_budget(
         model_config.kv_bytes_per_block(BLOCK_SIZE, config.dtype_bytes), config, None)
-    assert runner.num_kv_blocks == expected == JaxModelRunner(config, model_config).num_kv_blocks
+    jax_runner = JaxModelRunner(config, model_config, None, shapes)
+    assert runner.num_kv_blocks == expected == jax_runner.num_kv_blocks
     assert runner.models[0].kv_caches[0][0].shape == (expected, 2, BLOCK_SIZE,
                                                       model_config.head_dim)
-    assert runner.num_compiles == 0  # CPU runs eagerly: no CUDA graphs
-    model_input = warm_up_input(config)  # the step that sizes the pool on CUDA is a valid one
+    assert runner.compile_plan(shapes.layouts()) == []  # CPU runs eagerly: no CUDA graphs
+    # the step that sizes the pool on CUDA is a valid one
+    model_input = warm_up_input(config, shapes)
     output = runner.execute(model_input)
     assert output.sampled_token_ids.shape == (model_input.num_logits, 1)
     assert (output.sampled_token_ids >= 0).all()
@@ -251,23 +257,37 @@ def test_bfloat16_runs(checkpoints: dict[str, Path], runs) -> None:
 
 
 def test_graph_step_matches_eager(checkpoints: dict[str, Path]) -> None:
-    """What a CUDA graph captures (the whole step, with the layout's static launch bound instead
-    of the batch's own), run eagerly on CPU, gives the eager step's tokens and logprobs. The
-    capture itself needs a GPU."""
+    """What a CUDA graph captures (the whole step, with the shape's launch bounds instead of
+    the batch's own, and the whole sampler: the "full" variant), run eagerly on CPU, gives the
+    eager step's tokens and logprobs; the "plain" variant too for greedy rows. The capture itself
+    needs a GPU."""
     llm = LLM(str(checkpoints["llama"]), backend="torch", **BASIC)
     runner, recorded = llm.engine.runner, record_steps(llm)
     # A 1-token prompt with n=2: its first step is decode-shaped and forks (2 samples, 1 row).
     llm.generate({"prompt_token_ids": BASIC_PROMPTS[0]}, _greedy(n=2), use_tqdm=False)
-    graphable = [(i, o) for i, o in recorded if runner._graphable(i, 1)]
-    assert graphable and graphable[0][0].num_logits > graphable[0][0].num_seqs  # the fork step
-    model_input, eager = graphable[-1]  # the last decode step: its KV is still in the pool
-    with torch.inference_mode():
-        out = runner._step(torch.from_numpy(model_input.ints),
-                           torch.from_numpy(model_input.floats), layout=model_input.layout,
-                           num_spec_tokens=0, max_query_len=1, max_draft_query_len=1)
+    decode = [(i, o) for i, o in recorded if i.layout.decode]
+    assert decode and decode[0][0].num_logits > decode[0][0].num_seqs  # the fork step
+    model_input, eager = decode[-1]  # the last decode step: its KV is still in the pool
     n = model_input.num_logits
-    assert np.array_equal(out[0][:n].numpy(), eager.sampled_token_ids)
-    np.testing.assert_allclose(out[1][:n].numpy(), eager.sampled_logprobs, rtol=0, atol=1e-6)
-    num_steps = len(recorded)
-    llm.generate({"prompt_token_ids": BASIC_PROMPTS[7]}, _greedy(), use_tqdm=False)
-    assert not runner._graphable(recorded[num_steps][0], 1)  # a 130-token prefill
+    for variant in GRAPH_FLAGS:
+        with torch.inference_mode():
+            out = runner._graph_step(model_input.layout, variant)(
+                torch.from_numpy(model_input.ints), torch.from_numpy(model_input.floats))
+        assert np.array_equal(out[0][:n].numpy(), eager.sampled_token_ids)
+        np.testing.assert_allclose(out[1][:n].numpy(), eager.sampled_logprobs, rtol=0,
+                                   atol=1e-6)
+
+
+def test_cuda_graph_capture_plan(tiny_model) -> None:
+    """On CUDA every decode and speculative decode shape of the closed set is captured at
+    startup, in both sampler variants, and no mixed one (they run eagerly): checked on CPU,
+    where nothing is captured."""
+    spec = {"model": tiny_model("draft"), "num_speculative_tokens": 4}
+    llm = LLM(tiny_model("llama"), backend="torch", speculative_config=spec, max_num_seqs=8,
+              max_num_batched_tokens=64, max_model_len=128, num_gpu_blocks_override=32)
+    layouts = llm.engine.shapes.layouts()
+    plan = TorchModelRunner.graph_plan(layouts)
+    decode_shaped = [layout for layout in layouts if layout.decode or layout.num_spec_tokens]
+    assert len(decode_shaped) == 4 * (1 + 2)  # S 1, 2, 4, 8 by k 0, 2, 4
+    assert plan == [(layout, variant) for layout in decode_shaped for variant in GRAPH_FLAGS]
+    assert llm.engine.runner.compile_plan(layouts) == []  # CPU: eager, nothing captured

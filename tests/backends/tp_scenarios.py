@@ -54,7 +54,6 @@ def orbax(model: str, prompts: list[list[int]]) -> dict:
 
 def comm(model: str, size: int) -> dict:
     """All-reduce bytes of the sharded step's HLO beside TensorParallelPlan's count."""
-    import jax.numpy as jnp
 
     from pagedjax import LLM, SamplingParams
     from pagedjax.backends.jax.sharding import all_reduce_operands
@@ -65,15 +64,13 @@ def comm(model: str, size: int) -> dict:
     engine.add_request("r", {"prompt_token_ids": list(range(1, 30))},
                        SamplingParams(temperature=0.0, max_tokens=2))
     engine._drain_inbox()  # the request reaches the scheduler (step() would do this first)
-    model_input = build_model_input(engine.scheduler.schedule(), block_size=16,
-                                    max_blocks_per_seq=engine.config.max_blocks_per_seq)
-    hlo = runner._step.lower(runner.target.params, None, runner.kv_caches, [],
-                             jnp.asarray(model_input.ints), jnp.asarray(model_input.floats),
-                             layout=model_input.layout).compile().as_text()
+    model_input = build_model_input(engine.scheduler.schedule(), engine.shapes, block_size=16)
+    hlo = runner._executable(model_input.layout).as_text()  # the step this input runs
     cfg, plan = engine.model_config, runner.target.plan
     return {"all_reduces": [[dtype, list(shape)] for dtype, shape in all_reduce_operands(hlo)],
             "num_tokens": model_input.layout.num_tokens,
             "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
+            "num_logit_entries": engine.shapes.num_logit_entries,
             "planned_bytes_per_layer": plan.all_reduce_bytes_per_layer(
                 model_input.layout.num_tokens, cfg.hidden_size, 4)}
 

@@ -57,26 +57,48 @@ def test_chunked_prefill_shares_the_budget_with_decodes() -> None:
 
 
 def test_the_draft_runs_only_for_drafts_it_can_still_propose() -> None:
-    """A step's k is the most drafts one of its sequences proposes (max_tokens caps them); a
-    sequence on its last token neither drafts nor catches up; a step that only catches up runs
-    the catch-up pass alone (k = 1), and one with nothing for the draft does not run it."""
+    """A step where some sequence computes several tokens (a prompt chunk) proposes no drafts:
+    the draft only catches up. A decode step's k is the most drafts one of its sequences
+    proposes (max_tokens caps them); a sequence on its last token neither drafts nor catches
+    up, and a step with nothing for the draft does not run it."""
     sched = make_scheduler(64, budget=8, has_draft=True)
     add(sched, 0, 12, max_tokens=3)
     out = sched.schedule(4)  # a prompt chunk: no drafts, the draft catches up on it
-    assert out.num_spec_tokens == 1 and out.scheduled[0].num_spec_tokens == 0
+    assert out.num_spec_tokens == 0 and out.scheduled[0].num_spec_tokens == 0
     assert out.scheduled[0].draft_token_ids == list(range(1, 9))
     sched.update(out, {})
-    out = sched.schedule(4)  # the prompt's end: 2 drafts beside the first token (3 at most)
-    assert out.num_spec_tokens == out.scheduled[0].num_spec_tokens == 2
-    assert out.scheduled[0].draft_token_ids == list(range(9, 13))
-    sched.update(out, {0: [7]})  # both drafts rejected
-    out = sched.schedule(4)
-    assert out.num_spec_tokens == out.scheduled[0].num_spec_tokens == 1
+    out = sched.schedule(4)  # the prompt's end, 4 tokens: still no drafts
+    assert out.num_spec_tokens == 0 and out.scheduled[0].draft_token_ids == list(range(9, 13))
+    assert out.num_batched_tokens == 4
     sched.update(out, {0: [7]})
+    out = sched.schedule(4)  # decoding: one draft beside its token (max_tokens leaves one)
+    assert out.num_spec_tokens == out.scheduled[0].num_spec_tokens == 1
+    assert out.scheduled[0].draft_token_ids == [7]
+    sched.update(out, {0: [7]})  # the draft rejected
     out = sched.schedule(4)  # its last token: nothing for the draft to do
     assert out.num_spec_tokens == 0 and out.scheduled[0].draft_token_ids == []
     sched.update(out, {0: [7]})
     assert sched.seqs[0].is_finished
+
+
+def test_a_decode_step_catches_the_draft_up_on_k_plus_one_tokens() -> None:
+    """The draft catches up in every mixed step (the prompt here) but runs in decode steps only
+    with k > 0: after decode steps without drafting it lags, and a decode step catches it up on
+    at most k + 1 tokens (a speculative step's shape holds no more); the sequence drafts once
+    caught up."""
+    sched = make_scheduler(64, budget=64, has_draft=True)
+    add(sched, 0, 4)
+    for _ in range(6):  # the prompt, then five tokens with k = 0
+        out = sched.schedule(0)
+        assert out.num_spec_tokens == 0
+        sched.update(out, {0: [5]})
+    assert sched.seqs[0].num_draft_computed_tokens == 4  # the prompt, caught up on
+    out = sched.schedule(2)  # 6 tokens behind, k = 2: 3 of them now, no drafts
+    assert out.scheduled[0].draft_token_ids == [5, 5, 5]
+    assert out.num_spec_tokens == 0 and out.num_batched_tokens == 1
+    sched.update(out, {0: [5]})
+    out = sched.schedule(4)  # 4 behind: caught up, and 4 drafts
+    assert out.num_spec_tokens == 4 and len(out.scheduled[0].draft_token_ids) == 4
 
 
 def test_max_num_seqs_and_fcfs() -> None:

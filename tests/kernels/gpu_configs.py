@@ -77,7 +77,7 @@ def _config(name, q_lens, kv_lens, heads, head_dim, block_size, dtype, padding=0
                         tuple(sorted(options.items())), padding)
 
 
-_DTYPE_OPTIONS = dict(sliding_window=24, logits_soft_cap=10.0)
+_DTYPE_OPTIONS = dict(sliding_window=24, soft_cap=10.0)
 TEST_CONFIGS = [
     *(_config(f"decode-{dtype}", [1, 1, 1, 0], [40, 1, 17, 0], (8, 2), 128, 16, dtype,
               padding=1, decode=True, **_DTYPE_OPTIONS)
@@ -91,7 +91,7 @@ TEST_CONFIGS = [
     _config("decode-batch-multi-token-path", [1, 1, 1, 0], [33, 9, 64, 0], (8, 2), 64, 16,
             "float32", padding=1, decode=False),
     _config("mixed-g8-d80-bs8-window", [5, 1, 3], [40, 7, 9], (8, 1), 80, 8, "float16",
-            sliding_window=8, logits_soft_cap=3.0),
+            sliding_window=8, soft_cap=3.0),
     _config("mixed-g1-d96-bs32-split4", [5, 1, 3], [40, 7, 9], (2, 2), 96, 32, "float32",
             num_splits=4),
     _config("mixed-g2-rows16", [9, 1], [30, 2], (4, 2), 64, 16, "bfloat16", rows_per_tile=16),

@@ -15,7 +15,7 @@ def naive_ragged_paged_attention(
     *,
     sm_scale: float,
     sliding_window: int | None = None,
-    logits_soft_cap: float | None = None,
+    soft_cap: float | None = None,
 ) -> np.ndarray:  # [T, Hq, D] float64, padding rows zero
     q = np.asarray(q, np.float64)
     k_cache = np.asarray(k_cache, np.float64)
@@ -39,12 +39,19 @@ def naive_ragged_paged_attention(
                 visible &= pos - slots < sliding_window
             for h in range(num_q_heads):
                 logits = keys[:, h // group] @ q[t, h] * sm_scale
-                if logits_soft_cap is not None:
-                    logits = logits_soft_cap * np.tanh(logits / logits_soft_cap)
+                if soft_cap is not None:
+                    logits = soft_cap * np.tanh(logits / soft_cap)
                 logits = np.where(visible, logits, -np.inf)
                 p = np.exp(logits - logits.max())
                 out[t, h] = (p / p.sum()) @ values[:, h // group]
     return out
+
+
+def soft_cap_effect(case: dict, *, soft_cap: float, **kwargs) -> float:
+    """How far the uncapped oracle is from the capped one on this case (per-row relative error):
+    a soft-cap test only shows the cap is applied when this is well above its bound."""
+    capped = naive_ragged_paged_attention(**case, soft_cap=soft_cap, **kwargs)
+    return per_row_relative_error(naive_ragged_paged_attention(**case, **kwargs), capped)
 
 
 def make_ragged_case(

@@ -21,6 +21,7 @@ from tests.kernels.naive import (
     make_ragged_case,
     naive_ragged_paged_attention,
     per_row_relative_error,
+    soft_cap_effect,
 )
 
 _BOUNDS = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-2}
@@ -125,9 +126,12 @@ def test_attention_float32(kind, head_dim, block_size, group):
 @pytest.mark.parametrize(
     "options",
     [{"sliding_window": 1}, {"sliding_window": 5}, {"sliding_window": 19},
-     {"logits_soft_cap": 5.0}, {"sliding_window": 9, "logits_soft_cap": 2.0}],
+     {"soft_cap": 5.0}, {"sliding_window": 9, "soft_cap": 2.0}],
 )  # fmt: skip
 def test_attention_window_and_soft_cap(kind, options):
+    if "soft_cap" in options:  # the cap changes the answer well beyond the bound
+        case = _case(kind, head_dim=80, block_size=16, group=4)
+        assert soft_cap_effect(case, sm_scale=80**-0.5, **options) > 0.1
     _check(kind, torch.float32, head_dim=80, block_size=16, group=4, **options)
 
 
@@ -164,7 +168,7 @@ def test_only_padding_rows():
     assert torch.equal(out, torch.zeros_like(out))
 
 
-@pytest.mark.parametrize("options", [{}, {"sliding_window": 7}, {"logits_soft_cap": 3.0}])
+@pytest.mark.parametrize("options", [{}, {"sliding_window": 7}, {"soft_cap": 3.0}])
 def test_parity_with_jnp_reference(options):
     """The torch op and the jnp reference (the JAX backend's semantics) on the same inputs."""
     jnp = pytest.importorskip("jax.numpy")
@@ -269,9 +273,12 @@ def test_reference_backend_serves_the_wrappers(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_kernels_split_long_contexts_on_gpu(torch_cuda, dtype):
-    """Few sequences with long contexts (the split-K launch), GQA 32/8, on device tensors."""
+@pytest.mark.parametrize(("dtype", "options"),
+                         [(torch.float32, {}), (torch.bfloat16, {}),
+                          (torch.float32, {"sliding_window": 3000, "soft_cap": 5.0})])
+def test_cuda_kernels_split_long_contexts_on_gpu(torch_cuda, dtype, options):
+    """Few sequences with long contexts (the split-K launch), GQA 32/8, on device tensors;
+    a window and a soft cap across the splits."""
     assert ops.ops_backend() == "cuda"
     case = make_ragged_case(np.random.default_rng(3), [1, 1, 7], [4000, 130, 2100],
                             num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16,
@@ -279,10 +286,10 @@ def test_cuda_kernels_split_long_contexts_on_gpu(torch_cuda, dtype):
     _poison_unowned_slots(case)
     args = _torch_args(case, dtype, torch_cuda)
     out = torch.full_like(args["q"], float("nan"))
-    ops.ragged_paged_attention(**args, sm_scale=128**-0.5, max_query_len=7, out=out)
+    ops.ragged_paged_attention(**args, sm_scale=128**-0.5, max_query_len=7, out=out, **options)
     assert out.is_cuda
     rounded = _host_copy(args)
-    want = naive_ragged_paged_attention(**rounded, sm_scale=128**-0.5)
+    want = naive_ragged_paged_attention(**rounded, sm_scale=128**-0.5, **options)
     got = _numpy(out)
     assert not np.isnan(got).any()
     np.testing.assert_array_equal(got[9:], 0.0)

@@ -39,6 +39,7 @@ from tests.kernels.naive import (
     make_ragged_case,
     naive_ragged_paged_attention,
     per_row_relative_error,
+    soft_cap_effect,
 )
 
 # Interpret-mode results do not depend on these; they cut XLA:CPU compile time about 3x.
@@ -218,19 +219,21 @@ def test_configs(config: KernelConfig):
     case = _config_case(config)
     out = _attention(case, sm_scale=config.head_dim**-0.5, **config.kwargs)
     semantics = {k: v for k, v in config.kwargs.items()
-                 if k in ("sliding_window", "logits_soft_cap")}
+                 if k in ("sliding_window", "soft_cap")}
     _assert_close(out, case, _BOUNDS[config.dtype], config.name,
                   sm_scale=config.head_dim**-0.5, **semantics)
 
 
-@pytest.mark.parametrize("logits_soft_cap", [None, 2.0])
-def test_sliding_window_and_soft_cap(x64, logits_soft_cap):
+@pytest.mark.parametrize("soft_cap", [None, 2.0])
+def test_sliding_window_and_soft_cap(x64, soft_cap):
     """Windows of one key, a page, a page + 1 and longer than every context; with KV splits."""
     rng = np.random.default_rng(1)
     q_lens, kv_lens = _boundary_lens(8)
     case = _case(rng, q_lens, kv_lens, group=2, head_dim=64, block_size=8)
     windows = (1, 8, 9, 100)
-    calls = [(case, dict(sm_scale=0.5, sliding_window=w, logits_soft_cap=logits_soft_cap))
+    if soft_cap is not None:  # window 1 leaves one key: there the cap cannot matter
+        assert soft_cap_effect(case, sm_scale=0.5, sliding_window=9, soft_cap=soft_cap) > 0.1
+    calls = [(case, dict(sm_scale=0.5, sliding_window=w, soft_cap=soft_cap))
              for w in windows]
     outs = _attention_many([(c, dict(kw, rows_per_tile=4, num_kv_pages_per_chunk=1,
                                       num_splits=2, **_INTERPRET)) for c, kw in calls])
@@ -268,7 +271,7 @@ def test_matches_jnp_reference():
     rng = np.random.default_rng(3)
     q_lens, kv_lens = _boundary_lens(16)
     case = _case(rng, q_lens, kv_lens, group=4, head_dim=80, block_size=16, dtype=np.float32)
-    kwargs = dict(sm_scale=0.1, sliding_window=20, logits_soft_cap=5.0)
+    kwargs = dict(sm_scale=0.1, sliding_window=20, soft_cap=5.0)
     out = _attention(case, **kwargs)
     ref = ragged_paged_attention_reference(**{k: jnp.asarray(v) for k, v in case.items()},
                                            **kwargs, decode=True)
@@ -387,7 +390,7 @@ def test_property_multi_token(seqs, seed):
         kv_lens.append(kv_len)
         budget -= q_lens[-1]
     case = _fixed_shape_case(seed, q_lens, kv_lens)
-    kwargs = dict(sm_scale=0.3, sliding_window=13, logits_soft_cap=4.0)
+    kwargs = dict(sm_scale=0.3, sliding_window=13, soft_cap=4.0)
     with _float64():
         out = _attention(case, rows_per_tile=4, num_kv_pages_per_chunk=2, **kwargs, **_INTERPRET)
     _assert_close(out, case, _F64_BOUND, **kwargs)
@@ -422,7 +425,7 @@ def test_compiled_triton_kernel_on_gpu(jax_gpu, config: KernelConfig):
     case = _config_case(config)
     out = _compiled_on_gpu(case, sm_scale=config.head_dim**-0.5, **config.kwargs)
     semantics = {k: v for k, v in config.kwargs.items()
-                 if k in ("sliding_window", "logits_soft_cap")}
+                 if k in ("sliding_window", "soft_cap")}
     _assert_close(out, case, _BOUNDS[config.dtype], config.name,
                   sm_scale=config.head_dim**-0.5, **semantics)
 

@@ -1,4 +1,5 @@
-"""The tiled jnp attention (the JAX backend's CPU path) against the float64 oracle."""
+"""The jnp attention (tiled, the JAX backend's CPU path; and the reference) against the
+float64 oracle."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 
 from pagedjax.kernels_pallas import cpu_ffi
+from pagedjax.kernels_pallas.reference import ragged_paged_attention_reference
 from pagedjax.kernels_pallas.tiled_attention import (
     ragged_paged_attention_cpu,
     ragged_paged_attention_tiled,
@@ -18,6 +20,7 @@ from tests.kernels.naive import (
     make_ragged_case,
     naive_ragged_paged_attention,
     per_row_relative_error,
+    soft_cap_effect,
 )
 
 _BOUNDS = {np.float32: 1e-5, jnp.bfloat16: 2e-2}
@@ -31,8 +34,8 @@ def _run(case: dict, impl=ragged_paged_attention_tiled, **kwargs) -> np.ndarray:
 
 
 def _check(case: dict, bound: float, impl=ragged_paged_attention_tiled, **kwargs) -> None:
-    oracle_kwargs = {k: v for k, v in kwargs.items() if k in ("sm_scale", "sliding_window",
-                                                              "logits_soft_cap")}
+    oracle_kwargs = {k: v for k, v in kwargs.items()
+                     if k in ("sm_scale", "sliding_window", "soft_cap")}
     ref = naive_ragged_paged_attention(**case, **oracle_kwargs)
     out = _run(case, impl, **kwargs)
     num_valid = int(case["query_start_loc"][-1])
@@ -67,11 +70,15 @@ def test_decode_path(dtype) -> None:
 
 @pytest.mark.parametrize("window,cap", [(5, None), (None, 2.0), (20, 3.0)])
 def test_sliding_window_and_soft_cap(window: int | None, cap: float | None) -> None:
+    """A decode, a prefill and a chunk over a prefix; the tiled version and the reference."""
     rng = np.random.default_rng(2)
     case = make_ragged_case(rng, [1, 9, 24], [40, 9, 70], num_q_heads=6, num_kv_heads=3,
                             head_dim=16, block_size=8, num_padding_rows=2)
-    _check(case, 1e-5, sm_scale=0.25, sliding_window=window, logits_soft_cap=cap,
-           rows_per_tile=8, chunk_blocks=2)
+    semantics = dict(sm_scale=0.25, sliding_window=window, soft_cap=cap)
+    if cap is not None:
+        assert soft_cap_effect(case, **semantics) > 0.1
+    _check(case, 1e-5, **semantics, rows_per_tile=8, chunk_blocks=2)
+    _check(case, 1e-5, ragged_paged_attention_reference, **semantics)
 
 
 def test_decode_needs_one_row_per_sequence() -> None:

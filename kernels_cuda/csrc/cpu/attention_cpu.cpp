@@ -54,11 +54,11 @@ void ragged_paged_attention_out_cpu(const at::Tensor& out, const at::Tensor& q,
                                     const at::Tensor& kv_lens, const at::Tensor& block_tables,
                                     const at::Tensor& query_start_loc, double sm_scale,
                                     std::optional<int64_t> sliding_window,
-                                    std::optional<double> logits_soft_cap,
+                                    std::optional<double> soft_cap,
                                     std::optional<int64_t> /*max_query_len: CUDA-only hint*/) {
   const AttentionShape shape =
       check_attention_args(out, q, k_cache, v_cache, kv_lens, block_tables, query_start_loc,
-                           sliding_window, logits_soft_cap);
+                           sliding_window, soft_cap);
   const RaggedBatch batch{kv_lens.const_data_ptr<int32_t>(),
                           block_tables.const_data_ptr<int32_t>(),
                           query_start_loc.const_data_ptr<int32_t>()};
@@ -71,7 +71,7 @@ void ragged_paged_attention_out_cpu(const at::Tensor& out, const at::Tensor& q,
             shape, batch, q.const_data_ptr<scalar_t>(), q.stride(0), q.stride(1),
             k_cache.const_data_ptr<scalar_t>(), v_cache.const_data_ptr<scalar_t>(),
             out.mutable_data_ptr<scalar_t>(), static_cast<acc_t>(sm_scale),
-            sliding_window.value_or(0), static_cast<acc_t>(logits_soft_cap.value_or(0.0))};
+            sliding_window.value_or(0), static_cast<acc_t>(soft_cap.value_or(0.0))};
         // One item per (query row, KV head), in one contiguous range of equal cost per thread.
         const int64_t num_items = shape.num_tokens * shape.num_kv_heads;
         const int64_t parts =

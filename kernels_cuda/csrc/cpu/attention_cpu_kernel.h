@@ -276,7 +276,7 @@ struct CpuAttention {
   scalar_t* out;            // [T, Hq, D], contiguous
   acc_t sm_scale;
   int64_t sliding_window;  // 0: none
-  acc_t soft_cap;          // 0: none
+  acc_t soft_cap;          // scores soft_cap * tanh(s / soft_cap), s = scaled q . k; 0: none
 
   // Index of the sequence owning query row t, or -1 for a padding row.
   int64_t sequence_of_row(int64_t t) const {

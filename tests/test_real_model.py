@@ -5,20 +5,14 @@ answering through the chat template; `pagedjax serve` answering the official ope
 
 from __future__ import annotations
 
-import signal
-import subprocess
-import sys
-import time
-import urllib.request
-
 import openai
 import pytest
 
 from pagedjax import LLM, SamplingParams
 from pagedjax.demo import smollm2_instruct_dir, smollm2_instruct_gguf
 from pagedjax.entrypoints.cli import main
-from tests.entrypoints.openai.test_serve_cli import free_port
 from tests.hf_reference import hf_greedy
+from tests.serve_process import serve_process
 
 pytestmark = pytest.mark.real_model
 
@@ -98,39 +92,12 @@ def test_generate_chats_with_the_named_model(smollm2_dir, capsys) -> None:
 
 def test_serve_answers_a_chat_completion(smollm2_dir, tmp_path) -> None:
     """`pagedjax serve FILE.gguf` in a subprocess (its conversion found in the cache)."""
-    port, log_path = free_port(), tmp_path / "serve.log"
-    command = [sys.executable, "-m", "pagedjax.entrypoints.cli", "serve", smollm2_instruct_gguf(),
-               "--backend", "torch", "--port", str(port), "--served-model-name", "smollm2",
-               "--max-model-len", "128", "--num-gpu-blocks-override", "8",
-               "--uvicorn-log-level", "warning"]
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_for_health(process, url, log_path)
+    args = ["--backend", "torch", "--served-model-name", "smollm2", "--max-model-len", "128",
+            "--num-gpu-blocks-override", "8", "--uvicorn-log-level", "warning"]
+    with serve_process(smollm2_instruct_gguf(), args, tmp_path / "serve.log") as (url, _):
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
         reply = client.chat.completions.create(
             model="smollm2", max_tokens=MAX_TOKENS, temperature=0,
             messages=[{"role": "user", "content": QUESTION}])
-        assert "Paris" in reply.choices[0].message.content
-        assert reply.choices[0].finish_reason == "stop"
-    finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
-def _wait_for_health(process: subprocess.Popen, url: str, log_path) -> None:
-    deadline = time.monotonic() + 180
-    while True:
-        assert process.poll() is None, log_path.read_text()
-        assert time.monotonic() < deadline, "the server did not come up"
-        try:
-            with urllib.request.urlopen(url + "/health") as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.2)
+    assert "Paris" in reply.choices[0].message.content
+    assert reply.choices[0].finish_reason == "stop"

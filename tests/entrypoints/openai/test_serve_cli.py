@@ -5,10 +5,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
-import subprocess
-import sys
-import time
 import urllib.request
 
 import openai
@@ -19,14 +15,9 @@ from pagedjax.entrypoints.cli import _parser, main
 from pagedjax.entrypoints.openai.api_server import engine_args_from_cli
 from tests.entrypoints.openai.conftest import CHAT_TEMPLATE
 from tests.recorders import wait_until
+from tests.serve_process import serve_process
 
 API_KEY = "sk-cli"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def metrics(url: str) -> str:
@@ -52,39 +43,17 @@ def test_serve_flags_make_async_engine_args(capsys) -> None:
 
 @pytest.fixture(scope="module")
 def served(tiny_model, tmp_path_factory):
-    """(base URL, the server's log file) of `pagedjax serve` in a subprocess."""
+    """(base URL, the server's log file, its process) of `pagedjax serve` in a subprocess."""
     tmp = tmp_path_factory.mktemp("serve")
     (tmp / "chat.jinja").write_text(CHAT_TEMPLATE)
-    log_path, port = tmp / "serve.log", free_port()
-    command = [sys.executable, "-m", "pagedjax.entrypoints.cli", "serve", tiny_model("llama"),
-               "--backend", "torch", "--port", str(port), "--served-model-name", "tiny",
-               "--api-key", API_KEY, "--chat-template", str(tmp / "chat.jinja"),
-               "--speculative-model", tiny_model("draft"), "--num-speculative-tokens", "2",
-               "--max-model-len", "128", "--num-gpu-blocks-override", "64",
-               "--log-stats-interval", "0.5", "--uvicorn-log-level", "warning"]
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert process.poll() is None, log_path.read_text()
-            assert time.monotonic() < deadline, "the server did not come up"
-            try:
-                with urllib.request.urlopen(url + "/health") as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                time.sleep(0.2)
+    log_path = tmp / "serve.log"
+    args = ["--backend", "torch", "--served-model-name", "tiny", "--api-key", API_KEY,
+            "--chat-template", str(tmp / "chat.jinja"), "--speculative-model",
+            tiny_model("draft"), "--num-speculative-tokens", "2", "--max-model-len", "128",
+            "--num-gpu-blocks-override", "64", "--log-stats-interval", "0.5",
+            "--uvicorn-log-level", "warning"]
+    with serve_process(tiny_model("llama"), args, log_path) as (url, process):
         yield url, log_path, process
-    finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGINT)
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
 
 
 def test_serve_answers_the_openai_client_and_speculates(served) -> None:

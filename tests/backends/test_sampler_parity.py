@@ -171,13 +171,14 @@ def test_the_jax_argmax_is_jnps():
 
 
 def test_filters_pass_padding_rows() -> None:
-    """Padding rows carry zero knobs (top_p 0 keeps nothing): both torch filters return a row
-    for them instead of indexing out of range (on a GPU that was a device-side assert in every
-    CUDA graph of a sampled step), and leave the request rows as they were."""
+    """Padding rows carry zero knobs: top_p 0 keeps the largest logit alone (n >= 1) in the
+    sorted filter (it gathered index -1: a device-side assert in every sampled CUDA graph) and in
+    the C++ one (its quickselect never ended), and the request rows are filtered as before."""
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
     top_k, top_p, min_p = torch.tensor([5, 0, 0]), torch.tensor([0.9, 0.0, 0.0]), torch.zeros(3)
     sorted_out = torch_sampler.filter_logits_sorted(logits, top_k, top_p, min_p)
     cpu_out = torch_sampler.filter_logits(logits, top_k, top_p, min_p)
-    assert sorted_out.shape == cpu_out.shape == logits.shape
-    assert torch.equal(torch.isfinite(sorted_out[0]), torch.isfinite(cpu_out[0]))
-    assert int(torch.isfinite(sorted_out[0]).sum()) <= 5
+    kept = torch.isfinite(sorted_out)
+    assert torch.equal(kept, torch.isfinite(cpu_out))
+    assert kept.sum(dim=-1).tolist()[1:] == [1, 1] and 1 <= int(kept[0].sum()) <= 5
+    assert torch.equal(kept[1:].int().argmax(dim=-1), logits[1:].argmax(dim=-1))

@@ -10,7 +10,7 @@
 // Semantics, per row of logits (already divided by the temperature), with V the vocabulary:
 //   sorted = the row, largest first; k = top_k if 0 < top_k < V, else V
 //   p_i = softmax over sorted[0:k]; with top_p < 1, keep the first n entries, n the most whose
-//   mass before them is < top_p (n >= 1); else n = k
+//   mass before them is < top_p (n >= 1: top_p <= 0 keeps the first); else n = k
 //   threshold = sorted[n - 1], raised to sorted[0] + log(min_p) when min_p > 0
 //   out = the row where it is >= threshold, -inf elsewhere.
 // Ties: entries equal to the threshold are all kept (the sorted version keeps them too: it
@@ -77,7 +77,9 @@ inline float threshold(const float* row, int64_t V, int64_t top_k, float top_p, 
       std::nth_element(scratch.begin(), scratch.begin() + (k - 1), scratch.end(), larger);
       result = scratch[k - 1].logit;  // the k-th largest
     }
-    if (top_p < 1.0f) {
+    if (top_p <= 0.0f) {  // n = 1 (padding rows carry 0): the quickselect would not end
+      result = top;
+    } else if (top_p < 1.0f) {
       double total = 0.0;
       for (int64_t i = 0; i < k; ++i) {
         scratch[i].weight = std::exp(scratch[i].logit - top);

@@ -126,7 +126,7 @@ def test_pool_sized_by_a_trial_step(tiny_model, monkeypatch) -> None:
     """The accelerator path of sizing the KV pool (a trial of the heaviest step on throwaway
     caches, then the device's memory statistics) builds an engine that serves; a CPU device has
     no statistics, so the pool falls back to the host budget."""
-    from backends.jax import runner
+    from pagedjax.backends.jax import runner
 
     monkeypatch.setattr(runner, "_measures_memory", lambda device: True)
     model_dir = tiny_model("llama")

@@ -42,6 +42,11 @@ class Architecture:
     # base, and attn_logit_softcapping / final_logit_softcapping cap scores and logits (Gemma)
     gemma_attention: bool = False
 
+    def __post_init__(self) -> None:  # a mistyped row fails at import, not in a model
+        assert self.qk_norm in QK_NORMS, self.qk_norm
+        assert self.norm_layout in NORM_LAYOUTS, self.norm_layout
+        assert self.hidden_act in HIDDEN_ACTS, self.hidden_act
+
 
 ARCHITECTURES: dict[str, Architecture] = {
     "LlamaForCausalLM": Architecture("llama"),

@@ -9,9 +9,10 @@ from pagedjax.engine.llm_engine import LLMEngine
 from pagedjax.engine_args import EngineArgs, FlexibleArgumentParser
 from pagedjax.entrypoints.llm import LLM
 from pagedjax.outputs import CompletionOutput, Logprob, RequestOutput
-from pagedjax.sampling_params import RequestOutputKind, SamplingParams
+from pagedjax.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 __all__ = ["LLM", "LLMEngine", "EngineArgs", "FlexibleArgumentParser", "SamplingParams",
-           "RequestOutputKind", "RequestOutput", "CompletionOutput", "Logprob", "AsyncLLM",
-           "AsyncEngineArgs", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence"]
+           "RequestOutputKind", "StructuredOutputsParams", "RequestOutput", "CompletionOutput",
+           "Logprob", "AsyncLLM", "AsyncEngineArgs", "BeamSearchParams", "BeamSearchOutput",
+           "BeamSearchSequence"]
 __version__ = "0.1.0"

@@ -11,6 +11,61 @@ MAX_LOGPROBS = 20  # most top logprobs a request may ask for per token
 MAX_LOGIT_BIAS = 100.0  # logit_bias values are clamped to [-100, 100], as OpenAI's and vLLM's
 
 
+@dataclass
+class StructuredOutputsParams:
+    """Constrain a request's output (vLLM's names): exactly one of
+
+    - json: a JSON schema (a dict or its JSON text); json_object=True: any JSON object;
+    - regex: the output fully matches it (Rust regex syntax, as llguidance reads it);
+    - choice: the output is one of these strings;
+    - grammar: a context-free grammar in EBNF/GBNF (llama.cpp's) or Lark syntax.
+
+    whitespace_pattern (json and json_object only) is the regex JSON's whitespace must match;
+    disable_any_whitespace=True allows none (compact JSON). Each token a completion samples is
+    drawn from the tokens the constraint allows next (a mask on the device), so the output
+    always parses; a finished grammar ends the completion (finish_reason "stop").
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    whitespace_pattern: str | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"StructuredOutputsParams takes exactly one of json, json_object, "
+                             f"regex, choice and grammar; got {given or 'none'}.")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError(f"StructuredOutputsParams.json={self.json!r} is invalid: expected "
+                             "a JSON schema as a dict or a JSON string.")
+        for name in ("regex", "grammar", "whitespace_pattern"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"StructuredOutputsParams.{name}={value!r} is invalid: "
+                                 "expected a non-empty string.")
+        if self.choice is not None:
+            choice = self.choice
+            if (not isinstance(choice, (list, tuple)) or not choice
+                    or not all(isinstance(c, str) and c for c in choice)):
+                raise ValueError(f"StructuredOutputsParams.choice={choice!r} is invalid: "
+                                 "expected a non-empty list of non-empty strings.")
+            self.choice = list(choice)
+        if self.whitespace_pattern is not None and self.json is None and not self.json_object:
+            raise ValueError("StructuredOutputsParams.whitespace_pattern applies to json and "
+                             "json_object only.")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint: "json", "json_object", "regex", "choice" or "grammar"."""
+        return next(name for name in ("json", "regex", "choice", "grammar", "json_object")
+                    if getattr(self, name) not in (None, False))
+
+
 class RequestOutputKind(enum.Enum):
     """What each RequestOutput of a running request carries (vLLM's names)."""
 
@@ -51,6 +106,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
     _stop: tuple[str, ...] = field(init=False, repr=False, default=())
 
     def __post_init__(self) -> None:
@@ -98,6 +154,10 @@ class SamplingParams:
                f"None or an integer in [0, {MAX_LOGPROBS}]")
         _check(isinstance(self.output_kind, RequestOutputKind), "output_kind", self.output_kind,
                "a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY)")
+        _check(self.structured_outputs is None
+               or isinstance(self.structured_outputs, StructuredOutputsParams),
+               "structured_outputs", self.structured_outputs,
+               "None or a StructuredOutputsParams")
 
     @property
     def is_greedy(self) -> bool:

@@ -55,7 +55,9 @@ def rejection_sample(target_logits: jax.Array, draft_token_ids: jax.Array,
     num_draft_tokens [L] int32 in [0, K]
     sampling         [L] arrays as in the sampler; its logit entries (banned tokens, logit_bias
                      and penalties) apply at every position of their row (such rows have no
-                     drafts: the scheduler does not draft for them)
+                     drafts: the scheduler does not draft for them); its token bitmask [L, W]
+                     at position 0 only (structured outputs: the host checks the tokens after
+                     it, structured_output/manager.py)
     flags            the step's (batch.StepFlag): a step of greedy rows skips the random path
     Returns output_token_ids [L, K+1] int32 (accepted, then recovered or bonus, then -1) and
     num_accepted [L] int32.
@@ -94,9 +96,15 @@ def rejection_sample(target_logits: jax.Array, draft_token_ids: jax.Array,
 
 def _per_position(sampling: dict, num_positions: int) -> dict:
     """The sampling inputs of rows [L] for rows [L * (K+1)], position j of row l being row
-    l * (K+1) + j: per-row knobs repeated, each logit entry once per position."""
+    l * (K+1) + j: per-row knobs repeated, each logit entry once per position, the token
+    bitmask at position 0 (every token allowed after it)."""
     out = {name: jnp.repeat(x, num_positions) for name, x in sampling.items()
-           if name not in ("entries", "rng_seed", "rng_step")}
+           if name not in ("entries", "rng_seed", "rng_step", "token_bitmask")}
+    if "token_bitmask" in sampling:
+        bitmask = sampling["token_bitmask"]  # [L, W]
+        first = (jnp.arange(num_positions) == 0)[None, :, None]  # [1, K+1, 1]
+        out["token_bitmask"] = jnp.where(first, bitmask[:, None, :], -1).reshape(
+            -1, bitmask.shape[-1])
     ints, bias = sampling["entries"]  # [4, E], [E]
     rows = ints[0][:, None] * num_positions + jnp.arange(num_positions, dtype=ints.dtype)
     rows = jnp.where(ints[0][:, None] >= 0, rows, -1).reshape(-1)  # [E * (K+1)]

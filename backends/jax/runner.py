@@ -2,9 +2,10 @@
 step shape, all compiled before the first request.
 
 Each step uploads two arrays (the packed int32 and float32 buffers of ModelInput; two more when
-a row has logit entries) and calls the step's executable, with the KV caches donated. With a
-draft model that executable also runs the draft catch-up, the k - 1 draft steps (spec_step.py),
-the target's verification pass and rejection sampling: one device call per step. `compile`
+a row has logit entries, one more when a row has a grammar's token bitmask) and calls the step's
+executable, with the KV caches donated. With a draft model that executable also runs the draft
+catch-up, the k - 1 draft steps (spec_step.py), the target's verification pass and rejection
+sampling: one device call per step. `compile`
 builds the engine's whole closed set of shapes (step_shapes.py) ahead of time, XLA compiling in
 parallel threads; a shape met later still compiles, but is counted and logged as the bug it is.
 """
@@ -45,6 +46,7 @@ from pagedjax.core.batch import (
     ModelOutput,
     StepFlag,
     StepOutput,
+    bitmask_width,
     buffer_sizes,
     unpack,
 )
@@ -167,6 +169,11 @@ class JaxModelRunner:
         entries = shapes.num_logit_entries
         self._no_entries = self._put((np.full((4, entries), -1, np.int32),
                                       np.zeros(entries, np.float32)))
+        # The token bitmask [S, W] of a step without structured outputs, per sequence bucket:
+        # its branch is not taken, so it is never read.
+        width = bitmask_width(model_config.vocab_size)
+        self._no_bitmask = {s: self._put(np.zeros((s, width), np.int32))
+                            for s in shapes.seq_buckets}
         self.kv_caches: list[KVCache] = []
         self.draft_kv_caches: list[KVCache] = []
         self.num_kv_blocks = config.num_gpu_blocks_override or self._blocks_from_memory()
@@ -221,7 +228,8 @@ class JaxModelRunner:
         collected, and drop the compiled steps."""
         models = [m for m in (self.target, self.draft) if m is not None]
         for array in jax.tree.leaves(([m.params for m in models], [m.rope for m in models],
-                                      self.kv_caches, self.draft_kv_caches, self._no_entries)):
+                                      self.kv_caches, self.draft_kv_caches, self._no_entries,
+                                      self._no_bitmask)):
             array.delete()
         self.kv_caches, self.draft_kv_caches, self.target, self.draft = [], [], None, None
         self._step = self._copy = None
@@ -275,8 +283,9 @@ class JaxModelRunner:
                                      None if self.draft is None else self.draft.params))
         int_size, float_size = buffer_sizes(layout)
         entries = jax.tree.map(spec, self._no_entries)
+        bitmask = spec(self._no_bitmask[layout.num_seqs])
         return self._step.lower(*params, *caches, self._input_spec((int_size,)),
-                                self._input_spec((float_size,), jnp.float32), *entries,
+                                self._input_spec((float_size,), jnp.float32), *entries, bitmask,
                                 layout=layout)
 
     def _input_spec(self, shape: tuple[int, ...], dtype=jnp.int32) -> jax.ShapeDtypeStruct:
@@ -312,10 +321,13 @@ class JaxModelRunner:
         entries = self._no_entries
         if model_input.entries is not None:
             entries = self._put((model_input.entries.ints, model_input.entries.bias))
+        bitmask = model_input.token_bitmask
+        bitmask = (self._no_bitmask[model_input.layout.num_seqs] if bitmask is None
+                   else self._put(bitmask))
         ints, floats = self._put((model_input.ints, model_input.floats))
         self.kv_caches, self.draft_kv_caches, out = executable(
             self.target.params, draft_params, self.kv_caches, self.draft_kv_caches, ints,
-            floats, *entries)
+            floats, *entries, bitmask)
         return ModelOutput.from_step(model_input, jax.device_get(out.wanted(model_input.flags)))
 
     def _copy_blocks(self, block_copies: np.ndarray) -> None:
@@ -329,7 +341,7 @@ class JaxModelRunner:
 
     def _step_fn(self, params: dict, draft_params: dict | None, kv_caches: list[KVCache],
                  draft_kv_caches: list[KVCache], ints: jax.Array, floats: jax.Array,
-                 entry_ints: jax.Array, entry_bias: jax.Array, *,
+                 entry_ints: jax.Array, entry_bias: jax.Array, token_bitmask: jax.Array, *,
                  layout: BatchLayout) -> tuple:
         """The whole step on the device → (caches, draft caches, StepOutput with tokens and
         logprobs [L, K+1] and, computed where the step's flags ask, top logprobs and prompt
@@ -340,6 +352,7 @@ class JaxModelRunner:
         for name in ("rng_seed", "rng_step"):  # uint32 counters carried as int32 bits
             sampling[name] = jax.lax.bitcast_convert_type(b[name], jnp.uint32)
         sampling["entries"] = (entry_ints, entry_bias)
+        sampling["token_bitmask"] = token_bitmask  # [S, W]
         input_ids, k = b["input_ids"], layout.num_spec_tokens
         if k:
             draft_kv_caches, drafts = propose_drafts(

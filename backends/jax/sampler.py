@@ -1,7 +1,8 @@
 """On-device sampling for the JAX runner; semantics shared with the torch sampler.
 
 Order (vLLM's): raw logprobs (returned) → banned tokens (min_tokens) → logit_bias → repetition,
-frequency and presence penalties → greedy rows take the argmax; random rows divide by
+frequency and presence penalties → the grammar's token bitmask (structured outputs) → greedy
+rows take the argmax; random rows divide by
 temperature, keep top-k, then top-p, then min-p, and take the argmax of logits + Gumbel noise
 from pagedjax.random's counters (an exact categorical sample).
 
@@ -104,10 +105,25 @@ def apply_logit_entries(logits: jax.Array, entries: tuple[jax.Array, jax.Array],
     return logits.at[jnp.where(valid, rows, num_rows), tokens].set(x, mode="drop")
 
 
+def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
+    """logits [R, V] at -inf where bitmask [R, ceil(V / 32)] int32 has the token's bit (t % 32
+    of word t // 32) clear: what a row's grammar forbids."""
+    shifts = jnp.arange(32, dtype=jnp.int32)
+    bits = (bitmask[:, :, None] >> shifts) & 1  # [R, W, 32]
+    allowed = bits.reshape(bitmask.shape[0], -1)[:, : logits.shape[-1]] != 0  # [R, V]
+    return jnp.where(allowed, logits, -jnp.inf)
+
+
 def process_logits(logits: jax.Array, sampling: dict, flags: jax.Array) -> jax.Array:
-    """The logits [R, V] rows sample from: the logit entries applied, where the step has any."""
-    return jax.lax.cond(flags[StepFlag.LOGIT_ENTRIES],
-                        lambda x: apply_logit_entries(x, sampling["entries"], sampling),
+    """The logits [R, V] rows sample from: the logit entries, then the token bitmask applied,
+    where the step has any (sampling["token_bitmask"] [R, W] may be left out: none)."""
+    logits = jax.lax.cond(flags[StepFlag.LOGIT_ENTRIES],
+                          lambda x: apply_logit_entries(x, sampling["entries"], sampling),
+                          lambda x: x, logits)
+    if "token_bitmask" not in sampling:
+        return logits
+    return jax.lax.cond(flags[StepFlag.TOKEN_MASK],
+                        lambda x: apply_token_bitmask(x, sampling["token_bitmask"]),
                         lambda x: x, logits)
 
 

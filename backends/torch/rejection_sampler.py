@@ -48,7 +48,8 @@ def rejection_sample(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
     sampling         [L] tensors as in the sampler (rng_seed / rng_step int64); its logit entries
                      (banned tokens, logit_bias and penalties), if any, apply at every position
                      of their row (such rows have no drafts: the scheduler does not draft for
-                     them)
+                     them); its token bitmask [L, W], if any, at position 0 only (structured
+                     outputs: the host checks the tokens after it)
     Returns output_token_ids [L, K+1] int32 (accepted, then recovered or bonus, then -1) and
     num_accepted [L] int32.
     """
@@ -56,7 +57,8 @@ def rejection_sample(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
     num_rows, num_positions, vocab = target_logits.shape
     # [L * (K+1)] rows; greedy rows with no logit entries need none of the knobs
     positions = (_per_position(sampling, num_positions)
-                 if not all_greedy or "entries" in sampling else {})
+                 if not all_greedy or "entries" in sampling or "token_bitmask" in sampling
+                 else {})
     target_logits = process_logits(target_logits.reshape(-1, vocab), positions).view(
         num_rows, num_positions, vocab)
     target_argmax = torch.argmax(target_logits, dim=-1)  # [L, K+1] int64
@@ -80,9 +82,16 @@ def rejection_sample(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
 def _per_position(sampling: dict[str, torch.Tensor], num_positions: int
                   ) -> dict[str, torch.Tensor]:
     """The sampling inputs of rows [L] for rows [L * (K+1)], position j of row l being row
-    l * (K+1) + j: per-row knobs repeated, each logit entry once per position."""
+    l * (K+1) + j: per-row knobs repeated, each logit entry once per position, the token
+    bitmask at position 0 (every token allowed after it)."""
     out = {name: x.repeat_interleave(num_positions) for name, x in sampling.items()
-           if name not in ("entries", "rng_seed", "rng_step")}
+           if name not in ("entries", "rng_seed", "rng_step", "token_bitmask")}
+    if "token_bitmask" in sampling:
+        bitmask = sampling["token_bitmask"]  # [L, W]
+        out["token_bitmask"] = torch.full((bitmask.shape[0], num_positions, bitmask.shape[1]),
+                                          -1, dtype=bitmask.dtype, device=bitmask.device)
+        out["token_bitmask"][:, 0] = bitmask
+        out["token_bitmask"] = out["token_bitmask"].reshape(-1, bitmask.shape[1])
     if "entries" in sampling:
         ints, bias = sampling["entries"]  # [4, E], [E]
         rows = ints[0][:, None] * num_positions + torch.arange(num_positions, dtype=ints.dtype,

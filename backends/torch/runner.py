@@ -276,7 +276,8 @@ class TorchModelRunner:
         else:  # eager: the padding tokens need not run (a graph replays the padded shapes)
             out = self._step(self.upload("ints", model_input.ints),
                              self.upload("floats", model_input.floats),
-                             self._entries(model_input), layout=model_input.layout,
+                             self._entries(model_input), self._token_bitmask(model_input),
+                             layout=model_input.layout,
                              flags=model_input.flags, max_query_len=model_input.max_query_len,
                              max_draft_query_len=model_input.max_draft_query_len,
                              num_tokens=model_input.num_tokens,
@@ -284,11 +285,11 @@ class TorchModelRunner:
         return self._to_host(out, model_input)
 
     def _graph_variant(self, model_input: ModelInput) -> str | None:
-        """The graph a step replays: decode-shaped steps without prompt logprobs or logit
-        entries; None: eager."""
+        """The graph a step replays: decode-shaped steps without prompt logprobs, logit entries
+        or a token bitmask; None: eager."""
         layout, flags = model_input.layout, model_input.flags
         if (self.graphs is None or not (layout.decode or layout.num_spec_tokens)
-                or flags.prompt_logprobs or flags.logit_entries):
+                or flags.prompt_logprobs or flags.logit_entries or flags.token_mask):
             return None
         return "plain" if flags == GRAPH_FLAGS["plain"] else "full"
 
@@ -309,8 +310,14 @@ class TorchModelRunner:
         return (self.upload("entry_ints", entries.ints[:, :n]),
                 self.upload("entry_bias", entries.bias[:n]))
 
+    def _token_bitmask(self, model_input: ModelInput) -> torch.Tensor | None:
+        """The step's token bitmask [S, W] on the device, if a row has structured outputs."""
+        bitmask = model_input.token_bitmask
+        return None if bitmask is None else self.upload("token_bitmask", bitmask)
+
     def _step(self, ints: torch.Tensor, floats: torch.Tensor,
-              entries: tuple[torch.Tensor, torch.Tensor] | None, *, layout: BatchLayout,
+              entries: tuple[torch.Tensor, torch.Tensor] | None,
+              token_bitmask: torch.Tensor | None = None, *, layout: BatchLayout,
               flags: StepFlags, max_query_len: int, max_draft_query_len: int,
               num_tokens: int | None = None, num_draft_tokens: int | None = None
               ) -> StepOutput:
@@ -325,6 +332,8 @@ class TorchModelRunner:
             sampling[name] = b[name].to(torch.int64) & 0xFFFFFFFF
         if entries is not None:
             sampling["entries"] = entries
+        if token_bitmask is not None:
+            sampling["token_bitmask"] = token_bitmask  # [S, W]
         target, k = self.models[0], layout.num_spec_tokens
         input_ids = b["input_ids"]
         if layout.draft:

@@ -1,7 +1,8 @@
 """On-device sampling for the torch runner: the semantics of backends/jax/sampler.py, op for op.
 
 Order (vLLM's): raw logprobs (returned) → banned tokens (min_tokens) → logit_bias → repetition,
-frequency and presence penalties → greedy rows take the argmax; random rows divide by
+frequency and presence penalties → the grammar's token bitmask (structured outputs) → greedy
+rows take the argmax; random rows divide by
 temperature, keep top-k, then top-p, then min-p, and take the argmax of logits + Gumbel noise
 from pagedjax.random's counters (an exact categorical sample), so a seeded request samples the
 same tokens on either backend.
@@ -91,11 +92,22 @@ def apply_logit_entries(logits: torch.Tensor, entries: tuple[torch.Tensor, torch
     return out[:num_rows]
 
 
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """logits [R, V] at -inf where bitmask [R, ceil(V / 32)] int32 has the token's bit (t % 32
+    of word t // 32) clear: what a row's grammar forbids (the JAX sampler's, op for op)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask[:, :, None] >> shifts) & 1  # [R, W, 32]
+    allowed = bits.reshape(bitmask.shape[0], -1)[:, : logits.shape[-1]] != 0  # [R, V]
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
 def process_logits(logits: torch.Tensor, sampling: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The logits [R, V] rows sample from: the logit entries applied, where the step has any
-    (sampling["entries"])."""
-    entries = sampling.get("entries")
-    return logits if entries is None else apply_logit_entries(logits, entries, sampling)
+    """The logits [R, V] rows sample from: the logit entries, then the token bitmask applied,
+    where the step has any (sampling["entries"], sampling["token_bitmask"])."""
+    entries, bitmask = sampling.get("entries"), sampling.get("token_bitmask")
+    if entries is not None:
+        logits = apply_logit_entries(logits, entries, sampling)
+    return logits if bitmask is None else apply_token_bitmask(logits, bitmask)
 
 
 def sample(logits: torch.Tensor, sampling: dict[str, torch.Tensor], flags: StepFlags

@@ -2,7 +2,8 @@
 
 A step's integers live in one int32 buffer and its sampling floats in one float32 buffer, so a
 runner uploads two arrays per step (four when a row has penalties, logit_bias or banned tokens:
-the logit entries, see logit_entries.py). The step's shape is one of the engine's closed set
+the logit entries, see logit_entries.py; one more, the token bitmask [S, ceil(V / 32)], when a
+row has structured outputs). The step's shape is one of the engine's closed set
 (`StepShapes`); `BatchLayout.unpack` slices either buffer back into named fields on the host
 (NumPy) or on the device (jax.Array, torch.Tensor).
 
@@ -44,6 +45,7 @@ class StepFlag(enum.IntEnum):
     LOGPROBS = 2  # some row asks for top logprobs (and ranks)
     PROMPT_LOGPROBS = 3  # some token row scores a prompt token (prompt_logprobs)
     LOGIT_ENTRIES = 4  # some row has penalties, logit_bias or banned tokens
+    TOKEN_MASK = 5  # some row samples from a grammar's allowed tokens (structured outputs)
 
 
 @dataclass(frozen=True)
@@ -55,10 +57,16 @@ class StepFlags:
     logprobs: bool = False
     prompt_logprobs: bool = False
     logit_entries: bool = False
+    token_mask: bool = False
 
     def as_array(self) -> list[int]:
         return [int(self.sampled), int(self.filters), int(self.logprobs),
-                int(self.prompt_logprobs), int(self.logit_entries)]
+                int(self.prompt_logprobs), int(self.logit_entries), int(self.token_mask)]
+
+
+def bitmask_width(vocab_size: int) -> int:
+    """Words in a row of a token bitmask: ceil(V / 32)."""
+    return (vocab_size + 31) // 32
 
 
 def int_fields(layout: BatchLayout) -> dict[str, tuple[int, ...]]:
@@ -156,6 +164,9 @@ class ModelInput:
     num_draft_tokens: int = 0  # real catch-up tokens of the draft
     # prompt_logprobs rows in order: (seq id, prompt position of its first token scored, count)
     prompt_logprobs_rows: list[tuple[int, int, int]] = field(default_factory=list)
+    # [S, W] int32: each row's allowed tokens (bit t % 32 of word t // 32), -1 = all; when a
+    # row has structured outputs (flags.token_mask), else None
+    token_bitmask: np.ndarray | None = None
 
     @property
     def num_logits(self) -> int:
@@ -239,9 +250,12 @@ class ModelOutput:
         return [[t for t in row if t >= 0] for row in self.sampled_token_ids.tolist()]
 
 
-def build_model_input(out: SchedulerOutput, shapes: StepShapes, *,
-                      block_size: int) -> ModelInput:
+def build_model_input(out: SchedulerOutput, shapes: StepShapes, *, block_size: int,
+                      token_bitmask: np.ndarray | None = None) -> ModelInput:
     """Flatten the scheduled sequences into the smallest of the engine's shapes that holds them.
+
+    token_bitmask [sample rows, W] int32: the allowed tokens of each sample row in order
+    (StructuredOutputManager.bitmask), or None when no row has structured outputs.
 
     A step where every sequence computes one token is a decode step, or a speculative decode
     step when the draft runs (K = the smallest compiled k that holds its drafts and the draft's
@@ -261,13 +275,18 @@ def build_model_input(out: SchedulerOutput, shapes: StepShapes, *,
         sampled=bool(sampled),
         filters=any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in sampled),
         logprobs=any(p.logprobs is not None for p in params),
-        prompt_logprobs=bool(prompt_rows), logit_entries=logit_entries is not None)
+        prompt_logprobs=bool(prompt_rows), logit_entries=logit_entries is not None,
+        token_mask=token_bitmask is not None)
     int_size, float_size = buffer_sizes(layout)
     model_input = ModelInput(
         layout, np.zeros(int_size, np.int32), np.zeros(float_size, np.float32), flags,
         logit_entries, np.asarray(out.block_copies, np.int32).reshape(-1, 2),
         [s.seq_id for _, s in samples], num_tokens, len(entries), max(q_lens, default=0),
         max(draft_lens, default=0), layout.num_spec_tokens, num_draft)
+    if token_bitmask is not None:  # padding rows allow every token
+        model_input.token_bitmask = np.full((layout.num_seqs, token_bitmask.shape[1]), -1,
+                                            np.int32)
+        model_input.token_bitmask[: len(token_bitmask)] = token_bitmask
     f = model_input.fields()
     f["step_flags"][:] = flags.as_array()
     ends = _fill_tokens(f, entries, q_lens, block_size)

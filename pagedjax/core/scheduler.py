@@ -305,7 +305,8 @@ class Scheduler:
             banned = list(params.stop_token_ids)
             if not params.ignore_eos:
                 banned += self.stop_checker.eos_token_ids
-        return SampleSpec(seq.seq_id, params, seq.rng_seed, seq.num_output_tokens, banned,
+        return SampleSpec(seq.seq_id, params, seq.rng_seed,
+                          seq.num_output_tokens + seq.rng_offset, banned,
                           *seq.penalty_token_ids())
 
     # ---- update ------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ class SampleSpec:
     seq_id: int
     params: SamplingParams
     rng_seed: int  # uint32 stream of this completion
-    rng_step: int  # tokens it generated so far: the counter of its random numbers
+    rng_step: int  # the counter of its random numbers: tokens generated so far (+ rng_offset)
     banned_token_ids: list[int]  # EOS / stop ids masked while below min_tokens
     # Penalties (SamplingParams.has_penalties; empty otherwise): what they count.
     penalty_prompt_token_ids: list[int] = field(default_factory=list)  # distinct; repetition only

@@ -40,6 +40,10 @@ class Sequence:
     num_computed_tokens: int = 0
     num_draft_computed_tokens: int = 0  # the draft model's KV progress (speculative decoding)
     num_cached_tokens: int = 0  # prompt tokens that came from the prefix cache at admission
+    # Added to its random counter (rng_step = output tokens + rng_offset): moved past a step's
+    # counters when tokens drawn with them are dropped (structured outputs), so the tokens
+    # drawn again use fresh random numbers.
+    rng_offset: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
@@ -108,6 +112,7 @@ class Sequence:
             num_computed_tokens=self.num_computed_tokens,
             num_draft_computed_tokens=self.num_draft_computed_tokens,
             num_cached_tokens=self.num_cached_tokens,
+            rng_offset=self.rng_offset,
             status=self.status,
             _distinct_prompt_token_ids=self._distinct_prompt_token_ids,
             policy_picks_tokens=self.policy_picks_tokens,

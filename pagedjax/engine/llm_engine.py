@@ -1,8 +1,9 @@
 """LLMEngine: add requests, step the scheduler and a backend's runner, stream outputs.
 
-One step: drain the inbox of add/abort commands → the speculation policy picks k →
-Scheduler.schedule → request policies add sample rows (n > 1) → build_model_input (NumPy) →
-ModelRunner.execute (one device step) → Scheduler.update (token-level stops, rollback) →
+One step: drain the inbox of add/abort commands → admit constrained requests whose grammar is
+compiled → the speculation policy picks k → Scheduler.schedule → request policies add sample
+rows (n > 1) → the grammars' token bitmask → build_model_input (NumPy) → ModelRunner.execute
+(one device step) → grammars check the tokens → Scheduler.update (token-level stops, rollback) →
 OutputProcessor (text, stop strings, logprobs, outputs) → request policies pick tokens, fork
 and drop (beam search).
 
@@ -53,6 +54,7 @@ from pagedjax.outputs import RequestOutput
 from pagedjax.parallel import TensorParallelPlan
 from pagedjax.random import derive_seed
 from pagedjax.sampling_params import MAX_LOGPROBS, SamplingParams
+from pagedjax.structured_output import StructuredOutputManager
 from pagedjax.tokenizer import load_eos_token_ids, load_tokenizer
 
 # A prompt: text, or {"prompt_token_ids": [...]} (optionally with "prompt": text).
@@ -70,6 +72,7 @@ class _AddCommand:
     params: SamplingParams
     max_tokens: int
     beam_params: BeamSearchParams | None = None  # beam search: its policy picks the tokens
+    grammar: str | None = None  # structured outputs: the llguidance grammar
 
 
 STEP_PHASES = ("schedule", "prepare", "execute", "update", "output")
@@ -136,6 +139,8 @@ class LLMEngine:
             has_draft=self.speculation is not None,
             max_logit_entries=self.shapes.num_logit_entries)
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler)
+        self.structured_output = StructuredOutputManager(
+            self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.policy_context = PolicyContext(self.scheduler, lambda: next(self._seq_ids),
                                             self._rng_seed, self.eos_token_ids, self.tokenizer)
         self.policies: dict[str, RequestPolicy] = {}  # request id → its policy, while it has one
@@ -160,6 +165,7 @@ class LLMEngine:
             self._abort_now(request_id)
         self.runner.shutdown()
         self.runner = None
+        self.structured_output.shutdown()
 
     def _compile(self) -> float:
         """Compile (JAX) or capture (CUDA graphs) every step shape before the first request,
@@ -231,13 +237,19 @@ class LLMEngine:
         max_tokens = self._check_lengths(token_ids, params)
         self._check_logit_bias(params)
         self._check_logit_entries(token_ids, params, max_tokens)
+        grammar = None
+        if params.structured_outputs is not None:
+            if beam_params is not None:
+                raise ValueError("beam search with structured_outputs is not supported; "
+                                 "sample with SamplingParams(structured_outputs=...) instead.")
+            grammar = self.structured_output.check(params)
         with self._inbox_lock:
             if request_id in self._pending_ids or request_id in self.output_processor.requests:
                 raise ValueError(f"request_id={request_id!r} is already in use; pick a unique "
                                  "id.")
             self._pending_ids.add(request_id)
             self._inbox.append(_AddCommand(request_id, text, token_ids, params, max_tokens,
-                                           beam_params))
+                                           beam_params, grammar))
 
     def _apply_add(self, command: _AddCommand) -> None:
         request_id, token_ids, params = command.request_id, command.token_ids, command.params
@@ -254,7 +266,10 @@ class LLMEngine:
         elif params.n > 1:
             self.policies[request_id] = ParallelSampling(seq, self.policy_context)
         self.output_processor.add_request(request_id, command.prompt, seq)
-        self.scheduler.add_sequence(seq)
+        if command.grammar is not None:  # scheduled once its grammar is compiled
+            self.structured_output.add_request(seq, command.grammar)
+        else:
+            self.scheduler.add_sequence(seq)
         self.prompt_tokens_total += len(token_ids)
 
     def _beam_sampling_params(self, params: BeamSearchParams) -> SamplingParams:
@@ -382,21 +397,36 @@ class LLMEngine:
         if self.runner is None:
             raise RuntimeError("this engine was shut down; make a new one")
         aborted = self._drain_inbox() if self._inbox else []
+        if self.structured_output.has_waiting:
+            aborted += self._admit_constrained()
+        if self.structured_output.has_matchers:
+            self.structured_output.release()  # the completions finished or aborted since
         stamps = [time.perf_counter()]
         k = self._choose_num_spec_tokens()
         out = self.scheduler.schedule(k)
         if out.is_empty:
+            if self.structured_output.has_waiting:  # nothing to run but grammars compiling
+                self.structured_output.wait(timeout=0.05)
             return aborted
         policies = self._policies_of(out)
         for request_id, entries in policies.items():
             self.policies[request_id].schedule(entries)
+        seqs = self.scheduler.seqs
+        bitmask = self.structured_output.bitmask(
+            [seqs[s.seq_id] for e in out.scheduled for s in e.samples])
         stamps.append(time.perf_counter())
-        model_input = build_model_input(out, self.shapes, block_size=self.config.block_size)
+        model_input = build_model_input(out, self.shapes, block_size=self.config.block_size,
+                                        token_bitmask=bitmask)
         stamps.append(time.perf_counter())
         model_output = self.runner.execute(model_input)
         stamps.append(time.perf_counter())
         sampled = dict(zip(model_output.seq_ids, model_output.token_lists()))
+        if bitmask is not None:  # each row cut at a token its grammar forbids
+            self.structured_output.accept(seqs, sampled, model_input.num_spec_tokens)
         touched = self.scheduler.update(out, sampled)
+        if bitmask is not None:
+            for seq in self.structured_output.stopped(touched):
+                self.scheduler.finish(seq, "stop")  # its grammar is complete
         stamps.append(time.perf_counter())
         outputs = self.output_processor.process(touched, model_output)
         if policies:
@@ -406,6 +436,21 @@ class LLMEngine:
         if self.speculation is not None:
             self.speculation.observe(out, sampled)
         return aborted + outputs if aborted else outputs
+
+    def _admit_constrained(self) -> list[RequestOutput]:
+        """Schedule the constrained requests whose grammar is compiled now; abort those whose
+        grammar failed (their final outputs)."""
+        ready, failed = self.structured_output.take_ready()
+        for seq in ready:
+            self.scheduler.add_sequence(seq)
+        aborted = []
+        for seq, error in failed:
+            logger.error("request %s: its structured output grammar failed (%s); aborted",
+                         seq.request_id, error)
+            output = self._abort_now(seq.request_id)
+            if output is not None:
+                aborted.append(output)
+        return aborted
 
     def _policies_of(self, out: SchedulerOutput) -> dict[str, list[ScheduledSequence]]:
         """The scheduled sequences of each request that has a policy."""
@@ -462,5 +507,6 @@ class LLMEngine:
             "startup_compile_seconds": self.startup_compile_seconds,
             "num_compiles_after_startup": self.runner.num_compiles if self.runner else 0,
             "compile_cache_hits": self.runner.num_cache_hits if self.runner else 0,
+            **self.structured_output.metrics(),
             **(self.speculation.as_dict() if self.speculation else {}),
         }

@@ -1,0 +1,197 @@
+"""StructuredOutputManager: one llguidance matcher per constrained completion, the step's token
+bitmask, and the tokens a step may keep.
+
+- A constrained request waits here, out of the scheduler, until its grammar is compiled (a
+  worker thread); requests without one never wait for it.
+- Each step the rows of constrained completions get their allowed tokens as a packed int32
+  bitmask [rows, ceil(V / 32)] (bit t % 32 of word t // 32: token t allowed), filled by
+  llguidance's thread pool; the other rows allow everything. The samplers apply it on the
+  device (a branch a step without constrained rows skips).
+- With speculative decoding the mask is known for a row's first position only: the drafts, and
+  the tokens the target verifies after them, come from the device in the same step. The
+  matcher consumes the row's tokens in order and the row keeps them up to the first one the
+  grammar forbids; the sequence rolls back to there like a rejected draft, and its next step
+  samples that position again under the mask. Keeping a token only when it is allowed and
+  otherwise drawing again from the masked distribution samples exactly that distribution, and a
+  greedy row keeps exactly the masked argmax, so output equals decoding without drafts. A
+  sampled row that drops tokens moves its random counter past the step's (`Sequence.rng_offset`),
+  so the new draw is independent of the dropped one.
+- A matcher that has finished its grammar ends its completion (finish_reason "stop").
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from typing import Any
+
+import numpy as np
+
+from pagedjax.core.batch import bitmask_width
+from pagedjax.core.sequence import Sequence
+from pagedjax.sampling_params import SamplingParams
+from pagedjax.structured_output.grammar import GrammarCompiler, grammar_key
+
+logger = logging.getLogger(__name__)
+
+
+class StructuredOutputManager:
+    def __init__(self, tokenizer: Any | None, vocab_size: int,
+                 eos_token_ids: tuple[int, ...]) -> None:
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self.width = bitmask_width(vocab_size)
+        self._eos_token_ids = eos_token_ids
+        self._compiler: GrammarCompiler | None = None  # on the first constrained request
+        self._executor = None  # llguidance's mask-filling thread pool, with the compiler
+        self._waiting: list[tuple[Sequence, Future]] = []  # grammar not compiled yet
+        self._grammars: dict[str, Any] = {}  # request id → its compiled (unused) matcher
+        # seq id → (the completion, its matcher: advanced with its tokens)
+        self._matchers: dict[int, tuple[Sequence, Any]] = {}
+        self._request_seqs: dict[str, set[int]] = {}  # request id → seq ids with a matcher
+        self._failed: set[int] = set()  # seq ids that sampled outside their grammar
+        self.num_requests_total = 0
+
+    # ---- requests ----------------------------------------------------------------------------
+
+    def check(self, params: SamplingParams) -> str:
+        """The request's grammar; raises ValueError naming what is wrong (called when a
+        request is added, before anything is queued)."""
+        if self.tokenizer is None:
+            raise ValueError("structured outputs need the model's tokenizer; this model "
+                             "directory ships none.")
+        return grammar_key(params.structured_outputs)
+
+    def add_request(self, seq: Sequence, grammar: str) -> None:
+        """Hold seq (a new request's first completion) until its grammar is compiled."""
+        if self._compiler is None:
+            import llguidance
+
+            self._compiler = GrammarCompiler(self.tokenizer, self.vocab_size,
+                                             self._eos_token_ids)
+            self._executor = llguidance.LLExecutor()
+        self.num_requests_total += 1
+        self._waiting.append((seq, self._compiler.compile(grammar)))
+
+    def take_ready(self) -> tuple[list[Sequence], list[tuple[Sequence, Exception]]]:
+        """(sequences whose grammar is now compiled, to schedule; (sequence, error) for those
+        whose grammar failed). Aborted ones are dropped."""
+        ready, failed, still = [], [], []
+        for seq, future in self._waiting:
+            if seq.is_finished:
+                continue
+            if not future.done():
+                still.append((seq, future))
+            elif future.exception() is not None:
+                failed.append((seq, future.exception()))
+            else:
+                self._grammars[seq.request_id] = future.result()
+                self._matcher(seq)
+                ready.append(seq)
+        self._waiting = still
+        return ready, failed
+
+    @property
+    def has_waiting(self) -> bool:
+        return bool(self._waiting)
+
+    @property
+    def has_matchers(self) -> bool:
+        """Whether some constrained completion is live (or finished and not released yet)."""
+        return bool(self._matchers)
+
+    def wait(self, timeout: float) -> None:
+        """Block until some waiting grammar is compiled, or timeout seconds."""
+        wait([f for _, f in self._waiting], timeout=timeout, return_when=FIRST_COMPLETED)
+
+    def release(self) -> None:
+        """Forget finished (or aborted) completions' matchers, and a request's grammar with its
+        last one."""
+        for seq_id, (seq, _) in list(self._matchers.items()):
+            if seq.is_finished:
+                del self._matchers[seq_id]
+                self._failed.discard(seq_id)
+                live = self._request_seqs[seq.request_id]
+                live.discard(seq_id)
+                if not live:
+                    del self._request_seqs[seq.request_id]
+                    self._grammars.pop(seq.request_id, None)
+
+    # ---- steps -------------------------------------------------------------------------------
+
+    def is_constrained(self, seq: Sequence) -> bool:
+        return seq.sampling_params.structured_outputs is not None
+
+    def _matcher(self, seq: Sequence) -> Any:
+        """seq's matcher; a completion met for the first time (the first, or an n > 1 sibling
+        forked off it) starts from its request's grammar, past any output it already has."""
+        entry = self._matchers.get(seq.seq_id)
+        if entry is not None:
+            return entry[1]
+        matcher = self._grammars[seq.request_id].deep_copy()
+        output = seq.token_ids[seq.num_prompt_tokens :]
+        if output and not matcher.consume_tokens(output):
+            logger.warning("completion %d's output is outside its grammar: %s", seq.seq_id,
+                           matcher.get_error())
+        self._matchers[seq.seq_id] = (seq, matcher)
+        self._request_seqs.setdefault(seq.request_id, set()).add(seq.seq_id)
+        return matcher
+
+    def bitmask(self, seqs: list[Sequence]) -> np.ndarray | None:
+        """[len(seqs), W] int32 allowed tokens of a step's sample rows (-1: all, for rows
+        without a constraint); None if no row has one."""
+        rows = [(self._matcher(seq), r) for r, seq in enumerate(seqs)
+                if self.is_constrained(seq)]
+        if not rows:
+            return None
+        import llguidance.numpy
+
+        mask = np.full((len(seqs), self.width), -1, np.int32)
+        llguidance.numpy.fill_next_token_bitmask_par(self._executor, rows, mask)
+        return mask
+
+    def accept(self, seqs: dict[int, Sequence], sampled: dict[int, list[int]],
+               num_spec_tokens: int) -> None:
+        """Advance the matchers of a step's constrained rows by the tokens they produced, each
+        row cut at the first token its grammar forbids (only a row with drafts can hold one);
+        sampled: seq id → tokens, changed in place."""
+        for seq_id, tokens in sampled.items():
+            seq = seqs[seq_id]
+            if not self.is_constrained(seq) or seq.policy_picks_tokens:
+                continue
+            matcher = self._matcher(seq)
+            num_kept = matcher.try_consume_tokens(tokens)
+            if num_kept == len(tokens):
+                continue
+            if num_kept == 0:  # the first token was sampled under the mask: never here
+                logger.warning("completion %d sampled token %d outside its grammar (%s); it "
+                               "stops", seq_id, tokens[0], matcher.get_error())
+                num_kept = 1
+                self._failed.add(seq_id)
+            del tokens[num_kept:]
+            if not seq.sampling_params.is_greedy:
+                seq.rng_offset += num_spec_tokens + 1  # past every counter the step used
+
+    def stopped(self, seqs: list[Sequence]) -> list[Sequence]:
+        """The running constrained sequences whose grammar has finished (or failed): the
+        engine ends them."""
+        out = []
+        for seq in seqs:
+            entry = self._matchers.get(seq.seq_id)
+            if entry is not None and not seq.is_finished and (
+                    entry[1].is_stopped() or seq.seq_id in self._failed):
+                out.append(seq)
+        return out
+
+    # ---- metrics -----------------------------------------------------------------------------
+
+    def metrics(self) -> dict[str, float]:
+        compiler = self._compiler
+        return {
+            "structured_output_requests_total": self.num_requests_total,
+            "grammar_compiles_total": compiler.num_compiles if compiler else 0,
+            "grammar_compile_seconds_total": compiler.compile_seconds_total if compiler else 0.0,
+        }
+
+    def shutdown(self) -> None:
+        if self._compiler is not None:
+            self._compiler.shutdown()

@@ -4,7 +4,9 @@ torch, plain and speculative, with the compiles each meets after startup.
 Requests arrive in groups while others run (the engine steps between arrivals). Prompts run
 from 1 token to what max_model_len leaves, a third of them behind a shared 48-token system
 prefix (prefix-cache hits); n = 1-2; greedy and sampled rows (temperature, top-k, top-p, min-p,
-seeds); logprobs, prompt_logprobs, penalties, logit_bias and min_tokens on some. Each LLM
+seeds); logprobs, prompt_logprobs, penalties, logit_bias and min_tokens on some; every fifth
+request constrained (structured outputs: a choice or a regex; `structured=False` leaves them
+out, for a model without a tokenizer). Each LLM
 reports its startup (cold: nothing cached; then warm: a second process with the persistent
 cache), its wall time on the workload, and its compiles after startup (JAX's backend compiles,
 counted with jax.monitoring; CUDA graph captures for torch).
@@ -41,8 +43,13 @@ class Request:
     params: dict  # SamplingParams keywords
 
 
+# Every fifth request's constraint, in turn (StructuredOutputsParams keywords).
+STRUCTURED = ({"choice": ["yes", "no", "maybe not"]}, {"regex": "[0-9]{1,6}(-[a-z]{1,3})?"})
+
+
 def varied_workload(vocab_size: int, max_model_len: int, num_requests: int, *,
-                    max_tokens: int = 16, seed: int = 0) -> list[Request]:
+                    max_tokens: int = 16, seed: int = 0, structured: bool = True
+                    ) -> list[Request]:
     """num_requests requests in groups of 4, a group every 3 steps (see the module docstring)."""
     rng = np.random.default_rng(seed)
     prefix = rng.integers(1, vocab_size, SYSTEM_PREFIX).tolist()
@@ -71,20 +78,27 @@ def varied_workload(vocab_size: int, max_model_len: int, num_requests: int, *,
             params["logit_bias"] = {int(t): 2.0 for t in rng.integers(0, vocab_size, 3)}
         if rng.random() < 0.1:
             params["min_tokens"] = min(2, params["max_tokens"])
+        if structured and i % 5 == 4:
+            params["structured_outputs"] = STRUCTURED[i // 5 % len(STRUCTURED)]
+            params.update(min_tokens=0, max_tokens=max(params["max_tokens"], 8))
         requests.append(Request(3 * (i // 4), prompt, params))
     return requests
 
 
 def run_workload(llm, requests: list[Request]) -> dict:
     """Drive llm's engine through the requests as they arrive; the outputs' token ids."""
-    from pagedjax import SamplingParams
+    from pagedjax import SamplingParams, StructuredOutputsParams
 
     engine, pending, outputs, step = llm.engine, list(enumerate(requests)), {}, 0
     while pending or engine.has_unfinished_requests():
         while pending and pending[0][1].arrival <= step:
             i, request = pending.pop(0)
+            params = dict(request.params)
+            if "structured_outputs" in params:
+                params["structured_outputs"] = StructuredOutputsParams(
+                    **params["structured_outputs"])
             engine.add_request(str(i), {"prompt_token_ids": request.prompt},
-                               SamplingParams(**request.params))
+                               SamplingParams(**params))
         for output in engine.step():
             if output.finished:
                 outputs[output.request_id] = [c.token_ids for c in output.outputs]

@@ -50,6 +50,7 @@ class StructuredOutputManager:
         self._request_seqs: dict[str, set[int]] = {}  # request id → seq ids with a matcher
         self._failed: set[int] = set()  # seq ids that sampled outside their grammar
         self.num_requests_total = 0
+        self.num_tokens_rejected = 0  # tokens of speculative rows cut because a grammar forbade
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -167,6 +168,7 @@ class StructuredOutputManager:
                                "stops", seq_id, tokens[0], matcher.get_error())
                 num_kept = 1
                 self._failed.add(seq_id)
+            self.num_tokens_rejected += len(tokens) - num_kept
             del tokens[num_kept:]
             if not seq.sampling_params.is_greedy:
                 seq.rng_offset += num_spec_tokens + 1  # past every counter the step used
@@ -188,6 +190,7 @@ class StructuredOutputManager:
         compiler = self._compiler
         return {
             "structured_output_requests_total": self.num_requests_total,
+            "structured_output_tokens_rejected_total": self.num_tokens_rejected,
             "grammar_compiles_total": compiler.num_compiles if compiler else 0,
             "grammar_compile_seconds_total": compiler.compile_seconds_total if compiler else 0.0,
         }

@@ -40,8 +40,9 @@ pytestmark = pytest.mark.usefixtures("compile_at_startup")
 @pytest.mark.parametrize("speculative", [False, True], ids=["plain", "speculative"])
 def test_a_varied_workload_compiles_nothing_after_startup(tiny_model, speculative: bool) -> None:
     """Prompts of 1 to max_model_len - 16 tokens, prefix-cache hits, n = 2, logprobs and
-    prompt_logprobs, penalties, logit_bias, min_tokens, greedy and sampled rows, requests
-    arriving while others run; speculative: an adaptive draft."""
+    prompt_logprobs, penalties, logit_bias, min_tokens, greedy and sampled rows, structured
+    outputs (a choice, a regex), requests arriving while others run; speculative: an adaptive
+    draft."""
     spec = ({"model": tiny_model("draft"), "num_speculative_tokens": 4} if speculative
             else None)
     llm = LLM(tiny_model("llama"), backend="jax", speculative_config=spec, **SMALL)
@@ -53,6 +54,7 @@ def test_a_varied_workload_compiles_nothing_after_startup(tiny_model, speculativ
     assert _COMPILES[compiled_at_startup:] == []
     metrics = llm.get_metrics()
     assert metrics["num_compiles_after_startup"] == 0 and metrics["prefix_cache_hits"] > 0
+    assert metrics["structured_output_requests_total"] == len(requests) // 5
     if speculative:
         assert metrics["spec_decode_num_draft_tokens"] > 0
     # the set is what step_shapes.py says: 4 sequence buckets (1-8), 3 token buckets (16-64),

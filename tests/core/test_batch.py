@@ -41,7 +41,7 @@ def test_mixed_step_with_the_draft_catching_up() -> None:
     assert layout == BatchLayout(16, 4, 3, num_spec_tokens=0, draft=True)
     assert model_input.flags == StepFlags(sampled=True, filters=True, logprobs=True,
                                           logit_entries=True)
-    assert f["step_flags"].tolist() == [1, 1, 1, 0, 1]
+    assert f["step_flags"].tolist() == [1, 1, 1, 0, 1, 0]
     assert model_input.seq_ids == [0, 2, 3] and model_input.num_tokens == 6
     assert (model_input.max_query_len, model_input.max_draft_query_len) == (3, 2)
     np.testing.assert_array_equal(model_input.block_copies, [[6, 9]])

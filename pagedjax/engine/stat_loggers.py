@@ -93,6 +93,13 @@ _ENGINE_COUNTERS = {
     "num_compiles_after_startup": ("compiles_after_startup",
                                    "Step shapes compiled (JAX) or captured (CUDA graphs) after "
                                    "startup: outside the closed set, each one a stall."),
+    "structured_output_requests_total": ("structured_output_requests",
+                                         "Requests with a structured output constraint (json, "
+                                         "regex, choice or grammar)."),
+    "grammar_compiles_total": ("grammar_compiles",
+                               "Grammars compiled for structured output requests."),
+    "grammar_compile_seconds_total": ("grammar_compile_seconds",
+                                      "Seconds spent compiling grammars."),
 }
 
 

@@ -45,8 +45,11 @@ def error_body(status: int, message: str, param: str | None = None,
 def bad_request(e: Exception) -> OpenAIError:
     """A ValueError/TypeError from the engine, SamplingParams or the chat template → 400, naming
     the parameter its message starts with (`SamplingParams.top_p=...`, `prompt token ids ...`,
-    `messages[0]=...`) when that is a request field."""
+    `messages[0]=...`) when that is a request field; `StructuredOutputsParams.json ...` (an
+    invalid schema, regex or grammar) names structured_outputs."""
     message = str(e)
+    if message.startswith("StructuredOutputsParams"):
+        return OpenAIError(400, message, param="structured_outputs")
     match = re.match(r"(?:SamplingParams\.)?([a-z_]+)", message)
     param = match.group(1) if match and match.group(1) in request_field_names() else None
     return OpenAIError(400, message, param=param)

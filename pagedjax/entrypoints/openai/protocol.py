@@ -5,7 +5,7 @@ sampling.py passes those that SamplingParams has and rejects the rest by name.""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -23,6 +23,25 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool | None = False
 
 
+class JsonSchemaResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    description: str | None = None
+    # "schema" on the wire (the name would shadow BaseModel.schema)
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: plain text, any JSON object, or JSON following a schema."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaResponseFormat | None = None
+
+
 class SamplingFields(OpenAIBaseModel):
     """What both endpoints take besides the prompt: OpenAI's fields, then vLLM's extras."""
 
@@ -33,6 +52,7 @@ class SamplingFields(OpenAIBaseModel):
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
     temperature: float | None = None
     top_p: float | None = None
     user: str | None = None
@@ -49,6 +69,8 @@ class SamplingFields(OpenAIBaseModel):
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     prompt_logprobs: int | None = None
+    # StructuredOutputsParams' fields: json, regex, choice, grammar, json_object, ... (sampling.py)
+    structured_outputs: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -93,11 +115,12 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
-# Read by the endpoints, not sampling parameters (or metadata with no effect: user).
+# Read by the endpoints, not sampling parameters as they are (or metadata with no effect: user).
 ENDPOINT_FIELDS = frozenset({
     "model", "prompt", "messages", "stream", "stream_options", "echo", "user", "max_tokens",
     "max_completion_tokens", "logprobs", "top_logprobs", "best_of", "add_generation_prompt",
     "continue_final_message", "chat_template", "chat_template_kwargs", "suffix",
+    "response_format", "structured_outputs",
 })
 
 

@@ -1,9 +1,11 @@
 """A request body → SamplingParams, generically: every body field named like a SamplingParams
 field passes through (so fields SamplingParams gains later work at once), fields the endpoints
-read themselves are skipped, and any other field with an effect is a 400 that names it."""
+read themselves are skipped, and any other field with an effect is a 400 that names it.
+Constraints come from OpenAI's response_format or vLLM's structured_outputs (not both)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from pagedjax.entrypoints.openai.errors import OpenAIError, bad_request
@@ -12,14 +14,15 @@ from pagedjax.entrypoints.openai.protocol import (
     SamplingFields,
     sampling_param_names,
 )
-from pagedjax.sampling_params import SamplingParams
+from pagedjax.sampling_params import SamplingParams, StructuredOutputsParams
 
 # Values that change nothing, accepted whether or not SamplingParams has the field yet.
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
     "logit_bias": ({},), "prompt_logprobs": (None,), "tools": (None, []),
-    "tool_choice": (None, "none"), "response_format": (None, {"type": "text"}),
+    "tool_choice": (None, "none"),
 }
+_STRUCTURED_FIELDS = frozenset(f.name for f in dataclasses.fields(StructuredOutputsParams))
 
 
 def _convert(name: str, value: Any) -> Any:
@@ -51,8 +54,43 @@ def to_sampling_params(request: SamplingFields, *, max_tokens: int | None,
     if request.best_of not in (None, request.n):
         raise OpenAIError(400, f"best_of={request.best_of} is not supported; leave it out or "
                                "set it to n.", param="best_of")
-    kwargs.update(max_tokens=max_tokens, logprobs=logprobs)
+    kwargs.update(max_tokens=max_tokens, logprobs=logprobs,
+                  structured_outputs=structured_outputs_params(request))
     try:
         return SamplingParams(**kwargs)
     except (ValueError, TypeError) as e:
         raise bad_request(e) from None
+
+
+def structured_outputs_params(request: SamplingFields) -> StructuredOutputsParams | None:
+    """The request's constraint: response_format {"type": "json_object"} or {"type":
+    "json_schema", "json_schema": {"schema": ...}} (OpenAI's), or structured_outputs {"json",
+    "regex", "choice", "grammar", "json_object", ...} (vLLM's); None for none or "text".
+    Raises OpenAIError(400) naming the field that is wrong."""
+    response_format, fields = request.response_format, request.structured_outputs
+    if response_format is not None and response_format.type != "text":
+        if fields is not None:
+            raise OpenAIError(400, "give response_format or structured_outputs, not both.",
+                              param="response_format")
+        if response_format.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        schema = response_format.json_schema and response_format.json_schema.json_schema
+        if schema is None:
+            raise OpenAIError(400, 'response_format of type "json_schema" needs '
+                                   "json_schema.schema, the JSON schema of the output.",
+                              param="response_format")
+        return StructuredOutputsParams(json=schema)
+    if fields is None:
+        return None
+    unknown = sorted(set(fields) - _STRUCTURED_FIELDS)
+    if unknown:
+        raise OpenAIError(400, f"structured_outputs has unknown keys {unknown}; it takes "
+                               f"{sorted(_STRUCTURED_FIELDS)}.", param="structured_outputs")
+    for name in ("json_object", "disable_any_whitespace"):
+        if not isinstance(fields.get(name, False), (bool, type(None))):
+            raise OpenAIError(400, f"structured_outputs.{name}={fields[name]!r} is invalid: "
+                                   "expected true or false.", param="structured_outputs")
+    try:
+        return StructuredOutputsParams(**fields)
+    except (ValueError, TypeError) as e:
+        raise OpenAIError(400, str(e), param="structured_outputs") from None

@@ -74,13 +74,17 @@ class OpenAIServing:
 
     def sampling_params(self, request: SamplingFields, *, max_tokens: int,
                         logprobs: int | None) -> SamplingParams:
+        if request.stream_options is not None and not request.stream:
+            raise OpenAIError(400, "Stream options can only be defined when `stream=True`.",
+                              param="stream_options")
         params = to_sampling_params(request, max_tokens=max_tokens, logprobs=logprobs,
                                     defaults=self.defaults)
         params.output_kind = (RequestOutputKind.DELTA if request.stream
                               else RequestOutputKind.FINAL_ONLY)
         return params
 
-    def start(self, request_ids: list[str], prompts: list[dict[str, Any]],
+    def start(self, request: SamplingFields, request_ids: list[str],
+              prompts: list[dict[str, Any]],
               params: list[SamplingParams]) -> list[AsyncIterator[RequestOutput]]:
         """Queue every prompt, or none: a prompt the engine rejects aborts those before it."""
         generators = []
@@ -90,7 +94,10 @@ class OpenAIServing:
         except (ValueError, TypeError) as e:
             for request_id in request_ids[: len(generators)]:
                 self.engine.abort_request(request_id)
-            raise bad_request(e) from None
+            error = bad_request(e)
+            if error.param == "structured_outputs" and request.structured_outputs is None:
+                error.param = "response_format"  # the schema came from there
+            raise error from None
         return generators
 
     @contextlib.asynccontextmanager

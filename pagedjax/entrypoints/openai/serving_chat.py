@@ -67,7 +67,7 @@ class OpenAIServingChat(OpenAIServing):
             max_tokens=self.max_tokens_for(len(prompt["prompt_token_ids"]), max_tokens,
                                            "messages"))
         request_id = random_id("chatcmpl")
-        (generator,) = self.start([request_id], [prompt], [params])
+        (generator,) = self.start(request, [request_id], [prompt], [params])
         stream = _ChatStream(self, request, request_id, len(prompt["prompt_token_ids"]))
         if request.stream:
             return event_stream(stream.events(generator, raw_request))

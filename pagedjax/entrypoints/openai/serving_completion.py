@@ -41,7 +41,7 @@ class OpenAIServingCompletion(OpenAIServing):
                                            "prompt")) for p in prompts]
         base_id = random_id("cmpl")
         request_ids = [f"{base_id}-{i}" for i in range(len(prompts))]
-        generators = self.start(request_ids, prompts, params)
+        generators = self.start(request, request_ids, prompts, params)
         stream = _CompletionStream(self, request, base_id, prompts)
         if request.stream:
             return event_stream(stream.events(generators, raw_request, request_ids))

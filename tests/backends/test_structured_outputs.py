@@ -1,0 +1,154 @@
+"""Structured outputs on both backends (the demo pair: a trained target and its draft): every
+output of the corpus (tests/structured_cases.py) is valid, greedy and sampled, plain and
+speculative; speculation keeps greedy output and the sampled distribution; preemption,
+n > 1 and unconstrained neighbours; the device mask against llguidance's reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pagedjax import LLM, SamplingParams, StructuredOutputsParams
+from pagedjax.demo import demo_model_dirs
+from tests.structured_cases import CASES, max_tokens_for
+
+BACKENDS = ["jax", "torch"]
+TARGET, DRAFT = demo_model_dirs()
+SPEC = {"model": DRAFT, "num_speculative_tokens": 4}
+PROMPTS = ["The answer is", "def main():\n", "Once upon a time", "# config\n"]
+
+
+def _llm(backend: str, speculative: bool = False, **kwargs) -> LLM:
+    kwargs = {"max_model_len": 512, "max_num_seqs": 64, **kwargs}
+    return LLM(TARGET, backend=backend, speculative_config=SPEC if speculative else None,
+               **kwargs)
+
+
+def _requests() -> tuple[list[str], list[SamplingParams], list]:
+    """Every corpus case greedy and sampled (temperature 0.8, seeded), two with n = 2."""
+    prompts, params, cases = [], [], []
+    for i, case in enumerate(CASES):
+        for temperature in (0.0, 0.8):
+            n = 2 if temperature and i % 8 == 0 else 1
+            prompts.append(PROMPTS[i % len(PROMPTS)])
+            params.append(SamplingParams(temperature=temperature, seed=i, n=n,
+                                         max_tokens=max_tokens_for(case),
+                                         structured_outputs=case.params))
+            cases.append(case)
+    return prompts, params, cases
+
+
+def _check_all(outputs, cases) -> None:
+    for output, case in zip(outputs, cases):
+        for completion in output.outputs:
+            assert completion.finish_reason == "stop", (case.name, completion.text)
+            case.check(completion.text)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_output_is_valid_and_speculation_keeps_greedy_output(backend: str) -> None:
+    """The corpus (20+ JSON schemas, regexes, choices, grammars), greedy and sampled: every
+    output parses and validates, plain and speculative; speculative greedy outputs equal plain
+    ones, and some drafts were cut by the grammar (the path that keeps them equal ran)."""
+    prompts, params, cases = _requests()
+    assert sum(case.kind == "json" for case in CASES) >= 20
+    plain = _llm(backend).generate(prompts, params, use_tqdm=False)
+    _check_all(plain, cases)
+    llm = _llm(backend, speculative=True)
+    spec = llm.generate(prompts, params, use_tqdm=False)
+    _check_all(spec, cases)
+    for a, b, p, case in zip(plain, spec, params, cases):
+        if p.is_greedy:
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids, case.name
+    metrics = llm.get_metrics()
+    assert metrics["spec_decode_num_accepted_tokens"] > 0
+    assert metrics["structured_output_tokens_rejected_total"] > 0
+    assert metrics["structured_output_requests_total"] == len(params)
+    assert metrics["kv_blocks_free"] == metrics["kv_blocks_total"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_speculation_samples_the_constrained_distribution(backend: str) -> None:
+    """Sampled at temperature 1 with a choice whose strings share first tokens (so drafts the
+    grammar cuts matter): the outputs' frequencies with speculation match those without (a
+    two-sample chi-square test; both runs are many seeded requests)."""
+    from scipy.stats import chi2_contingency
+
+    choice = ["the cat sat", "the dog sat", "the cat ran", "a dog ran", "a cat"]
+    n = 400
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=8, structured_outputs=(
+        StructuredOutputsParams(choice=choice))) for i in range(n)]
+    prompts = ["Once upon a time"] * n
+    counts = []
+    for speculative in (False, True):
+        outputs = _llm(backend, speculative, max_num_seqs=128).generate(prompts, params,
+                                                                          use_tqdm=False)
+        texts = [o.outputs[0].text for o in outputs]
+        assert set(texts) <= set(choice)
+        counts.append([texts.count(c) for c in choice])
+    table = np.asarray(counts)
+    table = table[:, table.sum(axis=0) > 0]
+    assert table.shape[1] >= 2, counts
+    assert chi2_contingency(table).pvalue > 1e-3, counts
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_preempted_constrained_request_stays_valid(backend: str) -> None:
+    """A pool of 12 blocks of 16 for 8 constrained requests of 2-block prompts: sequences are
+    preempted as they grow, and recomputed, their matchers untouched; every output is valid
+    and nothing leaks."""
+    json_cases = [c for c in CASES if c.kind == "json" and max_tokens_for(c) < 80][:8]
+    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=max_tokens_for(c),
+                             structured_outputs=c.params) for i, c in enumerate(json_cases)]
+    llm = _llm(backend, max_model_len=128, num_gpu_blocks_override=12)
+    prompt = {"prompt_token_ids": llm.engine.tokenizer.encode("Once upon a time " * 12)[:30]}
+    outputs = llm.generate([prompt] * len(params), params, use_tqdm=False)
+    _check_all(outputs, json_cases)
+    metrics = llm.get_metrics()
+    assert metrics["num_preemptions_total"] > 0
+    assert metrics["kv_blocks_free"] == metrics["kv_blocks_total"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_unconstrained_rows_equal_their_solo_outputs(backend: str) -> None:
+    """Constrained and unconstrained requests in one batch: the unconstrained ones (greedy and
+    seeded sampled) produce what they produce alone."""
+    free = [SamplingParams(temperature=0.0, max_tokens=24),
+            SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=24)]
+    constrained = [SamplingParams(temperature=0.8, seed=i, max_tokens=max_tokens_for(c),
+                                  structured_outputs=c.params) for i, c in enumerate(CASES[:6])]
+    llm = _llm(backend)
+    alone = llm.generate(["Once upon a time"] * 2, free, use_tqdm=False)
+    mixed = llm.generate(["Once upon a time"] * 8, constrained[:3] + free + constrained[3:],
+                         use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in mixed[3:5]] == [o.outputs[0].token_ids
+                                                            for o in alone]
+    _check_all(mixed[:3] + mixed[5:], CASES[:6])
+
+
+@pytest.mark.parametrize("bad", [
+    {"json": {"type": "object", "properties": {"a": {"type": "no-such-type"}}}},
+    {"json": "{not json"},
+    {"regex": "a(b"},
+    {"grammar": "root ::= ( \"a\" "},
+], ids=["schema", "json-text", "regex", "grammar"])
+def test_an_invalid_constraint_is_a_value_error_and_the_engine_serves_on(bad: dict) -> None:
+    llm = _llm("torch")
+    engine = llm.engine
+    with pytest.raises(ValueError, match="StructuredOutputsParams"):
+        engine.add_request("bad", "hi", SamplingParams(
+            structured_outputs=StructuredOutputsParams(**bad)))
+    good = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(
+        choice=["yes", "no"]))
+    assert llm.generate(["hi"], [good], use_tqdm=False)[0].outputs[0].text in ("yes", "no")
+
+
+def test_structured_outputs_params_takes_exactly_one_constraint() -> None:
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams(json={"type": "object"}, regex="a")
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams()
+    with pytest.raises(ValueError, match="choice"):
+        StructuredOutputsParams(choice=[])
+    with pytest.raises(ValueError, match="structured_outputs"):
+        SamplingParams(structured_outputs={"json": {}})

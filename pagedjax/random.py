@@ -13,6 +13,11 @@ GOLDEN = 0x9E3779B9  # step stride
 STREAM = 0x85EBCA6B  # vocabulary-index stride
 MIX_MUL_1 = 0x7FEB352D  # lowbias32 multipliers (Wellons' hash prospector)
 MIX_MUL_2 = 0x846CA68B
+# A uniform keeps the top 23 bits k of a hash: u = (k + 0.5) / 2**23. float32 holds every such
+# value exactly, so u lies strictly inside (0, 1). (With 24 bits the largest, (2**24 - 0.5) /
+# 2**24, rounded to 1.0: a Gumbel noise of +inf that picked a uniformly random token, about once
+# in 2**24 draws, ~0.3 % of the rows sampled over a 49k vocabulary, and outside a grammar's mask.)
+UNIFORM_BITS = 23
 
 
 def mix32(x: np.ndarray) -> np.ndarray:
@@ -32,7 +37,13 @@ def uniform(seed: np.ndarray, step: np.ndarray, num: int) -> np.ndarray:
     step = np.asarray(step, np.uint32)[:, None]
     key = mix32(seed ^ mix32(step * np.uint32(GOLDEN)))
     bits = mix32(key + np.arange(num, dtype=np.uint32)[None, :] * np.uint32(STREAM))
-    return ((bits >> np.uint32(8)).astype(np.float32) + np.float32(0.5)) * np.float32(2.0**-24)
+    return bits_to_uniform(bits)
+
+
+def bits_to_uniform(bits: np.ndarray) -> np.ndarray:
+    """uint32 hashes → float32 uniforms strictly inside (0, 1) (UNIFORM_BITS)."""
+    top = (bits >> np.uint32(32 - UNIFORM_BITS)).astype(np.float32)
+    return (top + np.float32(0.5)) * np.float32(2.0**-UNIFORM_BITS)
 
 
 def derive_seed(*values: int) -> int:

@@ -33,7 +33,13 @@ def uniform(seed: jax.Array, step: jax.Array, num: int) -> jax.Array:
     """[L] uint32 seeds and steps → [L, num] float32 uniforms in (0, 1) (see pagedjax.random)."""
     key = _mix32(seed[:, None] ^ _mix32(step[:, None] * jnp.uint32(prng.GOLDEN)))
     bits = _mix32(key + jnp.arange(num, dtype=jnp.uint32)[None, :] * jnp.uint32(prng.STREAM))
-    return ((bits >> 8).astype(jnp.float32) + 0.5) * (2.0**-24)
+    return bits_to_uniform(bits)
+
+
+def bits_to_uniform(bits: jax.Array) -> jax.Array:
+    """uint32 hashes → float32 uniforms strictly inside (0, 1) (pagedjax.random's)."""
+    top = (bits >> (32 - prng.UNIFORM_BITS)).astype(jnp.float32)
+    return (top + 0.5) * (2.0**-prng.UNIFORM_BITS)
 
 
 def argmax(x: jax.Array) -> jax.Array:

@@ -35,7 +35,13 @@ def uniform(seed: torch.Tensor, step: torch.Tensor, num: int) -> torch.Tensor:
     key = _mix32(seed[:, None] ^ _mix32((step[:, None] * prng.GOLDEN) & _MASK32))
     stream = (torch.arange(num, dtype=torch.int64, device=seed.device) * prng.STREAM) & _MASK32
     bits = _mix32((key + stream[None, :]) & _MASK32)  # [L, num]
-    return ((bits >> 8).to(torch.float32) + 0.5) * (2.0**-24)
+    return bits_to_uniform(bits)
+
+
+def bits_to_uniform(bits: torch.Tensor) -> torch.Tensor:
+    """uint32 hashes (in int64) → float32 uniforms strictly inside (0, 1) (pagedjax.random's)."""
+    top = (bits >> (32 - prng.UNIFORM_BITS)).to(torch.float32)
+    return (top + 0.5) * (2.0**-prng.UNIFORM_BITS)
 
 
 def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,

@@ -156,6 +156,19 @@ def test_uniform_is_bit_exact() -> None:
     assert 0.0 < got.min() and got.max() < 1.0
 
 
+def test_uniforms_never_reach_one() -> None:
+    """The extreme hashes give uniforms strictly inside (0, 1) on every implementation: a 1.0
+    made a Gumbel noise of +inf, which sampled a uniformly random token (one in 2**24 draws)."""
+    bits = np.array([[0, 1, 2**31, 2**32 - 2**9, 2**32 - 1]], np.uint32)
+    for got in (prng.bits_to_uniform(bits),
+                np.asarray(jax_sampler.bits_to_uniform(jnp.asarray(bits))),
+                torch_sampler.bits_to_uniform(torch.from_numpy(bits.astype(np.int64))).numpy()):
+        assert got.dtype == np.float32
+        assert 0.0 < got.min() and got.max() < 1.0
+        assert np.isfinite(-np.log(-np.log(got))).all()
+        np.testing.assert_array_equal(got, prng.bits_to_uniform(bits))
+
+
 def test_the_jax_argmax_is_jnps():
     """Two reductions instead of XLA's variadic argmax: the first index of the maximum, ties,
     -inf rows and NaN (the first NaN wins, as in jnp.argmax) included, on 2-D and 3-D logits."""

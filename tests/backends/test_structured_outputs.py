@@ -152,3 +152,75 @@ def test_structured_outputs_params_takes_exactly_one_constraint() -> None:
         StructuredOutputsParams(choice=[])
     with pytest.raises(ValueError, match="structured_outputs"):
         SamplingParams(structured_outputs={"json": {}})
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_device_mask_is_llguidance_reference(backend: str) -> None:
+    """apply_token_bitmask on each backend equals llguidance's NumPy reference, for a vocabulary
+    that is not a multiple of 32 and rows with every, some and one token allowed."""
+    from llguidance.numpy import apply_token_bitmask_inplace
+
+    rng = np.random.default_rng(0)
+    vocab = 100
+    logits = rng.normal(size=(4, vocab)).astype(np.float32)
+    bitmask = rng.integers(-2**31, 2**31, size=(4, 4), dtype=np.int64).astype(np.int32)
+    bitmask[0] = -1
+    bitmask[3] = 0
+    bitmask[3, 2] = 1 << 5  # token 69 only
+    want = logits.copy()
+    apply_token_bitmask_inplace(want, bitmask)
+    if backend == "jax":
+        import jax.numpy as jnp
+
+        from pagedjax.backends.jax.sampler import apply_token_bitmask
+        got = np.asarray(apply_token_bitmask(jnp.asarray(logits), jnp.asarray(bitmask)))
+    else:
+        import torch
+
+        from pagedjax.backends.torch.sampler import apply_token_bitmask
+        got = apply_token_bitmask(torch.from_numpy(logits), torch.from_numpy(bitmask)).numpy()
+    np.testing.assert_array_equal(got, want)
+    assert np.isfinite(got[3]).sum() == 1 and np.isfinite(got[3, 69])
+
+
+def test_a_row_is_cut_at_the_first_token_its_grammar_forbids() -> None:
+    """StructuredOutputManager.accept: a speculative row keeps its tokens up to the first one
+    the grammar forbids, its matcher advanced by those; a sampled row's random counter moves
+    past the step's, a greedy row's does not; a finished grammar stops its completion."""
+    from pagedjax.core.sequence import Sequence
+    from pagedjax.structured_output import StructuredOutputManager
+    from pagedjax.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(TARGET)
+    manager = StructuredOutputManager(tokenizer, len(tokenizer), (tokenizer.eos_token_id,))
+    params = {t: SamplingParams(temperature=t, structured_outputs=StructuredOutputsParams(
+        regex="[0-9]{4}")) for t in (0.0, 1.0)}
+    seqs = {}
+    for seq_id, temperature in enumerate((0.0, 1.0)):
+        seqs[seq_id] = Sequence(seq_id, f"r{seq_id}", 0, (seq_id, 0), [1, 2], 2,
+                                params[temperature], 16, 0)
+        manager.add_request(seqs[seq_id], manager.check(params[temperature]))
+    while manager.has_waiting:
+        manager.wait(timeout=10)
+        ready, failed = manager.take_ready()
+        assert not failed
+    digits = [tokenizer.encode(d, add_special_tokens=False) for d in "1234"]
+    assert all(len(d) == 1 for d in digits)
+    one, two, three, four = (d[0] for d in digits)
+    letter = tokenizer.encode("x", add_special_tokens=False)[0]
+    mask = manager.bitmask([seqs[0], seqs[1]])
+    assert mask.shape == (2, (len(tokenizer) + 31) // 32)
+    assert ((mask[:, one // 32] >> (one % 32)) & 1 == 1).all()
+    assert ((mask[:, letter // 32] >> (letter % 32)) & 1 == 0).all()
+    sampled = {0: [one, two, letter, three], 1: [one, letter, two]}
+    manager.accept(seqs, sampled, num_spec_tokens=3)
+    assert sampled == {0: [one, two], 1: [one]}
+    assert (seqs[0].rng_offset, seqs[1].rng_offset) == (0, 4)
+    assert manager.metrics()["structured_output_tokens_rejected_total"] == 4
+    for seq_id, tokens in sampled.items():
+        seqs[seq_id].token_ids += tokens
+    assert manager.stopped(list(seqs.values())) == []
+    sampled = {0: [three, four]}
+    manager.accept(seqs, sampled, num_spec_tokens=1)
+    assert sampled == {0: [three, four]}
+    assert manager.stopped(list(seqs.values())) == [seqs[0]]

@@ -431,6 +431,8 @@ class LLMEngine:
         outputs = self.output_processor.process(touched, model_output)
         if policies:
             outputs += self._update_policies(policies, model_output)
+        if self.structured_output.has_matchers:
+            self.structured_output.release()  # the completions that finished
         stamps.append(time.perf_counter())
         self.step_timings.record(stamps)
         if self.speculation is not None:

@@ -124,6 +124,30 @@ def test_unconstrained_rows_equal_their_solo_outputs(backend: str) -> None:
     assert [o.outputs[0].token_ids for o in mixed[3:5]] == [o.outputs[0].token_ids
                                                             for o in alone]
     _check_all(mixed[:3] + mixed[5:], CASES[:6])
+    assert not llm.engine.structured_output.has_matchers  # released with their requests
+
+
+def test_an_aborted_constrained_request_leaks_nothing() -> None:
+    """Aborted while its grammar compiles, and while it runs: no blocks, matchers or grammars
+    stay behind, and the engine serves on."""
+    llm = _llm("torch")
+    engine = llm.engine
+    params = SamplingParams(max_tokens=64, structured_outputs=StructuredOutputsParams(
+        regex="[a-z]{40,60}"))
+    engine.add_request("waiting", "hi", params)
+    engine.add_request("running", "hi", params)
+    engine.step()  # both added; grammars compile on the worker thread
+    engine.abort_request("waiting")
+    while not engine.scheduler.running:
+        engine.step()
+    engine.abort_request("running")
+    finished = {o.request_id: o for o in engine.step() if o.finished}
+    assert finished["running"].outputs[0].finish_reason == "abort"
+    while engine.has_unfinished_requests():
+        engine.step()
+    manager = engine.structured_output
+    assert not manager.has_matchers and not manager.has_waiting and not manager._grammars
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
 @pytest.mark.parametrize("bad", [

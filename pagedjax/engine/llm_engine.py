@@ -237,11 +237,8 @@ class LLMEngine:
         max_tokens = self._check_lengths(token_ids, params)
         self._check_logit_bias(params)
         self._check_logit_entries(token_ids, params, max_tokens)
-        grammar = None
+        grammar = None  # (BeamSearchParams carry no constraint: beams are never constrained)
         if params.structured_outputs is not None:
-            if beam_params is not None:
-                raise ValueError("beam search with structured_outputs is not supported; "
-                                 "sample with SamplingParams(structured_outputs=...) instead.")
             grammar = self.structured_output.check(params)
         with self._inbox_lock:
             if request_id in self._pending_ids or request_id in self.output_processor.requests:

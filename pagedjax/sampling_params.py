@@ -11,6 +11,9 @@ MAX_LOGPROBS = 20  # most top logprobs a request may ask for per token
 MAX_LOGIT_BIAS = 100.0  # logit_bias values are clamped to [-100, 100], as OpenAI's and vLLM's
 
 
+_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")  # exactly one is given
+
+
 @dataclass
 class StructuredOutputsParams:
     """Constrain a request's output (vLLM's names): exactly one of
@@ -35,8 +38,7 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
-        given = [name for name in ("json", "regex", "choice", "grammar", "json_object")
-                 if getattr(self, name) not in (None, False)]
+        given = [name for name in _CONSTRAINTS if getattr(self, name) not in (None, False)]
         if len(given) != 1:
             raise ValueError(f"StructuredOutputsParams takes exactly one of json, json_object, "
                              f"regex, choice and grammar; got {given or 'none'}.")
@@ -62,8 +64,7 @@ class StructuredOutputsParams:
     @property
     def kind(self) -> str:
         """Which constraint: "json", "json_object", "regex", "choice" or "grammar"."""
-        return next(name for name in ("json", "regex", "choice", "grammar", "json_object")
-                    if getattr(self, name) not in (None, False))
+        return next(name for name in _CONSTRAINTS if getattr(self, name) not in (None, False))
 
 
 class RequestOutputKind(enum.Enum):

@@ -48,8 +48,7 @@ def grammar_key(params: StructuredOutputsParams) -> str:
     elif kind == "regex":
         grammar = matcher.grammar_from_regex(params.regex)
     elif kind == "choice":
-        grammar = matcher.grammar_from_lark(
-            "start: " + " | ".join(_lark_string(c) for c in params.choice))
+        grammar = llguidance.grammar_from("choice", params.choice)
     else:
         try:
             grammar = llguidance.grammar_from("grammar", params.grammar)
@@ -60,13 +59,6 @@ def grammar_key(params: StructuredOutputsParams) -> str:
     if error:
         raise ValueError(f"StructuredOutputsParams.{kind} is not valid: {error}")
     return grammar
-
-
-def _lark_string(text: str) -> str:
-    """A Lark string literal matching text exactly (JSON's escapes are Lark's)."""
-    import json
-
-    return json.dumps(text)
 
 
 class GrammarCompiler:

@@ -160,6 +160,7 @@ class JaxModelRunner:
         # Host inputs go to every device whole (replicated) or to the one device.
         self._inputs = (NamedSharding(self.mesh, REPLICATED) if self.mesh is not None
                         else SingleDeviceSharding(jax.devices()[0]))
+        self._on_cpu = jax.devices()[0].platform == "cpu"
         self._step = jax.jit(self._step_fn, donate_argnums=(2, 3), static_argnames=("layout",))
         self._copy = jax.jit(_copy_blocks, donate_argnums=(0,))
         self._executables: dict[BatchLayout | str, jax.stages.Compiled] = {}
@@ -317,18 +318,26 @@ class JaxModelRunner:
         return self._run(self._executable(model_input.layout), model_input)
 
     def _run(self, executable: jax.stages.Compiled, model_input: ModelInput) -> ModelOutput:
+        # Host arrays go to the executable as they are: it places them itself, ~10x quicker
+        # than a jax.device_put before the call (~0.5 ms a step on a CPU).
         draft_params = None if self.draft is None else self.draft.params
         entries = self._no_entries
         if model_input.entries is not None:
-            entries = self._put((model_input.entries.ints, model_input.entries.bias))
+            entries = (model_input.entries.ints, model_input.entries.bias)
         bitmask = model_input.token_bitmask
-        bitmask = (self._no_bitmask[model_input.layout.num_seqs] if bitmask is None
-                   else self._put(bitmask))
-        ints, floats = self._put((model_input.ints, model_input.floats))
+        if bitmask is None:
+            bitmask = self._no_bitmask[model_input.layout.num_seqs]
         self.kv_caches, self.draft_kv_caches, out = executable(
-            self.target.params, draft_params, self.kv_caches, self.draft_kv_caches, ints,
-            floats, *entries, bitmask)
-        return ModelOutput.from_step(model_input, jax.device_get(out.wanted(model_input.flags)))
+            self.target.params, draft_params, self.kv_caches, self.draft_kv_caches,
+            model_input.ints, model_input.floats, *entries, bitmask)
+        return ModelOutput.from_step(model_input, self._to_host(out.wanted(model_input.flags)))
+
+    def _to_host(self, arrays):
+        """Device arrays (any pytree) as numpy: on a CPU a view of each buffer (jax.device_get's
+        asynchronous copies cost ~10x more there), elsewhere one batch of copies."""
+        if self._on_cpu:
+            return jax.tree.map(np.asarray, arrays)
+        return jax.device_get(arrays)
 
     def _copy_blocks(self, block_copies: np.ndarray) -> None:
         """Copy-on-write copies, padded to max_num_seqs (a sequence copies one block a step at
@@ -337,7 +346,7 @@ class JaxModelRunner:
         copies[: len(block_copies)] = block_copies
         copies[:, 0] = np.minimum(copies[:, 0], self.num_kv_blocks - 1)
         self.kv_caches, self.draft_kv_caches = self._executable("copy")(
-            (self.kv_caches, self.draft_kv_caches), self._put(copies))
+            (self.kv_caches, self.draft_kv_caches), copies)
 
     def _step_fn(self, params: dict, draft_params: dict | None, kv_caches: list[KVCache],
                  draft_kv_caches: list[KVCache], ints: jax.Array, floats: jax.Array,

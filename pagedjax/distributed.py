@@ -2,12 +2,20 @@
 
 Each LLMEngine registers itself here; LLM.shutdown() releases one, this releases all (and runs at
 interpreter exit), so a second engine made after the first fits where one does.
+
+An engine that has started freezes the garbage collector's heap (`freeze_gc_heap`, as vLLM does
+after startup): the ~200k objects alive then (torch's, transformers' and jax's modules, the
+engine's own) leave the collector's reach, whose full collections scanned them all every few
+hundred steps (a torch engine's output phase took 3x jax's). What becomes garbage while frozen
+(a dropped engine's cycles) is collected at the next engine's start or at any engine's shutdown,
+which unfreeze the heap.
 """
 
 from __future__ import annotations
 
 import atexit
 import gc
+import os
 import sys
 import weakref
 from typing import Protocol
@@ -24,6 +32,21 @@ def register_engine(engine: _Releasable) -> None:
     _ENGINES.add(engine)
 
 
+def freeze_gc_heap() -> None:
+    """Collect what is garbage now (frozen garbage included), then freeze what is alive (~0.2 s
+    over a quarter of a million objects); PAGEDJAX_FREEZE_GC_HEAP=0 leaves the heap alone."""
+    if os.environ.get("PAGEDJAX_FREEZE_GC_HEAP", "1").lower() in ("0", "false"):
+        return
+    gc.unfreeze()
+    gc.collect()
+    gc.freeze()
+
+
+def unfreeze_gc_heap() -> None:
+    """Hand every frozen object back to the collector (an engine is shutting down)."""
+    gc.unfreeze()
+
+
 def cleanup_dist_env_and_memory(shutdown_ray: bool = False) -> None:
     """Shut down every engine of this process and return the memory the frameworks cached.
 
@@ -32,6 +55,7 @@ def cleanup_dist_env_and_memory(shutdown_ray: bool = False) -> None:
     del shutdown_ray
     for engine in list(_ENGINES):
         engine.shutdown()
+    unfreeze_gc_heap()
     gc.collect()
     if "jax" in sys.modules:
         sys.modules["jax"].clear_caches()

@@ -22,6 +22,9 @@ os.environ.setdefault("PAGEDJAX_CACHE_DIR", tempfile.mkdtemp(prefix="pagedjax-te
 # closed set itself (compile-once, the engine's layouts, the server's metrics, adaptive
 # speculation) turn startup compiles back on with the `compile_at_startup` fixture.
 os.environ.setdefault("PAGEDJAX_COMPILE_AT_STARTUP", "0")
+# Nor do engines freeze the garbage collector's heap at startup (a full collection first, ~0.2 s
+# an engine over the suite's hundreds): tests/engine/test_gc_heap.py turns it back on.
+os.environ.setdefault("PAGEDJAX_FREEZE_GC_HEAP", "0")
 
 import pytest
 

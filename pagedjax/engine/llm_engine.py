@@ -47,7 +47,7 @@ from pagedjax.core.spec_decode import (
 )
 from pagedjax.core.step_shapes import StepShapes
 from pagedjax.core.stopping import StopChecker
-from pagedjax.distributed import register_engine
+from pagedjax.distributed import freeze_gc_heap, register_engine, unfreeze_gc_heap
 from pagedjax.engine.output_processor import OutputProcessor
 from pagedjax.gguf_loader import resolve_model_source
 from pagedjax.outputs import RequestOutput
@@ -152,12 +152,14 @@ class LLMEngine:
         self._pending_ids: set[str] = set()
         self._inbox_lock = threading.Lock()
         register_engine(self)
+        freeze_gc_heap()  # startup's objects leave the collector's full passes (distributed.py)
 
     def shutdown(self) -> None:
         """Abort what is in flight and free the device memory (weights, KV caches, compiled
         steps). The engine cannot step afterwards."""
         if self.runner is None:
             return
+        unfreeze_gc_heap()  # what this engine drops becomes collectable
         with self._inbox_lock:
             self._inbox.clear()
             self._pending_ids.clear()

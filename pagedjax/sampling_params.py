@@ -38,7 +38,7 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
-        given = [name for name in _CONSTRAINTS if getattr(self, name) not in (None, False)]
+        given = self._given()
         if len(given) != 1:
             raise ValueError(f"StructuredOutputsParams takes exactly one of json, json_object, "
                              f"regex, choice and grammar; got {given or 'none'}.")
@@ -64,7 +64,11 @@ class StructuredOutputsParams:
     @property
     def kind(self) -> str:
         """Which constraint: "json", "json_object", "regex", "choice" or "grammar"."""
-        return next(name for name in _CONSTRAINTS if getattr(self, name) not in (None, False))
+        return self._given()[0]
+
+    def _given(self) -> list[str]:
+        """The constraints set, in _CONSTRAINTS' order."""
+        return [name for name in _CONSTRAINTS if getattr(self, name) not in (None, False)]
 
 
 class RequestOutputKind(enum.Enum):

@@ -20,6 +20,7 @@ class _Node:
 def test_frozen_garbage_is_collected_by_the_next_start_and_shutdown(tiny_model,
                                                                      monkeypatch) -> None:
     monkeypatch.setenv("PAGEDJAX_FREEZE_GC_HEAP", "1")  # the default (conftest turns it off)
+
     def engine() -> LLMEngine:
         return LLMEngine.from_engine_args(EngineArgs(model=tiny_model("llama"), max_model_len=64,
                                                      num_gpu_blocks_override=16))

@@ -131,9 +131,40 @@ def time_decode_steps(llm, batch: int, num_steps: int) -> dict:
             "host share": phases["host share"]}
 
 
-def profile_steps(llm, backend: str, num_steps: int) -> list[dict]:
+def probe_step(llm, repeats: int = 50) -> dict:
+    """The jax step's executable alone, on the input of one more engine step, called `repeats`
+    times (the same tokens rewrite the same KV slots): ms per call back to back, one wait at the
+    end ("pipelined": the larger of dispatch and device time), and ms per call waiting for the
+    outputs each time ("synced": what the engine's execute phase costs without its host work)."""
+    import jax
+
+    runner = llm.engine.runner
+    inputs = []
+    execute = runner.execute
+    runner.execute = lambda model_input: inputs.append(model_input) or execute(model_input)
+    try:
+        llm.engine.step()
+    finally:
+        runner.execute = execute
+    model_input = inputs[-1]
+    executable = runner.executable(model_input.layout)
+    jax.block_until_ready(runner.launch(executable, model_input))
+    start = time.perf_counter()
+    for _ in range(repeats):
+        out = runner.launch(executable, model_input)
+    jax.block_until_ready(out)
+    pipelined = (time.perf_counter() - start) / repeats
+    synced = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.device_get(runner.launch(executable, model_input).wanted(model_input.flags))
+        synced.append(time.perf_counter() - start)
+    return {"pipelined ms": 1e3 * pipelined, "synced ms": 1e3 * statistics.median(synced)}
+
+
+def profile_steps(llm, backend: str, num_steps: int) -> tuple[list[dict], float]:
     """The device's busiest kernels (ops on a CPU) over num_steps decode steps: name, calls and
-    microseconds per step, busiest first."""
+    microseconds per step, busiest first; and the microseconds per step of every kernel."""
     if backend == "jax":
         import jax
 
@@ -156,8 +187,9 @@ def profile_steps(llm, backend: str, num_steps: int) -> list[dict]:
                                            else e.self_cpu_time_total))
                   for e in prof.key_averages()}
     busiest = sorted(totals.items(), key=lambda kv: -kv[1][1])[:TOP_KERNELS]
+    every = 1e6 * sum(seconds for _, seconds in totals.values()) / num_steps
     return [{"kernel": name[:80], "calls/step": count / num_steps,
-             "us/step": 1e6 * seconds / num_steps} for name, (count, seconds) in busiest]
+             "us/step": 1e6 * seconds / num_steps} for name, (count, seconds) in busiest], every
 
 
 def _xplane_totals(path: str) -> dict[str, tuple[int, float]]:
@@ -197,7 +229,11 @@ def measure_batch(llm, args, batch: int, weights: int, copy_gbs: float) -> dict:
     timed = time_decode_steps(llm, batch, args.steps)
     print(f"batch {batch}: median step {timed['step ms']:.3f} ms, phases (ms) "
           f"{ {k: round(v, 3) for k, v in timed['phases ms'].items()} }", flush=True)
-    profile = profile_steps(llm, args.backend, PROFILE_STEPS) if args.profile else None
+    probe = probe_step(llm) if args.probe and args.backend == "jax" else None
+    if probe:
+        print(f"batch {batch}: the step's executable alone: {probe}", flush=True)
+    profile, kernel_us = (profile_steps(llm, args.backend, PROFILE_STEPS) if args.profile
+                          else (None, None))
     for request_id in ids:
         llm.engine.abort_request(request_id)
     while llm.engine.has_unfinished_requests():
@@ -209,8 +245,10 @@ def measure_batch(llm, args, batch: int, weights: int, copy_gbs: float) -> dict:
            "step ms": timed["step ms"], "% of floor": 100 * floor_ms / timed["step ms"],
            "host share %": 100 * timed["host share"], "phases ms": timed["phases ms"],
            "tok/s": batch / timed["step ms"] * 1e3}
+    if probe is not None:
+        row["probe"] = probe
     if profile is not None:
-        row["profile"] = profile
+        row["profile"], row["kernel us/step"] = profile, kernel_us
     return row
 
 
@@ -226,6 +264,8 @@ def main() -> None:
     add_dtype_argument(parser)
     parser.add_argument("--profile", action="store_true",
                         help="also list where the device time of a step goes")
+    parser.add_argument("--probe", action="store_true",
+                        help="jax: also time the step's executable alone, pipelined and synced")
     parser.add_argument("--copy-gbs", type=float,
                         help="copy bandwidth (GB/s read + written) to use instead of measuring "
                              "this framework's")
@@ -262,6 +302,11 @@ def main() -> None:
     for row in rows:
         print(f"batch {row['batch']} phases (ms):",
               {k: round(v, 3) for k, v in row["phases ms"].items()})
+        if "probe" in row:
+            print(f"batch {row['batch']} executable alone (ms):",
+                  {k: round(v, 3) for k, v in row["probe"].items()})
+        if "kernel us/step" in row:
+            print(f"batch {row['batch']}: every kernel {row['kernel us/step']:.1f} us/step")
         for kernel in row.get("profile", []):
             print(f"    {kernel['us/step']:9.1f} us/step  {kernel['calls/step']:6.1f} calls  "
                   f"{kernel['kernel']}")

@@ -71,6 +71,16 @@ def uses_cpu_linear(attention_impl: str, dtype: jnp.dtype, mesh: Mesh | None) ->
     return cpu_ffi.available()
 
 
+def min_matmul_rows(platform: str) -> int:
+    """The fewest rows the model's products run over (model.Linear): 16 on a GPU, where XLA
+    turns a product of one row into multiply and reduce kernels at about half its GEMMs' weight
+    bandwidth; 1 elsewhere. PAGEDJAX_MIN_MATMUL_ROWS overrides it (for A/B runs)."""
+    rows = os.environ.get("PAGEDJAX_MIN_MATMUL_ROWS")
+    if rows is not None:
+        return max(1, int(rows))
+    return 16 if platform == "gpu" else 1
+
+
 def _measures_memory(device: jax.Device) -> bool:
     """Whether the KV pool is sized from the device's memory after a trial step (accelerators)
     rather than from the host budget (CPU)."""
@@ -96,7 +106,8 @@ class _Model:
         shard_config = plan.shard_config(model_config)
         packed = uses_cpu_linear(impl, dtype, mesh)
         module = LlamaForCausalLM(shard_config, dtype,
-                                  *per_shard(attention_fn, write_kv_fn, mesh, plan), packed)
+                                  *per_shard(attention_fn, write_kv_fn, mesh, plan), packed,
+                                  min_matmul_rows(jax.default_backend()))
         params, source = load_params(model_dir, model_config, dtype, plan=plan, mesh=mesh)
         if packed:
             params = pack_params(params, model_config.tie_word_embeddings)
@@ -188,7 +199,7 @@ class JaxModelRunner:
         def spec(x: jax.Array) -> tuple:
             return x.shape, str(x.dtype), str(x.sharding)
 
-        models = [(m.config, str(m.module.dtype), m.module.packed, m.plan)
+        models = [(m.config, str(m.module.dtype), m.module.packed, m.module.min_rows, m.plan)
                   for m in (self.target, self.draft) if m is not None]
         arrays = jax.tree.map(spec, ([m.params for m in (self.target, self.draft) if m],
                                      self.kv_caches, self.draft_kv_caches))
@@ -292,7 +303,7 @@ class JaxModelRunner:
     def _input_spec(self, shape: tuple[int, ...], dtype=jnp.int32) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(shape, dtype, sharding=self._inputs)
 
-    def _executable(self, layout: BatchLayout | str) -> jax.stages.Compiled:
+    def executable(self, layout: BatchLayout | str) -> jax.stages.Compiled:
         """The compiled step; a layout outside what `compile` built compiles now, logged."""
         executable = self._executables.get(layout)
         if executable is None:
@@ -315,11 +326,16 @@ class JaxModelRunner:
         """Run one step (see the module docstring)."""
         if len(model_input.block_copies):
             self._copy_blocks(model_input.block_copies)
-        return self._run(self._executable(model_input.layout), model_input)
+        return self._run(self.executable(model_input.layout), model_input)
 
     def _run(self, executable: jax.stages.Compiled, model_input: ModelInput) -> ModelOutput:
-        # Host arrays go to the executable as they are: it places them itself, ~10x quicker
-        # than a jax.device_put before the call (~0.5 ms a step on a CPU).
+        out = self.launch(executable, model_input)
+        return ModelOutput.from_step(model_input, self._to_host(out.wanted(model_input.flags)))
+
+    def launch(self, executable: jax.stages.Compiled, model_input: ModelInput) -> StepOutput:
+        """Enqueue one step (the caches advance); its outputs stay on the device, not waited
+        for. Host arrays go to the executable as they are: it places them itself, ~10x quicker
+        than a jax.device_put before the call (~0.5 ms a step on a CPU)."""
         draft_params = None if self.draft is None else self.draft.params
         entries = self._no_entries
         if model_input.entries is not None:
@@ -330,7 +346,7 @@ class JaxModelRunner:
         self.kv_caches, self.draft_kv_caches, out = executable(
             self.target.params, draft_params, self.kv_caches, self.draft_kv_caches,
             model_input.ints, model_input.floats, *entries, bitmask)
-        return ModelOutput.from_step(model_input, self._to_host(out.wanted(model_input.flags)))
+        return out
 
     def _to_host(self, arrays):
         """Device arrays (any pytree) as numpy: on a CPU a view of each buffer (jax.device_get's
@@ -345,7 +361,7 @@ class JaxModelRunner:
         copies = np.full((self.shapes.max_num_seqs, 2), self.num_kv_blocks, np.int32)
         copies[: len(block_copies)] = block_copies
         copies[:, 0] = np.minimum(copies[:, 0], self.num_kv_blocks - 1)
-        self.kv_caches, self.draft_kv_caches = self._executable("copy")(
+        self.kv_caches, self.draft_kv_caches = self.executable("copy")(
             (self.kv_caches, self.draft_kv_caches), copies)
 
     def _step_fn(self, params: dict, draft_params: dict | None, kv_caches: list[KVCache],

@@ -147,7 +147,7 @@ def probe_step(llm, repeats: int = 50) -> dict:
     finally:
         runner.execute = execute
     model_input = inputs[-1]
-    executable = runner.executable(model_input.layout)
+    executable = runner.executable(runner.step_key(model_input))
     jax.block_until_ready(runner.launch(executable, model_input))
     start = time.perf_counter()
     for _ in range(repeats):

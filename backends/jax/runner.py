@@ -16,7 +16,7 @@ import dataclasses
 import functools
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
 import jax
@@ -45,6 +45,7 @@ from pagedjax.core.batch import (
     ModelInput,
     ModelOutput,
     StepFlag,
+    StepFlags,
     StepOutput,
     bitmask_width,
     buffer_sizes,
@@ -79,6 +80,21 @@ def min_matmul_rows(platform: str) -> int:
     if rows is not None:
         return max(1, int(rows))
     return 16 if platform == "gpu" else 1
+
+
+# The variant of a decode step whose rows use no optional sampling feature (greedy, no logprobs,
+# logit entries or bitmask: StepFlags() all off), compiled with the flags known, so without a
+# conditional: on a GPU XLA ran some of the step's `lax.cond`s as a copy of the predicate to the
+# host and a wait, so the 1B batch-1 step could not run ahead of the host (H100: its executable
+# took 3.3 ms back to back and 3.3 ms waited for, against 1.7 ms of kernels). torch's "plain"
+# CUDA graph is the same idea.
+PLAIN = "plain"
+
+
+def _branch_free_decode(platform: str) -> bool:
+    """Whether decode steps get a PLAIN variant: on accelerators (a CPU's conditionals cost
+    nothing and each variant would add a compile to startup)."""
+    return platform != "cpu"
 
 
 def _measures_memory(device: jax.Device) -> bool:
@@ -172,9 +188,12 @@ class JaxModelRunner:
         self._inputs = (NamedSharding(self.mesh, REPLICATED) if self.mesh is not None
                         else SingleDeviceSharding(jax.devices()[0]))
         self._on_cpu = jax.devices()[0].platform == "cpu"
-        self._step = jax.jit(self._step_fn, donate_argnums=(2, 3), static_argnames=("layout",))
+        self._step = jax.jit(self._step_fn, donate_argnums=(2, 3),
+                             static_argnames=("layout", "plain"))
+        self._plain_decode = _branch_free_decode(jax.devices()[0].platform)
         self._copy = jax.jit(_copy_blocks, donate_argnums=(0,))
-        self._executables: dict[BatchLayout | str, jax.stages.Compiled] = {}
+        # by BatchLayout, (BatchLayout, PLAIN) or "copy"
+        self._executables: dict[Hashable, jax.stages.Compiled] = {}
         self.num_compiles = 0  # step shapes compiled after `compile`: each one a logged bug
         self._late_compiles_expected = not compile_at_startup()  # unless startup compiled none
         # The logit entries of a step that has none: rows -1 (padding), kept on the device.
@@ -249,11 +268,11 @@ class JaxModelRunner:
 
     # ---- compile -----------------------------------------------------------------------------
 
-    def compile_plan(self, layouts: list[BatchLayout]) -> list[BatchLayout | str]:
-        """What `compile` builds: the steps of the layouts not compiled yet, and the
-        copy-on-write copy ("copy")."""
-        todo = [layout for layout in layouts if layout not in self._executables]
-        return todo + ([] if "copy" in self._executables else ["copy"])
+    def compile_plan(self, layouts: list[BatchLayout]) -> list[Hashable]:
+        """What `compile` builds: the steps of the layouts, with the PLAIN variant of each decode
+        layout where there is one, and the copy-on-write copy ("copy"), less what is built."""
+        plain = [(layout, PLAIN) for layout in layouts if self._plain_decode and layout.decode]
+        return [key for key in [*layouts, *plain, "copy"] if key not in self._executables]
 
     def compile(self, layouts: list[BatchLayout],
                 on_compiled: Callable[[], None] = lambda: None) -> None:
@@ -283,14 +302,16 @@ class JaxModelRunner:
     def cache_key(self) -> str:
         return f"jax:{self._store.key}"
 
-    def _lower(self, layout: BatchLayout | str) -> jax.stages.Lowered:
-        """The step of a layout (or "copy": the block copies) traced for the arrays it takes."""
+    def _lower(self, key: Hashable) -> jax.stages.Lowered:
+        """The step of a layout or (layout, PLAIN) (or "copy": the block copies) traced for the
+        arrays it takes."""
         def spec(x: jax.Array) -> jax.ShapeDtypeStruct:
             return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
 
         caches = jax.tree.map(spec, (self.kv_caches, self.draft_kv_caches))
-        if layout == "copy":
+        if key == "copy":
             return self._copy.lower(caches, self._input_spec((self.shapes.max_num_seqs, 2)))
+        layout, plain = key if isinstance(key, tuple) else (key, False)
         params = jax.tree.map(spec, (self.target.params,
                                      None if self.draft is None else self.draft.params))
         int_size, float_size = buffer_sizes(layout)
@@ -298,23 +319,32 @@ class JaxModelRunner:
         bitmask = spec(self._no_bitmask[layout.num_seqs])
         return self._step.lower(*params, *caches, self._input_spec((int_size,)),
                                 self._input_spec((float_size,), jnp.float32), *entries, bitmask,
-                                layout=layout)
+                                layout=layout, plain=plain == PLAIN)
 
     def _input_spec(self, shape: tuple[int, ...], dtype=jnp.int32) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(shape, dtype, sharding=self._inputs)
 
-    def executable(self, layout: BatchLayout | str) -> jax.stages.Compiled:
-        """The compiled step; a layout outside what `compile` built compiles now, logged."""
-        executable = self._executables.get(layout)
+    def executable(self, key: Hashable) -> jax.stages.Compiled:
+        """The compiled step of a key (`step_key`); one outside what `compile` built compiles
+        now, logged."""
+        executable = self._executables.get(key)
         if executable is None:
             self.num_compiles += 1
             if self._late_compiles_expected:
-                logger.info("compiling a step shape on first use (%s)", layout)
+                logger.info("compiling a step shape on first use (%s)", key)
             else:
                 logger.warning("compiling a step shape after startup (%s): the closed set of "
-                               "step_shapes.py missed it", layout)
-            executable = self._executables[layout] = self._lower(layout).compile()
+                               "step_shapes.py missed it", key)
+            executable = self._executables[key] = self._lower(key).compile()
         return executable
+
+    def step_key(self, model_input: ModelInput) -> Hashable:
+        """The executable a step runs: its layout's, or the PLAIN variant of a decode layout
+        when no row uses an optional sampling feature."""
+        layout = model_input.layout
+        if self._plain_decode and layout.decode and model_input.flags == StepFlags():
+            return layout, PLAIN
+        return layout
 
     def _put(self, arrays):
         """Host arrays (any pytree) onto the device(s) the steps read them from."""
@@ -326,7 +356,7 @@ class JaxModelRunner:
         """Run one step (see the module docstring)."""
         if len(model_input.block_copies):
             self._copy_blocks(model_input.block_copies)
-        return self._run(self.executable(model_input.layout), model_input)
+        return self._run(self.executable(self.step_key(model_input)), model_input)
 
     def _run(self, executable: jax.stages.Compiled, model_input: ModelInput) -> ModelOutput:
         out = self.launch(executable, model_input)
@@ -367,12 +397,14 @@ class JaxModelRunner:
     def _step_fn(self, params: dict, draft_params: dict | None, kv_caches: list[KVCache],
                  draft_kv_caches: list[KVCache], ints: jax.Array, floats: jax.Array,
                  entry_ints: jax.Array, entry_bias: jax.Array, token_bitmask: jax.Array, *,
-                 layout: BatchLayout) -> tuple:
+                 layout: BatchLayout, plain: bool = False) -> tuple:
         """The whole step on the device → (caches, draft caches, StepOutput with tokens and
         logprobs [L, K+1] and, computed where the step's flags ask, top logprobs and prompt
-        logprobs)."""
+        logprobs). plain: every flag is off (PLAIN), known here: no branches."""
         b = unpack(layout, ints, floats)
         flags = b["step_flags"] != 0  # [len(StepFlag)] bool
+        if plain:
+            flags = np.zeros(len(StepFlag), bool)
         sampling = {name: b[name] for name in SAMPLING_FIELDS}
         for name in ("rng_seed", "rng_step"):  # uint32 counters carried as int32 bits
             sampling[name] = jax.lax.bitcast_convert_type(b[name], jnp.uint32)

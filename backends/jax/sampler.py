@@ -7,18 +7,31 @@ temperature, keep top-k, then top-p, then min-p, and take the argmax of logits +
 from pagedjax.random's counters (an exact categorical sample).
 
 The shapes never depend on what the rows ask for: each optional part is a `lax.cond` on the
-step's flags (batch.StepFlag), a branch XLA runs or skips inside the compiled step.
+step's flags (batch.StepFlag), a branch XLA runs or skips inside the compiled step; where the
+flags are known when tracing (a NumPy array: the runner's branch-free decode steps) the part is
+traced in or left out instead (`branch`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pagedjax import random as prng
 from pagedjax.core.batch import StepFlag
 from pagedjax.core.logit_entries import EntryFlag
 from pagedjax.sampling_params import MAX_LOGPROBS
+
+
+def branch(pred, true_fn: Callable, false_fn: Callable, *operands):
+    """lax.cond(pred, true_fn, false_fn, *operands), or, where pred is a concrete bool (flags
+    known when tracing), the one function it picks: no conditional in the program."""
+    if isinstance(pred, (bool, np.bool_)):
+        return (true_fn if pred else false_fn)(*operands)
+    return jax.lax.cond(pred, true_fn, false_fn, *operands)
 
 
 def _mix32(x: jax.Array) -> jax.Array:
@@ -123,12 +136,12 @@ def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
 def process_logits(logits: jax.Array, sampling: dict, flags: jax.Array) -> jax.Array:
     """The logits [R, V] rows sample from: the logit entries, then the token bitmask applied,
     where the step has any (sampling["token_bitmask"] [R, W] may be left out: none)."""
-    logits = jax.lax.cond(flags[StepFlag.LOGIT_ENTRIES],
+    logits = branch(flags[StepFlag.LOGIT_ENTRIES],
                           lambda x: apply_logit_entries(x, sampling["entries"], sampling),
                           lambda x: x, logits)
     if "token_bitmask" not in sampling:
         return logits
-    return jax.lax.cond(flags[StepFlag.TOKEN_MASK],
+    return branch(flags[StepFlag.TOKEN_MASK],
                         lambda x: apply_token_bitmask(x, sampling["token_bitmask"]),
                         lambda x: x, logits)
 
@@ -145,13 +158,13 @@ def sample(logits: jax.Array, sampling: dict, flags: jax.Array) -> tuple[jax.Arr
     def random(logits: jax.Array) -> jax.Array:
         temperature = sampling["temperature"]
         scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
-        scaled = jax.lax.cond(flags[StepFlag.FILTERS], lambda x: filter_logits(
+        scaled = branch(flags[StepFlag.FILTERS], lambda x: filter_logits(
             x, sampling["top_k"], sampling["top_p"], sampling["min_p"]), lambda x: x, scaled)
         u = uniform(sampling["rng_seed"], sampling["rng_step"], logits.shape[-1])
         sampled = argmax(scaled - jnp.log(-jnp.log(u)))
         return jnp.where(temperature > 0, sampled, greedy)
 
-    tokens = jax.lax.cond(flags[StepFlag.SAMPLED], random, lambda _: greedy, logits)
+    tokens = branch(flags[StepFlag.SAMPLED], random, lambda _: greedy, logits)
     return (tokens, *gather_logprobs(logprobs, tokens, flags[StepFlag.LOGPROBS]))
 
 
@@ -175,7 +188,7 @@ def gather_logprobs(logprobs: jax.Array, tokens: jax.Array,
         return (jnp.zeros(shape, jnp.int32), jnp.zeros(shape, jnp.float32),
                 jnp.zeros(logprobs.shape[:-1], jnp.int32))
 
-    return (token_logprobs, *jax.lax.cond(with_top, top, none, logprobs))
+    return (token_logprobs, *branch(with_top, top, none, logprobs))
 
 
 def score_prompt_tokens(logits: jax.Array, token_ids: jax.Array) -> tuple[jax.Array, ...]:

@@ -163,3 +163,39 @@ def test_products_padded_to_min_rows(tiny_model, monkeypatch) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(model_dir, prompts, 6)
+
+
+def test_branch_free_decode_steps(tiny_model, monkeypatch) -> None:
+    """The accelerators' PLAIN decode variant (forced on here): compiled at startup beside
+    each decode layout, without a conditional; greedy steps run it and give HF's tokens, a step
+    asking for logprobs runs the branched executable, and nothing compiles late."""
+    from pagedjax.backends.jax import runner as jax_runner
+
+    monkeypatch.setattr(jax_runner, "_branch_free_decode", lambda platform: True)
+    monkeypatch.setenv("PAGEDJAX_COMPILE_AT_STARTUP", "1")
+    model_dir = tiny_model("llama")
+    llm = make_llm(model_dir, max_num_seqs=4, max_num_batched_tokens=64)
+    runner = llm.engine.runner
+    decode = [key for key in runner._executables if getattr(key, "decode", False)]
+    plain = {key: runner._executables[(key, jax_runner.PLAIN)] for key in decode}
+    assert decode and "conditional" not in plain[decode[0]].as_text()
+    assert "conditional" in runner._executables[decode[0]].as_text()
+    used = []
+    launch = runner.launch
+    monkeypatch.setattr(runner, "launch", lambda executable, model_input: (
+        used.append(executable), launch(executable, model_input))[1])
+
+    prompts = [p for p in make_prompts(llm.engine.model_config.vocab_size) if len(p) in (1, 17)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(model_dir, prompts, 6)
+    assert any(e is plain[layout] for e in used for layout in decode)
+
+    used.clear()
+    with_logprobs = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
+    again = llm.generate([{"prompt_token_ids": p} for p in prompts], with_logprobs,
+                         use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outputs]
+    assert all(len(entry) >= 2 for o in again for entry in o.outputs[0].logprobs)
+    assert not any(e is p for e in used for p in plain.values())
+    assert llm.get_metrics()["num_compiles_after_startup"] == 0

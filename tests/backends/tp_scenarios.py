@@ -65,7 +65,7 @@ def comm(model: str, size: int) -> dict:
                        SamplingParams(temperature=0.0, max_tokens=2))
     engine._drain_inbox()  # the request reaches the scheduler (step() would do this first)
     model_input = build_model_input(engine.scheduler.schedule(), engine.shapes, block_size=16)
-    hlo = runner.executable(model_input.layout).as_text()  # the step this input runs
+    hlo = runner.executable(runner.step_key(model_input)).as_text()  # the step it runs
     cfg, plan = engine.model_config, runner.target.plan
     return {"all_reduces": [[dtype, list(shape)] for dtype, shape in all_reduce_operands(hlo)],
             "num_tokens": model_input.layout.num_tokens,

@@ -16,6 +16,7 @@ the framework's profiler and the device time is listed by kernel (where a step's
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import glob
 import re
 import statistics
@@ -154,12 +155,24 @@ def probe_step(llm, repeats: int = 50) -> dict:
         out = runner.launch(executable, model_input)
     jax.block_until_ready(out)
     pipelined = (time.perf_counter() - start) / repeats
-    synced = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.device_get(runner.launch(executable, model_input).wanted(model_input.flags))
-        synced.append(time.perf_counter() - start)
-    return {"pipelined ms": 1e3 * pipelined, "synced ms": 1e3 * statistics.median(synced)}
+    def synced(step_input, dispatch_only: bool = False) -> float:
+        seconds = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            out = runner.launch(executable, step_input)
+            if dispatch_only:
+                seconds.append(time.perf_counter() - start)
+            jax.device_get(out.wanted(step_input.flags))
+            if not dispatch_only:
+                seconds.append(time.perf_counter() - start)
+        return 1e3 * statistics.median(seconds)
+
+    # the same step with its two input buffers already on the device (no transfer per call)
+    on_device = dataclasses.replace(model_input, ints=jax.device_put(model_input.ints),
+                                    floats=jax.device_put(model_input.floats))
+    return {"pipelined ms": 1e3 * pipelined, "synced ms": synced(model_input),
+            "dispatch ms": synced(model_input, dispatch_only=True),
+            "synced, inputs on device ms": synced(on_device)}
 
 
 def profile_steps(llm, backend: str, num_steps: int) -> tuple[list[dict], float]:

@@ -82,48 +82,12 @@ class PackedLinear(nn.Module):
         return y
 
 
-def pad_rows(x: jax.Array, min_rows: int) -> jax.Array:
-    """x [R, ...] with zero rows appended up to min_rows, behind an optimization barrier so that
-    XLA keeps the product that follows at min_rows rows (see Linear)."""
-    if x.shape[0] >= min_rows:
-        return x
-    return jax.lax.optimization_barrier(jnp.pad(x, ((0, min_rows - x.shape[0]), (0, 0))))
-
-
-def matmul(x: jax.Array, kernel: jax.Array, min_rows: int = 1) -> jax.Array:
-    """x [R, K] @ kernel [K, N] → [R, N], computed over at least min_rows rows (Linear)."""
-    y = jnp.dot(pad_rows(x, min_rows), kernel, precision=matmul_precision(kernel.dtype))
-    if x.shape[0] >= min_rows:
-        return y
-    return jax.lax.optimization_barrier(y)[: x.shape[0]]
-
-
-class Linear(nn.Module):
-    """nn.Dense's y = x @ kernel (+ bias), with its parameters, over at least min_rows rows:
-    XLA's GPU backend emits a product of one row as multiply and reduce kernels that read the
-    weights at about half the speed of its GEMMs (the 1B decode step at batch 1, RESULTS.md), so
-    the GPU runner pads a decode step's few rows to a GEMM's."""
-
-    features: int
-    dtype: jnp.dtype
-    use_bias: bool = False
-    min_rows: int = 1
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        kernel = self.param("kernel", nn.initializers.lecun_normal(),
-                            (x.shape[-1], self.features), self.dtype)
-        y = matmul(x.astype(self.dtype), kernel, self.min_rows)
-        if self.use_bias:
-            y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
-        return y
-
-
 def dense(features: int, name: str | None, dtype: jnp.dtype, bias: bool = False,
-          packed: bool = False, min_rows: int = 1) -> nn.Module:
+          packed: bool = False) -> nn.Module:
     if packed:
         return PackedLinear(features, dtype, bias, name=name)
-    return Linear(features, dtype, bias, min_rows, name=name)
+    return nn.Dense(features, use_bias=bias, dtype=dtype, param_dtype=dtype,
+                    precision=matmul_precision(dtype), name=name)
 
 
 _FUSED = {"self_attn": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
@@ -177,7 +141,6 @@ class Attention(nn.Module):
     write_kv_fn: WriteKVFn
     packed: bool = False
     layer: int = 0  # its index: the window and rope table it uses
-    min_rows: int = 1  # Linear's
 
     @nn.compact
     def __call__(self, x: jax.Array, kv_cache: KVCache,
@@ -186,8 +149,8 @@ class Attention(nn.Module):
         d, hq, hkv = cfg.head_dim, cfg.num_q_heads, cfg.num_kv_heads
 
         def proj(name: str, heads: int) -> jax.Array:
-            return dense(heads * d, name, self.dtype, cfg.attention_bias,
-                         min_rows=self.min_rows)(x).reshape(num_tokens, heads, d)
+            return dense(heads * d, name, self.dtype, cfg.attention_bias)(x).reshape(
+                num_tokens, heads, d)
 
         if self.packed:  # one product (pack_params fused the kernels)
             qkv = dense((hq + 2 * hkv) * d, "qkv_proj", self.dtype, cfg.attention_bias,
@@ -215,8 +178,7 @@ class Attention(nn.Module):
                                 sliding_window=cfg.sliding_window_of(self.layer),
                                 soft_cap=cfg.attn_logit_softcapping,
                                 decode=meta.decode)  # [T, Hq, D]
-        out = dense(cfg.hidden_size, "o_proj", self.dtype, packed=self.packed,
-                    min_rows=self.min_rows)(
+        out = dense(cfg.hidden_size, "o_proj", self.dtype, packed=self.packed)(
             out.reshape(num_tokens, hq * d))
         return out, (k_cache, v_cache)
 
@@ -225,7 +187,6 @@ class MLP(nn.Module):
     config: ModelConfig
     dtype: jnp.dtype
     packed: bool = False
-    min_rows: int = 1  # Linear's
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -234,12 +195,9 @@ class MLP(nn.Module):
             gate_up = dense(2 * inter, "gate_up_proj", dtype, packed=True)(x)
             gate, up = gate_up[:, :inter], gate_up[:, inter:]
         else:
-            rows = self.min_rows
-            gate = dense(inter, "gate_proj", dtype, min_rows=rows)(x)
-            up = dense(inter, "up_proj", dtype, min_rows=rows)(x)
+            gate, up = dense(inter, "gate_proj", dtype)(x), dense(inter, "up_proj", dtype)(x)
         act = nn.silu(gate) if self.config.hidden_act == "silu" else nn.gelu(gate, approximate=True)
-        return dense(self.config.hidden_size, "down_proj", dtype, packed=packed,
-                     min_rows=self.min_rows)(act * up)
+        return dense(self.config.hidden_size, "down_proj", dtype, packed=packed)(act * up)
 
 
 class DecoderLayer(nn.Module):
@@ -249,15 +207,14 @@ class DecoderLayer(nn.Module):
     write_kv_fn: WriteKVFn
     packed: bool = False
     layer: int = 0  # its index
-    min_rows: int = 1  # Linear's
 
     @nn.compact
     def __call__(self, x: jax.Array, kv_cache: KVCache,
                  meta: AttentionMetadata) -> tuple[jax.Array, KVCache]:
         cfg = self.config
         attention = Attention(cfg, self.dtype, self.attention_fn, self.write_kv_fn, self.packed,
-                              self.layer, self.min_rows, name="self_attn")
-        mlp = MLP(cfg, self.dtype, self.packed, self.min_rows, name="mlp")
+                              self.layer, name="self_attn")
+        mlp = MLP(cfg, self.dtype, self.packed, name="mlp")
 
         def norm(name: str) -> RMSNorm:
             return RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_weight_offset, name=name)
@@ -281,28 +238,24 @@ class LlamaForCausalLM(nn.Module):
     """`__call__` runs the decoder over the T tokens and returns their hidden states (before
     the final norm); `logits` turns chosen rows of those into logits, so that a step computes
     the LM head only for the rows it samples or scores. packed: the linear layers are
-    PackedLinear (params from pack_params); min_rows: the fewest rows a product of the others
-    is computed over (Linear)."""
+    PackedLinear (params from pack_params)."""
 
     config: ModelConfig
     dtype: jnp.dtype
     attention_fn: AttentionFn
     write_kv_fn: WriteKVFn
     packed: bool = False
-    min_rows: int = 1
 
     def setup(self) -> None:
         cfg = self.config
         self.embed_tokens = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype,
                                      param_dtype=self.dtype)
         self.layers = [DecoderLayer(cfg, self.dtype, self.attention_fn, self.write_kv_fn,
-                                    self.packed, i, self.min_rows)
-                       for i in range(cfg.num_layers)]
+                                    self.packed, i) for i in range(cfg.num_layers)]
         self.norm = RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_weight_offset)
         # packed and tied: pack_params gives the head its own copy of the embedding
         if not cfg.tie_word_embeddings or self.packed:
-            self.lm_head = dense(cfg.vocab_size, None, self.dtype, packed=self.packed,
-                                 min_rows=self.min_rows)
+            self.lm_head = dense(cfg.vocab_size, None, self.dtype, packed=self.packed)
 
     def __call__(self, input_ids: jax.Array, kv_caches: list[KVCache],
                  meta: AttentionMetadata) -> tuple[jax.Array, list[KVCache]]:
@@ -320,7 +273,8 @@ class LlamaForCausalLM(nn.Module):
         """hidden [R, H] (rows of __call__'s output) → float32 logits [R, V]."""
         x = self.norm(hidden)
         if self.config.tie_word_embeddings and not self.packed:
-            logits = matmul(x, self.embed_tokens.embedding.T, self.min_rows)
+            logits = jnp.dot(x, self.embed_tokens.embedding.T,
+                             precision=matmul_precision(self.dtype))
         else:
             logits = self.lm_head(x)
         if self.config.logits_scaling != 1.0:

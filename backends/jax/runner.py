@@ -72,16 +72,6 @@ def uses_cpu_linear(attention_impl: str, dtype: jnp.dtype, mesh: Mesh | None) ->
     return cpu_ffi.available()
 
 
-def min_matmul_rows(platform: str) -> int:
-    """The fewest rows the model's products run over (model.Linear): 16 on a GPU, where XLA
-    turns a product of one row into multiply and reduce kernels at about half its GEMMs' weight
-    bandwidth; 1 elsewhere. PAGEDJAX_MIN_MATMUL_ROWS overrides it (for A/B runs)."""
-    rows = os.environ.get("PAGEDJAX_MIN_MATMUL_ROWS")
-    if rows is not None:
-        return max(1, int(rows))
-    return 16 if platform == "gpu" else 1
-
-
 # The variant of a decode step whose rows use no optional sampling feature (greedy, no logprobs,
 # logit entries or bitmask: StepFlags() all off), compiled with the flags known, so without a
 # conditional: on a GPU XLA ran some of the step's `lax.cond`s as a copy of the predicate to the
@@ -122,8 +112,7 @@ class _Model:
         shard_config = plan.shard_config(model_config)
         packed = uses_cpu_linear(impl, dtype, mesh)
         module = LlamaForCausalLM(shard_config, dtype,
-                                  *per_shard(attention_fn, write_kv_fn, mesh, plan), packed,
-                                  min_matmul_rows(jax.default_backend()))
+                                  *per_shard(attention_fn, write_kv_fn, mesh, plan), packed)
         params, source = load_params(model_dir, model_config, dtype, plan=plan, mesh=mesh)
         if packed:
             params = pack_params(params, model_config.tie_word_embeddings)
@@ -218,7 +207,7 @@ class JaxModelRunner:
         def spec(x: jax.Array) -> tuple:
             return x.shape, str(x.dtype), str(x.sharding)
 
-        models = [(m.config, str(m.module.dtype), m.module.packed, m.module.min_rows, m.plan)
+        models = [(m.config, str(m.module.dtype), m.module.packed, m.plan)
                   for m in (self.target, self.draft) if m is not None]
         arrays = jax.tree.map(spec, ([m.params for m in (self.target, self.draft) if m],
                                      self.kv_caches, self.draft_kv_caches))
@@ -228,6 +217,13 @@ class JaxModelRunner:
     @staticmethod
     def default_dtype(model_config: ModelConfig) -> str:
         return auto_dtype(model_config, jax.default_backend() != "cpu")
+
+    @staticmethod
+    def min_decode_rows() -> int:
+        """16 on a GPU: XLA emits a product of one row as multiply and reduce kernels (1.86 ms
+        of kernels a 1B batch-1 step, against 1.3 ms at 16 rows) and a step with more kernels
+        costs more to dispatch (H200: 1.71 ms at batch 1, 1.15 ms at 16; RESULTS.md)."""
+        return 1 if jax.default_backend() == "cpu" else 16
 
     def _allocate_kv_caches(self, num_blocks: int) -> None:
         block_size, mesh = self.config.block_size, self.mesh

@@ -170,6 +170,10 @@ class TorchModelRunner:
     def default_dtype(model_config: ModelConfig) -> str:
         return auto_dtype(model_config, torch.cuda.is_available())
 
+    @staticmethod
+    def min_decode_rows() -> int:
+        return 1  # cuBLAS reads the weights of a one-row product at the floor (RESULTS.md)
+
     @property
     def num_compiles(self) -> int:
         """CUDA graphs captured after `compile` (each one a logged bug); 0 on CPU (eager)."""

@@ -73,6 +73,11 @@ class RunnerFactory(Protocol):
         """What dtype="auto" means on this backend's device for this checkpoint."""
         ...
 
+    def min_decode_rows(self) -> int:
+        """The fewest sequences a decode-shaped step is padded to (its smallest sequence
+        bucket): 1, or more where this backend's products of a few rows are slow."""
+        ...
+
 
 def auto_dtype(model_config: ModelConfig, on_accelerator: bool) -> str:
     """The checkpoint's dtype on an accelerator; float32 on CPU, or if it names none."""

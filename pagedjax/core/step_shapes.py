@@ -8,7 +8,8 @@ seeded mixes) are fixed-size inputs with masks and in-graph branches: they never
 Two families, and a third with a draft model (vLLM's TPU runner pads num_tokens and num_reqs
 the same way):
 - decode: every sequence computes one token, T = S for S in the sequence buckets
-  (1, 2, 4, ..., max_num_seqs rounded up to a power of two);
+  (1, 2, 4, ..., max_num_seqs rounded up to a power of two; from 16 on a GPU with jax, whose
+  products of fewer rows are slow);
 - mixed (prefill chunks, recomputes, anything else): T in the token buckets (16, 32, ...,
   max_num_batched_tokens rounded up) and S = min(T, the largest sequence bucket); with a draft
   the draft catches up on the same T rows in them (it proposes nothing there);
@@ -72,11 +73,13 @@ class StepShapes:
     @classmethod
     def for_engine(cls, *, max_num_seqs: int, max_num_batched_tokens: int,
                    max_blocks_per_seq: int, max_model_len: int,
-                   num_speculative_tokens: int = 0) -> StepShapes:
+                   num_speculative_tokens: int = 0, min_num_seqs: int = 1) -> StepShapes:
+        """min_num_seqs: the smallest sequence bucket (a power of two; the backend's
+        `min_decode_rows`); it may exceed max_num_seqs, whose steps are then padding rows."""
         low = min(MIN_MIXED_TOKENS, bucket(max_num_batched_tokens))
         spec_ks = tuple(sorted({k for k in SPEC_K_CANDIDATES if k < num_speculative_tokens}
                                | ({num_speculative_tokens} if num_speculative_tokens else set())))
-        return cls(seq_buckets=_powers_of_two(1, max_num_seqs),
+        return cls(seq_buckets=_powers_of_two(bucket(min_num_seqs), max_num_seqs),
                    token_buckets=_powers_of_two(low, max_num_batched_tokens),
                    spec_ks=spec_ks, max_blocks_per_seq=max_blocks_per_seq,
                    num_logit_entries=max(256, bucket(4 * max_model_len)))

@@ -114,7 +114,8 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_blocks_per_seq=config.max_blocks_per_seq, max_model_len=config.max_model_len,
-            num_speculative_tokens=spec_config.num_speculative_tokens if spec_config else 0)
+            num_speculative_tokens=spec_config.num_speculative_tokens if spec_config else 0,
+            min_num_seqs=runner_cls.min_decode_rows())
         self.runner: ModelRunner | None = runner_cls(config, self.model_config,
                                                      draft_model_config, self.shapes)
         self.startup_compile_seconds = self._compile()

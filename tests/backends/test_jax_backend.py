@@ -138,31 +138,26 @@ def test_pool_sized_by_a_trial_step(tiny_model, monkeypatch) -> None:
     assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(model_dir, prompts, 4)
 
 
-def test_products_padded_to_min_rows(tiny_model, monkeypatch) -> None:
-    """With the GPU's row padding (PAGEDJAX_MIN_MATMUL_ROWS=16, XLA linears: no packed C++
-    kernel) a product of 3 rows runs over 16 and the engine's greedy tokens still equal HF's."""
-    import jax
-    import jax.numpy as jnp
+def test_decode_steps_padded_to_min_decode_rows(tiny_model, monkeypatch) -> None:
+    """With the GPU's smallest sequence bucket (min_decode_rows 16, forced here) a decode step
+    of 2 sequences runs the 16-row shape and the tokens still equal HF's."""
+    from pagedjax.backends.jax.runner import JaxModelRunner
 
-    from pagedjax.backends.jax.model import matmul
-
-    x = jax.random.normal(jax.random.PRNGKey(0), (3, 32), jnp.float32)  # [R, K]
-    w = jax.random.normal(jax.random.PRNGKey(1), (32, 48), jnp.float32)  # [K, N]
-    np.testing.assert_allclose(matmul(x, w, 16), x @ w, rtol=1e-5, atol=1e-5)
-    assert matmul(x, w, 16).shape == (3, 48)
-    lowered = jax.jit(lambda a, b: matmul(a, b, 16)).lower(x, w).as_text()
-    assert "tensor<16x48xf32>" in lowered and "tensor<3x48xf32>" in lowered
-
-    monkeypatch.setenv("PAGEDJAX_MIN_MATMUL_ROWS", "16")
-    model_dir = tiny_model("qwen2")  # q/k/v biases through Linear too
-    llm = make_llm(model_dir, attention_impl="reference", num_gpu_blocks_override=64,
+    monkeypatch.setattr(JaxModelRunner, "min_decode_rows", staticmethod(lambda: 16))
+    model_dir = tiny_model("qwen2")
+    llm = make_llm(model_dir, max_num_seqs=4, num_gpu_blocks_override=64,
                    max_num_batched_tokens=64)
-    module = llm.engine.runner.target.module
-    assert module.min_rows == 16 and not module.packed
+    assert llm.engine.shapes.seq_buckets == (16,)
+    runner, layouts = llm.engine.runner, []
+    execute = runner.execute
+    monkeypatch.setattr(runner, "execute", lambda model_input: (
+        layouts.append(model_input.layout), execute(model_input))[1])
     prompts = [p for p in make_prompts(llm.engine.model_config.vocab_size) if len(p) in (1, 17)]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(model_dir, prompts, 6)
+    decodes = [layout for layout in layouts if layout.decode]
+    assert decodes and all(layout.num_seqs == 16 for layout in decodes)
 
 
 def test_branch_free_decode_steps(tiny_model, monkeypatch) -> None:

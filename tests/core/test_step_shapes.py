@@ -49,3 +49,17 @@ def test_each_step_gets_the_smallest_shape_that_holds_it() -> None:
     for bad in (lambda: s.decode_layout(65), lambda: s.mixed_layout(513), lambda: s.spec_k(5)):
         with pytest.raises(ValueError):
             bad()
+
+
+def test_a_backends_smallest_sequence_bucket() -> None:
+    """jax on a GPU pads decode steps to 16 sequences at least (min_decode_rows): fewer shapes,
+    and a 1-sequence step runs the 16-row one; a max_num_seqs under it leaves one bucket."""
+    def gpu(seqs: int) -> StepShapes:
+        return StepShapes.for_engine(max_num_seqs=seqs, max_num_batched_tokens=512,
+                                     max_blocks_per_seq=64, max_model_len=1024,
+                                     num_speculative_tokens=4, min_num_seqs=16)
+
+    assert gpu(64).seq_buckets == (16, 32, 64) and gpu(4).seq_buckets == (16,)
+    assert gpu(64).decode_layout(1) == BatchLayout(16, 16, 64, decode=True)
+    assert gpu(4).spec_layout(1, 3) == BatchLayout(80, 16, 64, num_spec_tokens=4, draft=True)
+    assert gpu(4).mixed_layout(40) == BatchLayout(64, 16, 64, draft=True)

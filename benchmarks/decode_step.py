@@ -141,12 +141,13 @@ def probe_step(llm, repeats: int = 50) -> dict:
 
     runner = llm.engine.runner
     inputs = []
-    execute = runner.execute
-    runner.execute = lambda model_input: inputs.append(model_input) or execute(model_input)
+    execute_async = runner.execute_async
+    runner.execute_async = lambda model_input: (inputs.append(model_input)
+                                                or execute_async(model_input))
     try:
         llm.engine.step()
     finally:
-        runner.execute = execute
+        runner.execute_async = execute_async
     model_input = inputs[-1]
     executable = runner.executable(runner.step_key(model_input))
     jax.block_until_ready(runner.launch(executable, model_input))

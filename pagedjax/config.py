@@ -225,6 +225,10 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # no CUDA graphs (torch); harmless elsewhere
+    # The outputs of a step (detokenized text, stop strings, RequestOutputs) are built while the
+    # device runs the next one, where the runner launches steps asynchronously (jax); vLLM's
+    # async output processing. True: built before step() returns, as the torch runner does.
+    disable_async_output_proc: bool = False
     tensor_parallel_size: int = 1
     # {"model": draft_dir, "num_speculative_tokens": k, "method": "draft_model",
     #  "adaptive": True}; see spec_decode.py

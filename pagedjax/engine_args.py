@@ -37,6 +37,9 @@ _FLAGS: dict[str, tuple[str, dict]] = {
     "enable_prefix_caching": ("reuse cached prompt blocks",
                               {"action": argparse.BooleanOptionalAction}),
     "enforce_eager": ("no CUDA graphs", {"action": "store_true"}),
+    "disable_async_output_proc": ("build each step's outputs before the next step runs (jax "
+                                  "builds them while the device runs it)",
+                                  {"action": "store_true"}),
     "tensor_parallel_size": ("devices to shard the model over", {"type": int}),
     "speculative_config": ("JSON, e.g. '{\"model\": DIR, \"num_speculative_tokens\": 4}'; "
                            "each k compiled (2, 4, 8, 16 below num_speculative_tokens, and it) "

@@ -177,6 +177,11 @@ class JaxModelRunner:
         self._inputs = (NamedSharding(self.mesh, REPLICATED) if self.mesh is not None
                         else SingleDeviceSharding(jax.devices()[0]))
         self._on_cpu = jax.devices()[0].platform == "cpu"
+        # A call enqueues the step and reading its outputs waits for it, so the engine builds
+        # the last step's outputs meanwhile, on an accelerator (H200, batch 64: 1.4 ms of a 6.1
+        # ms step). Not on a CPU, whose cores compute the step: no gain on 2 cores (paired
+        # A/B at batch 32 and 64: 1.02x, 1.00x), and outputs would stream a step later.
+        self.async_launch = not self._on_cpu
         self._step = jax.jit(self._step_fn, donate_argnums=(2, 3),
                              static_argnames=("layout", "plain"))
         self._plain_decode = _branch_free_decode(jax.devices()[0].platform)
@@ -350,11 +355,18 @@ class JaxModelRunner:
 
     def execute(self, model_input: ModelInput) -> ModelOutput:
         """Run one step (see the module docstring)."""
+        return self.execute_async(model_input)()
+
+    def execute_async(self, model_input: ModelInput) -> Callable[[], ModelOutput]:
+        """Enqueue one step; the function returned waits for its outputs on the host."""
         if len(model_input.block_copies):
             self._copy_blocks(model_input.block_copies)
-        return self._run(self.executable(self.step_key(model_input)), model_input)
+        out = self.launch(self.executable(self.step_key(model_input)), model_input)
+        return lambda: ModelOutput.from_step(model_input,
+                                             self._to_host(out.wanted(model_input.flags)))
 
     def _run(self, executable: jax.stages.Compiled, model_input: ModelInput) -> ModelOutput:
+        """One step on this executable, waited for (the pool-sizing trial step)."""
         out = self.launch(executable, model_input)
         return ModelOutput.from_step(model_input, self._to_host(out.wanted(model_input.flags)))
 

@@ -57,6 +57,14 @@ class ModelRunner(Protocol):
         """Run one step: copy-on-write copies, the forward(s) and sampling."""
         ...
 
+    # Whether execute_async returns before the device has finished the step (the engine then
+    # builds the last step's outputs meanwhile).
+    async_launch: bool
+
+    def execute_async(self, model_input: ModelInput) -> Callable[[], ModelOutput]:
+        """Start one step; the function returned waits for it and returns its output."""
+        ...
+
     def shutdown(self) -> None:
         """Free the device memory (and worker processes); no step runs afterwards."""
         ...

@@ -316,18 +316,22 @@ class Scheduler:
 
         sampled: seq id → the tokens its row produced (one normally; its accepted drafts and a
         recovered or bonus token with speculation). A sequence whose request policy picks its
-        tokens (a beam) gets none here. Returns every sequence that got tokens.
+        tokens (a beam) gets none here, and neither does one finished (or removed) since it was
+        scheduled: the engine found its stop string in the last step's outputs meanwhile.
+        Returns every sequence that got tokens.
         """
         touched: list[Sequence] = []
         for entry in output.scheduled:
-            seq = self.seqs[entry.seq_id]
+            seq = self.seqs.get(entry.seq_id)
+            if seq is None or seq.is_finished:
+                continue
             seq.num_computed_tokens = entry.end_pos
             if entry.draft_token_ids:  # the draft computed its catch-up and drafts 1..k-1
                 seq.num_draft_computed_tokens = entry.draft_end_pos + max(
                     entry.num_spec_tokens - 1, 0)
             for spec in entry.samples:
                 seq = self.seqs[spec.seq_id]
-                if seq.policy_picks_tokens:
+                if seq.policy_picks_tokens or spec.seq_id not in sampled:
                     continue
                 tokens = sampled[spec.seq_id]
                 # Drafts kept; the last token is recovered or bonus. Rejected: rolled back.

@@ -147,6 +147,9 @@ class LLMEngine:
         self.policies: dict[str, RequestPolicy] = {}  # request id → its policy, while it has one
         self.prompt_tokens_total = 0
         self.step_timings = StepTimings()
+        # (touched sequences, model output) of the last step, whose outputs the next step builds
+        # while the device runs it (async output processing; _defers_outputs)
+        self._deferred: tuple[list[Sequence], ModelOutput] | None = None
         # add/abort commands from any thread, applied by step() in order (the inbox);
         # _pending_ids: ids added but not yet drained (for the duplicate-id check)
         self._inbox: list[_AddCommand | str] = []
@@ -396,6 +399,8 @@ class LLMEngine:
         """One scheduler step and one device step; outputs of the requests that progressed."""
         if self.runner is None:
             raise RuntimeError("this engine was shut down; make a new one")
+        # aborts and adds see every earlier step's outputs built
+        flushed = self._flush_outputs() if self._inbox else []
         aborted = self._drain_inbox() if self._inbox else []
         if self.structured_output.has_waiting:
             aborted += self._admit_constrained()
@@ -405,9 +410,10 @@ class LLMEngine:
         k = self._choose_num_spec_tokens()
         out = self.scheduler.schedule(k)
         if out.is_empty:
-            if self.structured_output.has_waiting:  # nothing to run but grammars compiling
+            flushed += self._flush_outputs()
+            if self.structured_output.has_waiting and not flushed:  # only grammars compiling
                 self.structured_output.wait(timeout=0.05)
-            return aborted
+            return flushed + aborted
         policies = self._policies_of(out)
         for request_id, entries in policies.items():
             self.policies[request_id].schedule(entries)
@@ -418,17 +424,27 @@ class LLMEngine:
         model_input = build_model_input(out, self.shapes, block_size=self.config.block_size,
                                         token_bitmask=bitmask)
         stamps.append(time.perf_counter())
-        model_output = self.runner.execute(model_input)
-        stamps.append(time.perf_counter())
-        sampled = dict(zip(model_output.seq_ids, model_output.token_lists()))
+        wait = self.runner.execute_async(model_input)
+        flush_start = time.perf_counter()
+        flushed += self._flush_outputs()  # the last step's, while the device runs this one
+        flush_seconds = time.perf_counter() - flush_start
+        model_output = wait()
+        stamps.append(time.perf_counter() - flush_seconds)
+        # a row of a sequence that the last step's outputs finished (a stop string) is dropped
+        sampled = {seq_id: tokens for seq_id, tokens in zip(model_output.seq_ids,
+                                                             model_output.token_lists())
+                   if seq_id in seqs and not seqs[seq_id].is_finished}
         if bitmask is not None:  # each row cut at a token its grammar forbids
             self.structured_output.accept(seqs, sampled, model_input.num_spec_tokens)
         touched = self.scheduler.update(out, sampled)
         if bitmask is not None:
             for seq in self.structured_output.stopped(touched):
                 self.scheduler.finish(seq, "stop")  # its grammar is complete
-        stamps.append(time.perf_counter())
-        outputs = self.output_processor.process(touched, model_output)
+        stamps.append(time.perf_counter() - flush_seconds)
+        if self._defers_outputs(policies, bitmask):
+            self._deferred, outputs = (touched, model_output), []
+        else:
+            outputs = self.output_processor.process(touched, model_output)
         if policies:
             outputs += self._update_policies(policies, model_output)
         if self.structured_output.has_matchers:
@@ -437,7 +453,23 @@ class LLMEngine:
         self.step_timings.record(stamps)
         if self.speculation is not None:
             self.speculation.observe(out, sampled)
-        return aborted + outputs if aborted else outputs
+        return flushed + aborted + outputs
+
+    def _defers_outputs(self, policies: dict, bitmask: np.ndarray | None) -> bool:
+        """Whether this step's outputs are built during the next step (async output
+        processing): where the runner launches steps asynchronously, and the step has no
+        request policy (beams pick tokens from the outputs), no speculation and no grammar
+        (their bookkeeping reads every sequence's tokens before the next step). A stop string
+        is then found a step late: the sequence computes one more token, dropped."""
+        return (self.runner.async_launch and not self.config.disable_async_output_proc
+                and not policies and self.speculation is None and bitmask is None)
+
+    def _flush_outputs(self) -> list[RequestOutput]:
+        """The outputs of a deferred step, built now."""
+        if self._deferred is None:
+            return []
+        (touched, model_output), self._deferred = self._deferred, None
+        return self.output_processor.process(touched, model_output)
 
     def _admit_constrained(self) -> list[RequestOutput]:
         """Schedule the constrained requests whose grammar is compiled now; abort those whose

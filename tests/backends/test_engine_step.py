@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 
@@ -22,14 +24,19 @@ def spec_llm(tiny_model, backend: str, **kwargs) -> LLM:
 
 def record_steps(llm: LLM) -> list[tuple[ModelInput, ModelOutput]]:
     runner, steps = llm.engine.runner, []
-    execute = runner.execute
+    execute_async = runner.execute_async
 
-    def recording_execute(model_input: ModelInput) -> ModelOutput:
-        output = execute(model_input)
-        steps.append((model_input, output))
-        return output
+    def recording_execute(model_input: ModelInput) -> Callable[[], ModelOutput]:
+        wait = execute_async(model_input)
 
-    runner.execute = recording_execute
+        def recorded() -> ModelOutput:
+            output = wait()
+            steps.append((model_input, output))
+            return output
+
+        return recorded
+
+    runner.execute_async = recording_execute
     return steps
 
 
@@ -45,8 +52,8 @@ def test_one_device_call_per_step_with_drafts(tiny_model, backend: str) -> None:
     llm.generate(prompts, params, use_tqdm=False)  # compiles
     device_calls = []
     if backend == "jax":
-        inner = runner._run
-        runner._run = lambda *a, **kw: device_calls.append(1) or inner(*a, **kw)
+        inner = runner.launch
+        runner.launch = lambda *a, **kw: device_calls.append(1) or inner(*a, **kw)
         draft_apply = runner.draft.module.apply
         draft_calls = []
         object.__setattr__(runner.draft.module, "apply",

@@ -149,9 +149,9 @@ def test_decode_steps_padded_to_min_decode_rows(tiny_model, monkeypatch) -> None
                    max_num_batched_tokens=64)
     assert llm.engine.shapes.seq_buckets == (16,)
     runner, layouts = llm.engine.runner, []
-    execute = runner.execute
-    monkeypatch.setattr(runner, "execute", lambda model_input: (
-        layouts.append(model_input.layout), execute(model_input))[1])
+    execute_async = runner.execute_async
+    monkeypatch.setattr(runner, "execute_async", lambda model_input: (
+        layouts.append(model_input.layout), execute_async(model_input))[1])
     prompts = [p for p in make_prompts(llm.engine.model_config.vocab_size) if len(p) in (1, 17)]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)

@@ -39,7 +39,7 @@ _CSRC = Path(__file__).parent / "csrc"
 # CPU under cpu/, the CUDA kernels under cuda/.
 _CPU_SOURCES = ("ops.cpp", "cpu/attention_cpu.cpp", "cpu/linear_cpu.cpp", "cpu/rotary_cpu.cpp",
                 "cpu/norm_act_cpu.cpp", "cpu/decoder_layer_cpu.cpp", "cpu/filter_cpu.cpp")
-_CUDA_SOURCES = ("cuda/attention_cuda.cu", "cuda/write_kv_cuda.cu")
+_CUDA_SOURCES = ("cuda/attention_cuda.cu", "cuda/write_kv_cuda.cu", "cuda/norm_act_cuda.cu")
 DEFAULT_CUDA_ARCHS = "8.0;9.0+PTX"  # A100 and H100 SASS; PTX that newer GPUs JIT-compile
 _MIN_CAPABILITY = (8, 0)  # cp.async and bf16 paths
 
@@ -240,22 +240,24 @@ def rotary_embedding_(
     sin: torch.Tensor,  # [T, D] float32
 ) -> None:
     """HF's rotary embedding (rotate_half layout, float32 math) applied to x in place: the C++ op
-    on the CPU, the reference elsewhere (on CUDA the step is a CUDA graph: no launch overhead)."""
-    if _on_cpu_ops(x):
+    on the CPU, the CUDA kernel on a GPU, else the reference."""
+    if _has_op(x):
         torch.ops.pagedjax.rotary_embedding_(x, cos, sin)
     else:
         reference.rotary_embedding_(x, cos, sin)
 
 
-def _on_cpu_ops(x: torch.Tensor) -> bool:
-    """Whether x goes to a C++ CPU op (no CUDA version: on a GPU the step is a CUDA graph, so the
-    eager reference costs no launch overhead there)."""
-    return x.device.type == "cpu" and ops_backend() != "reference"
+def _has_op(x: torch.Tensor) -> bool:
+    """Whether x's device has the op: the C++ CPU ops, and the CUDA kernels in a CUDA build (one
+    kernel each where the eager reference runs 3-10, which a CUDA graph does not merge)."""
+    backend = ops_backend()
+    return backend != "reference" and (x.device.type == "cpu"
+                                       or (x.device.type == "cuda" and backend == "cuda"))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF's RMSNorm of x [T, H] (float32 math, rounded as HF rounds) times weight [H]."""
-    if _on_cpu_ops(x):
+    if _has_op(x):
         return torch.ops.pagedjax.rms_norm(x, weight, eps)
     return reference.rms_norm(x, weight, eps)
 
@@ -263,13 +265,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual): a layer's residual add and the next norm."""
-    if _on_cpu_ops(x):
+    if _has_op(x):
         return torch.ops.pagedjax.fused_add_rms_norm(x, residual, weight, eps)
     return reference.fused_add_rms_norm(x, residual, weight, eps)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [T, 2I] → silu(x[:, :I]) * x[:, I:] [T, I]: the gated MLP's activation."""
-    if _on_cpu_ops(x):
+    if _has_op(x):
         return torch.ops.pagedjax.silu_and_mul(x)
     return reference.silu_and_mul(x)

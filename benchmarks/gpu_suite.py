@@ -11,7 +11,8 @@ Parts (in the order a first run should take them; `--part all` runs every one):
 - throughput, latency: on a Llama-3.2-1B-shaped random bf16 checkpoint made here;
 - spec_decode: the demo pair, one backend per process;
 - decode_step, decode_step_8b: decode steps at batch 1/16/64 against the bandwidth floor, with
-  the host share and a profile of the device time, on the 1B and a Llama-3-8B-shaped checkpoint.
+  the host share, a profile of the device time and (jax) the step's executable timed alone
+  (dispatch, back to back, synced), on the 1B and a Llama-3-8B-shaped checkpoint.
 
 Every step is a subprocess (JAX and torch never share one, XLA's allocator keeps what it
 freed) under a timeout; a part's timeouts add up to under 9 minutes. Logs go to OUT/PART/STEP.log
@@ -153,7 +154,7 @@ def _decode_step_steps(ctx: Context, shape: str, timeouts_s: dict[str, int]) -> 
     script, out = str(BENCHMARKS / "decode_step.py"), str(ctx.out / f"decode_step_{shape}")
     return [_make_model_step(ctx, shape, timeouts_s["make"]), *(
         Step(f"decode_step_{backend}", (script, "--model", str(ctx.model_dir(shape)), "--backend",
-                                        backend, *size, "--profile", "--out", out),
+                                        backend, *size, "--profile", "--probe", "--out", out),
              timeouts_s[backend])
         for backend in ("jax", "torch"))]
 

@@ -245,7 +245,8 @@ class JaxModelRunner:
             model_input = warm_up_input(self.config, self.shapes)
             self._allocate_kv_caches(int(model_input.fields()["block_tables"].max()) + 1)
             # compiled for these throwaway caches' shapes: kept by neither cache
-            self._run(self._lower(model_input.layout).compile(), model_input)
+            executable = self._lower(model_input.layout).compile()
+            self._host_output(model_input, self.launch(executable, model_input))
             self.kv_caches, self.draft_kv_caches = [], []
             memory = device.memory_stats()
             if memory:  # else the default budget, as on a CPU
@@ -362,12 +363,10 @@ class JaxModelRunner:
         if len(model_input.block_copies):
             self._copy_blocks(model_input.block_copies)
         out = self.launch(self.executable(self.step_key(model_input)), model_input)
-        return lambda: ModelOutput.from_step(model_input,
-                                             self._to_host(out.wanted(model_input.flags)))
+        return lambda: self._host_output(model_input, out)
 
-    def _run(self, executable: jax.stages.Compiled, model_input: ModelInput) -> ModelOutput:
-        """One step on this executable, waited for (the pool-sizing trial step)."""
-        out = self.launch(executable, model_input)
+    def _host_output(self, model_input: ModelInput, out: StepOutput) -> ModelOutput:
+        """A launched step's ModelOutput: the fields its flags ask for, waited for on the host."""
         return ModelOutput.from_step(model_input, self._to_host(out.wanted(model_input.flags)))
 
     def launch(self, executable: jax.stages.Compiled, model_input: ModelInput) -> StepOutput:

@@ -137,13 +137,13 @@ def process_logits(logits: jax.Array, sampling: dict, flags: jax.Array) -> jax.A
     """The logits [R, V] rows sample from: the logit entries, then the token bitmask applied,
     where the step has any (sampling["token_bitmask"] [R, W] may be left out: none)."""
     logits = branch(flags[StepFlag.LOGIT_ENTRIES],
-                          lambda x: apply_logit_entries(x, sampling["entries"], sampling),
-                          lambda x: x, logits)
+                    lambda x: apply_logit_entries(x, sampling["entries"], sampling),
+                    lambda x: x, logits)
     if "token_bitmask" not in sampling:
         return logits
     return branch(flags[StepFlag.TOKEN_MASK],
-                        lambda x: apply_token_bitmask(x, sampling["token_bitmask"]),
-                        lambda x: x, logits)
+                  lambda x: apply_token_bitmask(x, sampling["token_bitmask"]),
+                  lambda x: x, logits)
 
 
 def sample(logits: jax.Array, sampling: dict, flags: jax.Array) -> tuple[jax.Array, ...]:

@@ -330,8 +330,10 @@ class Scheduler:
                 seq.num_draft_computed_tokens = entry.draft_end_pos + max(
                     entry.num_spec_tokens - 1, 0)
             for spec in entry.samples:
+                if spec.seq_id not in sampled:  # finished since it was scheduled
+                    continue
                 seq = self.seqs[spec.seq_id]
-                if seq.policy_picks_tokens or spec.seq_id not in sampled:
+                if seq.policy_picks_tokens:
                     continue
                 tokens = sampled[spec.seq_id]
                 # Drafts kept; the last token is recovered or bonus. Rejected: rolled back.

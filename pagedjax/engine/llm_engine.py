@@ -429,6 +429,7 @@ class LLMEngine:
         flushed += self._flush_outputs()  # the last step's, while the device runs this one
         flush_seconds = time.perf_counter() - flush_start
         model_output = wait()
+        # the flush is timed as output work: the execute and update stamps move back by it
         stamps.append(time.perf_counter() - flush_seconds)
         # a row of a sequence that the last step's outputs finished (a stop string) is dropped
         sampled = {seq_id: tokens for seq_id, tokens in zip(model_output.seq_ids,

@@ -8,6 +8,8 @@ import json
 import subprocess
 import sys
 import xml.etree.ElementTree as ElementTree
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -37,20 +39,59 @@ def test_every_part_fits_its_budget_one_framework_per_process(tmp_path, dry_run)
             assert len({arg for arg in step.argv if arg in ("jax", "torch")}) <= 1, step
 
 
+# the part each test checks, in the order they run
+TEST_PARTS = {"test_environment": "environment", "test_correctness": "correctness",
+              "test_kernels": "kernels", "test_spec_decode": "spec_decode",
+              "test_decode_step": "decode_step"}
+
+
 @pytest.fixture(scope="module")
 def suite_out(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("gpu_suite")
 
 
-def _run_part(name: str, out: Path) -> list[dict]:
-    """Runs one part with --dry-run; its step records from suite.json."""
-    command = [sys.executable, str(SUITE), "--part", name, "--dry-run", "--out", str(out / name),
-               "--model-cache", str(out / "models")]
-    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900)
+@pytest.fixture(scope="module")
+def part_runs(request, suite_out) -> Iterator[dict[str, Future]]:
+    """The dry runs of the parts the session's tests check, two at a time (each is mostly one
+    busy thread: imports, compiles), in the order the tests run; the toy model made first, as
+    the parts share it."""
+    names = []
+    for item in request.session.items:
+        name = _part_of(item) if item.module is request.module else None
+        if name and name not in names:
+            names.append(name)
+    made = _run([str(SUITE), "--make-model", str(suite_out / "models" / "toy-bf16"),
+                 "--dry-run"])
+    assert made.returncode == 0, made.stderr[-3000:]
+    with ThreadPoolExecutor(2) as pool:
+        yield {name: pool.submit(_run_part, name, suite_out) for name in names}
+
+
+def _part_of(item: pytest.Item) -> str | None:
+    if item.originalname == "test_end_to_end_benchmarks_on_a_random_bf16_model":
+        return item.callspec.params["part"]
+    return TEST_PARTS.get(item.originalname)
+
+
+def _run(argv: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *argv], cwd=REPO, capture_output=True, text=True,
+                          timeout=900)
+
+
+def _run_part(name: str, out: Path) -> tuple[list[dict], str]:
+    """Runs one part with --dry-run: (its step records from suite.json, what went wrong)."""
+    done = _run([str(SUITE), "--part", name, "--dry-run", "--out", str(out / name),
+                 "--model-cache", str(out / "models")])
     records = json.loads((out / name / "suite.json").read_text())["steps"]
     failed = [r for r in records if r["status"] != "ok"]
-    assert done.returncode == 0 and not failed, (
-        f"{name}: {failed}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    problem = (f"{name}: {failed}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+               if done.returncode != 0 or failed else "")
+    return records, problem
+
+
+def _part(part_runs: dict[str, Future], name: str) -> list[dict]:
+    records, problem = part_runs[name].result()
+    assert not problem, problem
     return records
 
 
@@ -59,16 +100,16 @@ def _json(path_glob: str, folder: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def test_environment(suite_out):
-    _run_part("environment", suite_out)
+def test_environment(suite_out, part_runs):
+    _part(part_runs, "environment")
     folder = suite_out / "environment" / "environment"
     doctor = json.loads((folder / "doctor.json").read_text())
     assert doctor["problems"] == [] and doctor["ops_build"]["backend"] in ("cpp", "cuda")
     assert any(p["name"] == "pagedjax" for p in json.loads((folder / "pip_list.json").read_text()))
 
 
-def test_correctness(suite_out):
-    _run_part("correctness", suite_out)
+def test_correctness(suite_out, part_runs):
+    _part(part_runs, "correctness")
     for report in ("kernel_tests.xml", "parity_tests.xml"):
         suite = ElementTree.parse(suite_out / "correctness" / "correctness" / report).getroot()
         suite = suite if suite.tag == "testsuite" else suite[0]
@@ -76,8 +117,8 @@ def test_correctness(suite_out):
         assert suite.get("failures") == suite.get("errors") == suite.get("skipped") == "0"
 
 
-def test_kernels(suite_out):
-    _run_part("kernels", suite_out)
+def test_kernels(suite_out, part_runs):
+    _part(part_runs, "kernels")
     folder = suite_out / "kernels" / "kernels"
     for framework in ("jax", "torch"):
         payload = _json(f"kernels_{framework}_*.json", folder)
@@ -95,8 +136,8 @@ def test_kernels(suite_out):
 
 
 @pytest.mark.parametrize("part", ["throughput", "latency"])
-def test_end_to_end_benchmarks_on_a_random_bf16_model(suite_out, part):
-    records = _run_part(part, suite_out)
+def test_end_to_end_benchmarks_on_a_random_bf16_model(suite_out, part_runs, part):
+    records = _part(part_runs, part)
     assert [r["step"] for r in records] == ["make_model", f"{part}_jax", f"{part}_torch"]
     config = json.loads((suite_out / "models" / "toy-bf16" / "config.json").read_text())
     assert config["dtype"] == "bfloat16"
@@ -104,8 +145,8 @@ def test_end_to_end_benchmarks_on_a_random_bf16_model(suite_out, part):
     assert len(results) >= 2, results  # one per backend
 
 
-def test_spec_decode(suite_out):
-    _run_part("spec_decode", suite_out)
+def test_spec_decode(suite_out, part_runs):
+    _part(part_runs, "spec_decode")
     for backend in ("jax", "torch"):
         payload = _json("spec_decode_*.json", suite_out / "spec_decode" / "spec_decode" / backend)
         assert {r["backend"] for r in payload["results"]} == {backend}
@@ -129,8 +170,8 @@ def test_a_sharded_random_checkpoint_reads_the_same_in_hf_and_pagedjax(tmp_path,
     assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(str(model), prompts, 8)
 
 
-def test_decode_step(suite_out):
-    records = _run_part("decode_step", suite_out)
+def test_decode_step(suite_out, part_runs):
+    records = _part(part_runs, "decode_step")
     assert [r["step"] for r in records] == ["make_model", "decode_step_jax", "decode_step_torch"]
     folder = suite_out / "decode_step" / "decode_step_1b"
     for backend in ("jax", "torch"):

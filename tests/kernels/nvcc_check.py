@@ -1,0 +1,84 @@
+"""nvcc compiles of the CUDA sources for the build's archs, started in the background when a
+session collects the `nvcc` test and collected by that test.
+
+The compiles are single-threaded and take ~4 min of CPU; the rest of the suite leaves a share of
+this 2-core machine idle (XLA compiles, Python), so they run at the lowest priority beside it
+and the test, ordered last (tests/kernels/conftest.py), mostly finds them done.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from torch.utils import cpp_extension
+
+from pagedjax.kernels_cuda import ops
+
+COMPILES = pytest.StashKey[list["Compile"]]()  # the session's background compiles
+
+
+def nvcc() -> str | None:
+    """nvcc from CUDA_HOME or PATH (torch's CPU wheels do not look for one)."""
+    home = os.environ.get("CUDA_HOME") or cpp_extension.CUDA_HOME
+    candidate = Path(home) / "bin" / "nvcc" if home else None
+    return str(candidate) if candidate and candidate.exists() else shutil.which("nvcc")
+
+
+def can_compile() -> bool:
+    return nvcc() is not None and shutil.which("c++") is not None
+
+
+def nvcc_command(source: Path, include_dir: Path, output: Path) -> list[str]:
+    """torch's own nvcc flags for an extension, with the build's default archs (not a GPU
+    machine's TORCH_CUDA_ARCH_LIST: the check is the same everywhere)."""
+    includes = [*cpp_extension.include_paths(), str(include_dir)]
+    return [nvcc(), "-c", str(source), "-o", str(output),
+            *(f"-I{path}" for path in includes), *cpp_extension.COMMON_NVCC_FLAGS, "-std=c++20",
+            "-O3", "--compiler-options", "-fPIC", "-DTORCH_EXTENSION_NAME=pagedjax_ops",
+            *ops.cuda_arch_flags(ops.DEFAULT_CUDA_ARCHS)]
+
+
+@dataclass
+class Compile:
+    command: list[str]
+    process: subprocess.Popen
+
+    @property
+    def output(self) -> Path:
+        return Path(self.command[self.command.index("-o") + 1])
+
+    def wait(self, timeout: float) -> tuple[int, str]:
+        """(return code, stderr)."""
+        _, stderr = self.process.communicate(timeout=timeout)
+        return self.process.returncode, stderr
+
+
+def start_compiles(folder: Path | None = None) -> list[Compile]:
+    """One nvcc process per CUDA source, at the lowest CPU priority, outputs under folder.
+
+    A CPU wheel of torch ships the c10/cuda headers but not the header CMake generates for them:
+    a one-line stand-in is written there.
+    """
+    folder = Path(folder or tempfile.mkdtemp(prefix="pagedjax-nvcc-"))
+    generated = folder / "include" / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h"
+    generated.parent.mkdir(parents=True, exist_ok=True)
+    generated.write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
+    commands = [nvcc_command(ops._CSRC / name, folder / "include",
+                             folder / f"{Path(name).name}.o") for name in ops._CUDA_SOURCES]
+    return [Compile(command, subprocess.Popen(
+                command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                preexec_fn=lambda: os.nice(19)))
+            for command in commands]
+
+
+def stop(compiles: list[Compile]) -> None:
+    for c in compiles:
+        if c.process.poll() is None:
+            c.process.kill()
+            c.process.wait()

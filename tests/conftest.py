@@ -34,6 +34,19 @@ from pagedjax.checkpoints import (
     stdlib_corpus,
     train_tokenizer,
 )
+from tests import background
+
+
+@pytest.hookimpl(trylast=True)  # after -m and -k have deselected
+def pytest_collection_modifyitems(config, items):
+    if any(item.get_closest_marker("real_model") for item in items):
+        config.stash[background.SMOLLM2_CONVERSION] = background.start_smollm2_conversion()
+
+
+def pytest_unconfigure(config):
+    conversion = config.stash.get(background.SMOLLM2_CONVERSION, None)
+    background.stop([conversion] if conversion else [])
+
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}

@@ -11,6 +11,7 @@ import pytest
 from pagedjax import LLM, SamplingParams
 from pagedjax.demo import smollm2_instruct_dir, smollm2_instruct_gguf
 from pagedjax.entrypoints.cli import main
+from tests.background import SMOLLM2_CONVERSION
 from tests.hf_reference import hf_greedy
 from tests.serve_process import serve_process
 
@@ -25,7 +26,10 @@ NEAR_TIE = 1e-3
 
 
 @pytest.fixture(scope="module")
-def smollm2_dir() -> str:
+def smollm2_dir(request) -> str:
+    conversion = request.config.stash.get(SMOLLM2_CONVERSION, None)
+    if conversion is not None:  # started when the session was collected
+        conversion.wait(timeout=600)  # if it failed, the call below says why
     return smollm2_instruct_dir()
 
 

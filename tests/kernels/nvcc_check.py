@@ -1,9 +1,9 @@
 """nvcc compiles of the CUDA sources for the build's archs, started in the background when a
 session collects the `nvcc` test and collected by that test.
 
-The compiles are single-threaded and take ~4 min of CPU; the rest of the suite leaves a share of
-this 2-core machine idle (XLA compiles, Python), so they run at the lowest priority beside it
-and the test, ordered last (tests/kernels/conftest.py), mostly finds them done.
+The compiles are single-threaded and take ~4 min of CPU: they run beside the suite (see
+tests/background.py), and the test, ordered last (tests/kernels/conftest.py), mostly finds them
+done.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import pytest
 from torch.utils import cpp_extension
 
 from pagedjax.kernels_cuda import ops
+from tests import background
+from tests.background import start_low_priority
 
 COMPILES = pytest.StashKey[list["Compile"]]()  # the session's background compiles
 
@@ -71,14 +73,9 @@ def start_compiles(folder: Path | None = None) -> list[Compile]:
     generated.write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
     commands = [nvcc_command(ops._CSRC / name, folder / "include",
                              folder / f"{Path(name).name}.o") for name in ops._CUDA_SOURCES]
-    return [Compile(command, subprocess.Popen(
-                command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                preexec_fn=lambda: os.nice(19)))
+    return [Compile(command, start_low_priority(command, stderr=subprocess.PIPE, text=True))
             for command in commands]
 
 
 def stop(compiles: list[Compile]) -> None:
-    for c in compiles:
-        if c.process.poll() is None:
-            c.process.kill()
-            c.process.wait()
+    background.stop([c.process for c in compiles])

@@ -1,0 +1,32 @@
+"""One-off work some tests need, started when the session is collected, in the background at the
+lowest CPU priority: it runs in the share of this 2-core machine that the tests before them
+leave idle (XLA compiles and Python are mostly one thread), and the tests wait for it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+# SmolLM2's GGUF file converted to a checkpoint in the session's cache folder (~45 s, one thread)
+SMOLLM2_CONVERSION = pytest.StashKey[subprocess.Popen]()
+_CONVERT_SMOLLM2 = "from pagedjax.demo import smollm2_instruct_dir; smollm2_instruct_dir()"
+
+
+def start_low_priority(argv: list[str], **kwargs) -> subprocess.Popen:
+    return subprocess.Popen(argv, stdout=subprocess.DEVNULL, preexec_fn=lambda: os.nice(19),
+                            **kwargs)
+
+
+def start_smollm2_conversion() -> subprocess.Popen:
+    return start_low_priority([sys.executable, "-c", _CONVERT_SMOLLM2],
+                              stderr=subprocess.DEVNULL)
+
+
+def stop(processes: list[subprocess.Popen]) -> None:
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
+            process.wait()

@@ -5,6 +5,7 @@ leave idle (XLA compiles and Python are mostly one thread), and the tests wait f
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 
@@ -16,8 +17,9 @@ _CONVERT_SMOLLM2 = "from pagedjax.demo import smollm2_instruct_dir; smollm2_inst
 
 
 def start_low_priority(argv: list[str], **kwargs) -> subprocess.Popen:
+    """argv at nice 19, in a process group of its own (stop() ends its children too)."""
     return subprocess.Popen(argv, stdout=subprocess.DEVNULL, preexec_fn=lambda: os.nice(19),
-                            **kwargs)
+                            start_new_session=True, **kwargs)
 
 
 def start_smollm2_conversion() -> subprocess.Popen:
@@ -28,5 +30,5 @@ def start_smollm2_conversion() -> subprocess.Popen:
 def stop(processes: list[subprocess.Popen]) -> None:
     for process in processes:
         if process.poll() is None:
-            process.kill()
+            os.killpg(process.pid, signal.SIGKILL)
             process.wait()

@@ -50,6 +50,7 @@ def nvcc_command(source: Path, include_dir: Path, output: Path) -> list[str]:
 class Compile:
     command: list[str]
     process: subprocess.Popen
+    log: Path  # its stderr (a file: a pipe nobody reads until the test would stall it)
 
     @property
     def output(self) -> Path:
@@ -57,8 +58,8 @@ class Compile:
 
     def wait(self, timeout: float) -> tuple[int, str]:
         """(return code, stderr)."""
-        _, stderr = self.process.communicate(timeout=timeout)
-        return self.process.returncode, stderr
+        self.process.wait(timeout=timeout)
+        return self.process.returncode, self.log.read_text(errors="replace")
 
 
 def start_compiles(folder: Path | None = None) -> list[Compile]:
@@ -73,9 +74,16 @@ def start_compiles(folder: Path | None = None) -> list[Compile]:
     generated.write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
     commands = [nvcc_command(ops._CSRC / name, folder / "include",
                              folder / f"{Path(name).name}.o") for name in ops._CUDA_SOURCES]
-    return [Compile(command, start_low_priority(command, stderr=subprocess.PIPE, text=True))
-            for command in commands]
+    compiles = []
+    for command in commands:
+        log = Path(command[command.index("-o") + 1]).with_suffix(".log")
+        with log.open("w") as stderr:
+            compiles.append(Compile(command, start_low_priority(command, stderr=stderr), log))
+    return compiles
 
 
 def stop(compiles: list[Compile]) -> None:
+    """End the compiles still running and delete their folder."""
     background.stop([c.process for c in compiles])
+    for folder in {c.output.parent for c in compiles}:
+        shutil.rmtree(folder, ignore_errors=True)

@@ -105,11 +105,12 @@ def test_a_second_process_reuses_the_cached_build():
 @pytest.mark.nvcc
 @pytest.mark.skipif(not nvcc_check.can_compile(),
                     reason="needs the CUDA toolkit (nvcc) and a C++ compiler")
-def test_cuda_sources_compile_for_sm80_and_sm90(request):
+def test_cuda_sources_compile_for_sm80_and_sm90(request, tmp_path):
     """nvcc compiles every .cu file for the build's archs; no GPU needed. The compiles started
     in the background when the session was collected (conftest.py); this test runs last and
     waits for them."""
-    compiles = request.config.stash.get(nvcc_check.COMPILES, None) or nvcc_check.start_compiles()
+    compiles = (request.config.stash.get(nvcc_check.COMPILES, None)
+                or nvcc_check.start_compiles(tmp_path))
     for c in compiles:
         returncode, stderr = c.wait(timeout=1800)
         assert returncode == 0, f"{c.command[2]}:\n{stderr[-4000:]}"

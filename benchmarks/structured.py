@@ -9,7 +9,8 @@ constrained decoding compiles no new step after startup.
     (t(N tokens) - t(1 token)) / (N - 1), as in latency.py, so prefill cancels out. The modes
     take turns run by run, --repeats times: ms/step is the median of a mode's runs, the ratio
     the median of the runs' constrained / unconstrained pairs (back to back, so that a shared
-    host's drifting load cancels), with the ratio of the fastest runs beside. The one-off costs are
+    host's drifting load cancels), with the ratio of the fastest runs beside, and the ratio of
+    the median engine step of each mode over all its timed runs. The one-off costs are
     reported apart: LLM(...) (the startup compile) and the first constrained request (the
     grammar's compile, and any step compile it meets). Also the engine's per-phase step times
     (schedule, prepare, execute, update, output) of one more pass of each mode: llguidance fills
@@ -238,10 +239,28 @@ def run_backend(backend: str, args, vocab_size: int) -> tuple[list[dict], dict]:
         return SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True,
                               structured_outputs=constraint if mode == "constrained" else None)
 
-    def timed(mode: str, prompts: list[dict], num_tokens: int) -> float:
+    # every engine step's wall time in the timed N-token runs, by mode: the median of hundreds
+    # of steps per mode is steadier on a shared host than the median of --repeats run pairs
+    step_seconds: dict[str, list[float]] = {}
+    engine_step = llm.engine.step
+
+    def step_timed() -> list:
+        start = time.perf_counter()
+        outputs = engine_step()
+        if recording is not None:
+            recording.append(time.perf_counter() - start)
+        return outputs
+
+    llm.engine.step = step_timed
+    recording: list[float] | None = None
+
+    def timed(mode: str, prompts: list[dict], num_tokens: int, record: bool = False) -> float:
+        nonlocal recording
+        recording = step_seconds[mode] if record else None
         start = time.perf_counter()
         outputs = llm.generate(prompts, params(mode, num_tokens), use_tqdm=False)
         seconds = time.perf_counter() - start
+        recording = None
         short = [o for o in outputs if len(o.outputs[0].token_ids) != num_tokens]
         if short:  # a constrained completion that finished: the batches would differ
             raise RuntimeError(f"{backend} {mode}: {len(short)} completion(s) of "
@@ -265,12 +284,14 @@ def run_backend(backend: str, args, vocab_size: int) -> tuple[list[dict], dict]:
     modes = ("unconstrained", "constrained")
     rows = []
     for b in args.batch_sizes:
+        step_seconds.update({m: [] for m in modes})
         per_step: dict[str, list[float]] = {m: [] for m in modes}
         for r in range(args.repeats):
             for mode in modes if r % 2 == 0 else modes[::-1]:  # neither always goes first
                 seed = 1_000 * b + 10 * r + modes.index(mode) * 2
                 t1 = timed(mode, make_prompts(vocab_size, b, seed), 1)
-                tn = timed(mode, make_prompts(vocab_size, b, seed + 1), args.max_tokens)
+                tn = timed(mode, make_prompts(vocab_size, b, seed + 1), args.max_tokens,
+                           record=True)
                 per_step[mode].append(1e3 * (tn - t1) / (args.max_tokens - 1))
         phases = {}
         for mode in modes:  # one more pass each, for the per-phase split
@@ -288,6 +309,10 @@ def run_backend(backend: str, args, vocab_size: int) -> tuple[list[dict], dict]:
                    "decode ms/step": statistics.median(per_step[mode]),
                    "min ms/step": min(per_step[mode]), "ms/step runs": per_step[mode],
                    "ratio": paired, "ratio of mins": min(per_step[mode]) / min(base),
+                   "step ms (median of steps)": 1e3 * statistics.median(step_seconds[mode]),
+                   "ratio of step medians": statistics.median(step_seconds[mode])
+                   / statistics.median(step_seconds["unconstrained"]),
+                   "steps": len(step_seconds[mode]),
                    "schedule ms": phases[mode]["schedule"],
                    "prepare ms": phases[mode]["prepare"], "execute ms": phases[mode]["execute"],
                    "update ms": phases[mode]["update"], "step ms (phases)": phases[mode]["step"],
@@ -414,13 +439,18 @@ def main() -> None:
     if step_rows:
         print(f"\n(a) decode ms/step, {args.max_tokens} greedy tokens after {PROMPT_LEN}-token "
               f"prompts, median of {args.repeats} runs (ratio: the median of the runs' "
-              f"constrained / unconstrained pairs); constrained: {len(_RECORD['required'])}"
-              "-field records, compact JSON (100 of them: none finishes)")
-        shown = [{**r, **{k: f"{r[k]:.3f}" for k in ("ratio", "ratio of mins")},
-                  **{k: f"{r[k]:.2f}" for k in ("decode ms/step", "min ms/step")},
+              f"constrained / unconstrained pairs; the target's); ratio of step medians: of "
+              f"every step of the {args.max_tokens}-token runs, by mode; constrained: "
+              f"{len(_RECORD['required'])}-field records, compact JSON (100 of them: none "
+              "finishes)")
+        shown = [{**r, **{k: f"{r[k]:.3f}" for k in ("ratio", "ratio of mins",
+                                                      "ratio of step medians")},
+                  **{k: f"{r[k]:.2f}" for k in ("decode ms/step", "min ms/step",
+                                                "step ms (median of steps)")},
                   "target": r.get("target", ""), "met": r.get("met", "")} for r in step_rows]
         print_table(shown, ["backend", "batch", "mode", "decode ms/step", "min ms/step",
-                            "ratio", "ratio of mins", "target", "met", "schedule ms",
+                            "ratio", "ratio of mins", "target", "met",
+                            "step ms (median of steps)", "ratio of step medians", "schedule ms",
                             "prepare ms", "execute ms", "update ms"])
         print("\none-off costs and (c) checks:")
         print_table(summaries, ["backend", "startup s", "first constrained request s",

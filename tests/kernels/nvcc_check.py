@@ -20,7 +20,6 @@ from torch.utils import cpp_extension
 
 from pagedjax.kernels_cuda import ops
 from tests import background
-from tests.background import start_low_priority
 
 COMPILES = pytest.StashKey[list["Compile"]]()  # the session's background compiles
 
@@ -49,12 +48,9 @@ def nvcc_command(source: Path, include_dir: Path, output: Path) -> list[str]:
 @dataclass
 class Compile:
     command: list[str]
-    process: subprocess.Popen
+    output: Path
     log: Path  # its stderr (a file: a pipe nobody reads until the test would stall it)
-
-    @property
-    def output(self) -> Path:
-        return Path(self.command[self.command.index("-o") + 1])
+    process: subprocess.Popen
 
     def wait(self, timeout: float) -> tuple[int, str]:
         """(return code, stderr)."""
@@ -72,13 +68,13 @@ def start_compiles(folder: Path | None = None) -> list[Compile]:
     generated = folder / "include" / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h"
     generated.parent.mkdir(parents=True, exist_ok=True)
     generated.write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
-    commands = [nvcc_command(ops._CSRC / name, folder / "include",
-                             folder / f"{Path(name).name}.o") for name in ops._CUDA_SOURCES]
     compiles = []
-    for command in commands:
-        log = Path(command[command.index("-o") + 1]).with_suffix(".log")
+    for name in ops._CUDA_SOURCES:
+        output, log = folder / f"{Path(name).name}.o", folder / f"{Path(name).name}.log"
+        command = nvcc_command(ops._CSRC / name, folder / "include", output)
         with log.open("w") as stderr:
-            compiles.append(Compile(command, start_low_priority(command, stderr=stderr), log))
+            process = background.start_low_priority(command, stderr=stderr)
+        compiles.append(Compile(command, output, log, process))
     return compiles
 
 

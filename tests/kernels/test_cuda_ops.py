@@ -326,21 +326,25 @@ def test_attention_replays_in_a_cuda_graph(torch_cuda):
                          [(torch.float32, 2e-6, 1e-6), (torch.bfloat16, 1.6e-2, 1e-2)])
 def test_norm_rotary_and_activation_kernels_on_gpu(torch_cuda, dtype, rtol, atol):
     """The CUDA rms_norm, fused_add_rms_norm, silu_and_mul and rotary_embedding_ against the
-    eager reference on the same device (float32: to rounding; bf16: within one bf16 step), on a
-    hidden size that is no multiple of the block (2050) and a rotary view of a fused qkv."""
+    eager reference on the same device (float32: to rounding; bf16: within one bf16 step): rows
+    of 16-byte vectors held in registers (2048; 9216, four vectors a thread) and the any-size
+    kernels (2050, an intermediate of 1001), and a rotary view of a fused qkv."""
     assert ops.ops_backend() == "cuda"
     g = torch.Generator(torch_cuda).manual_seed(0)
-    x, residual = (torch.randn(5, 2050, generator=g, device=torch_cuda, dtype=dtype)
-                   for _ in range(2))
-    weight = torch.randn(2050, generator=g, device=torch_cuda, dtype=dtype)
-    torch.testing.assert_close(ops.rms_norm(x, weight, 1e-5),
-                               reference.rms_norm(x, weight, 1e-5), rtol=rtol, atol=atol)
-    for got, want in zip(ops.fused_add_rms_norm(x, residual, weight, 1e-5),
-                         reference.fused_add_rms_norm(x, residual, weight, 1e-5), strict=True):
-        torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
-    gate_up = torch.randn(5, 2 * 1000, generator=g, device=torch_cuda, dtype=dtype)
-    torch.testing.assert_close(ops.silu_and_mul(gate_up), reference.silu_and_mul(gate_up),
-                               rtol=rtol, atol=atol)
+    for hidden in (2050, 2048, 9216):
+        x, residual = (torch.randn(5, hidden, generator=g, device=torch_cuda, dtype=dtype)
+                       for _ in range(2))
+        weight = torch.randn(hidden, generator=g, device=torch_cuda, dtype=dtype)
+        torch.testing.assert_close(ops.rms_norm(x, weight, 1e-5),
+                                   reference.rms_norm(x, weight, 1e-5), rtol=rtol, atol=atol)
+        for got, want in zip(ops.fused_add_rms_norm(x, residual, weight, 1e-5),
+                             reference.fused_add_rms_norm(x, residual, weight, 1e-5),
+                             strict=True):
+            torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
+    for inter in (1000, 1001, 8192):
+        gate_up = torch.randn(5, 2 * inter, generator=g, device=torch_cuda, dtype=dtype)
+        torch.testing.assert_close(ops.silu_and_mul(gate_up), reference.silu_and_mul(gate_up),
+                                   rtol=rtol, atol=atol)
     qkv = torch.randn(5, 12 * 64, generator=g, device=torch_cuda, dtype=dtype)  # q 8, k 2, v 2
     cos, sin = (torch.rand(5, 64, generator=g, device=torch_cuda) for _ in range(2))
     got, want = qkv.clone(), qkv.clone()
@@ -348,8 +352,8 @@ def test_norm_rotary_and_activation_kernels_on_gpu(torch_cuda, dtype, rtol, atol
     reference.rotary_embedding_(want[:, : 10 * 64].view(5, 10, 64), cos, sin)
     torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
     assert torch.equal(got[:, 10 * 64 :], qkv[:, 10 * 64 :])  # v untouched
-    empty = torch.empty(0, 2050, device=torch_cuda, dtype=dtype)
-    assert ops.rms_norm(empty, weight, 1e-5).shape == (0, 2050)
+    empty = torch.empty(0, 9216, device=torch_cuda, dtype=dtype)
+    assert ops.rms_norm(empty, weight, 1e-5).shape == (0, 9216)
 
 
 def test_norm_and_rotary_ops_by_device(monkeypatch):

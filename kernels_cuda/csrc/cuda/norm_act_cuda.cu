@@ -42,20 +42,21 @@ void check_cuda_norm_args(const char* op, const at::Tensor& x, const at::Tensor&
               "] on x's device, got ", weight.scalar_type(), " ", weight.sizes());
 }
 
-// The sum of v over the block's threads, in every thread.
+// The sum of v over the block's threads (a multiple of 32, at most 1024), in every thread.
 __device__ float block_sum(float v) {
-  __shared__ float partial[kThreads / 32];
+  __shared__ float partial[32];
   v = warp_sum(v);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (lane == 0) partial[warp] = v;
   __syncthreads();
-  v = lane < kThreads / 32 ? partial[lane] : 0.f;
+  v = lane < blockDim.x / 32 ? partial[lane] : 0.f;
   v = warp_sum(v);
   __syncthreads();  // partial is reused by the next call
   return v;
 }
 
 // grid: T rows; block: kThreads. sum (with residual): x + residual rounded, written and normed.
+// Any hidden size; two passes over the row (the second reads it again, from L1/L2).
 template <typename scalar_t>
 __global__ void rms_norm_kernel(const scalar_t* __restrict__ x,
                                 const scalar_t* __restrict__ residual,
@@ -81,17 +82,93 @@ __global__ void rms_norm_kernel(const scalar_t* __restrict__ x,
   }
 }
 
+// The same for a row of 16-byte vectors held in registers: grid T rows; block: the row's
+// vectors / kVecs threads, rounded up to a warp. One read of x (and residual), one write of out
+// (and sum), all 16 bytes wide: a 2048-wide bf16 row is one vector per thread of 256.
+template <typename scalar_t, int kVecs>
+__global__ void rms_norm_vec_kernel(const scalar_t* __restrict__ x,
+                                    const scalar_t* __restrict__ residual,
+                                    const scalar_t* __restrict__ weight,
+                                    scalar_t* __restrict__ out, scalar_t* __restrict__ sum,
+                                    int vecs_per_row, float eps) {
+  constexpr int kVec = 16 / sizeof(scalar_t);
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * vecs_per_row * kVec;
+  float v[kVecs][kVec];
+  float squares = 0.f;
+#pragma unroll
+  for (int j = 0; j < kVecs; ++j) {
+    const int c = threadIdx.x + j * blockDim.x;
+    if (c >= vecs_per_row) continue;
+    load_floats(x + row + c * kVec, v[j]);
+    if (residual != nullptr) {
+      float r[kVec];
+      load_floats(residual + row + c * kVec, r);
+      uint4 raw;
+      scalar_t* rounded = reinterpret_cast<scalar_t*>(&raw);
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        rounded[e] = static_cast<scalar_t>(v[j][e] + r[e]);
+        v[j][e] = static_cast<float>(rounded[e]);
+      }
+      *reinterpret_cast<uint4*>(sum + row + c * kVec) = raw;
+    }
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) squares += v[j][e] * v[j][e];
+  }
+  const float scale =
+      rsqrtf(block_sum(squares) / static_cast<float>(vecs_per_row * kVec) + eps);
+#pragma unroll
+  for (int j = 0; j < kVecs; ++j) {
+    const int c = threadIdx.x + j * blockDim.x;
+    if (c >= vecs_per_row) continue;
+    float w[kVec];
+    load_floats(weight + c * kVec, w);
+    uint4 raw;
+    scalar_t* normed = reinterpret_cast<scalar_t*>(&raw);
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) {
+      const float n = static_cast<float>(static_cast<scalar_t>(v[j][e] * scale));
+      normed[e] = static_cast<scalar_t>(w[e] * n);
+    }
+    *reinterpret_cast<uint4*>(out + row + c * kVec) = raw;
+  }
+}
+
+template <typename scalar_t, int kVecs>
+void launch_rms_norm_vec(const at::Tensor& x, const at::Tensor* residual,
+                         const at::Tensor& weight, const at::Tensor& out, const at::Tensor* sum,
+                         int vecs_per_row, float eps) {
+  const int threads =
+      static_cast<int>(ceil_div(ceil_div(vecs_per_row, kVecs), kWarpSize) * kWarpSize);
+  rms_norm_vec_kernel<scalar_t, kVecs>
+      <<<x.size(0), threads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+          x.const_data_ptr<scalar_t>(),
+          residual == nullptr ? nullptr : residual->const_data_ptr<scalar_t>(),
+          weight.const_data_ptr<scalar_t>(), out.mutable_data_ptr<scalar_t>(),
+          sum == nullptr ? nullptr : sum->mutable_data_ptr<scalar_t>(), vecs_per_row, eps);
+}
+
 template <typename scalar_t>
 void launch_rms_norm(const at::Tensor& x, const at::Tensor* residual, const at::Tensor& weight,
                      const at::Tensor& out, const at::Tensor* sum, double eps) {
   if (x.size(0) == 0) return;
   const c10::cuda::CUDAGuard device_guard(x.device());
-  rms_norm_kernel<scalar_t><<<x.size(0), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-      x.const_data_ptr<scalar_t>(),
-      residual == nullptr ? nullptr : residual->const_data_ptr<scalar_t>(),
-      weight.const_data_ptr<scalar_t>(), out.mutable_data_ptr<scalar_t>(),
-      sum == nullptr ? nullptr : sum->mutable_data_ptr<scalar_t>(), x.size(1),
-      static_cast<float>(eps));
+  constexpr int kVec = 16 / sizeof(scalar_t);
+  const int64_t hidden = x.size(1), vecs_per_row = hidden / kVec;
+  const bool aligned = aligned_16(x) && aligned_16(weight) &&
+                       (residual == nullptr || aligned_16(*residual));  // out, sum: fresh
+  const float feps = static_cast<float>(eps);
+  if (aligned && hidden % kVec == 0 && vecs_per_row <= 1024) {
+    launch_rms_norm_vec<scalar_t, 1>(x, residual, weight, out, sum, vecs_per_row, feps);
+  } else if (aligned && hidden % kVec == 0 && vecs_per_row <= 4096) {
+    launch_rms_norm_vec<scalar_t, 4>(x, residual, weight, out, sum, vecs_per_row, feps);
+  } else {
+    rms_norm_kernel<scalar_t><<<x.size(0), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+        x.const_data_ptr<scalar_t>(),
+        residual == nullptr ? nullptr : residual->const_data_ptr<scalar_t>(),
+        weight.const_data_ptr<scalar_t>(), out.mutable_data_ptr<scalar_t>(),
+        sum == nullptr ? nullptr : sum->mutable_data_ptr<scalar_t>(), hidden, feps);
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -118,6 +195,7 @@ std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm_cuda(const at::Tensor& x,
 }
 
 // grid: T rows; block: kThreads. out[t, i] = silu(x[t, i]) * x[t, I + i], silu rounded first.
+// Any intermediate size.
 template <typename scalar_t>
 __global__ void silu_and_mul_kernel(const scalar_t* __restrict__ x, scalar_t* __restrict__ out,
                                     int64_t inter) {
@@ -131,6 +209,30 @@ __global__ void silu_and_mul_kernel(const scalar_t* __restrict__ x, scalar_t* __
   }
 }
 
+// The same over 16-byte vectors, one per thread across every row: grid ceil(T * I / kVec /
+// kThreads), so a single row of 8192 bf16 spreads over 4 blocks instead of looping in one.
+template <typename scalar_t>
+__global__ void silu_and_mul_vec_kernel(const scalar_t* __restrict__ x,
+                                        scalar_t* __restrict__ out, int64_t vecs_per_row,
+                                        int64_t num_vecs) {
+  constexpr int kVec = 16 / sizeof(scalar_t);
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= num_vecs) return;
+  const int64_t row = i / vecs_per_row, c = i % vecs_per_row;
+  const scalar_t* gate = x + (row * 2 * vecs_per_row + c) * kVec;
+  float g[kVec], u[kVec];
+  load_floats(gate, g);
+  load_floats(gate + vecs_per_row * kVec, u);
+  uint4 raw;
+  scalar_t* dst = reinterpret_cast<scalar_t*>(&raw);
+#pragma unroll
+  for (int e = 0; e < kVec; ++e) {
+    const scalar_t silu = static_cast<scalar_t>(g[e] / (1.f + expf(-g[e])));
+    dst[e] = static_cast<scalar_t>(static_cast<float>(silu) * u[e]);
+  }
+  *reinterpret_cast<uint4*>(out + i * kVec) = raw;
+}
+
 at::Tensor silu_and_mul_cuda(const at::Tensor& x) {
   TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.size(1) % 2 == 0 && x.is_contiguous(),
               "pagedjax::silu_and_mul: x must be a contiguous CUDA [num_tokens, 2 * "
@@ -139,10 +241,18 @@ at::Tensor silu_and_mul_cuda(const at::Tensor& x) {
   at::Tensor out = at::empty({x.size(0), inter}, x.options());
   if (x.size(0) == 0) return out;
   const c10::cuda::CUDAGuard device_guard(x.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   PAGEDJAX_DISPATCH_CUDA_FLOATING_TYPES(x.scalar_type(), "silu_and_mul_cuda", [&] {
-    silu_and_mul_kernel<scalar_t><<<x.size(0), kThreads, 0,
-                                    c10::cuda::getCurrentCUDAStream()>>>(
-        x.const_data_ptr<scalar_t>(), out.mutable_data_ptr<scalar_t>(), inter);
+    constexpr int kVec = 16 / sizeof(scalar_t);
+    if (inter % kVec == 0 && aligned_16(x)) {
+      const int64_t num_vecs = x.size(0) * inter / kVec;
+      silu_and_mul_vec_kernel<scalar_t><<<ceil_div(num_vecs, kThreads), kThreads, 0, stream>>>(
+          x.const_data_ptr<scalar_t>(), out.mutable_data_ptr<scalar_t>(), inter / kVec,
+          num_vecs);
+    } else {
+      silu_and_mul_kernel<scalar_t><<<x.size(0), kThreads, 0, stream>>>(
+          x.const_data_ptr<scalar_t>(), out.mutable_data_ptr<scalar_t>(), inter);
+    }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return out;

@@ -14,7 +14,7 @@ from typing import Any
 from pagedjax.core.batch import ModelOutput, PromptLogprobsOutput
 from pagedjax.core.scheduler import Scheduler
 from pagedjax.core.sequence import Sequence
-from pagedjax.engine.detokenizer import IncrementalDetokenizer, find_stop_string
+from pagedjax.engine.detokenizer import IncrementalDetokenizer, find_stop_string, token_decoder
 from pagedjax.outputs import CompletionOutput, Logprob, Logprobs, PromptLogprobs, RequestOutput
 from pagedjax.sampling_params import RequestOutputKind, SamplingParams
 
@@ -51,6 +51,7 @@ class RequestState:
 class OutputProcessor:
     def __init__(self, tokenizer: Any, scheduler: Scheduler) -> None:
         self.tokenizer = tokenizer
+        self._decode = token_decoder(tokenizer)
         self.scheduler = scheduler
         self.requests: dict[str, RequestState] = {}
         self._decoded: dict[int, str | None] = {}  # token id → its text alone
@@ -86,7 +87,7 @@ class OutputProcessor:
         want = params.logprobs is not None
         state.completions[seq.index] = CompletionState(
             IncrementalDetokenizer(self.tokenizer, state.prompt_token_ids,
-                                   params.skip_special_tokens),
+                                   params.skip_special_tokens, self._decode),
             logprobs=[] if want else None, cumulative_logprob=0.0 if want else None)
 
     # ---- one step ----------------------------------------------------------------------------

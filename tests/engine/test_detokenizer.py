@@ -14,7 +14,7 @@ from pagedjax.core.block_manager import BlockManager
 from pagedjax.core.scheduler import Scheduler
 from pagedjax.core.sequence import Sequence
 from pagedjax.core.stopping import StopChecker
-from pagedjax.engine.detokenizer import IncrementalDetokenizer, find_stop_string
+from pagedjax.engine.detokenizer import IncrementalDetokenizer, find_stop_string, token_decoder
 from pagedjax.engine.output_processor import OutputProcessor
 from pagedjax.outputs import CompletionOutput, RequestOutput
 from pagedjax.sampling_params import RequestOutputKind, SamplingParams
@@ -188,3 +188,23 @@ def test_streamed_deltas_never_send_text_a_later_stop_string_cuts(tokenizer) -> 
     outputs = stream(tokenizer, params, [[t] for t in ids])
     assert "".join(o.outputs[0].text for o in outputs) == text[: boundary - 2]
     assert outputs[-1].outputs[0].finish_reason == "stop"
+
+
+def test_decoder_is_the_rust_tokenizers_unless_transformers_cleans_up(tokenizer) -> None:
+    """The detokenizer calls the Rust tokenizer's decode directly (a third of the cost) only
+    where transformers' decode gives the same text: not where it cleans up spaces."""
+    assert token_decoder(tokenizer) == tokenizer._tokenizer.decode
+    assert token_decoder(None) is None
+
+    class CleansUp:  # transformers' clean-up of tokenization spaces, on the same tokenizer
+        _tokenizer = tokenizer._tokenizer
+        encode = tokenizer.encode
+
+        def decode(self, ids, skip_special_tokens=False):
+            text = tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+            return text.replace(" .", ".").replace(" ,", ",")
+
+    cleans_up = CleansUp()
+    decode = token_decoder(cleans_up)
+    ids = tokenizer.encode("a , b .")
+    assert decode != tokenizer._tokenizer.decode and decode(ids, True) == "a, b."

@@ -46,9 +46,13 @@ def environment() -> dict:
         except metadata.PackageNotFoundError:
             return None
 
+    # PAGEDJAX_COMMIT: where the tree is a copy whose .git is not its own (a lent GPU machine's
+    # copy carried a stale HEAD), the commit as the caller knows it
+    commit = os.environ.get("PAGEDJAX_COMMIT")
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, cwd=RESULTS_DIR.parent, check=True).stdout.strip()
+        commit = commit or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+            cwd=RESULTS_DIR.parent, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         commit = None
     gpus = nvidia_gpus()

@@ -38,6 +38,13 @@ def add_dtype_argument(parser: argparse.ArgumentParser) -> None:
                              "(default: auto on a GPU, float32 on CPU)")
 
 
+def add_async_scheduling_argument(parser: argparse.ArgumentParser) -> None:
+    """--async-scheduling: the engine option (jax on a GPU); results files get "_async"."""
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="launch each decode step before the last one's tokens reach the "
+                             "host (jax on a GPU)")
+
+
 def environment() -> dict:
     """Machine, GPU and driver, package versions and git commit of this run."""
     def version(pkg: str) -> str | None:

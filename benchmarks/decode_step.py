@@ -29,6 +29,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
+    add_async_scheduling_argument,
     add_dtype_argument,
     add_out_argument,
     environment,
@@ -276,6 +277,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=512, help="prompt tokens per sequence")
     parser.add_argument("--steps", type=int, default=32, help="timed decode steps per batch")
     add_dtype_argument(parser)
+    add_async_scheduling_argument(parser)
     parser.add_argument("--profile", action="store_true",
                         help="also list where the device time of a step goes")
     parser.add_argument("--probe", action="store_true",
@@ -303,7 +305,7 @@ def main() -> None:
         max_len = args.context + 256 + WARMUP_STEPS + args.steps + PROFILE_STEPS
         llm = LLM(args.model, backend=args.backend, dtype=args.dtype,
                   max_model_len=max_len, max_num_seqs=max(args.batch_sizes),
-                  enable_prefix_caching=False)
+                  enable_prefix_caching=False, async_scheduling=args.async_scheduling)
         weights = weight_bytes_read(args.model, llm.engine.config.dtype_bytes,
                                     model_config.tie_word_embeddings)
         rows = [measure_batch(llm, args, b, weights, copy_gbs) for b in args.batch_sizes]
@@ -327,7 +329,8 @@ def main() -> None:
     env = environment()
     model_name = "random-llama" if args.random_llama else Path(args.model).name
     path = write_json(
-        f"decode_step_{args.backend}_{model_name}_{env['accelerator'].replace(' ', '_')}.json",
+        f"decode_step_{args.backend}_{model_name}_{env['accelerator'].replace(' ', '_')}"
+        f"{'_async' if args.async_scheduling else ''}.json",
         {"args": vars(args), "copy_bandwidth_gbs": copy_gbs, "dtype": dtype, "results": rows,
          "environment": env}, args.out)
     print(f"wrote {path}")

@@ -28,6 +28,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
+    add_async_scheduling_argument,
     add_dtype_argument,
     add_out_argument,
     environment,
@@ -55,7 +56,8 @@ def pagedjax_runner(args) -> tuple[Callable[[list[int], int], float], Any, float
 
     start = time.perf_counter()
     llm = LLM(args.model, backend=args.backend, dtype=args.dtype,
-              max_model_len=max(PROMPT_LENGTHS) + args.max_tokens + 16)
+              max_model_len=max(PROMPT_LENGTHS) + args.max_tokens + 16,
+              async_scheduling=args.async_scheduling)
     startup = time.perf_counter() - start
 
     def run(prompt: list[int], num_tokens: int) -> float:
@@ -121,6 +123,7 @@ def main() -> None:
     parser.add_argument("--backend", choices=("jax", "torch"), default="jax")
     parser.add_argument("--max-tokens", type=int, default=64)
     add_dtype_argument(parser)
+    add_async_scheduling_argument(parser)
     parser.add_argument("--no-hf", action="store_true", help="skip the HF baseline")
     parser.add_argument("--repeats", type=int, default=3,
                         help="runs per prompt and system; each prompt's minimum counts")
@@ -162,7 +165,8 @@ def main() -> None:
     env = environment()
     model_name = "random-llama" if args.random_llama else Path(args.model).name
     path = write_json(
-        f"latency_{args.backend}_{model_name}_{env['accelerator'].replace(' ', '_')}.json",
+        f"latency_{args.backend}_{model_name}_{env['accelerator'].replace(' ', '_')}"
+        f"{'_async' if args.async_scheduling else ''}.json",
         {"args": vars(args), "prompt_lengths": PROMPT_LENGTHS, "results": rows,
          "compiles_after_startup": llm.get_metrics()["num_compiles_after_startup"],
          "repeats": args.repeats, "step_breakdown_ms": breakdown, "environment": env}, args.out)

@@ -40,6 +40,8 @@ _FLAGS: dict[str, tuple[str, dict]] = {
     "disable_async_output_proc": ("build each step's outputs before the next step runs (jax "
                                   "builds them while the device runs it)",
                                   {"action": "store_true"}),
+    "async_scheduling": ("launch each decode step before the last one's tokens reach the host "
+                         "(jax on a GPU; step() returns a step late)", {"action": "store_true"}),
     "tensor_parallel_size": ("devices to shard the model over", {"type": int}),
     "speculative_config": ("JSON, e.g. '{\"model\": DIR, \"num_speculative_tokens\": 4}'; "
                            "each k compiled (2, 4, 8, 16 below num_speculative_tokens, and it) "

@@ -182,6 +182,10 @@ class JaxModelRunner:
         # ms step). Not on a CPU, whose cores compute the step: no gain on 2 cores (paired
         # A/B at batch 32 and 64: 1.02x, 1.00x), and outputs would stream a step later.
         self.async_launch = not self._on_cpu
+        # Each step also returns the first sampled token of each row [R] (R = the most rows);
+        # the next step may take its inputs from it (ModelInput's input_rows) on the device.
+        self.async_scheduling = True
+        self._last_tokens = self._put(np.zeros(shapes.max_num_seqs, np.int32))
         self._step = jax.jit(self._step_fn, donate_argnums=(2, 3),
                              static_argnames=("layout", "plain"))
         self._plain_decode = _branch_free_decode(jax.devices()[0].platform)
@@ -262,7 +266,7 @@ class JaxModelRunner:
         models = [m for m in (self.target, self.draft) if m is not None]
         for array in jax.tree.leaves(([m.params for m in models], [m.rope for m in models],
                                       self.kv_caches, self.draft_kv_caches, self._no_entries,
-                                      self._no_bitmask)):
+                                      self._no_bitmask, self._last_tokens)):
             array.delete()
         self.kv_caches, self.draft_kv_caches, self.target, self.draft = [], [], None, None
         self._step = self._copy = None
@@ -321,6 +325,7 @@ class JaxModelRunner:
         bitmask = spec(self._no_bitmask[layout.num_seqs])
         return self._step.lower(*params, *caches, self._input_spec((int_size,)),
                                 self._input_spec((float_size,), jnp.float32), *entries, bitmask,
+                                self._input_spec((self.shapes.max_num_seqs,)),
                                 layout=layout, plain=plain == PLAIN)
 
     def _input_spec(self, shape: tuple[int, ...], dtype=jnp.int32) -> jax.ShapeDtypeStruct:
@@ -380,9 +385,9 @@ class JaxModelRunner:
         bitmask = model_input.token_bitmask
         if bitmask is None:
             bitmask = self._no_bitmask[model_input.layout.num_seqs]
-        self.kv_caches, self.draft_kv_caches, out = executable(
+        self.kv_caches, self.draft_kv_caches, out, self._last_tokens = executable(
             self.target.params, draft_params, self.kv_caches, self.draft_kv_caches,
-            model_input.ints, model_input.floats, *entries, bitmask)
+            model_input.ints, model_input.floats, *entries, bitmask, self._last_tokens)
         return out
 
     def _to_host(self, arrays):
@@ -403,12 +408,17 @@ class JaxModelRunner:
 
     def _step_fn(self, params: dict, draft_params: dict | None, kv_caches: list[KVCache],
                  draft_kv_caches: list[KVCache], ints: jax.Array, floats: jax.Array,
-                 entry_ints: jax.Array, entry_bias: jax.Array, token_bitmask: jax.Array, *,
-                 layout: BatchLayout, plain: bool = False) -> tuple:
+                 entry_ints: jax.Array, entry_bias: jax.Array, token_bitmask: jax.Array,
+                 last_tokens: jax.Array, *, layout: BatchLayout, plain: bool = False) -> tuple:
         """The whole step on the device → (caches, draft caches, StepOutput with tokens and
         logprobs [L, K+1] and, computed where the step's flags ask, top logprobs and prompt
-        logprobs). plain: every flag is off (PLAIN), known here: no branches."""
+        logprobs, each row's first token [R] for the next step). plain: every flag is off
+        (PLAIN), known here: no branches. last_tokens [R]: the last step's first tokens, the
+        inputs of the rows whose input_rows say so (async scheduling)."""
         b = unpack(layout, ints, floats)
+        rows = b["input_rows"]  # [T]: 1 + a row of last_tokens, or 0
+        b["input_ids"] = jnp.where(rows > 0, last_tokens[jnp.maximum(rows - 1, 0)],
+                                   b["input_ids"])
         flags = b["step_flags"] != 0  # [len(StepFlag)] bool
         if plain:
             flags = np.zeros(len(StepFlag), bool)
@@ -443,15 +453,23 @@ class JaxModelRunner:
                     b["prompt_logprobs_token_ids"]), _no_prompt_logprobs, hidden)
         if not k:
             out = sample(logits, sampling, flags)
-            out = tuple(x[:, None] for x in out)  # [L, 1, ...]
-            return kv_caches, draft_kv_caches, StepOutput(*out, *prompt)
+            out = StepOutput(*(x[:, None] for x in out), *prompt)  # [L, 1, ...]
+            return kv_caches, draft_kv_caches, out, self._first_tokens(out.tokens)
         logits = logits.reshape(*indices.shape, -1)  # [L, K+1, V]
         seqs = b["sample_seq"]  # [L]: the sequence whose drafts row l verifies
         tokens, _ = rejection_sample(logits, drafts[seqs], None, b["num_draft_tokens"],
                                      sampling, flags)
         logprobs = jax.nn.log_softmax(logits, axis=-1)
         return kv_caches, draft_kv_caches, StepOutput(tokens, *gather_logprobs(
-            logprobs, tokens, flags[StepFlag.LOGPROBS]), *prompt)
+            logprobs, tokens, flags[StepFlag.LOGPROBS]), *prompt), self._first_tokens(tokens)
+
+    def _first_tokens(self, tokens: jax.Array) -> jax.Array:
+        """[L, K+1] → each row's first token [R], zero-padded (a decode step's one token)."""
+        r = self.shapes.max_num_seqs
+        first = jnp.zeros(r, jnp.int32).at[: min(r, tokens.shape[0])].set(tokens[:r, 0])
+        if self.mesh is not None:  # where the next step expects its host inputs
+            first = jax.lax.with_sharding_constraint(first, self._inputs)
+        return first
 
 
 def _no_prompt_logprobs(hidden: jax.Array) -> tuple[jax.Array, ...]:

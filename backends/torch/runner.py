@@ -264,6 +264,7 @@ class TorchModelRunner:
     # Its steps run as they are called (on CUDA the graphs replay asynchronously, but the
     # host copy of the outputs waits inside execute; splitting that out is unmeasured).
     async_launch = False
+    async_scheduling = False  # its steps read input_ids only
 
     def execute_async(self, model_input: ModelInput) -> Callable[[], ModelOutput]:
         """The step run now; the function returned gives its output."""

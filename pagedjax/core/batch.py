@@ -80,6 +80,9 @@ def _int_fields(layout: BatchLayout) -> dict[str, tuple[int, ...]]:
                   layout.num_spec_tokens)
     fields = {
         "input_ids": (t,),
+        # async scheduling: 1 + the last step's logits row whose sampled token is this row's
+        # input (read on the device, the host never saw it); 0 = input_ids
+        "input_rows": (t,),
         "positions": (t,),
         "slot_mapping": (t,),  # block_id * block_size + offset; -1 = padding
         "query_start_loc": (s + 1,),
@@ -341,6 +344,8 @@ def _fill_tokens(f: dict[str, np.ndarray], entries: Sequence[ScheduledSequence],
     # Draft slots carry token 0 here: the runner writes the proposed drafts in.
     f["input_ids"][:n] = list(itertools.chain.from_iterable(
         e.token_ids + [0] * e.num_spec_tokens for e in entries))
+    if any(e.input_row >= 0 for e in entries):  # decode rows: one token each
+        f["input_rows"][:s] = [e.input_row + 1 for e in entries]
     positions = _ragged_positions([e.start_pos for e in entries], q_lens)
     f["positions"][:n] = positions
     f["slot_mapping"][:] = -1

@@ -60,6 +60,10 @@ class ModelRunner(Protocol):
     # Whether execute_async returns before the device has finished the step (the engine then
     # builds the last step's outputs meanwhile).
     async_launch: bool
+    # Whether a step may take its input tokens from the last launched step's sampled tokens
+    # on the device (ModelInput's input_rows), so the engine can launch it before those reach
+    # the host (async scheduling).
+    async_scheduling: bool
 
     def execute_async(self, model_input: ModelInput) -> Callable[[], ModelOutput]:
         """Start one step; the function returned waits for it and returns its output."""

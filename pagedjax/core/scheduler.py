@@ -113,6 +113,42 @@ class Scheduler:
             self._fit_drafts(step)
         return step
 
+    def schedule_next(self, last: SchedulerOutput) -> SchedulerOutput | None:
+        """Async scheduling: the decode step after `last`, scheduled while `last` runs, before
+        its tokens reach the host. Each sequence computes the token `last` samples for it (the
+        runner reads it on the device: `input_row`) at the position after its tokens, and
+        samples the one after. None, with nothing allocated for the sequences that did not
+        fit, unless `last` is a decode step of every running sequence with nobody waiting and
+        none of them uses penalties (they count the tokens the host has not seen), forks or
+        drafts, and the pool has the slots without preempting anyone.
+
+        A sequence that `last` finishes computes one more row, which update() drops; the slot
+        it writes is freed with its blocks before any later step can reuse it, and the device
+        runs steps in order."""
+        if self.waiting or self.parked or self.has_draft or len(last.scheduled) != len(
+                self.running):
+            return None
+        step = SchedulerOutput([], [], [], 0, 0)
+        for row, entry in enumerate(last.scheduled):
+            seq = self.seqs.get(entry.seq_id)
+            if (seq is None or seq.is_finished or not entry.is_decode or entry.num_spec_tokens
+                    or [s.seq_id for s in entry.samples] != [seq.seq_id]
+                    or seq.num_pending_forks or seq.policy_picks_tokens
+                    or seq.sampling_params.has_penalties
+                    or seq.num_tokens >= self.stop_checker.max_model_len):
+                return None
+            position = seq.num_tokens  # of the token `last` samples
+            copies = self.block_manager.allocate_slots(seq.seq_id, position, 1)
+            if copies is None:
+                return None
+            step.scheduled.append(ScheduledSequence(
+                seq_id=seq.seq_id, token_ids=[0], start_pos=position,
+                block_table=list(self.block_manager.get_block_table(seq.seq_id)),
+                samples=[self._sample_spec(seq, ahead=1)], input_row=row))
+            step.block_copies += copies
+            step.num_batched_tokens += 1
+        return step
+
     @staticmethod
     def _fit_drafts(step: SchedulerOutput) -> None:
         """The draft's work fits the step's shape (step_shapes.py). A step where some
@@ -298,15 +334,17 @@ class Scheduler:
             entry.samples = [self._sample_spec(seq)]
         return entry
 
-    def _sample_spec(self, seq: Sequence) -> SampleSpec:
+    def _sample_spec(self, seq: Sequence, ahead: int = 0) -> SampleSpec:
+        """How seq's next token is sampled; ahead: tokens it will have that the host has not
+        seen yet (async scheduling)."""
         params = seq.sampling_params
+        num_output = seq.num_output_tokens + ahead
         banned: list[int] = []
-        if seq.num_output_tokens < params.min_tokens:
+        if num_output < params.min_tokens:
             banned = list(params.stop_token_ids)
             if not params.ignore_eos:
                 banned += self.stop_checker.eos_token_ids
-        return SampleSpec(seq.seq_id, params, seq.rng_seed,
-                          seq.num_output_tokens + seq.rng_offset, banned,
+        return SampleSpec(seq.seq_id, params, seq.rng_seed, num_output + seq.rng_offset, banned,
                           *seq.penalty_token_ids())
 
     # ---- update ------------------------------------------------------------------------------

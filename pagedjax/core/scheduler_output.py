@@ -41,6 +41,10 @@ class ScheduledSequence:
     # prompt_logprobs: the prompt token after each of the first len(...) new tokens, whose
     # logprob given its prefix this step computes (empty once the prompt is scored).
     prompt_logprob_token_ids: list[int] = field(default_factory=list)
+    # Async scheduling: scheduled before the last step's tokens reached the host, the one new
+    # token is the one that step sampled in logits row input_row (token_ids holds a
+    # placeholder); -1: token_ids are the real tokens.
+    input_row: int = -1
 
     @property
     def num_new_tokens(self) -> int:

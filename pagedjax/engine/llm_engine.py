@@ -22,6 +22,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,7 @@ from tqdm.auto import tqdm
 
 from pagedjax.cache import cache_dir, compile_at_startup, compile_cache_enabled
 from pagedjax.config import EngineConfig, ModelConfig
-from pagedjax.core.batch import ModelOutput, build_model_input
+from pagedjax.core.batch import ModelInput, ModelOutput, build_model_input
 from pagedjax.core.beam_search import BeamSearch, BeamSearchParams
 from pagedjax.core.block_manager import BlockManager
 from pagedjax.core.model_runner import ModelRunner, get_runner_cls
@@ -60,6 +61,18 @@ from pagedjax.tokenizer import load_eos_token_ids, load_tokenizer
 # A prompt: text, or {"prompt_token_ids": [...]} (optionally with "prompt": text).
 PromptType = str | dict[str, Any]
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Launched:
+    """A step launched on the device and not collected yet."""
+
+    out: SchedulerOutput
+    model_input: ModelInput
+    wait: Callable[[], ModelOutput]  # waits for the step's outputs on the host
+    policies: dict[str, list[ScheduledSequence]]
+    bitmask: np.ndarray | None
+    stamps: list[float]  # step start, scheduled, prepared
 
 
 @dataclass(frozen=True)
@@ -150,6 +163,7 @@ class LLMEngine:
         # (touched sequences, model output) of the last step, whose outputs the next step builds
         # while the device runs it (async output processing; _defers_outputs)
         self._deferred: tuple[list[Sequence], ModelOutput] | None = None
+        self._in_flight: _Launched | None = None  # async scheduling: launched, not collected
         # add/abort commands from any thread, applied by step() in order (the inbox);
         # _pending_ids: ids added but not yet drained (for the duplicate-id check)
         self._inbox: list[_AddCommand | str] = []
@@ -164,6 +178,9 @@ class LLMEngine:
         if self.runner is None:
             return
         unfreeze_gc_heap()  # what this engine drops becomes collectable
+        if self._in_flight is not None:
+            self._in_flight.wait()  # its device work ends before the arrays are deleted
+            self._in_flight = None
         with self._inbox_lock:
             self._inbox.clear()
             self._pending_ids.clear()
@@ -396,11 +413,17 @@ class LLMEngine:
     # ---- step --------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One scheduler step and one device step; outputs of the requests that progressed."""
+        """One scheduler step and one device step; outputs of the requests that progressed.
+        With async scheduling a decode step may stay in flight: step() launches the next one
+        before it collects it, and returns its outputs then (a step late)."""
         if self.runner is None:
             raise RuntimeError("this engine was shut down; make a new one")
+        if self._in_flight is not None and not self._inbox:
+            return self._step_ahead()
         # aborts and adds see every earlier step's outputs built
-        flushed = self._flush_outputs() if self._inbox else []
+        flushed = self._collect(self._in_flight) if self._in_flight is not None else []
+        self._in_flight = None
+        flushed += self._flush_outputs() if self._inbox else []
         aborted = self._drain_inbox() if self._inbox else []
         if self.structured_output.has_waiting:
             aborted += self._admit_constrained()
@@ -424,14 +447,62 @@ class LLMEngine:
         model_input = build_model_input(out, self.shapes, block_size=self.config.block_size,
                                         token_bitmask=bitmask)
         stamps.append(time.perf_counter())
-        wait = self.runner.execute_async(model_input)
+        launched = _Launched(out, model_input, self.runner.execute_async(model_input), policies,
+                             bitmask, stamps)
+        if self._schedules_ahead(launched):
+            self._in_flight = launched  # the next step() launches its successor first
+            return flushed + aborted
+        return flushed + aborted + self._collect(launched)
+
+    def _schedules_ahead(self, launched: _Launched) -> bool:
+        """Whether the next step may be scheduled and launched before this one's tokens reach
+        the host (async scheduling): decode steps without request policies, grammars or
+        speculation, where the runner launches asynchronously and reads inputs on the device;
+        not where a row has penalties, logit bias or banned tokens (penalties count tokens the
+        host has not seen: Scheduler.schedule_next)."""
+        model_input = launched.model_input
+        return (self.config.async_scheduling and self.runner.async_launch
+                and self.runner.async_scheduling and not launched.policies
+                and launched.bitmask is None and self.speculation is None
+                and model_input.layout.decode and model_input.entries is None)
+
+    def _step_ahead(self) -> list[RequestOutput]:
+        """Async scheduling: launch the step after the one in flight (its input tokens are that
+        one's, read on the device), then collect the one in flight while the device runs it."""
+        last, self._in_flight = self._in_flight, None
+        stamps = [time.perf_counter()]
+        out = None
+        if not self.structured_output.has_waiting:
+            out = self.scheduler.schedule_next(last.out)
+        stamps.append(time.perf_counter())
+        if out is not None:
+            model_input = build_model_input(out, self.shapes, block_size=self.config.block_size)
+            self._in_flight = _Launched(out, model_input, self.runner.execute_async(model_input),
+                                        {}, None, stamps)
+        stamps.append(time.perf_counter())
+        last.stamps = stamps  # timed as this call's: schedule and prepare, then last's wait
+        outputs = self._collect(last)
+        ahead, seqs = self._in_flight, self.scheduler.seqs
+        if ahead is not None and not any(e.seq_id in seqs and not seqs[e.seq_id].is_finished
+                                         for e in ahead.out.scheduled):
+            ahead.wait()  # `last` finished every sequence of it: no step() need collect it
+            self._in_flight = None
+        return outputs
+
+    def _collect(self, launched: _Launched) -> list[RequestOutput]:
+        """Wait for a launched step, advance the scheduler by its tokens and build (or defer)
+        its outputs, building the last step's deferred ones while the device runs."""
+        out, model_input, policies, bitmask = (launched.out, launched.model_input,
+                                               launched.policies, launched.bitmask)
+        stamps = launched.stamps[:3]
         flush_start = time.perf_counter()
-        flushed += self._flush_outputs()  # the last step's, while the device runs this one
+        flushed = self._flush_outputs()  # the last step's, while the device runs this one
         flush_seconds = time.perf_counter() - flush_start
-        model_output = wait()
+        model_output = launched.wait()
         # the flush is timed as output work: the execute and update stamps move back by it
         stamps.append(time.perf_counter() - flush_seconds)
         # a row of a sequence that the last step's outputs finished (a stop string) is dropped
+        seqs = self.scheduler.seqs
         sampled = {seq_id: tokens for seq_id, tokens in zip(model_output.seq_ids,
                                                              model_output.token_lists())
                    if seq_id in seqs and not seqs[seq_id].is_finished}
@@ -442,7 +513,7 @@ class LLMEngine:
             for seq in self.structured_output.stopped(touched):
                 self.scheduler.finish(seq, "stop")  # its grammar is complete
         stamps.append(time.perf_counter() - flush_seconds)
-        if self._defers_outputs(policies, bitmask):
+        if self._defers_outputs(policies, bitmask) and self._in_flight is None:
             self._deferred, outputs = (touched, model_output), []
         else:
             outputs = self.output_processor.process(touched, model_output)
@@ -454,7 +525,7 @@ class LLMEngine:
         self.step_timings.record(stamps)
         if self.speculation is not None:
             self.speculation.observe(out, sampled)
-        return flushed + aborted + outputs
+        return flushed + outputs
 
     def _defers_outputs(self, policies: dict, bitmask: np.ndarray | None) -> bool:
         """Whether this step's outputs are built during the next step (async output

@@ -1,0 +1,116 @@
+"""Async scheduling: a decode step is scheduled and launched before the last one's tokens reach
+the host, its input tokens read on the device (forced on here, on the CPU). Users get the same
+tokens, text and finish reasons as from the synchronous engine, a step later; requests added,
+aborted or finishing mid-flight leak nothing."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedjax import EngineArgs, LLMEngine, SamplingParams
+
+PROMPTS = ["def f(x):", "class A:", "import os", "for i in range(3):", "x = [1, 2", "y ="]
+
+
+def make_engine(model_dir: str, async_scheduling: bool, **kwargs) -> LLMEngine:
+    engine = LLMEngine.from_engine_args(EngineArgs(
+        model=model_dir, max_model_len=96, num_gpu_blocks_override=64,
+        async_scheduling=async_scheduling, **kwargs))
+    engine.runner.async_launch = True  # as on an accelerator (a CPU computes as it is called)
+    return engine
+
+
+def params(i: int) -> SamplingParams:
+    """Greedy and seeded sampling, token limits from 1 up, a stop string, logprobs, EOS."""
+    return SamplingParams(temperature=0.0 if i % 3 else 0.8, seed=i,
+                          max_tokens=[30, 2, 17, 24, 1, 12][i], ignore_eos=i != 5,
+                          stop=["\n\n"] if i == 2 else None, logprobs=1 if i == 3 else None)
+
+
+def run(engine: LLMEngine, late: int = 3, abort_at: int = 5) -> tuple[dict, int]:
+    """PROMPTS[:late] at once, the rest added after `late` steps, request "0" aborted at step
+    abort_at → ({request id: (text, token ids, finish reason)}, steps launched ahead)."""
+    launched_ahead = 0
+    schedule_next = engine.scheduler.schedule_next
+
+    def counted(last):
+        nonlocal launched_ahead
+        out = schedule_next(last)
+        launched_ahead += out is not None
+        return out
+
+    engine.scheduler.schedule_next = counted
+    for i in range(late):
+        engine.add_request(str(i), PROMPTS[i], params(i))
+    final, step = {}, 0
+    while engine.has_unfinished_requests() or step <= late:
+        if step == late:
+            for i in range(late, len(PROMPTS)):
+                engine.add_request(str(i), PROMPTS[i], params(i))
+        if step == abort_at:
+            engine.abort_request("0")
+        for out in engine.step():
+            assert out.request_id not in final, "a request finished twice"
+            if out.finished:
+                c = out.outputs[0]
+                final[out.request_id] = (c.text, c.token_ids, c.finish_reason)
+        step += 1
+    manager = engine.block_manager
+    assert manager.num_free_blocks == manager.num_blocks  # nothing leaked
+    assert not engine.scheduler.seqs and engine._in_flight is None
+    return final, launched_ahead
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_outputs_match_the_synchronous_engine(tiny_model, prefix_caching: bool) -> None:
+    results, ahead = {}, {}
+    for on in (False, True):
+        engine = make_engine(tiny_model("llama"), on, enable_prefix_caching=prefix_caching)
+        results[on], ahead[on] = run(engine)
+        engine.shutdown()
+    assert ahead[False] == 0 and ahead[True] >= 20  # most decode steps were launched ahead
+    assert results[True].keys() == results[False].keys() == {str(i) for i in range(6)}
+    assert results[True] == results[False]
+    assert results[True]["0"][2] == "abort"
+    assert len(results[True]["3"][1]) == 24  # max_tokens, with logprobs on
+
+
+def test_a_step_in_flight_is_collected_before_adds_aborts_and_shutdown(tiny_model) -> None:
+    """step() returns a step late: the last decode step stays in flight until the next call,
+    which collects it first when requests were added or aborted meanwhile; shutdown waits for
+    it."""
+    engine = make_engine(tiny_model("llama"), True)
+    engine.add_request("a", PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=8,
+                                                       ignore_eos=True))
+    while engine._in_flight is None:
+        engine.step()
+    in_flight = engine._in_flight.out.scheduled[0].seq_id
+    engine.abort_request("a")
+    outputs = engine.step()  # the steps collected first, then the abort
+    reasons = [o.finish_reason for r in outputs for o in r.outputs]
+    assert reasons[-1] == "abort" and len(reasons) >= 2 and not any(reasons[:-1])
+    assert engine._in_flight is None and in_flight not in engine.scheduler.seqs
+    engine.add_request("b", PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=8,
+                                                       ignore_eos=True))
+    while engine._in_flight is None:
+        engine.step()
+    engine.shutdown()  # waits for the step in flight, then frees the device arrays
+    assert engine._in_flight is None
+
+
+def test_torch_and_penalties_do_not_schedule_ahead(tiny_model) -> None:
+    """The torch runner reads host inputs only; a request with penalties needs every token on
+    the host before its next step: both run synchronously."""
+    torch_engine = LLMEngine.from_engine_args(EngineArgs(
+        model=tiny_model("llama"), backend="torch", max_model_len=96,
+        num_gpu_blocks_override=64, async_scheduling=True))
+    assert not torch_engine.runner.async_scheduling
+    torch_engine.shutdown()
+    engine = make_engine(tiny_model("llama"), True)
+    engine.add_request("p", PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=6,
+                                                       ignore_eos=True,
+                                                       repetition_penalty=1.3))
+    while engine.has_unfinished_requests():
+        engine.step()
+        assert engine._in_flight is None
+    engine.shutdown()

@@ -332,8 +332,8 @@ class JaxModelRunner:
         return jax.ShapeDtypeStruct(shape, dtype, sharding=self._inputs)
 
     def executable(self, key: Hashable) -> jax.stages.Compiled:
-        """The compiled step of a key (`step_key`); one outside what `compile` built compiles
-        now, logged."""
+        """The compiled step of a key (`step_key`); one outside what `compile` built is loaded
+        from the executable store or compiled (and stored) now, logged and counted."""
         executable = self._executables.get(key)
         if executable is None:
             self.num_compiles += 1
@@ -342,7 +342,11 @@ class JaxModelRunner:
             else:
                 logger.warning("compiling a step shape after startup (%s): the closed set of "
                                "step_shapes.py missed it", key)
-            executable = self._executables[key] = self._lower(key).compile()
+            executable = self._store.load(key)
+            if executable is None:
+                executable = self._lower(key).compile()
+                self._store.save(key, executable)
+            self._executables[key] = executable
         return executable
 
     def step_key(self, model_input: ModelInput) -> Hashable:

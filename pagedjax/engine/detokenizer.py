@@ -12,8 +12,6 @@ import copy
 from collections.abc import Callable
 from typing import Any
 
-import tokenizers
-
 _INCOMPLETE = "\ufffd"
 _CONTEXT_TOKENS = 5  # prompt tokens decoded before the output, so leading spaces come out right
 # Text that transformers' clean-up of tokenization spaces would change (" ." -> ".", " 's" ...).
@@ -29,6 +27,8 @@ def token_decoder(tokenizer: Any) -> Decode | None:
     twice a token."""
     if tokenizer is None:
         return None
+    import tokenizers  # loaded with the tokenizer already; the core imports no framework
+
     backend = getattr(tokenizer, "_tokenizer", None)
     if isinstance(backend, tokenizers.Tokenizer):
         ids = tokenizer.encode(_CLEAN_UP_PROBE, add_special_tokens=False)

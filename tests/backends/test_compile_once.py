@@ -14,7 +14,7 @@ from pathlib import Path
 import jax.monitoring
 import pytest
 
-from pagedjax import LLM
+from pagedjax import LLM, SamplingParams
 from pagedjax.config import ModelConfig
 from pagedjax.core.batch import padding_input
 from pagedjax.core.step_shapes import BatchLayout
@@ -94,3 +94,24 @@ def test_a_shape_outside_the_set_is_counted_and_logged(tiny_model, caplog) -> No
     assert len(_COMPILES) > before
     assert llm.get_metrics()["num_compiles_after_startup"] == 1
     assert "num_tokens=3, num_seqs=2" in caplog.text and "after startup" in caplog.text
+
+
+def test_a_step_compiled_on_first_use_is_stored_for_the_next_engine(tiny_model, tmp_path,
+                                                                     monkeypatch) -> None:
+    """With PAGEDJAX_COMPILE_AT_STARTUP=0 each step shape compiles when first needed, and is
+    stored: an engine of the same configuration loads it instead (still counted as built after
+    startup)."""
+    monkeypatch.setenv("PAGEDJAX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("PAGEDJAX_COMPILE_AT_STARTUP", "0")
+    built = []
+    for _ in range(2):
+        llm = LLM(tiny_model("llama"), backend="jax", **SMALL)
+        before = len(_COMPILES)
+        llm.generate(["def f(x):", "import os"], SamplingParams(temperature=0.0, max_tokens=4))
+        runner = llm.engine.runner
+        built.append((runner.num_compiles, runner.num_cache_hits, len(_COMPILES) - before))
+        llm.shutdown()
+    (first_built, first_hits, first_compiles), (second_built, second_hits, second_compiles) = built
+    assert first_built >= 2 and first_hits == 0 and first_compiles >= first_built
+    assert second_built == first_built and second_hits == first_built  # every one loaded
+    assert second_compiles < first_compiles - first_built + 1

@@ -17,9 +17,14 @@ _CONVERT_SMOLLM2 = "from pagedjax.demo import smollm2_instruct_dir; smollm2_inst
 
 
 def start_low_priority(argv: list[str], **kwargs) -> subprocess.Popen:
-    """argv at nice 19, in a process group of its own (stop() ends its children too)."""
+    """argv at nice 19, in a process group of its own (stop() ends its children too).
+
+    A process group, not a session: with the kernel's autogroup scheduling (on by default on
+    desktop and many server kernels) every session is a group that gets an equal share of the
+    CPUs whatever its processes' nice values, so four background sessions took 4/5 of this
+    2-core machine from the tests (architectures' tests ran 3x slower beside them)."""
     return subprocess.Popen(argv, stdout=subprocess.DEVNULL, preexec_fn=lambda: os.nice(19),
-                            start_new_session=True, **kwargs)
+                            process_group=0, **kwargs)
 
 
 def start_smollm2_conversion() -> subprocess.Popen:

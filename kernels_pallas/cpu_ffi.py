@@ -1,6 +1,8 @@
 """The JAX backend's attention and linear layers on CPU through XLA's FFI: the C++ kernels the
 torch backend runs on CPU (`kernels_cuda/csrc/cpu/attention_cpu_kernel.h`, `linear_cpu_kernel.h`),
-in float32, as CPU custom calls; and a top-k for the logprobs (XLA's CPU TopK sorts every row).
+in float32, as CPU custom calls; a top-k for the logprobs (XLA's CPU TopK sorts every row); and
+a whole Llama decoder layer in one call (`decoder_layer`, the torch op `pagedjax::decoder_layer`'s
+steps over the same kernels).
 
 The library is compiled on first use with the system's C++ compiler (`$CXX`, else `c++`) and
 cached per source, compiler and jaxlib version in pagedjax's cache folder (pagedjax/cache.py:
@@ -21,6 +23,7 @@ import subprocess
 import tempfile
 import warnings
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,11 +36,13 @@ TARGET = "pagedjax_ragged_paged_attention_f32"
 LINEAR_TARGET = "pagedjax_linear_f32"
 TOP_K_TARGET = "pagedjax_top_k_f32"
 FILTER_TARGET = "pagedjax_filter_logits_f32"
+DECODER_LAYER_TARGET = "pagedjax_decoder_layer_f32"
 _SYMBOLS = {TARGET: "PagedjaxRaggedPagedAttentionF32", LINEAR_TARGET: "PagedjaxLinearF32",
-            TOP_K_TARGET: "PagedjaxTopKF32", FILTER_TARGET: "PagedjaxFilterLogitsF32"}
+            TOP_K_TARGET: "PagedjaxTopKF32", FILTER_TARGET: "PagedjaxFilterLogitsF32",
+            DECODER_LAYER_TARGET: "PagedjaxDecoderLayerF32"}
 _SOURCES = ("cpu/cpu_ffi.cpp", "cpu/attention_cpu_kernel.h", "attention_shape.h",
             "cpu/cpu_features.h", "cpu/simd_math.h", "cpu/linear_cpu_kernel.h",
-            "cpu/filter_cpu_kernel.h")  # under csrc/
+            "cpu/filter_cpu_kernel.h", "cpu/norm_act_cpu_kernel.h")  # under csrc/
 LINEAR_TILE = 16  # columns per packed tile (linear_cpu_kernel.h)
 
 
@@ -144,6 +149,61 @@ def linear(x: jax.Array, packed: jax.Array, out_features: int) -> jax.Array:
     if padded != out_features:
         y = y[:, :out_features]
     return y.reshape(*x.shape[:-1], out_features)
+
+
+class DecoderLayerWeights(NamedTuple):
+    """One plain (Llama) decoder layer's float32 weights, linear ones packed by
+    pack_linear_weight."""
+
+    input_norm: jax.Array  # [H]
+    qkv: jax.Array  # [ceil((Hq + 2 Hkv) D / 16), H, 16]
+    qkv_bias: jax.Array  # [(Hq + 2 Hkv) D], or [0]: none
+    o: jax.Array  # [ceil(H / 16), Hq D, 16]
+    post_norm: jax.Array  # [H]
+    gate_up: jax.Array  # [ceil(2 I / 16), H, 16]
+    down: jax.Array  # [ceil(H / 16), I, 16]
+
+
+def decoder_layer(
+    x: jax.Array,  # [T, H] float32: the last layer's output (the embedding in the first)
+    residual: jax.Array | None,  # [T, H]: the stream before the last layer; None in the first
+    weights: DecoderLayerWeights,
+    kv_cache: tuple[jax.Array, jax.Array],  # k, v [N, Hkv, bs, D]
+    cos: jax.Array,  # [T, D] float32, at each token's position
+    sin: jax.Array,  # [T, D]
+    slot_mapping: jax.Array,  # [T] int32, -1: padding
+    kv_lens: jax.Array,  # [S] int32
+    block_tables: jax.Array,  # [S, M] int32
+    query_start_loc: jax.Array,  # [S+1] int32
+    *,
+    num_q_heads: int,
+    intermediate_size: int,
+    eps: float,
+    sm_scale: float,
+    sliding_window: int | None = None,
+) -> tuple[jax.Array, jax.Array, tuple[jax.Array, jax.Array]]:
+    """A whole Llama decoder layer (ModelConfig.plain_decoder_layer) in one C++ call, as the
+    torch op pagedjax::decoder_layer computes it: (output [T, H], residual stream [T, H], the
+    KV caches with this step's keys and values written in place). One custom call where XLA
+    compiled ~20 kernels a layer: a step compiles in a fraction of the time, and runs the glue
+    (norms, rope, residual adds, silu) in C++. Call `available()` first."""
+    k_cache, v_cache = kv_cache
+    out_types = (jax.ShapeDtypeStruct(x.shape, jnp.float32),
+                 jax.ShapeDtypeStruct(x.shape, jnp.float32),
+                 jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+                 jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype))
+    # k_cache, v_cache (arguments 9 and 10) are outputs 2 and 3: updated in place
+    call = jax.ffi.ffi_call(DECODER_LAYER_TARGET, out_types, vmap_method="sequential",
+                            input_output_aliases={9: 2, 10: 3})
+    int32 = functools.partial(jnp.asarray, dtype=jnp.int32)
+    out, stream, k_cache, v_cache = call(
+        x, x if residual is None else residual, *weights, k_cache, v_cache, cos, sin,
+        int32(slot_mapping), int32(kv_lens), int32(block_tables), int32(query_start_loc),
+        num_q_heads=np.int64(num_q_heads), intermediate_size=np.int64(intermediate_size),
+        eps=np.float32(eps), sm_scale=np.float32(sm_scale),
+        sliding_window=np.int64(sliding_window or 0),
+        has_residual=np.int64(residual is not None))
+    return out, stream, (k_cache, v_cache)
 
 
 def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:

@@ -263,11 +263,46 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)  # [T, H]
         if self.config.embedding_multiplier != 1.0:
             x = x * self.config.embedding_multiplier
+        if self.fused_layers:
+            return self._fused_layers(x, kv_caches, meta)
         new_caches = []
         for layer, cache in zip(self.layers, kv_caches):
             x, cache = layer(x, cache, meta)
             new_caches.append(cache)
         return x, new_caches
+
+    @property
+    def fused_layers(self) -> bool:
+        """Each decoder layer one C++ call (`cpu_ffi.decoder_layer`): packed, Llama's layer
+        exactly, one rope table."""
+        cfg = self.config
+        return (self.packed and cfg.plain_decoder_layer
+                and not any(cfg.local_rope(i) for i in range(cfg.num_layers)))
+
+    def _fused_layers(self, x: jax.Array, kv_caches: list[KVCache],
+                      meta: AttentionMetadata) -> tuple[jax.Array, list[KVCache]]:
+        """The decoder over x [T, H] (the embedding) with the layers' own parameters, each layer
+        one `cpu_ffi.decoder_layer` call → (hidden states [T, H], the updated KV caches)."""
+        from pagedjax.kernels_pallas import cpu_ffi
+
+        cfg, params = self.config, self.variables["params"]
+        cos, sin = meta.rope_cos[meta.positions], meta.rope_sin[meta.positions]  # [T, D]
+        residual, new_caches = None, []
+        for i, cache in enumerate(kv_caches):
+            layer = params[f"layers_{i}"]
+            attn, mlp = layer["self_attn"], layer["mlp"]
+            weights = cpu_ffi.DecoderLayerWeights(
+                layer["input_layernorm"]["weight"], attn["qkv_proj"]["kernel"],
+                attn["qkv_proj"].get("bias", jnp.zeros(0, jnp.float32)),
+                attn["o_proj"]["kernel"], layer["post_attention_layernorm"]["weight"],
+                mlp["gate_up_proj"]["kernel"], mlp["down_proj"]["kernel"])
+            x, residual, cache = cpu_ffi.decoder_layer(
+                x, residual, weights, cache, cos, sin, meta.slot_mapping, meta.kv_lens,
+                meta.block_tables, meta.query_start_loc, num_q_heads=cfg.num_q_heads,
+                intermediate_size=cfg.intermediate_size, eps=cfg.rms_norm_eps,
+                sm_scale=cfg.sm_scale, sliding_window=cfg.sliding_window_of(i))
+            new_caches.append(cache)
+        return x + residual, new_caches
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """hidden [R, H] (rows of __call__'s output) → float32 logits [R, V]."""

@@ -5,6 +5,7 @@
 // than cores and stop spinning, which slowed every torch op in the process (RESULTS.md).
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <condition_variable>
 #include <cstdint>
 #include <memory>
@@ -15,6 +16,7 @@
 #include "attention_cpu_kernel.h"
 #include "filter_cpu_kernel.h"
 #include "linear_cpu_kernel.h"
+#include "norm_act_cpu_kernel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -189,6 +191,217 @@ ffi::Error filter_logits_f32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   return ffi::Error::Success();
 }
 
+
+// y [M, num_tiles * 16] (ldy floats a row) = x [M, K] (ldx) @ packed, tile groups across the pool.
+void run_linear(ffi::ThreadPool& pool, const float* x, int64_t ldx, int64_t M, const float* packed,
+                int64_t K, int64_t num_tiles, float* y, int64_t ldy) {
+  if (M == 0) return;
+  const int64_t groups = cpu_linear::num_tile_groups(num_tiles);
+  const int64_t parts = num_parts(pool, groups / cpu_linear::tile_group_grain(M, K));
+  run_parts(pool, parts, [&](int64_t p) {
+    cpu_linear::run_tile_groups(x, ldx, M, packed, K, num_tiles, nullptr, y, ldy,
+                                groups * p / parts, groups * (p + 1) / parts);
+  });
+}
+
+// fn(r) for each of n rows, in contiguous ranges of at least ~16K elements (of width) a part.
+template <typename RowFn>
+void for_rows(ffi::ThreadPool& pool, int64_t n, int64_t width, const RowFn& fn) {
+  const int64_t parts = num_parts(pool, n * width / 16384);
+  run_parts(pool, parts, [&](int64_t p) {
+    for (int64_t r = n * p / parts; r < n * (p + 1) / parts; ++r) fn(r);
+  });
+}
+
+// One Llama decoder layer (ModelConfig.plain_decoder_layer) as one call, the torch op
+// pagedjax::decoder_layer's steps in its order with the same kernels (decoder_layer_cpu.cpp):
+//   stream = x + residual (x alone in the first layer); h = rms_norm(stream)
+//   q, k, v = h @ qkv (+ bias); q, k rotated; k, v written to the caches at slot_mapping
+//   stream += attention(q, caches) @ o; out = (silu(gate) * up)(rms_norm(stream) @ gate_up) @ down
+// → (out [T, H], stream [T, H], k_cache, v_cache): the caches are updated in place (the
+// outputs alias them; copied first where XLA gave fresh buffers).
+ffi::Error decoder_layer_f32(
+    ffi::ThreadPool pool,
+    ffi::Buffer<ffi::F32> x,                // [T, H]
+    ffi::Buffer<ffi::F32> residual,         // [T, H]; read where has_residual
+    ffi::Buffer<ffi::F32> input_norm,       // [H]
+    ffi::Buffer<ffi::F32> qkv_weight,       // [ceil(Nqkv / 16), H, 16], Nqkv = (Hq + 2 Hkv) D
+    ffi::Buffer<ffi::F32> qkv_bias,         // [Nqkv], or [0]: none
+    ffi::Buffer<ffi::F32> o_weight,         // [ceil(H / 16), Hq D, 16]
+    ffi::Buffer<ffi::F32> post_norm,        // [H]
+    ffi::Buffer<ffi::F32> gate_up_weight,   // [ceil(2 I / 16), H, 16]
+    ffi::Buffer<ffi::F32> down_weight,      // [ceil(H / 16), I, 16]
+    ffi::Buffer<ffi::F32> k_cache,          // [N, Hkv, bs, D]
+    ffi::Buffer<ffi::F32> v_cache,          // [N, Hkv, bs, D]
+    ffi::Buffer<ffi::F32> cos,              // [T, D]: at each token's position
+    ffi::Buffer<ffi::F32> sin,              // [T, D]
+    ffi::Buffer<ffi::S32> slot_mapping,     // [T], -1: padding
+    ffi::Buffer<ffi::S32> kv_lens,          // [S]
+    ffi::Buffer<ffi::S32> block_tables,     // [S, M]
+    ffi::Buffer<ffi::S32> query_start_loc,  // [S+1]
+    ffi::ResultBuffer<ffi::F32> out,        // [T, H]
+    ffi::ResultBuffer<ffi::F32> stream,     // [T, H]
+    ffi::ResultBuffer<ffi::F32> k_out,      // [N, Hkv, bs, D]: k_cache's buffer
+    ffi::ResultBuffer<ffi::F32> v_out,      // [N, Hkv, bs, D]: v_cache's buffer
+    int64_t num_q_heads, int64_t intermediate_size, float eps, float sm_scale,
+    int64_t sliding_window,  // 0: none
+    int64_t has_residual) {  // 0: the first layer (x is the embedding)
+  const auto xd = x.dimensions(), cd = k_cache.dimensions(), td = block_tables.dimensions();
+  if (xd.size() != 2 || cd.size() != 4 || td.size() != 2 || num_q_heads % cd[1] != 0 ||
+      cos.dimensions()[0] != xd[0] || cos.dimensions()[1] != cd[3] ||
+      static_cast<int64_t>(slot_mapping.element_count()) != xd[0] ||
+      static_cast<int64_t>(kv_lens.element_count()) != td[0] ||
+      static_cast<int64_t>(query_start_loc.element_count()) != td[0] + 1) {
+    return ffi::Error::InvalidArgument(
+        "decoder_layer (FFI): expected x [T, H], caches [N, Hkv, bs, D] with Hkv dividing Hq, "
+        "cos/sin [T, D], slot_mapping [T], kv_lens [S], block_tables [S, M], "
+        "query_start_loc [S+1]");
+  }
+  const int64_t T = xd[0], H = xd[1], D = cd[3], Hkv = cd[1], I = intermediate_size;
+  const int64_t q_size = num_q_heads * D, kv_size = Hkv * D;
+  const int64_t qkv_tiles = qkv_weight.dimensions()[0], o_tiles = o_weight.dimensions()[0];
+  const int64_t gate_up_tiles = gate_up_weight.dimensions()[0];
+  const int64_t down_tiles = down_weight.dimensions()[0];
+  if (qkv_tiles * cpu_linear::kTile < q_size + 2 * kv_size || o_tiles * cpu_linear::kTile < H ||
+      gate_up_tiles * cpu_linear::kTile < 2 * I || down_tiles * cpu_linear::kTile < H ||
+      qkv_weight.dimensions()[1] != H || o_weight.dimensions()[1] != q_size ||
+      gate_up_weight.dimensions()[1] != H || down_weight.dimensions()[1] != I) {
+    return ffi::Error::InvalidArgument("decoder_layer (FFI): packed weights of the wrong shape");
+  }
+  AttentionShape shape{};
+  shape.num_tokens = T;
+  shape.num_q_heads = num_q_heads;
+  shape.head_dim = D;
+  shape.num_blocks = cd[0];
+  shape.num_kv_heads = Hkv;
+  shape.block_size = cd[2];
+  shape.group = num_q_heads / Hkv;
+  shape.num_seqs = td[0];
+  shape.max_blocks = td[1];
+  const cpu_attention::RaggedBatch batch{kv_lens.typed_data(), block_tables.typed_data(),
+                                         query_start_loc.typed_data()};
+  if (const std::string error = cpu_attention::metadata_error(shape, batch); !error.empty()) {
+    return ffi::Error::InvalidArgument(error);
+  }
+  const int64_t num_slots = shape.num_blocks * shape.block_size;
+  const int32_t* slots = slot_mapping.typed_data();
+  for (int64_t t = 0; t < T; ++t) {
+    if (slots[t] >= num_slots) {
+      return ffi::Error::InvalidArgument("decoder_layer (FFI): slot_mapping[" +
+                                         std::to_string(t) + "]=" + std::to_string(slots[t]) +
+                                         " is past the cache's " + std::to_string(num_slots) +
+                                         " slots");
+    }
+  }
+  const size_t cache_bytes = k_cache.size_bytes();
+  if (k_out->typed_data() != k_cache.typed_data()) {
+    std::memcpy(k_out->typed_data(), k_cache.typed_data(), cache_bytes);
+  }
+  if (v_out->typed_data() != v_cache.typed_data()) {
+    std::memcpy(v_out->typed_data(), v_cache.typed_data(), cache_bytes);
+  }
+  float* const kc = k_out->typed_data();
+  float* const vc = v_out->typed_data();
+  float* const s = stream->typed_data();
+  const float* const xs = x.typed_data();
+  const float* const rs = residual.typed_data();
+
+  // Scratch rows, each product's output as wide as its padded tiles, in one buffer kept by the
+  // calling thread and grown as needed: fresh allocations of a prefill's megabytes in every
+  // layer (page faults, zeroing) cost more than the glue itself.
+  const int64_t ld_qkv = qkv_tiles * cpu_linear::kTile, ld_o = o_tiles * cpu_linear::kTile;
+  const int64_t ld_gu = gate_up_tiles * cpu_linear::kTile;
+  const int64_t ld_down = down_tiles * cpu_linear::kTile;
+  const int64_t widths[] = {H, ld_qkv, q_size, ld_o, ld_gu, I, ld_down};
+  static thread_local std::vector<float> scratch;
+  int64_t total = 0;
+  for (const int64_t width : widths) total += T * width;
+  if (static_cast<int64_t>(scratch.size()) < total) scratch.resize(total);
+  float* next = scratch.data();
+  auto take = [&](int64_t width) {
+    float* part = next;
+    next += T * width;
+    return part;
+  };
+  float* const h = take(H);
+  float* const qkv = take(ld_qkv);
+  float* const attn = take(q_size);
+  float* const o = take(ld_o);
+  float* const gate_up = take(ld_gu);
+  float* const act = take(I);
+  float* const down = take(ld_down);
+
+  // stream = x + residual; h = rms_norm(stream)
+  const float* in_norm = input_norm.typed_data();
+  for_rows(pool, T, H, [&](int64_t r) {
+    float* sr = s + r * H;
+    if (has_residual) {
+      for (int64_t i = 0; i < H; ++i) sr[i] = xs[r * H + i] + rs[r * H + i];
+    } else {
+      std::copy(xs + r * H, xs + (r + 1) * H, sr);
+    }
+    cpu_norm::normalize_row(sr, in_norm, h + r * H, H, eps);
+  });
+  run_linear(pool, h, H, T, qkv_weight.typed_data(), H, qkv_tiles, qkv, ld_qkv);
+  // bias, rope of q and k, then k and v into the caches
+  const bool has_bias = qkv_bias.element_count() > 0;
+  const float* bias = qkv_bias.typed_data();
+  const int64_t block_size = shape.block_size;
+  for_rows(pool, T, ld_qkv, [&](int64_t t) {
+    float* row = qkv + t * ld_qkv;
+    if (has_bias) {
+      for (int64_t i = 0; i < q_size + 2 * kv_size; ++i) row[i] += bias[i];
+    }
+    cpu_norm::rotate_heads(row, num_q_heads + Hkv, D, D, cos.typed_data() + t * D,
+                           sin.typed_data() + t * D);
+    const int64_t slot = slots[t];
+    if (slot < 0) return;  // a padding row
+    const int64_t block = slot / block_size, offset = slot % block_size;
+    for (int64_t head = 0; head < Hkv; ++head) {
+      const int64_t dst = ((block * Hkv + head) * block_size + offset) * D;
+      const float* k_row = row + q_size + head * D;
+      std::copy(k_row, k_row + D, kc + dst);
+      std::copy(k_row + kv_size, k_row + kv_size + D, vc + dst);
+    }
+  });
+  const cpu_attention::CpuAttention<float, float> attention{
+      shape, batch, qkv, ld_qkv, D, kc, vc, attn, sm_scale,
+      std::max<int64_t>(sliding_window, 0), 0.f};
+  const int64_t attention_parts = num_parts(pool, T * Hkv);
+  const std::vector<int64_t> bounds = attention.split_items(attention_parts);
+  run_parts(pool, attention_parts, [&](int64_t p) {
+    cpu_attention::Scratch<float> scratch(shape.group, block_size, D,
+                                          shape.max_blocks * block_size);
+    for (int64_t item = bounds[p]; item < bounds[p + 1]; ++item) {
+      attention.run(item / Hkv, item % Hkv, scratch);
+    }
+  });
+  run_linear(pool, attn, q_size, T, o_weight.typed_data(), q_size, o_tiles, o, ld_o);
+  // stream += o; h = rms_norm(stream)
+  const float* p_norm = post_norm.typed_data();
+  for_rows(pool, T, H, [&](int64_t r) {
+    float* sr = s + r * H;
+    const float* orow = o + r * ld_o;
+    for (int64_t i = 0; i < H; ++i) sr[i] = orow[i] + sr[i];
+    cpu_norm::normalize_row(sr, p_norm, h + r * H, H, eps);
+  });
+  run_linear(pool, h, H, T, gate_up_weight.typed_data(), H, gate_up_tiles, gate_up,
+             ld_gu);
+  for_rows(pool, T, I, [&](int64_t r) {
+    const float* row = gate_up + r * ld_gu;
+    cpu_norm::silu_and_mul_row(row, row + I, act + r * I, I);
+  });
+  if (ld_down == H) {  // straight into out
+    run_linear(pool, act, I, T, down_weight.typed_data(), I, down_tiles, out->typed_data(), H);
+  } else {
+    run_linear(pool, act, I, T, down_weight.typed_data(), I, down_tiles, down, ld_down);
+    for (int64_t r = 0; r < T; ++r) {
+      std::copy(down + r * ld_down, down + r * ld_down + H, out->typed_data() + r * H);
+    }
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace pagedjax
 
@@ -229,3 +442,34 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxTopKF32, pagedjax::top_k_f32,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxDecoderLayerF32, pagedjax::decoder_layer_f32,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // residual
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // input_norm
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // qkv_weight
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // qkv_bias
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // o_weight
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // post_norm
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // gate_up_weight
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // down_weight
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // k_cache
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // v_cache
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // cos
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // sin
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // slot_mapping
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // kv_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // block_tables
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // query_start_loc
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // out
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // stream
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // k_cache
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // v_cache
+                                  .Attr<int64_t>("num_q_heads")
+                                  .Attr<int64_t>("intermediate_size")
+                                  .Attr<float>("eps")
+                                  .Attr<float>("sm_scale")
+                                  .Attr<int64_t>("sliding_window")
+                                  .Attr<int64_t>("has_residual"));

@@ -12,15 +12,14 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cmath>
 #include <tuple>
-#include <type_traits>
 
-#include "cpu_features.h"
-#include "simd_math.h"
+#include "norm_act_cpu_kernel.h"
 
 namespace pagedjax {
 namespace {
+
+using cpu_norm::normalize_row;
 
 void check_rows(const char* op, const char* name, const at::Tensor& t, const at::Tensor& ref) {
   TORCH_CHECK(t.dim() == 2 && t.is_contiguous(), op, ": ", name,
@@ -42,87 +41,6 @@ constexpr int64_t kRowElements = 16384;  // elements per thread's share, at leas
 
 int64_t row_grain(int64_t width) {
   return std::max<int64_t>(1, kRowElements / std::max<int64_t>(1, width));
-}
-
-#if defined(__x86_64__)
-// sum(x[i]^2) over n floats: 8 lanes, their sum in a fixed tree, then the n % 8 tail.
-__attribute__((target("avx2,fma"))) float sum_of_squares_avx2(const float* x, int64_t n) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256 v = _mm256_loadu_ps(x + i);
-    acc = _mm256_fmadd_ps(v, v, acc);
-  }
-  float lanes[8];
-  _mm256_storeu_ps(lanes, acc);
-  float sum = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) +
-              ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
-  for (; i < n; ++i) sum += x[i] * x[i];
-  return sum;
-}
-
-// y = weight * (x * scale) over n floats (two roundings, as the scalar loop).
-__attribute__((target("avx2,fma"))) void scale_rows_avx2(const float* x, const float* weight,
-                                                        float scale, float* y, int64_t n) {
-  const __m256 s = _mm256_set1_ps(scale);
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256 normed = _mm256_mul_ps(_mm256_loadu_ps(x + i), s);
-    _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_loadu_ps(weight + i), normed));
-  }
-  for (; i < n; ++i) y[i] = weight[i] * (x[i] * scale);
-}
-
-// out[i] = silu(gate[i]) * up[i] = gate / (1 + exp(-gate)) * up over n floats.
-__attribute__((target("avx2,fma"))) void silu_and_mul_avx2(const float* gate, const float* up,
-                                                          float* out, int64_t n) {
-  const __m256 one = _mm256_set1_ps(1.f);
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256 g = _mm256_loadu_ps(gate + i);
-    const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
-    const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, e));
-    _mm256_storeu_ps(out + i, _mm256_mul_ps(silu, _mm256_loadu_ps(up + i)));
-  }
-  for (; i < n; ++i) out[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
-}
-#endif
-
-template <typename scalar_t>
-float sum_of_squares(const scalar_t* x, int64_t n) {
-#if defined(__x86_64__)
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    if (cpu_has_avx2_fma()) return sum_of_squares_avx2(x, n);
-  }
-#endif
-  float sum = 0.f;
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = static_cast<float>(x[i]);
-    sum += v * v;
-  }
-  return sum;
-}
-
-// y = weight * (scalar_t)(x * scale) over one row of n.
-template <typename scalar_t>
-void scale_row(const scalar_t* x, const scalar_t* weight, float scale, scalar_t* y, int64_t n) {
-#if defined(__x86_64__)
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    if (cpu_has_avx2_fma()) return scale_rows_avx2(x, weight, scale, y, n);
-  }
-#endif
-  for (int64_t i = 0; i < n; ++i) {
-    const scalar_t normed = static_cast<scalar_t>(static_cast<float>(x[i]) * scale);
-    y[i] = static_cast<scalar_t>(static_cast<float>(weight[i]) * static_cast<float>(normed));
-  }
-}
-
-// out = weight * (scalar_t)(row * rsqrt(mean(row^2) + eps)) for one row of `hidden` (float32 math).
-template <typename scalar_t>
-void normalize_row(const scalar_t* x, const scalar_t* weight, scalar_t* out, int64_t hidden,
-                   double eps) {
-  const float mean = sum_of_squares(x, hidden) / static_cast<float>(hidden);
-  scale_row(x, weight, 1.f / std::sqrt(mean + static_cast<float>(eps)), out, hidden);
 }
 
 at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double eps) {
@@ -177,7 +95,8 @@ at::Tensor silu_and_mul_cpu(const at::Tensor& x) {
     float* dst = out.data_ptr<float>();
     at::parallel_for(0, x.size(0), row_grain(half), [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r)
-        silu_and_mul_avx2(src + 2 * r * half, src + (2 * r + 1) * half, dst + r * half, half);
+        cpu_norm::silu_and_mul_avx2(src + 2 * r * half, src + (2 * r + 1) * half,
+                                    dst + r * half, half);
     });
     return out;
   }

@@ -9,6 +9,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "norm_act_cpu_kernel.h"
+
 namespace pagedjax {
 namespace {
 
@@ -29,7 +31,7 @@ void check_rotary_args(const at::Tensor& x, const at::Tensor& cos, const at::Ten
 
 template <typename scalar_t>
 void rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  const int64_t num_tokens = x.size(0), num_heads = x.size(1), d = x.size(2), half = d / 2;
+  const int64_t num_tokens = x.size(0), num_heads = x.size(1), d = x.size(2);
   const int64_t token_stride = x.stride(0);
   scalar_t* xp = x.data_ptr<scalar_t>();
   const float* cp = cos.data_ptr<float>();
@@ -37,16 +39,7 @@ void rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(1, num_heads * d));
   at::parallel_for(0, num_tokens, grain, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      const float* c = cp + t * d;
-      const float* s = sp + t * d;
-      for (int64_t h = 0; h < num_heads; ++h) {
-        scalar_t* v = xp + t * token_stride + h * d;
-        for (int64_t i = 0; i < half; ++i) {
-          const float a = static_cast<float>(v[i]), b = static_cast<float>(v[i + half]);
-          v[i] = static_cast<scalar_t>(a * c[i] - b * s[i]);
-          v[i + half] = static_cast<scalar_t>(b * c[i + half] + a * s[i + half]);
-        }
-      }
+      cpu_norm::rotate_heads(xp + t * token_stride, num_heads, d, d, cp + t * d, sp + t * d);
     }
   });
 }

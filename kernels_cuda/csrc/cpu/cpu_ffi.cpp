@@ -56,6 +56,33 @@ int64_t num_parts(ffi::ThreadPool& pool, int64_t n) {
   return std::clamp<int64_t>(pool.num_threads(), 1, std::max<int64_t>(n, 1));
 }
 
+// y [M, num_tiles * 16] (ldy floats a row) = x [M, K] (ldx) @ packed, tile groups across the pool.
+void run_linear(ffi::ThreadPool& pool, const float* x, int64_t ldx, int64_t M, const float* packed,
+                int64_t K, int64_t num_tiles, float* y, int64_t ldy) {
+  if (M == 0) return;
+  const int64_t groups = cpu_linear::num_tile_groups(num_tiles);
+  const int64_t parts = num_parts(pool, groups / cpu_linear::tile_group_grain(M, K));
+  run_parts(pool, parts, [&](int64_t p) {
+    cpu_linear::run_tile_groups(x, ldx, M, packed, K, num_tiles, nullptr, y, ldy,
+                                groups * p / parts, groups * (p + 1) / parts);
+  });
+}
+
+// The attention of every (query row, KV head) item, in contiguous ranges of equal cost per part.
+void run_attention(ffi::ThreadPool& pool,
+                   const cpu_attention::CpuAttention<float, float>& attention,
+                   const AttentionShape& shape) {
+  const int64_t parts = num_parts(pool, shape.num_tokens * shape.num_kv_heads);
+  const std::vector<int64_t> bounds = attention.split_items(parts);
+  run_parts(pool, parts, [&](int64_t p) {
+    cpu_attention::Scratch<float> scratch(shape.group, shape.block_size, shape.head_dim,
+                                          shape.max_blocks * shape.block_size);
+    for (int64_t item = bounds[p]; item < bounds[p + 1]; ++item) {
+      attention.run(item / shape.num_kv_heads, item % shape.num_kv_heads, scratch);
+    }
+  });
+}
+
 ffi::Error ragged_paged_attention_f32(
     ffi::ThreadPool pool,
     ffi::Buffer<ffi::F32> q,                  // [T, Hq, D]
@@ -98,16 +125,7 @@ ffi::Error ragged_paged_attention_f32(
       shape, batch, q.typed_data(), shape.num_q_heads * shape.head_dim, shape.head_dim,
       k_cache.typed_data(), v_cache.typed_data(), out->typed_data(), sm_scale,
       std::max<int64_t>(sliding_window, 0), std::max(soft_cap, 0.f)};
-  // One item per (query row, KV head), in contiguous ranges of equal cost.
-  const int64_t parts = num_parts(pool, shape.num_tokens * shape.num_kv_heads);
-  const std::vector<int64_t> bounds = attention.split_items(parts);
-  run_parts(pool, parts, [&](int64_t p) {
-    cpu_attention::Scratch<float> scratch(shape.group, shape.block_size, shape.head_dim,
-                                          shape.max_blocks * shape.block_size);
-    for (int64_t item = bounds[p]; item < bounds[p + 1]; ++item) {
-      attention.run(item / shape.num_kv_heads, item % shape.num_kv_heads, scratch);
-    }
-  });
+  run_attention(pool, attention, shape);
   return ffi::Error::Success();
 }
 
@@ -121,15 +139,9 @@ ffi::Error linear_f32(ffi::ThreadPool pool,
     return ffi::Error::InvalidArgument(
         "linear (FFI): expected x [M, K], packed [ceil(N/16), K, 16], y [M, ceil(N/16) * 16]");
   }
-  const int64_t M = xd[0], K = xd[1], num_tiles = wd[0];
-  if (M == 0) return ffi::Error::Success();
-  const int64_t groups = cpu_linear::num_tile_groups(num_tiles);
-  const int64_t parts = num_parts(pool, groups / cpu_linear::tile_group_grain(M, K));
-  run_parts(pool, parts, [&](int64_t p) {
-    cpu_linear::run_tile_groups(x.typed_data(), K, M, packed.typed_data(), K, num_tiles, nullptr,
-                                y->typed_data(), num_tiles * cpu_linear::kTile,
-                                groups * p / parts, groups * (p + 1) / parts);
-  });
+  const int64_t K = xd[1], num_tiles = wd[0];
+  run_linear(pool, x.typed_data(), K, xd[0], packed.typed_data(), K, num_tiles, y->typed_data(),
+             num_tiles * cpu_linear::kTile);
   return ffi::Error::Success();
 }
 
@@ -191,18 +203,6 @@ ffi::Error filter_logits_f32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   return ffi::Error::Success();
 }
 
-
-// y [M, num_tiles * 16] (ldy floats a row) = x [M, K] (ldx) @ packed, tile groups across the pool.
-void run_linear(ffi::ThreadPool& pool, const float* x, int64_t ldx, int64_t M, const float* packed,
-                int64_t K, int64_t num_tiles, float* y, int64_t ldy) {
-  if (M == 0) return;
-  const int64_t groups = cpu_linear::num_tile_groups(num_tiles);
-  const int64_t parts = num_parts(pool, groups / cpu_linear::tile_group_grain(M, K));
-  run_parts(pool, parts, [&](int64_t p) {
-    cpu_linear::run_tile_groups(x, ldx, M, packed, K, num_tiles, nullptr, y, ldy,
-                                groups * p / parts, groups * (p + 1) / parts);
-  });
-}
 
 // fn(r) for each of n rows, in contiguous ranges of at least ~16K elements (of width) a part.
 template <typename RowFn>
@@ -367,15 +367,7 @@ ffi::Error decoder_layer_f32(
   const cpu_attention::CpuAttention<float, float> attention{
       shape, batch, qkv, ld_qkv, D, kc, vc, attn, sm_scale,
       std::max<int64_t>(sliding_window, 0), 0.f};
-  const int64_t attention_parts = num_parts(pool, T * Hkv);
-  const std::vector<int64_t> bounds = attention.split_items(attention_parts);
-  run_parts(pool, attention_parts, [&](int64_t p) {
-    cpu_attention::Scratch<float> scratch(shape.group, block_size, D,
-                                          shape.max_blocks * block_size);
-    for (int64_t item = bounds[p]; item < bounds[p + 1]; ++item) {
-      attention.run(item / Hkv, item % Hkv, scratch);
-    }
-  });
+  run_attention(pool, attention, shape);
   run_linear(pool, attn, q_size, T, o_weight.typed_data(), q_size, o_tiles, o, ld_o);
   // stream += o; h = rms_norm(stream)
   const float* p_norm = post_norm.typed_data();

@@ -32,8 +32,9 @@ __attribute__((target("avx2,fma"))) inline float sum_of_squares_avx2(const float
 }
 
 // y = weight * (x * scale) over n floats (two roundings, as the scalar loop).
-__attribute__((target("avx2,fma"))) inline void scale_rows_avx2(const float* x, const float* weight,
-                                                        float scale, float* y, int64_t n) {
+__attribute__((target("avx2,fma"))) inline void scale_rows_avx2(const float* x,
+                                                               const float* weight, float scale,
+                                                               float* y, int64_t n) {
   const __m256 s = _mm256_set1_ps(scale);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
@@ -44,8 +45,9 @@ __attribute__((target("avx2,fma"))) inline void scale_rows_avx2(const float* x, 
 }
 
 // out[i] = silu(gate[i]) * up[i] = gate / (1 + exp(-gate)) * up over n floats.
-__attribute__((target("avx2,fma"))) inline void silu_and_mul_avx2(const float* gate, const float* up,
-                                                          float* out, int64_t n) {
+__attribute__((target("avx2,fma"))) inline void silu_and_mul_avx2(const float* gate,
+                                                                 const float* up, float* out,
+                                                                 int64_t n) {
   const __m256 one = _mm256_set1_ps(1.f);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
@@ -106,7 +108,8 @@ inline void silu_and_mul_row(const float* gate, const float* up, float* out, int
 
 // Rotary position embedding of num_heads head vectors of d (contiguous, head_stride apart) of
 // one token in place, HF's rotate_half layout, in float32, by its cos/sin rows [d]:
-//   v[i] = v[i] cos[i] - v[i + d/2] sin[i],  v[i + d/2] = v[i + d/2] cos[i + d/2] + v[i] sin[i + d/2]
+//   v[i]       = v[i] cos[i] - v[i + d/2] sin[i]
+//   v[i + d/2] = v[i + d/2] cos[i + d/2] + v[i] sin[i + d/2]
 template <typename scalar_t>
 void rotate_heads(scalar_t* x, int64_t num_heads, int64_t head_stride, int64_t d,
                   const float* c, const float* s) {

@@ -152,8 +152,7 @@ def test_decoder_layer_is_the_torch_ops_bit_for_bit(first: bool) -> None:
     torch = pytest.importorskip("torch")
     from pagedjax.kernels_cuda import ops
 
-    if ops.ops_backend() != "cpp":
-        pytest.skip(f"the torch ops run as {ops.ops_backend()!r} here, not the C++ kernels")
+    assert ops.ops_backend() == "cpp", "the torch C++ ops must build where the FFI library does"
     c = _case(np.random.default_rng(7), hidden=64, num_q_heads=4, num_kv_heads=2, head_dim=16,
               intermediate=96, bias=True)
     got = _run(c, first, 6)

@@ -68,6 +68,24 @@ void run_linear(ffi::ThreadPool& pool, const float* x, int64_t ldx, int64_t M, c
   });
 }
 
+// The attention's shape from T query rows of num_q_heads heads, the caches' [N, Hkv, bs, D]
+// dimensions and the block tables' [S, M].
+template <typename Dims>
+AttentionShape attention_shape(int64_t num_tokens, int64_t num_q_heads, const Dims& cache,
+                               const Dims& tables) {
+  AttentionShape shape{};
+  shape.num_tokens = num_tokens;
+  shape.num_q_heads = num_q_heads;
+  shape.head_dim = cache[3];
+  shape.num_blocks = cache[0];
+  shape.num_kv_heads = cache[1];
+  shape.block_size = cache[2];
+  shape.group = num_q_heads / shape.num_kv_heads;
+  shape.num_seqs = tables[0];
+  shape.max_blocks = tables[1];
+  return shape;
+}
+
 // The attention of every (query row, KV head) item, in contiguous ranges of equal cost per part.
 void run_attention(ffi::ThreadPool& pool,
                    const cpu_attention::CpuAttention<float, float>& attention,
@@ -106,16 +124,7 @@ ffi::Error ragged_paged_attention_f32(
         "ragged_paged_attention (FFI): expected q [T, Hq, D], caches [N, Hkv, bs, D] with Hkv "
         "dividing Hq, kv_lens [S], block_tables [S, M], query_start_loc [S+1]");
   }
-  AttentionShape shape{};
-  shape.num_tokens = qd[0];
-  shape.num_q_heads = qd[1];
-  shape.head_dim = qd[2];
-  shape.num_blocks = cd[0];
-  shape.num_kv_heads = cd[1];
-  shape.block_size = cd[2];
-  shape.group = shape.num_q_heads / shape.num_kv_heads;
-  shape.num_seqs = td[0];
-  shape.max_blocks = td[1];
+  const AttentionShape shape = attention_shape(qd[0], qd[1], cd, td);
   const cpu_attention::RaggedBatch batch{kv_lens.typed_data(), block_tables.typed_data(),
                                          query_start_loc.typed_data()};
   if (const std::string error = cpu_attention::metadata_error(shape, batch); !error.empty()) {
@@ -268,16 +277,7 @@ ffi::Error decoder_layer_f32(
       gate_up_weight.dimensions()[1] != H || down_weight.dimensions()[1] != I) {
     return ffi::Error::InvalidArgument("decoder_layer (FFI): packed weights of the wrong shape");
   }
-  AttentionShape shape{};
-  shape.num_tokens = T;
-  shape.num_q_heads = num_q_heads;
-  shape.head_dim = D;
-  shape.num_blocks = cd[0];
-  shape.num_kv_heads = Hkv;
-  shape.block_size = cd[2];
-  shape.group = num_q_heads / Hkv;
-  shape.num_seqs = td[0];
-  shape.max_blocks = td[1];
+  const AttentionShape shape = attention_shape(T, num_q_heads, cd, td);
   const cpu_attention::RaggedBatch batch{kv_lens.typed_data(), block_tables.typed_data(),
                                          query_start_loc.typed_data()};
   if (const std::string error = cpu_attention::metadata_error(shape, batch); !error.empty()) {

@@ -131,10 +131,11 @@ def test_decoder_layer_matches_the_float64_layer(name: str) -> None:
               num_kv_heads=hkv, head_dim=d, intermediate=inter, bias=bias)
     out, stream, k_cache, v_cache = _run(c, first, window)
     want = _reference(c, first, window)
-    real = int(c["query_start_loc"][-1])  # rows past it are padding: their values are unused
+    real = int(c["query_start_loc"][-1])  # rows past it are padding: not computed, zeros
     for got, ref in zip((out, stream), want[:2]):
         scale = np.abs(ref[:real]).max()
         np.testing.assert_allclose(got[:real], ref[:real], rtol=0, atol=2e-5 * scale)
+        np.testing.assert_array_equal(got[real:], 0)
     written = np.zeros(k_cache.shape[0] * 8, bool)
     written[c["slot_mapping"][c["slot_mapping"] >= 0]] = True
     written = written.reshape(-1, 8)  # [N, bs]

@@ -29,9 +29,9 @@ def _case(num_rows: int, in_features: int, out_features: int, seed: int = 0):
 
 
 # Row counts cover every row grouping (AVX-512: 4-row blocks, then one block of the last 1-7 rows,
-# 7 as 4 + 3; AVX2: 4-row blocks, then 2 and/or 1); column counts cover whole and partial 4-tile
-# groups and a last tile that is padded.
-@pytest.mark.parametrize("num_rows", [1, 2, 3, 4, 5, 6, 7, 9, 33])
+# 7 as 4 + 3; AVX2: 6-row blocks, then 5, 4, 2 and/or 1); column counts cover whole and partial
+# 4-tile groups and a last tile that is padded.
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 33])
 @pytest.mark.parametrize(("in_features", "out_features"),
                          [(64, 16), (48, 40), (256, 384), (96, 100), (8, 1000)])
 @pytest.mark.parametrize("with_bias", [False, True])

@@ -228,7 +228,9 @@ void for_rows(ffi::ThreadPool& pool, int64_t n, int64_t width, const RowFn& fn) 
 //   q, k, v = h @ qkv (+ bias); q, k rotated; k, v written to the caches at slot_mapping
 //   stream += attention(q, caches) @ o; out = (silu(gate) * up)(rms_norm(stream) @ gate_up) @ down
 // → (out [T, H], stream [T, H], k_cache, v_cache): the caches are updated in place (the
-// outputs alias them; copied first where XLA gave fresh buffers).
+// outputs alias them; copied first where XLA gave fresh buffers). The rows after the last
+// sequence's (query_start_loc[S], padding up to the step's bucket) are not computed: zeros in
+// out and stream, as the torch op's eager step never runs them.
 ffi::Error decoder_layer_f32(
     ffi::ThreadPool pool,
     ffi::Buffer<ffi::F32> x,                // [T, H]
@@ -285,7 +287,8 @@ ffi::Error decoder_layer_f32(
   }
   const int64_t num_slots = shape.num_blocks * shape.block_size;
   const int32_t* slots = slot_mapping.typed_data();
-  for (int64_t t = 0; t < T; ++t) {
+  const int64_t R = query_start_loc.typed_data()[td[0]];  // rows computed: the sequences'
+  for (int64_t t = 0; t < R; ++t) {
     if (slots[t] >= num_slots) {
       return ffi::Error::InvalidArgument("decoder_layer (FFI): slot_mapping[" +
                                          std::to_string(t) + "]=" + std::to_string(slots[t]) +
@@ -315,12 +318,12 @@ ffi::Error decoder_layer_f32(
   const int64_t widths[] = {H, ld_qkv, q_size, ld_o, ld_gu, I, ld_down};
   static thread_local std::vector<float> scratch;
   int64_t total = 0;
-  for (const int64_t width : widths) total += T * width;
+  for (const int64_t width : widths) total += R * width;
   if (static_cast<int64_t>(scratch.size()) < total) scratch.resize(total);
   float* next = scratch.data();
   auto take = [&](int64_t width) {
     float* part = next;
-    next += T * width;
+    next += R * width;
     return part;
   };
   float* const h = take(H);
@@ -333,7 +336,7 @@ ffi::Error decoder_layer_f32(
 
   // stream = x + residual; h = rms_norm(stream)
   const float* in_norm = input_norm.typed_data();
-  for_rows(pool, T, H, [&](int64_t r) {
+  for_rows(pool, R, H, [&](int64_t r) {
     float* sr = s + r * H;
     if (has_residual) {
       for (int64_t i = 0; i < H; ++i) sr[i] = xs[r * H + i] + rs[r * H + i];
@@ -342,12 +345,12 @@ ffi::Error decoder_layer_f32(
     }
     cpu_norm::normalize_row(sr, in_norm, h + r * H, H, eps);
   });
-  run_linear(pool, h, H, T, qkv_weight.typed_data(), H, qkv_tiles, qkv, ld_qkv);
+  run_linear(pool, h, H, R, qkv_weight.typed_data(), H, qkv_tiles, qkv, ld_qkv);
   // bias, rope of q and k, then k and v into the caches
   const bool has_bias = qkv_bias.element_count() > 0;
   const float* bias = qkv_bias.typed_data();
   const int64_t block_size = shape.block_size;
-  for_rows(pool, T, ld_qkv, [&](int64_t t) {
+  for_rows(pool, R, ld_qkv, [&](int64_t t) {
     float* row = qkv + t * ld_qkv;
     if (has_bias) {
       for (int64_t i = 0; i < q_size + 2 * kv_size; ++i) row[i] += bias[i];
@@ -364,33 +367,37 @@ ffi::Error decoder_layer_f32(
       std::copy(k_row + kv_size, k_row + kv_size + D, vc + dst);
     }
   });
+  AttentionShape computed = shape;  // the query rows [0, R)
+  computed.num_tokens = R;
   const cpu_attention::CpuAttention<float, float> attention{
-      shape, batch, qkv, ld_qkv, D, kc, vc, attn, sm_scale,
+      computed, batch, qkv, ld_qkv, D, kc, vc, attn, sm_scale,
       std::max<int64_t>(sliding_window, 0), 0.f};
-  run_attention(pool, attention, shape);
-  run_linear(pool, attn, q_size, T, o_weight.typed_data(), q_size, o_tiles, o, ld_o);
+  run_attention(pool, attention, computed);
+  run_linear(pool, attn, q_size, R, o_weight.typed_data(), q_size, o_tiles, o, ld_o);
   // stream += o; h = rms_norm(stream)
   const float* p_norm = post_norm.typed_data();
-  for_rows(pool, T, H, [&](int64_t r) {
+  for_rows(pool, R, H, [&](int64_t r) {
     float* sr = s + r * H;
     const float* orow = o + r * ld_o;
     for (int64_t i = 0; i < H; ++i) sr[i] = orow[i] + sr[i];
     cpu_norm::normalize_row(sr, p_norm, h + r * H, H, eps);
   });
-  run_linear(pool, h, H, T, gate_up_weight.typed_data(), H, gate_up_tiles, gate_up,
+  run_linear(pool, h, H, R, gate_up_weight.typed_data(), H, gate_up_tiles, gate_up,
              ld_gu);
-  for_rows(pool, T, I, [&](int64_t r) {
+  for_rows(pool, R, I, [&](int64_t r) {
     const float* row = gate_up + r * ld_gu;
     cpu_norm::silu_and_mul_row(row, row + I, act + r * I, I);
   });
   if (ld_down == H) {  // straight into out
-    run_linear(pool, act, I, T, down_weight.typed_data(), I, down_tiles, out->typed_data(), H);
+    run_linear(pool, act, I, R, down_weight.typed_data(), I, down_tiles, out->typed_data(), H);
   } else {
-    run_linear(pool, act, I, T, down_weight.typed_data(), I, down_tiles, down, ld_down);
-    for (int64_t r = 0; r < T; ++r) {
+    run_linear(pool, act, I, R, down_weight.typed_data(), I, down_tiles, down, ld_down);
+    for (int64_t r = 0; r < R; ++r) {
       std::copy(down + r * ld_down, down + r * ld_down + H, out->typed_data() + r * H);
     }
   }
+  std::fill(out->typed_data() + R * H, out->typed_data() + T * H, 0.f);
+  std::fill(s + R * H, s + T * H, 0.f);
   return ffi::Error::Success();
 }
 

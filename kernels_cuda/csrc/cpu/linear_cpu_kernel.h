@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "cpu_features.h"
 
@@ -16,7 +17,8 @@
 namespace pagedjax::cpu_linear {
 
 constexpr int64_t kTile = 16;  // columns per packed tile (two 8-float AVX2 registers)
-constexpr int64_t kRows = 4;   // rows per register block: 4 x 16 accumulators = 8 registers
+constexpr int64_t kRows = 4;      // AVX-512: rows per register block (4 x 4 tiles)
+constexpr int64_t kRowsAvx2 = 6;  // AVX2: rows per register block (6 x 16 columns: 12 registers)
 
 // The rows [MR] against NT consecutive tiles, written to y (ldy floats per row) plus bias.
 // Scalar version: any CPU, and the reference for the AVX2 one.
@@ -36,8 +38,10 @@ void block_scalar(const float* x, int64_t ldx, const float* w, int64_t K, const 
 }
 
 #if defined(__x86_64__)
-// MR * NT * 2 independent accumulator registers: at least 8 in every instantiation used, enough
-// to hide the FMA latency.
+// MR * NT * 2 independent accumulator registers (12 in the main 6 x 1 block: 2 FMA pipes of 4-5
+// cycles' latency need 8-10 to stay busy). Each k loads the NT tile rows, then broadcasts one
+// row's x at a time and uses it at once: 12 accumulators + 2 tile registers + 1 broadcast fit
+// the 16 registers, where broadcasting every row first would spill.
 template <int MR, int NT>
 __attribute__((target("avx2,fma"))) void block_avx2(const float* x, int64_t ldx, const float* w,
                                                     int64_t K, const float* bias, float* y,
@@ -48,17 +52,19 @@ __attribute__((target("avx2,fma"))) void block_avx2(const float* x, int64_t ldx,
 #pragma GCC unroll 8
     for (int t = 0; t < NT; ++t) acc[r][t][0] = acc[r][t][1] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
-    __m256 xk[MR];
-#pragma GCC unroll 8
-    for (int r = 0; r < MR; ++r) xk[r] = _mm256_broadcast_ss(x + r * ldx + k);
+    __m256 wk[NT][2];
 #pragma GCC unroll 8
     for (int t = 0; t < NT; ++t) {
-      const float* wk = w + (t * K + k) * kTile;
-      const __m256 w0 = _mm256_loadu_ps(wk), w1 = _mm256_loadu_ps(wk + 8);
+      wk[t][0] = _mm256_loadu_ps(w + (t * K + k) * kTile);
+      wk[t][1] = _mm256_loadu_ps(w + (t * K + k) * kTile + 8);
+    }
 #pragma GCC unroll 8
-      for (int r = 0; r < MR; ++r) {
-        acc[r][t][0] = _mm256_fmadd_ps(xk[r], w0, acc[r][t][0]);
-        acc[r][t][1] = _mm256_fmadd_ps(xk[r], w1, acc[r][t][1]);
+    for (int r = 0; r < MR; ++r) {
+      const __m256 xk = _mm256_broadcast_ss(x + r * ldx + k);
+#pragma GCC unroll 8
+      for (int t = 0; t < NT; ++t) {
+        acc[r][t][0] = _mm256_fmadd_ps(xk, wk[t][0], acc[r][t][0]);
+        acc[r][t][1] = _mm256_fmadd_ps(xk, wk[t][1], acc[r][t][1]);
       }
     }
   }
@@ -122,8 +128,7 @@ void block(const float* x, int64_t ldx, const float* w, int64_t K, const float* 
 }
 
 // Every row of x against NT tiles starting at tile t. AVX-512: 4 rows x NT tiles per block, then
-// 2 and 1. Otherwise groups of 4 rows take one tile at a time, and the last 1-3 rows take 2 or 4
-// tiles at once, keeping 8 accumulators busy.
+// the last 1-7 rows in one or two blocks. AVX2: see below.
 template <int NT>
 void tile_group(const float* x, int64_t ldx, int64_t M, const float* packed, int64_t K,
                 const float* bias, float* y, int64_t ldy, int64_t t) {
@@ -156,10 +161,20 @@ void tile_group(const float* x, int64_t ldx, int64_t M, const float* packed, int
     }
   }
 #endif
-  for (; m + kRows <= M; m += kRows)
+  // AVX2 (or scalar): blocks of 6 rows x 1 tile, then the last 1-5 rows: 5 or 4 a tile at a
+  // time, 2 or 3 as 2 rows x 2 tiles (+ 1 row), 1 row against all NT tiles (8 accumulators).
+  for (; m + kRowsAvx2 <= M; m += kRowsAvx2)
     for (int i = 0; i < NT; ++i)
-      block<kRows, 1>(x + m * ldx, ldx, w + i * K * kTile, K, b ? b + i * kTile : nullptr,
-                      y + m * ldy + i * kTile, ldy);
+      block<kRowsAvx2, 1>(x + m * ldx, ldx, w + i * K * kTile, K, b ? b + i * kTile : nullptr,
+                          y + m * ldy + i * kTile, ldy);
+  auto rows_by_tile = [&](auto rows) {
+    for (int i = 0; i < NT; ++i)
+      block<decltype(rows)::value, 1>(x + m * ldx, ldx, w + i * K * kTile, K,
+                                      b ? b + i * kTile : nullptr, y + m * ldy + i * kTile, ldy);
+    m += decltype(rows)::value;
+  };
+  if (M - m == 5) return rows_by_tile(std::integral_constant<int, 5>{});
+  if (M - m == 4) return rows_by_tile(std::integral_constant<int, 4>{});
   const int64_t left = M - m;
   if (left >= 2) {
     constexpr int NT2 = NT >= 2 ? 2 : 1;

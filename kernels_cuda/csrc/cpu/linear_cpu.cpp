@@ -5,13 +5,13 @@
 // libraries run far below the memory bandwidth. Side by side (benchmarks/cpu_linear.py; figures
 // in benchmarks/results/RESULTS.md, "CPU linear"), at 4 rows this kernel is 1.6-2.5x as fast as
 // oneDNN's prepacked linear, 3-5x MKL's sgemm (torch.nn.functional.linear) and 2.6-4.3x XLA's
-// dot; at 1 row 1.4-3.4x oneDNN's and 0.9-1.4x XLA's; at 16 rows 0.9-1.6x oneDNN's. From 64
-// rows on (prefill chunks) the libraries are within ~10 % or faster (oneDNN ~1.3x at 256 rows):
-// calling them there would need their weight layout beside this one (the weights twice), so
-// this layout serves every product.
+// dot; at 1 row 1.4-3.4x oneDNN's and 0.9-1.4x XLA's; at 16 rows 0.9-1.6x oneDNN's. With the
+// AVX2 blocks of 6 rows (12 accumulators; 2026-11-27) it leads from 64 rows on as well: 1.1-1.4x
+// oneDNN's and 1.0-1.1x XLA's per decoder layer at 64 and 256 rows; only a 49k-vocabulary LM
+// head at 256 rows stays faster on oneDNN (0.7x ours).
 // With the tile-major layout each tile is one contiguous stream (the prefetchers' best case), the
 // tiles are split across threads, and a tile is read from DRAM once and reused from L1/L2 by
-// every group of 4 rows.
+// every block of rows.
 //
 // Each output element is one FMA chain over k in order, whatever M and the row grouping: a row's
 // result does not depend on the other rows of the batch.

@@ -133,10 +133,12 @@ def pack_linear_weight(weight: jax.Array) -> jax.Array:
     return padded.reshape(in_features, -1, LINEAR_TILE).transpose(1, 0, 2)
 
 
-def linear(x: jax.Array, packed: jax.Array, out_features: int) -> jax.Array:
+def linear(x: jax.Array, packed: jax.Array, out_features: int,
+           num_rows: jax.Array | None = None) -> jax.Array:
     """x [..., in] @ W [in, out] → [..., out] float32 over W packed by pack_linear_weight, by the
     C++ kernel (each output element one FMA chain in k order: a row's result does not depend on
-    the batch). Call `available()` first."""
+    the batch). num_rows (int32 scalar): only the first num_rows rows of x (flattened) are
+    computed, the rest are zeros (a step's padding rows); None: all. Call `available()` first."""
     if x.dtype != jnp.float32 or packed.dtype != jnp.float32:
         raise ValueError(f"the C++ CPU linear takes float32; got x {x.dtype}, weight "
                          f"{packed.dtype}")
@@ -145,7 +147,8 @@ def linear(x: jax.Array, packed: jax.Array, out_features: int) -> jax.Array:
     call = jax.ffi.ffi_call(LINEAR_TARGET,
                             jax.ShapeDtypeStruct((rows.shape[0], padded), jnp.float32),
                             vmap_method="sequential")
-    y = call(rows, packed)
+    n = rows.shape[0] if num_rows is None else num_rows
+    y = call(rows, packed, jnp.asarray(n, jnp.int32).reshape(1))
     if padded != out_features:
         y = y[:, :out_features]
     return y.reshape(*x.shape[:-1], out_features)

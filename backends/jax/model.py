@@ -70,13 +70,14 @@ class PackedLinear(nn.Module):
     use_bias: bool = False
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, num_rows: jax.Array | None = None) -> jax.Array:
+        """num_rows: compute only the first rows of x, the rest zeros (cpu_ffi.linear)."""
         from pagedjax.kernels_pallas import cpu_ffi
 
         tiles = -(-self.features // cpu_ffi.LINEAR_TILE)
         kernel = self.param("kernel", nn.initializers.zeros,
                             (tiles, x.shape[-1], cpu_ffi.LINEAR_TILE), self.dtype)
-        y = cpu_ffi.linear(x.astype(self.dtype), kernel, self.features)
+        y = cpu_ffi.linear(x.astype(self.dtype), kernel, self.features, num_rows)
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
         return y
@@ -304,12 +305,16 @@ class LlamaForCausalLM(nn.Module):
             new_caches.append(cache)
         return x + residual, new_caches
 
-    def logits(self, hidden: jax.Array) -> jax.Array:
-        """hidden [R, H] (rows of __call__'s output) → float32 logits [R, V]."""
+    def logits(self, hidden: jax.Array, num_rows: jax.Array | None = None) -> jax.Array:
+        """hidden [R, H] (rows of __call__'s output) → float32 logits [R, V]. num_rows (int32
+        scalar): the rows after it are padding, whose logits the packed (CPU) head leaves at
+        zero instead of computing them; None: every row is real."""
         x = self.norm(hidden)
         if self.config.tie_word_embeddings and not self.packed:
             logits = jnp.dot(x, self.embed_tokens.embedding.T,
                              precision=matmul_precision(self.dtype))
+        elif self.packed:
+            logits = self.lm_head(x, num_rows)
         else:
             logits = self.lm_head(x)
         if self.config.logits_scaling != 1.0:

@@ -124,8 +124,8 @@ class _Model:
         """(input_ids [T], kv_caches, meta) -> (hidden states [T, H], kv_caches)."""
         return functools.partial(self.module.apply, params)
 
-    def logits(self, params: dict) -> Callable[[jax.Array], jax.Array]:
-        """hidden states [R, H] -> float32 logits [R, V]."""
+    def logits(self, params: dict) -> Callable[..., jax.Array]:
+        """(hidden states [R, H], num_rows=None) -> float32 logits [R, V] (Model.logits)."""
         return functools.partial(self.module.apply, params, method=LlamaForCausalLM.logits)
 
     def forward(self, params: dict) -> Callable:
@@ -446,7 +446,9 @@ class JaxModelRunner:
                                  decode=layout.decode)
         hidden, kv_caches = self.target.hidden(params)(input_ids, kv_caches, meta)  # [T, H]
         indices = b["logits_indices"]  # [L, K+1]
-        logits = self.target.logits(params)(hidden[indices.reshape(-1)])
+        num_samples = indices.shape[0] - b["num_padding_samples"][0]
+        logits = self.target.logits(params)(hidden[indices.reshape(-1)],
+                                            num_samples * indices.shape[1])
         # Only a mixed step scores prompt tokens: in a decode-shaped one every sequence is
         # past its prompt, or at its single token (which scores nothing).
         prompt = _no_prompt_logprobs(hidden)

@@ -295,7 +295,8 @@ class TorchModelRunner:
                              flags=model_input.flags, max_query_len=model_input.max_query_len,
                              max_draft_query_len=model_input.max_draft_query_len,
                              num_tokens=model_input.num_tokens,
-                             num_draft_tokens=model_input.num_draft_tokens)
+                             num_draft_tokens=model_input.num_draft_tokens,
+                             num_samples=model_input.num_logits)
         return self._to_host(out, model_input)
 
     def _graph_variant(self, model_input: ModelInput) -> str | None:
@@ -333,12 +334,13 @@ class TorchModelRunner:
               entries: tuple[torch.Tensor, torch.Tensor] | None,
               token_bitmask: torch.Tensor | None = None, *, layout: BatchLayout,
               flags: StepFlags, max_query_len: int, max_draft_query_len: int,
-              num_tokens: int | None = None, num_draft_tokens: int | None = None
-              ) -> StepOutput:
+              num_tokens: int | None = None, num_draft_tokens: int | None = None,
+              num_samples: int | None = None) -> StepOutput:
         """The whole step on the device → StepOutput: tokens and logprobs [L, K+1], and what the
-        flags ask for besides. num_tokens and num_draft_tokens: the real tokens of the target
-        and of the draft's catch-up, when only those run (the padding rows are skipped: a
-        speculative step of one sequence pads 5 tokens to 8)."""
+        flags ask for besides. num_tokens, num_draft_tokens and num_samples: the real tokens of
+        the target and of the draft's catch-up, and the real logits rows, when only those run
+        (the padding rows are skipped: a speculative step of one sequence pads 5 tokens to 8;
+        the padding rows' logits are zeros)."""
         num_tokens = layout.num_tokens if num_tokens is None else num_tokens
         b = unpack(layout, ints, floats)
         sampling = {name: b[name] for name in SAMPLING_FIELDS}
@@ -364,14 +366,17 @@ class TorchModelRunner:
                                  b["query_start_loc"], b["kv_lens"], b["block_tables"],
                                  *target.rope, max_query_len=max_query_len)
         indices = b["logits_indices"]  # [L, K+1]
-        rows = indices.reshape(-1)
+        rows = indices[: indices.shape[0] if num_samples is None else num_samples].reshape(-1)
+        num_rows = rows.numel()
         if flags.prompt_logprobs:  # the prompt positions scored, after the sampled rows
             rows = torch.cat([rows, b["prompt_logprobs_indices"]])
         logits = target.forward(input_ids, target.kv_caches, meta, rows)
         prompt = ()
         if flags.prompt_logprobs:
-            logits, prompt_logits = logits[: indices.numel()], logits[indices.numel() :]
+            logits, prompt_logits = logits[:num_rows], logits[num_rows:]
             prompt = score_prompt_tokens(prompt_logits, b["prompt_logprobs_token_ids"])
+        if num_rows < indices.numel():  # the padding rows: zeros
+            logits = torch.nn.functional.pad(logits, (0, 0, 0, indices.numel() - num_rows))
         if not k:
             out = sample(logits, sampling, flags)
             return StepOutput(*(None if x is None else x[:, None] for x in out), *prompt)

@@ -97,6 +97,9 @@ def _int_fields(layout: BatchLayout) -> dict[str, tuple[int, ...]]:
         "prompt_logprobs_indices": (t,),
         "prompt_logprobs_token_ids": (t,),
         "step_flags": (len(StepFlag),),
+        # how many of the S logits rows, the last ones, sample nothing (padding): a runner may
+        # leave their logits at zero instead of computing them
+        "num_padding_samples": (1,),
     }
     if layout.draft:
         fields.update({
@@ -292,6 +295,7 @@ def build_model_input(out: SchedulerOutput, shapes: StepShapes, *, block_size: i
         model_input.token_bitmask[: len(token_bitmask)] = token_bitmask
     f = model_input.fields()
     f["step_flags"][:] = flags.as_array()
+    f["num_padding_samples"][0] = layout.num_seqs - len(samples)
     ends = _fill_tokens(f, entries, q_lens, block_size)
     _fill_samples(f, entries, samples, ends, layout.num_spec_tokens)
     if prompt_rows:

@@ -125,8 +125,8 @@ def test_the_build_is_cached_per_source(tmp_path, monkeypatch) -> None:
 @pytest.mark.parametrize(("rows", "in_features", "out_features"),
                          [(1, 64, 40), (7, 96, 72), (64, 256, 512), (5, 48, 16), (0, 32, 16)])
 def test_linear_matches_float64(rows: int, in_features: int, out_features: int) -> None:
-    """Row groupings (blocks of 4 rows, a last block of 1-7) and tile counts (groups of 4, a
-    partial tile)."""
+    """Row groupings (AVX-512: blocks of 4 rows, a last block of 1-7; AVX2: blocks of 6, then
+    the last 1-5) and tile counts (groups of 4, a partial tile)."""
     rng = np.random.default_rng(rows + in_features)
     x = rng.standard_normal((rows, in_features)).astype(np.float32)
     w = rng.standard_normal((in_features, out_features)).astype(np.float32)
@@ -156,6 +156,21 @@ def test_linear_is_the_torch_ops_bit_for_bit_and_batch_invariant() -> None:
     for row in (0, 5, 10):
         np.testing.assert_array_equal(
             np.asarray(cpu_ffi.linear(jnp.asarray(x[row : row + 1]), packed, 200))[0], batch[row])
+
+
+@pytest.mark.parametrize("num_rows", [0, 1, 6, 11, 20])
+def test_linear_computes_the_first_num_rows_only(num_rows: int) -> None:
+    """num_rows (a traced int32: the step's real logits rows): those rows as without it, the
+    rest zeros; more than the rows there are computes them all."""
+    rng = np.random.default_rng(num_rows)
+    x = jnp.asarray(rng.standard_normal((11, 64)).astype(np.float32))
+    packed = cpu_ffi.pack_linear_weight(jnp.asarray(rng.standard_normal((64, 40)), jnp.float32))
+    full = np.asarray(cpu_ffi.linear(x, packed, 40))
+    got = np.asarray(jax.jit(lambda x, p, n: cpu_ffi.linear(x, p, 40, n))(
+        x, packed, jnp.int32(num_rows)))
+    n = min(num_rows, 11)
+    np.testing.assert_array_equal(got[:n], full[:n])
+    np.testing.assert_array_equal(got[n:], 0)
 
 
 def test_linear_rejects_other_dtypes() -> None:

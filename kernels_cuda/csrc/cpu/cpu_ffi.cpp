@@ -138,9 +138,11 @@ ffi::Error ragged_paged_attention_f32(
   return ffi::Error::Success();
 }
 
+// Rows [num_rows, M) of y are zeros, not computed (a step's padding rows).
 ffi::Error linear_f32(ffi::ThreadPool pool,
                       ffi::Buffer<ffi::F32> x,          // [M, K]
                       ffi::Buffer<ffi::F32> packed,     // [ceil(N / 16), K, 16]
+                      ffi::Buffer<ffi::S32> num_rows,   // [1]: rows computed, clamped to [0, M]
                       ffi::ResultBuffer<ffi::F32> y) {  // [M, ceil(N / 16) * 16]
   const auto xd = x.dimensions(), wd = packed.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || wd.size() != 3 || wd[2] != cpu_linear::kTile || wd[1] != xd[1] ||
@@ -148,9 +150,10 @@ ffi::Error linear_f32(ffi::ThreadPool pool,
     return ffi::Error::InvalidArgument(
         "linear (FFI): expected x [M, K], packed [ceil(N/16), K, 16], y [M, ceil(N/16) * 16]");
   }
-  const int64_t K = xd[1], num_tiles = wd[0];
-  run_linear(pool, x.typed_data(), K, xd[0], packed.typed_data(), K, num_tiles, y->typed_data(),
-             num_tiles * cpu_linear::kTile);
+  const int64_t K = xd[1], num_tiles = wd[0], ldy = num_tiles * cpu_linear::kTile;
+  const int64_t M = std::clamp<int64_t>(num_rows.typed_data()[0], 0, xd[0]);
+  run_linear(pool, x.typed_data(), K, M, packed.typed_data(), K, num_tiles, y->typed_data(), ldy);
+  std::fill(y->typed_data() + M * ldy, y->typed_data() + xd[0] * ldy, 0.f);
   return ffi::Error::Success();
 }
 
@@ -433,6 +436,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxLinearF32, pagedjax::linear_f32,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxTopKF32, pagedjax::top_k_f32,

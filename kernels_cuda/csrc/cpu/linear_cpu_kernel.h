@@ -17,8 +17,8 @@
 namespace pagedjax::cpu_linear {
 
 constexpr int64_t kTile = 16;  // columns per packed tile (two 8-float AVX2 registers)
-constexpr int64_t kRows = 4;      // AVX-512: rows per register block (4 x 4 tiles)
-constexpr int64_t kRowsAvx2 = 6;  // AVX2: rows per register block (6 x 16 columns: 12 registers)
+constexpr int64_t kRows = 4;   // AVX-512: rows per register block (4 x 4 tiles)
+constexpr int kRowsAvx2 = 6;   // AVX2: rows per register block (6 x 16 columns: 12 registers)
 
 // The rows [MR] against NT consecutive tiles, written to y (ldy floats per row) plus bias.
 // Scalar version: any CPU, and the reference for the AVX2 one.
@@ -163,16 +163,13 @@ void tile_group(const float* x, int64_t ldx, int64_t M, const float* packed, int
 #endif
   // AVX2 (or scalar): blocks of 6 rows x 1 tile, then the last 1-5 rows: 5 or 4 a tile at a
   // time, 2 or 3 as 2 rows x 2 tiles (+ 1 row), 1 row against all NT tiles (8 accumulators).
-  for (; m + kRowsAvx2 <= M; m += kRowsAvx2)
-    for (int i = 0; i < NT; ++i)
-      block<kRowsAvx2, 1>(x + m * ldx, ldx, w + i * K * kTile, K, b ? b + i * kTile : nullptr,
-                          y + m * ldy + i * kTile, ldy);
-  auto rows_by_tile = [&](auto rows) {
+  auto rows_by_tile = [&](auto rows) {  // the next `rows` rows, one tile at a time
     for (int i = 0; i < NT; ++i)
       block<decltype(rows)::value, 1>(x + m * ldx, ldx, w + i * K * kTile, K,
                                       b ? b + i * kTile : nullptr, y + m * ldy + i * kTile, ldy);
     m += decltype(rows)::value;
   };
+  while (M - m >= kRowsAvx2) rows_by_tile(std::integral_constant<int, kRowsAvx2>{});
   if (M - m == 5) return rows_by_tile(std::integral_constant<int, 5>{});
   if (M - m == 4) return rows_by_tile(std::integral_constant<int, 4>{});
   const int64_t left = M - m;

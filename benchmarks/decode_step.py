@@ -16,8 +16,10 @@ the framework's profiler and the device time is listed by kernel (where a step's
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import glob
+import os
 import re
 import statistics
 import sys
@@ -137,8 +139,20 @@ def probe_step(llm, repeats: int = 50) -> dict:
     """The jax step's executable alone, on the input of one more engine step, called `repeats`
     times (the same tokens rewrite the same KV slots): ms per call back to back, one wait at the
     end ("pipelined": the larger of dispatch and device time), and ms per call waiting for the
-    outputs each time ("synced": what the engine's execute phase costs without its host work)."""
+    outputs each time ("synced": the engine's execute phase without its host work) in four
+    arrangements of the buffers, since XLA re-records (updates) each command of the step's CUDA
+    graph whose buffers moved since the last call:
+    - "synced": the last call's outputs alive until this call has launched (as the engine's
+      asynchronous output processing keeps them);
+    - "outputs dropped first": the last call's outputs freed before this call;
+    - "inputs on device": the same device input buffers every call (no host transfer);
+    - "two executables": two loaded copies of the executable called in turn, the outputs kept
+      as in "synced" (each copy's own graph sees the same addresses every other call).
+    For each: the number of distinct output, last-token and KV-cache addresses seen, and where
+    XLA logs them (TF_CPP_VMODULE=command_buffer_thunk=3), the command-buffer updates and
+    their microseconds."""
     import jax
+    from jax.experimental import serialize_executable
 
     runner = llm.engine.runner
     inputs = []
@@ -156,25 +170,71 @@ def probe_step(llm, repeats: int = 50) -> dict:
     for _ in range(repeats):
         out = runner.launch(executable, model_input)
     jax.block_until_ready(out)
-    pipelined = (time.perf_counter() - start) / repeats
-    def synced(step_input, dispatch_only: bool = False) -> float:
-        seconds = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            out = runner.launch(executable, step_input)
-            if dispatch_only:
-                seconds.append(time.perf_counter() - start)
-            jax.device_get(out.wanted(step_input.flags))
-            if not dispatch_only:
-                seconds.append(time.perf_counter() - start)
-        return 1e3 * statistics.median(seconds)
+    result = {"pipelined ms": 1e3 * (time.perf_counter() - start) / repeats}
+    del out
 
-    # the same step with its two input buffers already on the device (no transfer per call)
+    def addresses(out) -> tuple[int, int, int]:
+        first_cache = jax.tree.leaves(runner.kv_caches)[0]
+        return (out.tokens.unsafe_buffer_pointer(), runner._last_tokens.unsafe_buffer_pointer(),
+                first_cache.unsafe_buffer_pointer())
+
+    def synced(name: str, step_input, executables, keep_last: bool = True) -> None:
+        seconds, dispatch, seen, last = [], [], set(), []
+        with _captured_stderr() as log:
+            for i in range(repeats):
+                if not keep_last:
+                    last.clear()  # the only reference to the last call's outputs
+                start = time.perf_counter()
+                out = runner.launch(executables[i % len(executables)], step_input)
+                dispatch.append(time.perf_counter() - start)
+                jax.device_get(out.wanted(step_input.flags))
+                seconds.append(time.perf_counter() - start)
+                seen.add(addresses(out))
+                last[:] = [out]
+                del out
+            last.clear()
+        updates = re.findall(r"Updated command buffer in (\d+)", log[0])
+        result[f"{name} ms"] = 1e3 * statistics.median(seconds)
+        result[f"{name}: dispatch ms"] = 1e3 * statistics.median(dispatch)
+        result[f"{name}: addresses (out, last tokens, kv)"] = [len(set(a)) for a in zip(*seen)]
+        if updates:
+            result[f"{name}: graph updates"] = len(updates)
+            result[f"{name}: update us"] = statistics.median(int(u) for u in updates)
+
+    synced("synced", model_input, [executable])
+    synced("synced, outputs dropped first", model_input, [executable], keep_last=False)
     on_device = dataclasses.replace(model_input, ints=jax.device_put(model_input.ints),
                                     floats=jax.device_put(model_input.floats))
-    return {"pipelined ms": 1e3 * pipelined, "synced ms": synced(model_input),
-            "dispatch ms": synced(model_input, dispatch_only=True),
-            "synced, inputs on device ms": synced(on_device)}
+    synced("synced, inputs on device", on_device, [executable], keep_last=False)
+    try:  # a second copy: serialized and loaded again (jax 0.10's CPU client cannot)
+        payload, in_tree, out_tree = serialize_executable.serialize(executable)
+        twin = serialize_executable.deserialize_and_load(payload, in_tree, out_tree,
+                                                         execution_devices=jax.devices()[:1])
+        jax.block_until_ready(runner.launch(twin, model_input))
+    except Exception as error:  # noqa: BLE001 (recorded, the other figures stand)
+        result["two executables"] = f"not loaded: {error}"[:200]
+    else:
+        synced("synced, two executables", model_input, [executable, twin])
+    return result
+
+
+@contextlib.contextmanager
+def _captured_stderr():
+    """File descriptor 2 (where XLA's C++ logs go) into a temporary file; the list yielded
+    holds its text once the block has run."""
+    text: list[str] = []
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile("w+") as log:
+        os.dup2(log.fileno(), 2)
+        try:
+            yield text
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            log.seek(0)
+            text.append(log.read())
 
 
 def profile_steps(llm, backend: str, num_steps: int) -> tuple[list[dict], float]:
@@ -282,6 +342,9 @@ def main() -> None:
                         help="also list where the device time of a step goes")
     parser.add_argument("--probe", action="store_true",
                         help="jax: also time the step's executable alone, pipelined and synced")
+    parser.add_argument("--executable-copies", type=int, choices=(1, 2), default=1,
+                        help="jax: decode steps alternate between this many copies of their "
+                             "executable (the runner's executable_copies)")
     parser.add_argument("--copy-gbs", type=float,
                         help="copy bandwidth (GB/s read + written) to use instead of measuring "
                              "this framework's")
@@ -303,9 +366,17 @@ def main() -> None:
         model_config = ModelConfig.from_pretrained(args.model)
         # room for the tokens decoded while later prompts are computed, then every step here
         max_len = args.context + 256 + WARMUP_STEPS + args.steps + PROFILE_STEPS
+        start = time.perf_counter()
         llm = LLM(args.model, backend=args.backend, dtype=args.dtype,
                   max_model_len=max_len, max_num_seqs=max(args.batch_sizes),
                   enable_prefix_caching=False, async_scheduling=args.async_scheduling)
+        startup = {"startup s": time.perf_counter() - start,
+                   "steps loaded from the store": getattr(llm.engine.runner, "num_cache_hits",
+                                                          None)}
+        print(f"startup {startup['startup s']:.1f} s ({startup['steps loaded from the store']} "
+              "steps loaded from the executable store)", flush=True)
+        if args.executable_copies != 1:
+            llm.engine.runner.executable_copies = args.executable_copies
         weights = weight_bytes_read(args.model, llm.engine.config.dtype_bytes,
                                     model_config.tie_word_embeddings)
         rows = [measure_batch(llm, args, b, weights, copy_gbs) for b in args.batch_sizes]
@@ -320,7 +391,8 @@ def main() -> None:
               {k: round(v, 3) for k, v in row["phases ms"].items()})
         if "probe" in row:
             print(f"batch {row['batch']} executable alone (ms):",
-                  {k: round(v, 3) for k, v in row["probe"].items()})
+                  {k: round(v, 3) if isinstance(v, float) else v
+                   for k, v in row["probe"].items()})
         if "kernel us/step" in row:
             print(f"batch {row['batch']}: every kernel {row['kernel us/step']:.1f} us/step")
         for kernel in row.get("profile", []):
@@ -330,9 +402,10 @@ def main() -> None:
     model_name = "random-llama" if args.random_llama else Path(args.model).name
     path = write_json(
         f"decode_step_{args.backend}_{model_name}_{env['accelerator'].replace(' ', '_')}"
-        f"{'_async' if args.async_scheduling else ''}.json",
-        {"args": vars(args), "copy_bandwidth_gbs": copy_gbs, "dtype": dtype, "results": rows,
-         "environment": env}, args.out)
+        f"{'_async' if args.async_scheduling else ''}"
+        f"{'_copies2' if args.executable_copies == 2 else ''}.json",
+        {"args": vars(args), "copy_bandwidth_gbs": copy_gbs, "dtype": dtype, **startup,
+         "results": rows, "environment": env}, args.out)
     print(f"wrote {path}")
 
 

@@ -93,3 +93,12 @@ class ExecutableStore:
             tmp.replace(path)  # atomic: concurrent processes never read half a file
         except Exception as error:  # a full disk or an unserializable executable: no cache
             logger.warning("could not store the compiled step %s (%s)", path, error)
+
+
+def load_copy(executable: jax.stages.Compiled, devices: list[jax.Device]) -> jax.stages.Compiled:
+    """A second, independent copy of a compiled step (serialized and loaded again): on a GPU it
+    records its own CUDA graph, so two copies called in turn each see the same buffer
+    addresses every other call where one copy would see them change every call."""
+    payload, in_tree, out_tree = serialize_executable.serialize(executable)
+    return serialize_executable.deserialize_and_load(payload, in_tree, out_tree,
+                                                     execution_devices=devices)

@@ -25,7 +25,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
 from pagedjax.backends.jax.attention import resolve_attention
-from pagedjax.backends.jax.executable_store import ExecutableStore
+from pagedjax.backends.jax.executable_store import ExecutableStore, load_copy
 from pagedjax.backends.jax.model import (
     AttentionMetadata,
     KVCache,
@@ -186,7 +186,17 @@ class JaxModelRunner:
         # the next step may take its inputs from it (ModelInput's input_rows) on the device.
         self.async_scheduling = True
         self._last_tokens = self._put(np.zeros(shapes.max_num_seqs, np.int32))
-        self._step = jax.jit(self._step_fn, donate_argnums=(2, 3),
+        # 2: decode steps alternate between two copies of their executable. With asynchronous
+        # output processing a step's outputs are allocated while the last step's still live,
+        # so their addresses alternate between two places, and a single copy's CUDA graph is
+        # updated every call (what XLA re-records, RESULTS.md); each copy sees one place.
+        self.executable_copies = 1
+        self._copies: dict[Hashable, jax.stages.Compiled] = {}
+        self._num_launches = 0
+        # The caches and the last step's first tokens are donated: each output takes its
+        # input's buffer, so the addresses a GPU step's command buffer records stay put (XLA
+        # re-records every command that touches a buffer whose address changed).
+        self._step = jax.jit(self._step_fn, donate_argnums=(2, 3, 9),
                              static_argnames=("layout", "plain"))
         self._plain_decode = _branch_free_decode(jax.devices()[0].platform)
         self._copy = jax.jit(_copy_blocks, donate_argnums=(0,))
@@ -271,6 +281,7 @@ class JaxModelRunner:
         self.kv_caches, self.draft_kv_caches, self.target, self.draft = [], [], None, None
         self._step = self._copy = None
         self._executables.clear()
+        self._copies.clear()
 
     # ---- compile -----------------------------------------------------------------------------
 
@@ -371,7 +382,14 @@ class JaxModelRunner:
         """Enqueue one step; the function returned waits for its outputs on the host."""
         if len(model_input.block_copies):
             self._copy_blocks(model_input.block_copies)
-        out = self.launch(self.executable(self.step_key(model_input)), model_input)
+        key = self.step_key(model_input)
+        executable = self.executable(key)
+        self._num_launches += 1
+        if self.executable_copies == 2 and model_input.layout.decode and self._num_launches % 2:
+            if key not in self._copies:
+                self._copies[key] = load_copy(executable, self._store.devices)
+            executable = self._copies[key]
+        out = self.launch(executable, model_input)
         return lambda: self._host_output(model_input, out)
 
     def _host_output(self, model_input: ModelInput, out: StepOutput) -> ModelOutput:
@@ -389,7 +407,7 @@ class JaxModelRunner:
         bitmask = model_input.token_bitmask
         if bitmask is None:
             bitmask = self._no_bitmask[model_input.layout.num_seqs]
-        self.kv_caches, self.draft_kv_caches, out, self._last_tokens = executable(
+        self.kv_caches, self.draft_kv_caches, self._last_tokens, out = executable(
             self.target.params, draft_params, self.kv_caches, self.draft_kv_caches,
             model_input.ints, model_input.floats, *entries, bitmask, self._last_tokens)
         return out
@@ -414,11 +432,12 @@ class JaxModelRunner:
                  draft_kv_caches: list[KVCache], ints: jax.Array, floats: jax.Array,
                  entry_ints: jax.Array, entry_bias: jax.Array, token_bitmask: jax.Array,
                  last_tokens: jax.Array, *, layout: BatchLayout, plain: bool = False) -> tuple:
-        """The whole step on the device → (caches, draft caches, StepOutput with tokens and
-        logprobs [L, K+1] and, computed where the step's flags ask, top logprobs and prompt
-        logprobs, each row's first token [R] for the next step). plain: every flag is off
-        (PLAIN), known here: no branches. last_tokens [R]: the last step's first tokens, the
-        inputs of the rows whose input_rows say so (async scheduling)."""
+        """The whole step on the device → (caches, draft caches, each row's first token [R]
+        for the next step, StepOutput with tokens and logprobs [L, K+1] and, computed where the
+        step's flags ask, top logprobs and prompt logprobs). plain: every flag is off (PLAIN),
+        known here: no branches. last_tokens [R]: the last step's first tokens, the inputs of
+        the rows whose input_rows say so (async scheduling); donated, and the first output of
+        its shape, so that jax gives its buffer to the first tokens out."""
         b = unpack(layout, ints, floats)
         rows = b["input_rows"]  # [T]: 1 + a row of last_tokens, or 0
         b["input_ids"] = jnp.where(rows > 0, last_tokens[jnp.maximum(rows - 1, 0)],
@@ -460,14 +479,14 @@ class JaxModelRunner:
         if not k:
             out = sample(logits, sampling, flags)
             out = StepOutput(*(x[:, None] for x in out), *prompt)  # [L, 1, ...]
-            return kv_caches, draft_kv_caches, out, self._first_tokens(out.tokens)
+            return kv_caches, draft_kv_caches, self._first_tokens(out.tokens), out
         logits = logits.reshape(*indices.shape, -1)  # [L, K+1, V]
         seqs = b["sample_seq"]  # [L]: the sequence whose drafts row l verifies
         tokens, _ = rejection_sample(logits, drafts[seqs], None, b["num_draft_tokens"],
                                      sampling, flags)
         logprobs = jax.nn.log_softmax(logits, axis=-1)
-        return kv_caches, draft_kv_caches, StepOutput(tokens, *gather_logprobs(
-            logprobs, tokens, flags[StepFlag.LOGPROBS]), *prompt), self._first_tokens(tokens)
+        return kv_caches, draft_kv_caches, self._first_tokens(tokens), StepOutput(
+            tokens, *gather_logprobs(logprobs, tokens, flags[StepFlag.LOGPROBS]), *prompt)
 
     def _first_tokens(self, tokens: jax.Array) -> jax.Array:
         """[L, K+1] → each row's first token [R], zero-padded (a decode step's one token)."""

@@ -194,3 +194,30 @@ def test_branch_free_decode_steps(tiny_model, monkeypatch) -> None:
     assert all(len(entry) >= 2 for o in again for entry in o.outputs[0].logprobs)
     assert not any(e is p for e in used for p in plain.values())
     assert llm.get_metrics()["num_compiles_after_startup"] == 0
+
+
+def test_decode_steps_alternate_between_two_executable_copies(tiny_model, monkeypatch) -> None:
+    """executable_copies 2: decode steps run two copies of their executable in turn and give
+    HF's tokens; the donated last tokens keep their buffer from step to step."""
+    monkeypatch.setenv("PAGEDJAX_DISABLE_COMPILE_CACHE", "1")  # jax 0.10's CPU client cannot
+    model_dir = tiny_model("llama")  # copy an executable it loaded from the store
+    llm = make_llm(model_dir, max_num_seqs=4, max_num_batched_tokens=64)
+    runner = llm.engine.runner
+    runner.executable_copies = 2
+    used, addresses = [], set()
+    launch = runner.launch
+
+    def recording_launch(executable, model_input):
+        out = launch(executable, model_input)
+        if model_input.layout.decode:
+            used.append(executable)
+            addresses.add(runner._last_tokens.unsafe_buffer_pointer())
+        return out
+
+    monkeypatch.setattr(runner, "launch", recording_launch)
+    prompts = make_prompts(llm.engine.model_config.vocab_size)[:4]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(model_dir, prompts, 8)
+    assert len({id(e) for e in used}) >= 2 and set(runner._copies.values()) & set(used)
+    assert len(addresses) == 1

@@ -342,9 +342,9 @@ def main() -> None:
                         help="also list where the device time of a step goes")
     parser.add_argument("--probe", action="store_true",
                         help="jax: also time the step's executable alone, pipelined and synced")
-    parser.add_argument("--executable-copies", type=int, choices=(1, 2), default=1,
+    parser.add_argument("--executable-copies", type=int, choices=(1, 2),
                         help="jax: decode steps alternate between this many copies of their "
-                             "executable (the runner's executable_copies)")
+                             "executable (default: the runner's, 2 on an accelerator)")
     parser.add_argument("--copy-gbs", type=float,
                         help="copy bandwidth (GB/s read + written) to use instead of measuring "
                              "this framework's")
@@ -375,7 +375,7 @@ def main() -> None:
                                                           None)}
         print(f"startup {startup['startup s']:.1f} s ({startup['steps loaded from the store']} "
               "steps loaded from the executable store)", flush=True)
-        if args.executable_copies != 1:
+        if args.executable_copies:
             llm.engine.runner.executable_copies = args.executable_copies
         weights = weight_bytes_read(args.model, llm.engine.config.dtype_bytes,
                                     model_config.tie_word_embeddings)
@@ -403,7 +403,7 @@ def main() -> None:
     path = write_json(
         f"decode_step_{args.backend}_{model_name}_{env['accelerator'].replace(' ', '_')}"
         f"{'_async' if args.async_scheduling else ''}"
-        f"{'_copies2' if args.executable_copies == 2 else ''}.json",
+        f"{f'_copies{args.executable_copies}' if args.executable_copies else ''}.json",
         {"args": vars(args), "copy_bandwidth_gbs": copy_gbs, "dtype": dtype, **startup,
          "results": rows, "environment": env}, args.out)
     print(f"wrote {path}")

@@ -186,11 +186,13 @@ class JaxModelRunner:
         # the next step may take its inputs from it (ModelInput's input_rows) on the device.
         self.async_scheduling = True
         self._last_tokens = self._put(np.zeros(shapes.max_num_seqs, np.int32))
-        # 2: decode steps alternate between two copies of their executable. With asynchronous
-        # output processing a step's outputs are allocated while the last step's still live,
-        # so their addresses alternate between two places, and a single copy's CUDA graph is
-        # updated every call (what XLA re-records, RESULTS.md); each copy sees one place.
-        self.executable_copies = 1
+        # On an accelerator decode steps alternate between two copies of their executable.
+        # With asynchronous output processing a step's outputs are allocated while the last
+        # step's still live, so at batch 1 their addresses alternate between two places and
+        # XLA re-records the commands of a single copy's CUDA graph that write them on every
+        # call (H100: 0.2-0.3 ms a step); each copy sees one place. A CPU has no graph (and
+        # jax 0.10's CPU client cannot copy an executable it loaded from the store).
+        self.executable_copies = 1 if self._on_cpu else 2
         self._copies: dict[Hashable, jax.stages.Compiled] = {}
         self._num_launches = 0
         # The caches and the last step's first tokens are donated: each output takes its
@@ -310,6 +312,11 @@ class JaxModelRunner:
                 self._executables[key] = future.result()
                 self._store.save(key, self._executables[key])
                 on_compiled()
+        if self.executable_copies == 2:  # each decode step's second copy, before serving
+            for key in list(self._executables):
+                layout = key[0] if isinstance(key, tuple) else key
+                if isinstance(layout, BatchLayout) and layout.decode:
+                    self._copy_of(key)
 
     @property
     def num_cache_hits(self) -> int:
@@ -386,11 +393,15 @@ class JaxModelRunner:
         executable = self.executable(key)
         self._num_launches += 1
         if self.executable_copies == 2 and model_input.layout.decode and self._num_launches % 2:
-            if key not in self._copies:
-                self._copies[key] = load_copy(executable, self._store.devices)
-            executable = self._copies[key]
+            executable = self._copy_of(key)
         out = self.launch(executable, model_input)
         return lambda: self._host_output(model_input, out)
+
+    def _copy_of(self, key: Hashable) -> jax.stages.Compiled:
+        """The second copy of a decode step's executable (executable_copies)."""
+        if key not in self._copies:
+            self._copies[key] = load_copy(self.executable(key), self._store.devices)
+        return self._copies[key]
 
     def _host_output(self, model_input: ModelInput, out: StepOutput) -> ModelOutput:
         """A launched step's ModelOutput: the fields its flags ask for, waited for on the host."""

@@ -197,13 +197,18 @@ def test_branch_free_decode_steps(tiny_model, monkeypatch) -> None:
 
 
 def test_decode_steps_alternate_between_two_executable_copies(tiny_model, monkeypatch) -> None:
-    """executable_copies 2: decode steps run two copies of their executable in turn and give
-    HF's tokens; the donated last tokens keep their buffer from step to step."""
+    """executable_copies 2 (an accelerator's default): startup loads a second copy of every
+    decode step, decode steps run the two copies in turn and give HF's tokens; the donated
+    last tokens keep their buffer from step to step."""
     monkeypatch.setenv("PAGEDJAX_DISABLE_COMPILE_CACHE", "1")  # jax 0.10's CPU client cannot
-    model_dir = tiny_model("llama")  # copy an executable it loaded from the store
+    monkeypatch.setenv("PAGEDJAX_COMPILE_AT_STARTUP", "1")  # copy one loaded from the store
+    model_dir = tiny_model("llama")
     llm = make_llm(model_dir, max_num_seqs=4, max_num_batched_tokens=64)
     runner = llm.engine.runner
     runner.executable_copies = 2
+    runner.compile([])  # what startup does on an accelerator: every decode step's copy
+    decode = [k for k in runner._executables if getattr(k, "decode", False)]
+    assert decode and set(decode) <= set(runner._copies)
     used, addresses = [], set()
     launch = runner.launch
 

@@ -66,19 +66,25 @@ def timed_generate(llms: dict, groups: list[list[list[int]]], max_tokens: int,
 
 
 def make_llm(model: str, backend: str, args, draft: str | None = None, k: int = 0,
-             adaptive: bool = False):
+             adaptive: bool = False, memory_share: float = 0.9):
+    """memory_share: the gpu_memory_utilization this engine is built with. An engine's KV
+    pool takes that fraction of the device less what is in use, the engines built before it
+    in this process included, so the i-th of n engines gets 0.9 * (i + 1) / n (on an H200 the
+    first engine of the grid took the whole device and the second had no room for its pool)."""
     from pagedjax import LLM
 
     spec = ({"model": draft, "num_speculative_tokens": k, "adaptive": adaptive} if k else None)
     return LLM(model, backend=backend, max_model_len=args.max_model_len,
-               max_num_seqs=max(args.batch_sizes), speculative_config=spec)
+               max_num_seqs=max(args.batch_sizes), speculative_config=spec,
+               gpu_memory_utilization=memory_share)
 
 
 def run_backend(backend: str, args) -> list[dict]:
     configs = [("k=0", 0, False), *((f"k={k}", k, False) for k in args.ks),
                (f"adaptive≤{args.adaptive_k}", args.adaptive_k, True)]
-    llms = {mode: make_llm(args.target, backend, args, args.draft, k, adaptive)
-            for mode, k, adaptive in configs}
+    llms = {mode: make_llm(args.target, backend, args, args.draft, k, adaptive,
+                           memory_share=0.9 * (i + 1) / len(configs))
+            for i, (mode, k, adaptive) in enumerate(configs)}
     prompts = code_prompts(llms["k=0"].get_tokenizer(), max(*args.batch_sizes, _MIN_PROMPTS))
     rows = []
     for b in args.batch_sizes:

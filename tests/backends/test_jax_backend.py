@@ -41,7 +41,8 @@ def make_llm(model_dir: str, **kwargs) -> LLM:
 def test_greedy_matches_hf(tiny_model, name: str, scenario: str) -> None:
     model_dir = tiny_model(name)
     llm = make_llm(model_dir, **SCENARIOS[scenario])
-    assert llm.engine.runner.target.module.packed  # float32 CPU: linears on the C++ kernel
+    on_cpu = llm.engine.runner._on_cpu
+    assert llm.engine.runner.target.module.packed == on_cpu  # linears on the C++ kernel
     prompts = make_prompts(llm.engine.model_config.vocab_size)
     expected = hf_greedy(model_dir, prompts, MAX_TOKENS)
     inputs = [{"prompt_token_ids": p} for p in prompts]

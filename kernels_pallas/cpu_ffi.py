@@ -37,12 +37,15 @@ LINEAR_TARGET = "pagedjax_linear_f32"
 TOP_K_TARGET = "pagedjax_top_k_f32"
 FILTER_TARGET = "pagedjax_filter_logits_f32"
 DECODER_LAYER_TARGET = "pagedjax_decoder_layer_f32"
+LOGITS_STATS_TARGET = "pagedjax_logits_stats_f32"
 _SYMBOLS = {TARGET: "PagedjaxRaggedPagedAttentionF32", LINEAR_TARGET: "PagedjaxLinearF32",
             TOP_K_TARGET: "PagedjaxTopKF32", FILTER_TARGET: "PagedjaxFilterLogitsF32",
-            DECODER_LAYER_TARGET: "PagedjaxDecoderLayerF32"}
+            DECODER_LAYER_TARGET: "PagedjaxDecoderLayerF32",
+            LOGITS_STATS_TARGET: "PagedjaxLogitsStatsF32"}
 _SOURCES = ("cpu/cpu_ffi.cpp", "cpu/attention_cpu_kernel.h", "attention_shape.h",
             "cpu/cpu_features.h", "cpu/simd_math.h", "cpu/linear_cpu_kernel.h",
-            "cpu/filter_cpu_kernel.h", "cpu/norm_act_cpu_kernel.h")  # under csrc/
+            "cpu/filter_cpu_kernel.h", "cpu/norm_act_cpu_kernel.h",
+            "cpu/logits_cpu_kernel.h")  # under csrc/
 LINEAR_TILE = 16  # columns per packed tile (linear_cpu_kernel.h)
 
 
@@ -220,6 +223,17 @@ def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
                             vmap_method="sequential")
     values, indices = call(rows)
     return values.reshape(*x.shape[:-1], k), indices.reshape(*x.shape[:-1], k)
+
+
+def logits_stats(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Float32 logits x [R, V] → (argmax [R] int32: the first index of the maximum, a NaN
+    counting as the maximum; log-sum-exp [R] float32) in one pass per row (logits_cpu_kernel.h).
+    Call `available()` first."""
+    rows = x.shape[0]
+    call = jax.ffi.ffi_call(LOGITS_STATS_TARGET, (jax.ShapeDtypeStruct((rows,), jnp.int32),
+                                                  jax.ShapeDtypeStruct((rows,), jnp.float32)),
+                            vmap_method="sequential")
+    return call(x.astype(jnp.float32))
 
 
 def filter_logits(x: jax.Array, top_k: jax.Array, top_p: jax.Array,

@@ -495,9 +495,9 @@ class JaxModelRunner:
         seqs = b["sample_seq"]  # [L]: the sequence whose drafts row l verifies
         tokens, _ = rejection_sample(logits, drafts[seqs], None, b["num_draft_tokens"],
                                      sampling, flags)
-        logprobs = jax.nn.log_softmax(logits, axis=-1)
+        lse = jax.nn.logsumexp(logits, axis=-1)  # [L, K+1]
         return kv_caches, draft_kv_caches, self._first_tokens(tokens), StepOutput(
-            tokens, *gather_logprobs(logprobs, tokens, flags[StepFlag.LOGPROBS]), *prompt)
+            tokens, *gather_logprobs(logits, lse, tokens, flags[StepFlag.LOGPROBS]), *prompt)
 
     def _first_tokens(self, tokens: jax.Array) -> jax.Array:
         """[L, K+1] → each row's first token [R], zero-padded (a decode step's one token)."""

@@ -146,16 +146,33 @@ def process_logits(logits: jax.Array, sampling: dict, flags: jax.Array) -> jax.A
                   lambda x: x, logits)
 
 
+def logits_stats(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """logits [L, V] → (argmax [L] int32, log-sum-exp [L]): the greedy token, and what turns
+    any logit into its logprob (logprob = logit - lse), without writing out [L, V] logprobs. On
+    CPU in float32 one C++ pass per row (logits_cpu_kernel.h; the torch backend's op too)."""
+    from pagedjax.kernels_pallas import cpu_ffi
+
+    if (jax.default_backend() == "cpu" and logits.dtype == jnp.float32 and logits.ndim == 2
+            and cpu_ffi.available()):
+        return cpu_ffi.logits_stats(logits)
+    return argmax(logits), jax.nn.logsumexp(logits, axis=-1)
+
+
 def sample(logits: jax.Array, sampling: dict, flags: jax.Array) -> tuple[jax.Array, ...]:
     """logits [L, V] float32 → token ids [L], then gather_logprobs' (logprobs [L], top ids
     [L, N], top logprobs [L, N], ranks [L]): a StepOutput's first five fields.
 
-    flags [len(StepFlag)] bool: what the step's rows use; the rest is a branch not taken."""
-    logprobs = jax.nn.log_softmax(logits, axis=-1)
-    logits = process_logits(logits, sampling, flags)
-    greedy = argmax(logits)
+    flags [len(StepFlag)] bool: what the step's rows use; the rest is a branch not taken. A
+    greedy step without logit entries or a token mask reads the logits once (logits_stats)."""
+    raw_argmax, lse = logits_stats(logits)  # logprobs are the raw model's
+    processed = flags[StepFlag.LOGIT_ENTRIES]
+    if "token_bitmask" in sampling:
+        processed = processed | flags[StepFlag.TOKEN_MASK]
+    greedy = branch(processed, lambda x: argmax(process_logits(x, sampling, flags)),
+                    lambda _: raw_argmax, logits)
 
     def random(logits: jax.Array) -> jax.Array:
+        logits = process_logits(logits, sampling, flags)
         temperature = sampling["temperature"]
         scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
         scaled = branch(flags[StepFlag.FILTERS], lambda x: filter_logits(
@@ -165,33 +182,33 @@ def sample(logits: jax.Array, sampling: dict, flags: jax.Array) -> tuple[jax.Arr
         return jnp.where(temperature > 0, sampled, greedy)
 
     tokens = branch(flags[StepFlag.SAMPLED], random, lambda _: greedy, logits)
-    return (tokens, *gather_logprobs(logprobs, tokens, flags[StepFlag.LOGPROBS]))
+    return (tokens, *gather_logprobs(logits, lse, tokens, flags[StepFlag.LOGPROBS]))
 
 
-def gather_logprobs(logprobs: jax.Array, tokens: jax.Array,
+def gather_logprobs(logits: jax.Array, lse: jax.Array, tokens: jax.Array,
                     with_top: jax.Array | bool) -> tuple[jax.Array, ...]:
-    """logprobs [..., V], tokens [...] (-1 = none) → (token logprobs [...], top ids [..., N],
-    top logprobs [..., N], ranks [...]) with N = MAX_LOGPROBS; the last three are zeros unless
-    with_top (a branch not taken).
+    """logits [..., V] with their log-sum-exp [...], tokens [...] (-1 = none) → (token logprobs
+    [...], top ids [..., N], top logprobs [..., N], ranks [...]) with N = MAX_LOGPROBS; the last
+    three are zeros unless with_top (a branch not taken).
 
     A token's rank is the number of tokens at least as likely (vLLM's): 1 = the most likely."""
     safe = jnp.maximum(tokens, 0)[..., None]
-    token_logprobs = jnp.take_along_axis(logprobs, safe, axis=-1)[..., 0]
+    token_logits = jnp.take_along_axis(logits, safe, axis=-1)[..., 0]
 
-    def top(logprobs: jax.Array) -> tuple[jax.Array, ...]:
-        ranks = jnp.sum(logprobs >= token_logprobs[..., None], axis=-1, dtype=jnp.int32)
-        top_lps, top_ids = _top_k(logprobs, MAX_LOGPROBS)
-        return top_ids.astype(jnp.int32), top_lps, ranks
+    def top(logits: jax.Array) -> tuple[jax.Array, ...]:
+        ranks = jnp.sum(logits >= token_logits[..., None], axis=-1, dtype=jnp.int32)
+        top_logits, top_ids = _top_k(logits, MAX_LOGPROBS)
+        return top_ids.astype(jnp.int32), top_logits - lse[..., None], ranks
 
-    def none(logprobs: jax.Array) -> tuple[jax.Array, ...]:
-        shape = (*logprobs.shape[:-1], MAX_LOGPROBS)
+    def none(logits: jax.Array) -> tuple[jax.Array, ...]:
+        shape = (*logits.shape[:-1], MAX_LOGPROBS)
         return (jnp.zeros(shape, jnp.int32), jnp.zeros(shape, jnp.float32),
-                jnp.zeros(logprobs.shape[:-1], jnp.int32))
+                jnp.zeros(logits.shape[:-1], jnp.int32))
 
-    return (token_logprobs, *branch(with_top, top, none, logprobs))
+    return (token_logits - lse, *branch(with_top, top, none, logits))
 
 
 def score_prompt_tokens(logits: jax.Array, token_ids: jax.Array) -> tuple[jax.Array, ...]:
     """prompt_logprobs: logits [Pl, V] at prompt positions, token_ids [Pl] the prompt token
     after each → gather_logprobs' four, with the top MAX_LOGPROBS."""
-    return gather_logprobs(jax.nn.log_softmax(logits, axis=-1), token_ids, True)
+    return gather_logprobs(logits, jax.nn.logsumexp(logits, axis=-1), token_ids, True)

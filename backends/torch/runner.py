@@ -385,9 +385,9 @@ class TorchModelRunner:
         tokens, _ = rejection_sample(logits, drafts[seqs], None, b["num_draft_tokens"],
                                      sampling, all_greedy=not flags.sampled,
                                      use_filters=flags.filters)
-        logprobs = torch.log_softmax(logits, dim=-1)
+        lse = torch.logsumexp(logits, dim=-1)  # [L, K+1]
         return StepOutput(tokens, *gather_logprobs(
-            logprobs, tokens, MAX_LOGPROBS if flags.logprobs else 0), *prompt)
+            logits, lse, tokens, MAX_LOGPROBS if flags.logprobs else 0), *prompt)
 
     def _copy_blocks(self, copies: torch.Tensor) -> None:
         """Copy-on-write: block copies[:, 1] becomes a copy of block copies[:, 0] in every layer

@@ -123,6 +123,16 @@ def process_logits(logits: torch.Tensor, sampling: dict[str, torch.Tensor]) -> t
     return logits if bitmask is None else apply_token_bitmask(logits, bitmask)
 
 
+def logits_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [L, V] → (argmax [L] int32, log-sum-exp [L]): the greedy token, and what turns
+    any logit into its logprob (logprob = logit - lse), without writing out [L, V] logprobs. On
+    CPU in float32 one C++ pass per row (logits_cpu_kernel.h; the JAX backend's too)."""
+    if (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
+            and ops_backend() != "reference"):
+        return torch.ops.pagedjax.logits_stats(logits.contiguous())
+    return torch.argmax(logits, dim=-1).to(torch.int32), torch.logsumexp(logits, dim=-1)
+
+
 def sample(logits: torch.Tensor, sampling: dict[str, torch.Tensor], flags: StepFlags
            ) -> tuple[torch.Tensor | None, ...]:
     """logits [L, V] float32 → token ids [L], then gather_logprobs' (logprobs [L], top ids
@@ -130,13 +140,15 @@ def sample(logits: torch.Tensor, sampling: dict[str, torch.Tensor], flags: StepF
 
     sampling: the knobs as tensors on logits' device (rng_seed / rng_step as int64 holding
     uint32 values), and "entries" when the step has logit entries; flags: what the step's rows
-    use (the host's copy): the rest is skipped.
+    use (the host's copy): the rest is skipped. A greedy step without logit entries or a token
+    mask reads the logits once (logits_stats).
     """
     all_greedy, use_filters = not flags.sampled, flags.filters
     num_top_logprobs = MAX_LOGPROBS if flags.logprobs else 0
-    logprobs = torch.log_softmax(logits, dim=-1)
-    logits = process_logits(logits, sampling)
-    tokens = torch.argmax(logits, dim=-1).to(torch.int32)
+    tokens, lse = logits_stats(logits)  # logprobs are the raw model's
+    raw, logits = logits, process_logits(logits, sampling)
+    if logits is not raw:
+        tokens = torch.argmax(logits, dim=-1).to(torch.int32)
     if not all_greedy:
         temperature = sampling["temperature"]
         scaled = logits / torch.where(temperature > 0, temperature, 1.0)[:, None]
@@ -145,25 +157,26 @@ def sample(logits: torch.Tensor, sampling: dict[str, torch.Tensor], flags: StepF
         u = uniform(sampling["rng_seed"], sampling["rng_step"], logits.shape[-1])
         sampled = torch.argmax(scaled - torch.log(-torch.log(u)), dim=-1).to(torch.int32)
         tokens = torch.where(temperature > 0, sampled, tokens)
-    return (tokens, *gather_logprobs(logprobs, tokens, num_top_logprobs))
+    return (tokens, *gather_logprobs(raw, lse, tokens, num_top_logprobs))
 
 
-def gather_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor,
+def gather_logprobs(logits: torch.Tensor, lse: torch.Tensor, tokens: torch.Tensor,
                     num_top_logprobs: int) -> tuple[torch.Tensor | None, ...]:
-    """logprobs [..., V], tokens [...] (-1 = none) → (token logprobs [...], top ids [..., N],
-    top logprobs [..., N], ranks [...]); all but the first are None when N is 0.
+    """logits [..., V] with their log-sum-exp [...], tokens [...] (-1 = none) → (token logprobs
+    [...], top ids [..., N], top logprobs [..., N], ranks [...]); all but the first are None
+    when N is 0.
 
     A token's rank is the number of tokens at least as likely (vLLM's): 1 = the most likely."""
     safe = tokens.clamp(min=0).long()[..., None]
-    token_logprobs = torch.gather(logprobs, -1, safe)[..., 0]
+    token_logits = torch.gather(logits, -1, safe)[..., 0]
     if num_top_logprobs == 0:
-        return token_logprobs, None, None, None
-    ranks = (logprobs >= token_logprobs[..., None]).sum(dim=-1, dtype=torch.int32)
-    top_lps, top_ids = torch.topk(logprobs, num_top_logprobs, dim=-1)
-    return token_logprobs, top_ids.to(torch.int32), top_lps, ranks
+        return token_logits - lse, None, None, None
+    ranks = (logits >= token_logits[..., None]).sum(dim=-1, dtype=torch.int32)
+    top_logits, top_ids = torch.topk(logits, num_top_logprobs, dim=-1)
+    return token_logits - lse, top_ids.to(torch.int32), top_logits - lse[..., None], ranks
 
 
 def score_prompt_tokens(logits: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """prompt_logprobs: logits [Pl, V] at prompt positions, token_ids [Pl] the prompt token
     after each → gather_logprobs' four, with the top MAX_LOGPROBS."""
-    return gather_logprobs(torch.log_softmax(logits, dim=-1), token_ids, MAX_LOGPROBS)
+    return gather_logprobs(logits, torch.logsumexp(logits, dim=-1), token_ids, MAX_LOGPROBS)

@@ -1,4 +1,5 @@
-"""A float64 NumPy loop over sequences: the obviously-correct oracle for every attention kernel."""
+"""Float64 NumPy oracles: a loop over sequences for every attention kernel, and the samplers'
+argmax and log-sum-exp for the logits kernel."""
 
 from __future__ import annotations
 
@@ -96,3 +97,29 @@ def per_row_relative_error(out: np.ndarray, ref: np.ndarray) -> float:
     err = np.linalg.norm(out - ref, axis=-1)
     scale = np.maximum(np.linalg.norm(ref, axis=-1), 1e-6)
     return float(np.max(err / scale))
+
+
+def logits_stats_cases() -> list[np.ndarray]:
+    """Float32 logits [R, V]: a large odd vocabulary, ties (small integers: the first index must
+    win), a short row, a NaN row (the first NaN is the argmax, lse NaN), a row of -inf and one
+    holding +inf."""
+    rng = np.random.default_rng(0)
+    big = (rng.standard_normal((5, 49155)) * 8).astype(np.float32)
+    ties = rng.integers(-3, 4, size=(4, 37)).astype(np.float32)
+    special = rng.standard_normal((4, 21)).astype(np.float32)
+    special[0, 7] = special[0, 15] = np.nan
+    special[1] = -np.inf
+    special[2, 3] = np.inf
+    return [big, ties, special, rng.standard_normal((3, 5)).astype(np.float32)]
+
+
+def logits_stats_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """First index of the maximum (a NaN counting as the maximum); logsumexp in float64."""
+    nan = np.isnan(x)
+    argmax = np.where(nan.any(-1), nan.argmax(-1), np.nanargmax(np.where(nan, 0, x), -1))
+    x64 = x.astype(np.float64)
+    top = np.max(np.where(nan, -np.inf, x64), -1, keepdims=True)
+    with np.errstate(invalid="ignore", over="ignore"):
+        lse = np.where(np.isinf(top[:, 0]), top[:, 0],
+                       top[:, 0] + np.log(np.exp(x64 - np.where(np.isinf(top), 0, top)).sum(-1)))
+    return argmax.astype(np.int32), np.where(nan.any(-1), np.nan, lse)

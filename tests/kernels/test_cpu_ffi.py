@@ -13,6 +13,8 @@ import pytest
 from pagedjax.kernels_pallas import cpu_ffi
 from pagedjax.kernels_pallas.tiled_attention import ragged_paged_attention_cpu
 from tests.kernels.naive import (
+    logits_stats_cases,
+    logits_stats_reference,
     make_ragged_case,
     naive_ragged_paged_attention,
     per_row_relative_error,
@@ -212,3 +214,16 @@ def test_top_k_is_lax_top_k(k: int) -> None:
 def test_top_k_rejects_other_dtypes() -> None:
     with pytest.raises(ValueError, match="float32"):
         cpu_ffi.top_k(jnp.zeros((2, 8), jnp.bfloat16), 2)
+
+
+# ---- logits_stats (the samplers' argmax and log-sum-exp) ----------------------------------------
+
+
+@pytest.mark.parametrize("case", range(4))
+def test_logits_stats_is_argmax_and_logsumexp(case: int) -> None:
+    x = logits_stats_cases()[case]
+    argmax, lse = jax.jit(cpu_ffi.logits_stats)(jnp.asarray(x))
+    want_argmax, want_lse = logits_stats_reference(x)
+    assert argmax.dtype == jnp.int32 and lse.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(argmax), want_argmax)
+    np.testing.assert_allclose(np.asarray(lse), want_lse, rtol=2e-6, atol=2e-6)

@@ -240,3 +240,18 @@ def test_norm_and_activation_wrappers_use_the_reference_without_the_ops(monkeypa
 def test_norm_and_activation_reject_bad_arguments(call, message):
     with pytest.raises(RuntimeError, match=message):
         call()
+
+
+@pytest.mark.parametrize("case", range(4))
+def test_logits_stats_is_argmax_and_logsumexp(case: int) -> None:
+    """The torch op of the samplers' one pass (the JAX FFI's kernel: test_cpu_ffi.py)."""
+    from tests.kernels.naive import logits_stats_cases, logits_stats_reference
+
+    x = logits_stats_cases()[case]
+    argmax, lse = torch.ops.pagedjax.logits_stats(torch.from_numpy(x))
+    want_argmax, want_lse = logits_stats_reference(x)
+    assert argmax.dtype == torch.int32 and lse.dtype == torch.float32
+    np.testing.assert_array_equal(argmax.numpy(), want_argmax)
+    np.testing.assert_allclose(lse.numpy(), want_lse, rtol=2e-6, atol=2e-6)
+    with pytest.raises(RuntimeError, match="contiguous float32"):
+        torch.ops.pagedjax.logits_stats(torch.from_numpy(x).double())

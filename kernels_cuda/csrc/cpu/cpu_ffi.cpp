@@ -15,6 +15,7 @@
 
 #include "attention_cpu_kernel.h"
 #include "filter_cpu_kernel.h"
+#include "logits_cpu_kernel.h"
 #include "linear_cpu_kernel.h"
 #include "norm_act_cpu_kernel.h"
 #include "xla/ffi/api/ffi.h"
@@ -191,6 +192,22 @@ ffi::Error top_k_f32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
         n = std::min(n + 1, k);
       }
     }
+  });
+  return ffi::Error::Success();
+}
+
+// The samplers' one pass over the logits (logits_cpu_kernel.h): x [R, V] → argmax [R], lse [R].
+ffi::Error logits_stats_f32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                            ffi::ResultBuffer<ffi::S32> argmax, ffi::ResultBuffer<ffi::F32> lse) {
+  const auto xd = x.dimensions();
+  if (xd.size() != 2 || argmax->dimensions()[0] != xd[0] || lse->dimensions()[0] != xd[0]) {
+    return ffi::Error::InvalidArgument("logits_stats (FFI): expected x [R, V], outputs [R]");
+  }
+  const int64_t rows = xd[0], V = xd[1];
+  const int64_t parts = num_parts(pool, rows * V / (1 << 15));
+  run_parts(pool, parts, [&](int64_t p) {
+    cpu_logits::stats_rows(x.typed_data(), V, argmax->typed_data(), lse->typed_data(),
+                           rows * p / parts, rows * (p + 1) / parts);
   });
   return ffi::Error::Success();
 }
@@ -437,6 +454,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxLinearF32, pagedjax::linear_f32,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxLogitsStatsF32, pagedjax::logits_stats_f32,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxTopKF32, pagedjax::top_k_f32,

@@ -5,6 +5,7 @@
 // than cores and stop spinning, which slowed every torch op in the process (RESULTS.md).
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <condition_variable>
 #include <cstdint>
@@ -27,12 +28,16 @@ namespace {
 
 // Runs run_part(p) for p in [0, parts): the caller takes parts until none is left, and so do
 // the parts - 1 tasks it schedules on XLA's pool (a task that starts late finds none and
-// touches nothing but the shared counters); returns once every part has run.
+// touches nothing but the shared counters); returns once every part has run. The caller, done
+// with its share, spins up to kSpinMicros for the rest before it sleeps: a layer's parallel
+// regions last 0.05-2 ms, and a condition variable's wake-up costs tens of microseconds each.
+constexpr int64_t kSpinMicros = 200;
+
 template <typename RunPart>
 void run_parts(ffi::ThreadPool& pool, int64_t parts, const RunPart& run_part) {
   struct Progress {
     std::atomic<int64_t> next{0};
-    int64_t done = 0;
+    std::atomic<int64_t> done{0};
     std::mutex mutex;
     std::condition_variable finished;
   };
@@ -40,16 +45,25 @@ void run_parts(ffi::ThreadPool& pool, int64_t parts, const RunPart& run_part) {
   auto work = [&run_part, parts](Progress& state) {
     for (int64_t p; (p = state.next.fetch_add(1)) < parts;) {
       run_part(p);
-      std::lock_guard<std::mutex> lock(state.mutex);
-      if (++state.done == parts) state.finished.notify_one();
+      if (state.done.fetch_add(1) + 1 == parts) {
+        std::lock_guard<std::mutex> lock(state.mutex);
+        state.finished.notify_one();
+      }
     }
   };
   for (int64_t i = 1; i < parts; ++i) {
     pool.Schedule([progress, work] { work(*progress); });
   }
   work(*progress);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::microseconds(kSpinMicros);
+  while (progress->done.load(std::memory_order_acquire) != parts &&
+         std::chrono::steady_clock::now() < deadline) {
+#if defined(__x86_64__)
+    _mm_pause();
+#endif
+  }
   std::unique_lock<std::mutex> lock(progress->mutex);
-  progress->finished.wait(lock, [&] { return progress->done == parts; });
+  progress->finished.wait(lock, [&] { return progress->done.load() == parts; });
 }
 
 // How many parts to split n items into: one per pool thread, at least 1.

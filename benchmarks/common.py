@@ -7,11 +7,14 @@ Nothing here imports jax or torch: a benchmark process uses one framework only.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import statistics
 import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 from importlib import metadata
@@ -132,3 +135,22 @@ def median_seconds(run: Callable[[], Any], synchronize: Callable[[Any], Any],
         synchronize(out)
         samples.append((time.perf_counter() - start) / group)
     return statistics.median(samples)
+
+
+@contextlib.contextmanager
+def stderr_fd_captured():
+    """What native code writes to file descriptor 2 meanwhile, in log["text"] (xgrammar logs
+    the schema keywords it ignores there; XLA its command-buffer updates)."""
+    log = {"text": ""}
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield log
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            log["text"] = tmp.read().decode(errors="replace")

@@ -16,10 +16,8 @@ the framework's profiler and the device time is listed by kernel (where a step's
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import glob
-import os
 import re
 import statistics
 import sys
@@ -37,6 +35,7 @@ from common import (  # noqa: E402
     environment,
     median_seconds,
     print_table,
+    stderr_fd_captured,
     step_phases_ms,
     write_json,
 )
@@ -180,7 +179,7 @@ def probe_step(llm, repeats: int = 50) -> dict:
 
     def synced(name: str, step_input, executables, keep_last: bool = True) -> None:
         seconds, dispatch, seen, last = [], [], set(), []
-        with _captured_stderr() as log:
+        with stderr_fd_captured() as log:
             for i in range(repeats):
                 if not keep_last:
                     last.clear()  # the only reference to the last call's outputs
@@ -193,7 +192,7 @@ def probe_step(llm, repeats: int = 50) -> dict:
                 last[:] = [out]
                 del out
             last.clear()
-        updates = re.findall(r"Updated command buffer in (\d+)", log[0])
+        updates = re.findall(r"Updated command buffer in (\d+)", log["text"])
         result[f"{name} ms"] = 1e3 * statistics.median(seconds)
         result[f"{name}: dispatch ms"] = 1e3 * statistics.median(dispatch)
         result[f"{name}: addresses (out, last tokens, kv)"] = [len(set(a)) for a in zip(*seen)]
@@ -216,25 +215,6 @@ def probe_step(llm, repeats: int = 50) -> dict:
     else:
         synced("synced, two executables", model_input, [executable, twin])
     return result
-
-
-@contextlib.contextmanager
-def _captured_stderr():
-    """File descriptor 2 (where XLA's C++ logs go) into a temporary file; the list yielded
-    holds its text once the block has run."""
-    text: list[str] = []
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile("w+") as log:
-        os.dup2(log.fileno(), 2)
-        try:
-            yield text
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-            log.seek(0)
-            text.append(log.read())
 
 
 def profile_steps(llm, backend: str, num_steps: int) -> tuple[list[dict], float]:

@@ -35,13 +35,11 @@ constrained decoding compiles no new step after startup.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import re
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -54,6 +52,7 @@ from common import (  # noqa: E402
     add_out_argument,
     environment,
     print_table,
+    stderr_fd_captured,
     step_phases_ms,
     write_json,
 )
@@ -171,25 +170,6 @@ def xgrammar_compile_times(xgr, tokenizer, vocab_size: int, eos: tuple[int, ...]
         if len(times) == repeats:
             row["xgrammar compile ms"] = 1e3 * statistics.median(t[0] for t in times)
             row["xgrammar +1st mask ms"] = 1e3 * statistics.median(t[1] for t in times)
-
-
-@contextlib.contextmanager
-def stderr_fd_captured():
-    """What native code writes to file descriptor 2 meanwhile, in log["text"] (xgrammar logs
-    the schema keywords it ignores there)."""
-    log = {"text": ""}
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile() as tmp:
-        os.dup2(tmp.fileno(), 2)
-        try:
-            yield log
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-            tmp.seek(0)
-            log["text"] = tmp.read().decode(errors="replace")
 
 
 def summarize_compiles(rows: list[dict]) -> list[dict]:

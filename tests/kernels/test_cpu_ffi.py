@@ -125,10 +125,12 @@ def test_the_build_is_cached_per_source(tmp_path, monkeypatch) -> None:
 
 
 @pytest.mark.parametrize(("rows", "in_features", "out_features"),
-                         [(1, 64, 40), (7, 96, 72), (64, 256, 512), (5, 48, 16), (0, 32, 16)])
+                         [(1, 64, 40), (7, 96, 72), (64, 256, 512), (5, 48, 16), (0, 32, 16),
+                          (20, 64, 576), (33, 576, 960)])
 def test_linear_matches_float64(rows: int, in_features: int, out_features: int) -> None:
     """Row groupings (AVX-512: blocks of 4 rows, a last block of 1-7; AVX2: blocks of 6, then
-    the last 1-5) and tile counts (groups of 4, a partial tile)."""
+    the last 1-5), tile counts (groups of 4, a partial tile), and two threads' tile ranges that
+    do not line up with the groups (36 tiles: 18 + 18) while the next tiles are prefetched."""
     rng = np.random.default_rng(rows + in_features)
     x = rng.standard_normal((rows, in_features)).astype(np.float32)
     w = rng.standard_normal((in_features, out_features)).astype(np.float32)

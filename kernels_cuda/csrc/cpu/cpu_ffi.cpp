@@ -71,15 +71,14 @@ int64_t num_parts(ffi::ThreadPool& pool, int64_t n) {
   return std::clamp<int64_t>(pool.num_threads(), 1, std::max<int64_t>(n, 1));
 }
 
-// y [M, num_tiles * 16] (ldy floats a row) = x [M, K] (ldx) @ packed, tile groups across the pool.
+// y [M, num_tiles * 16] (ldy floats a row) = x [M, K] (ldx) @ packed, tiles across the pool.
 void run_linear(ffi::ThreadPool& pool, const float* x, int64_t ldx, int64_t M, const float* packed,
                 int64_t K, int64_t num_tiles, float* y, int64_t ldy) {
   if (M == 0) return;
-  const int64_t groups = cpu_linear::num_tile_groups(num_tiles);
-  const int64_t parts = num_parts(pool, groups / cpu_linear::tile_group_grain(M, K));
+  const int64_t parts = num_parts(pool, num_tiles / cpu_linear::tile_grain(M, K));
   run_parts(pool, parts, [&](int64_t p) {
-    cpu_linear::run_tile_groups(x, ldx, M, packed, K, num_tiles, nullptr, y, ldy,
-                                groups * p / parts, groups * (p + 1) / parts);
+    cpu_linear::run_tiles(x, ldx, M, packed, K, nullptr, y, ldy, num_tiles * p / parts,
+                          num_tiles * (p + 1) / parts);
   });
 }
 

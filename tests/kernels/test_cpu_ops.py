@@ -31,7 +31,7 @@ def _case(num_rows: int, in_features: int, out_features: int, seed: int = 0):
 # Row counts cover every row grouping (AVX-512: 4-row blocks, then one block of the last 1-7 rows,
 # 7 as 4 + 3; AVX2: 6-row blocks, then 5, 4, 2 and/or 1); column counts cover whole and partial
 # 4-tile groups and a last tile that is padded, and threads' tile ranges that do not line up with
-# the groups (60 tiles: 30 + 30) while the next tiles are prefetched (12 rows and more).
+# the groups (60 tiles: 30 + 30) while the next tiles are prefetched (10 rows and more).
 @pytest.mark.parametrize("num_rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 33])
 @pytest.mark.parametrize(("in_features", "out_features"),
                          [(64, 16), (48, 40), (256, 384), (96, 100), (8, 1000), (576, 960)])

@@ -150,7 +150,7 @@ void block(const float* x, int64_t ldx, const float* w, int64_t K, const float* 
 }
 
 // How tile_group<NT> (AVX2) streams in the tiles [next_tile, end_tile): spread evenly over its
-// block calls, at most a line every 2 k steps (1-11 rows: none; a faster stream outruns the
+// block calls, at most a line every 2 k steps (none below 10 rows; a faster stream outruns the
 // memory, which bounds those anyway).
 template <int NT>
 Prefetch plan_prefetch(const float* packed, int64_t M, int64_t K, int64_t next_tile,

@@ -27,7 +27,7 @@ constexpr int kRowsAvx2 = 6;   // AVX2: rows per register block (6 x 16 columns:
 struct Prefetch {
   const char* next = nullptr;
   const char* end = nullptr;
-  int64_t every = 0;  // k steps between two lines; 0: none
+  int64_t every = 0;  // k steps between two lines; 0: none (the blocks then get null)
 };
 
 // The rows [MR] against NT consecutive tiles, written to y (ldy floats per row) plus bias.
@@ -61,10 +61,10 @@ __attribute__((target("avx2,fma"))) void block_avx2(const float* x, int64_t ldx,
   for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 8
     for (int t = 0; t < NT; ++t) acc[r][t][0] = acc[r][t][1] = _mm256_setzero_ps();
-  // k in chunks of `every` steps, one prefetched line before each (one chunk without).
+  // k in chunks of `every` steps, one prefetched line before each (one chunk without: null).
   const char* next = prefetch ? prefetch->next : nullptr;
   const char* const end = prefetch ? prefetch->end : nullptr;
-  const int64_t chunk = prefetch && prefetch->every > 0 ? prefetch->every : K;
+  const int64_t chunk = prefetch ? prefetch->every : K;
   for (int64_t k0 = 0; k0 < K; k0 += chunk) {
     if (next < end) {
       _mm_prefetch(next, _MM_HINT_T1);

@@ -39,7 +39,7 @@ _CSRC = Path(__file__).parent / "csrc"
 # CPU under cpu/, the CUDA kernels under cuda/.
 _CPU_SOURCES = ("ops.cpp", "cpu/attention_cpu.cpp", "cpu/linear_cpu.cpp", "cpu/rotary_cpu.cpp",
                 "cpu/norm_act_cpu.cpp", "cpu/decoder_layer_cpu.cpp", "cpu/filter_cpu.cpp",
-                "cpu/logits_cpu.cpp")
+                "cpu/logits_cpu.cpp", "cpu/token_mask_cpu.cpp")
 _CUDA_SOURCES = ("cuda/attention_cuda.cu", "cuda/write_kv_cuda.cu", "cuda/norm_act_cuda.cu")
 DEFAULT_CUDA_ARCHS = "8.0;9.0+PTX"  # A100 and H100 SASS; PTX that newer GPUs JIT-compile
 _MIN_CAPABILITY = (8, 0)  # cp.async and bf16 paths

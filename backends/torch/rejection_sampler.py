@@ -59,7 +59,7 @@ def rejection_sample(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
     positions = (_per_position(sampling, num_positions)
                  if not all_greedy or "entries" in sampling or "token_bitmask" in sampling
                  else {})
-    target_logits = process_logits(target_logits.reshape(-1, vocab), positions).view(
+    target_logits = process_logits(target_logits.reshape(-1, vocab), positions)[0].view(
         num_rows, num_positions, vocab)
     target_argmax = torch.argmax(target_logits, dim=-1)  # [L, K+1] int64
     accepted = target_argmax[:, :num_drafts] == draft_token_ids.long()  # [L, K], greedy rule

@@ -64,6 +64,10 @@ class ModelRunner(Protocol):
     # on the device (ModelInput's input_rows), so the engine can launch it before those reach
     # the host (async scheduling).
     async_scheduling: bool
+    # Whether the host's other cores idle while the engine thread runs the Python between two
+    # steps: the next step's grammar masks are then filled there, on a thread of their own
+    # (StructuredOutputManager.fill_ahead).
+    idle_cores_between_steps: bool
 
     def execute_async(self, model_input: ModelInput) -> Callable[[], ModelOutput]:
         """Start one step; the function returned waits for it and returns its output."""

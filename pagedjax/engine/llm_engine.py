@@ -446,6 +446,8 @@ class LLMEngine:
         stamps.append(time.perf_counter())
         model_input = build_model_input(out, self.shapes, block_size=self.config.block_size,
                                         token_bitmask=bitmask)
+        if bitmask is not None:  # the rows filled ahead, while the input was built
+            self.structured_output.finish_bitmask(model_input.token_bitmask)
         stamps.append(time.perf_counter())
         launched = _Launched(out, model_input, self.runner.execute_async(model_input), policies,
                              bitmask, stamps)
@@ -512,6 +514,8 @@ class LLMEngine:
         if bitmask is not None:
             for seq in self.structured_output.stopped(touched):
                 self.scheduler.finish(seq, "stop")  # its grammar is complete
+            if self.runner.idle_cores_between_steps:  # the next step's rows, meanwhile
+                self.structured_output.fill_ahead(touched)
         stamps.append(time.perf_counter() - flush_seconds)
         if self._defers_outputs(policies, bitmask) and self._in_flight is None:
             self._deferred, outputs = (touched, model_output), []

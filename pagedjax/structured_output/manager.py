@@ -32,13 +32,20 @@ from pagedjax.core.batch import bitmask_width
 from pagedjax.core.sequence import Sequence
 from pagedjax.sampling_params import SamplingParams
 from pagedjax.structured_output.grammar import GrammarCompiler, grammar_key
+from pagedjax.structured_output.mask_filler import FillJob, MaskFiller
 
 logger = logging.getLogger(__name__)
 
-# Masks are filled on the engine thread, one row after the other (tens of microseconds each),
-# except for many rows on a machine with cores to spare, where llguidance's thread pool fills
-# them: its idle workers spin, and on a 2-core CPU they took the cores from the model's own
-# threads (SmolLM2, 20 sampled JSON rows: 118 s with the pool, 7.1 s without).
+# A step's rows are filled ahead (fill_ahead: on the filler thread, as soon as the last step's
+# tokens advanced their matchers, while the engine thread builds that step's outputs and
+# schedules this one) where a batch has at least AHEAD_MIN_ROWS of them: below that the
+# hand-off costs more than it hides. Rows not filled ahead (a new request's first, a fork's) are
+# filled on the engine thread, one after the other (tens of microseconds each), or by
+# llguidance's thread pool for many rows on a machine with cores to spare: its idle workers
+# spin, and on a 2-core CPU they took the cores from the model's own threads (SmolLM2, 20
+# sampled JSON rows: 118 s with the pool, 7.1 s without); there its pool is one thread, the
+# filler's.
+AHEAD_MIN_ROWS = 4
 PARALLEL_MASK_MIN_CORES = 8
 PARALLEL_MASK_ROWS = 16
 
@@ -50,7 +57,11 @@ class StructuredOutputManager:
         self.width = bitmask_width(vocab_size)
         self._eos_token_ids = eos_token_ids
         self._compiler: GrammarCompiler | None = None  # on the first constrained request
-        self._executor = None  # llguidance's mask-filling threads, on a machine with cores spare
+        self._parallel = False  # fill many rows on llguidance's pool (a machine with cores spare)
+        self._filler: MaskFiller | None = None  # fills the next step's rows ahead
+        self._ahead: tuple[dict[int, int], FillJob] | None = None  # seq id → row, the job
+        # (row of the step's mask, row filled ahead, its sequence): for finish_bitmask
+        self._pending: list[tuple[int, int, Sequence]] = []
         self._waiting: list[tuple[Sequence, Future]] = []  # grammar not compiled yet
         self._grammars: dict[str, Any] = {}  # request id → its compiled (unused) matcher
         # seq id → (the completion, its matcher: advanced with its tokens)
@@ -78,8 +89,9 @@ class StructuredOutputManager:
             self._compiler = GrammarCompiler(self.tokenizer, self.vocab_size,
                                              self._eos_token_ids)
             cores = os.cpu_count() or 1
-            if cores >= PARALLEL_MASK_MIN_CORES:
-                self._executor = llguidance.LLExecutor(num_threads=cores // 4)
+            self._parallel = cores >= PARALLEL_MASK_MIN_CORES
+            self._filler = MaskFiller(llguidance.LLExecutor(
+                num_threads=cores // 4 if self._parallel else 1))
         self.num_requests_total += 1
         self._waiting.append((seq, self._compiler.compile(grammar)))
 
@@ -149,19 +161,77 @@ class StructuredOutputManager:
 
     def bitmask(self, seqs: list[Sequence]) -> np.ndarray | None:
         """[len(seqs), W] int32 allowed tokens of a step's sample rows (-1: all, for rows
-        without a constraint); None if no row has one."""
-        rows = [(self._matcher(seq), r) for r, seq in enumerate(seqs)
-                if self.is_constrained(seq)]
-        if not rows:
+        without a constraint); None if no row has one. Rows being filled ahead are left for
+        `finish_bitmask`, which the step must call on the mask it uploads (this one, or the
+        padded copy of it) before the device reads it: the fill ahead runs on meanwhile."""
+        ahead_rows = self._ahead[0] if self._ahead is not None else {}
+        rows, pending, mask = [], [], None
+        for r, seq in enumerate(seqs):
+            if not self.is_constrained(seq):
+                continue
+            if mask is None:
+                mask = np.full((len(seqs), self.width), -1, np.int32)
+            row = ahead_rows.get(seq.seq_id)
+            if row is not None:
+                pending.append((r, row, seq))
+            else:
+                rows.append((self._matcher(seq), r))
+        self._pending = pending
+        if mask is None:
+            self._take_ahead()  # no constrained row this step: the rows filled ahead are stale
             return None
-        import llguidance.numpy
+        if rows:
+            self._fill(rows, mask)
+        return mask
 
-        mask = np.full((len(seqs), self.width), -1, np.int32)
-        if self._executor is not None and len(rows) >= PARALLEL_MASK_ROWS:
-            llguidance.numpy.fill_next_token_bitmask_par(self._executor, rows, mask)
-        else:
-            for matcher, r in rows:
-                llguidance.numpy.fill_next_token_bitmask(matcher, mask, r)
+    def finish_bitmask(self, mask: np.ndarray) -> None:
+        """Copy the rows filled ahead into a step's mask (bitmask's, or its padded copy: the
+        same row order), waiting for the fill if it is still running."""
+        pending, self._pending = self._pending, []
+        filled = self._take_ahead()
+        if not pending:
+            return
+        if filled is None:  # the fill ahead failed: those rows are filled here
+            self._fill([(self._matcher(seq), r) for r, _, seq in pending], mask)
+            return
+        mask[[r for r, _, _ in pending]] = filled[[row for _, row, _ in pending]]
+
+    def _fill(self, rows: list[tuple[Any, int]], mask: np.ndarray) -> None:
+        """Fill rows (matcher, row of mask) of mask on the engine thread."""
+        row_bytes = mask.strides[0]
+        if self._parallel and len(rows) >= PARALLEL_MASK_ROWS:
+            self._filler.executor.unsafe_compute_mask_ptr(rows, mask.ctypes.data, row_bytes,
+                                                          len(mask))
+            return
+        # llguidance's own writer into the row's address (its NumPy wrapper's per-row view and
+        # ctypes lookup cost ~7 µs a row: a quarter of a batch-32 step's fill here)
+        base = mask.ctypes.data
+        for matcher, r in rows:
+            matcher.unsafe_compute_mask_ptr(base + r * row_bytes, row_bytes)
+
+    def fill_ahead(self, seqs: list[Sequence]) -> None:
+        """Start filling the next step's mask rows of seqs, whose matchers a step just advanced
+        (`accept`; after `stopped`), on the filler thread: the engine thread builds this step's
+        outputs and schedules and prepares the next one meanwhile, and `finish_bitmask` takes
+        the rows. Until then nothing else calls those matchers."""
+        live = [(seq.seq_id, entry[1]) for seq in seqs
+                if not seq.is_finished and (entry := self._matchers.get(seq.seq_id))]
+        if len(live) < AHEAD_MIN_ROWS or self._filler is None:
+            return
+        self._take_ahead()  # a job not taken (no step since): its rows are stale
+        job = self._filler.submit([matcher for _, matcher in live], self.width)
+        self._ahead = ({seq_id: row for row, (seq_id, _) in enumerate(live)}, job)
+
+    def _take_ahead(self) -> np.ndarray | None:
+        """The rows of the fill ahead once it is done; None if there is none, or it failed
+        (the caller fills what it needs again)."""
+        if self._ahead is None:
+            return None
+        job, self._ahead = self._ahead[1], None
+        mask = job.wait()
+        if mask is None:
+            logger.warning("filling token masks ahead failed (%s); filling them again",
+                           job.error)
         return mask
 
     def accept(self, seqs: dict[int, Sequence], sampled: dict[int, list[int]],
@@ -174,7 +244,10 @@ class StructuredOutputManager:
             if not self.is_constrained(seq) or seq.policy_picks_tokens:
                 continue
             matcher = self._matcher(seq)
-            num_kept = matcher.try_consume_tokens(tokens)
+            if len(tokens) == 1:  # sampled under the mask (consume_token: the cheaper call)
+                num_kept = int(matcher.consume_token(tokens[0]))
+            else:
+                num_kept = matcher.try_consume_tokens(tokens)
             if num_kept == len(tokens):
                 continue
             if num_kept == 0:  # the first token was sampled under the mask: never here
@@ -210,5 +283,8 @@ class StructuredOutputManager:
         }
 
     def shutdown(self) -> None:
+        self._take_ahead()
+        if self._filler is not None:
+            self._filler.shutdown()
         if self._compiler is not None:
             self._compiler.shutdown()

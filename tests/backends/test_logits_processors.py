@@ -130,7 +130,8 @@ def test_processed_logits_match_numpy(case, backend: str) -> None:
     module, to_device, to_numpy = SAMPLERS[backend]
     sampling, flags = device_inputs(model_input, backend)
     flags = (flags,) if backend == "jax" else ()  # torch decides on the host
-    got = to_numpy(module.process_logits(to_device(logits), sampling, *flags))
+    got = module.process_logits(to_device(logits), sampling, *flags)
+    got = to_numpy(got[0] if backend == "torch" else got)  # torch: (logits, argmax)
     for r, (params, prompt, output) in enumerate(rows):
         expected = reference_logits(logits[r], params, prompt, output)
         np.testing.assert_allclose(got[r], expected, rtol=1e-6, atol=1e-5)

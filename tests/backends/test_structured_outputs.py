@@ -202,7 +202,10 @@ def test_the_device_mask_is_llguidance_reference(backend: str) -> None:
         import torch
 
         from pagedjax.backends.torch.sampler import apply_token_bitmask
-        got = apply_token_bitmask(torch.from_numpy(logits), torch.from_numpy(bitmask)).numpy()
+        got, argmax = apply_token_bitmask(torch.from_numpy(logits), torch.from_numpy(bitmask))
+        got = got.numpy()
+        if argmax is not None:  # the C++ op's, from the same pass
+            np.testing.assert_array_equal(argmax.numpy(), np.argmax(want, axis=-1))
     np.testing.assert_array_equal(got, want)
     assert np.isfinite(got[3]).sum() == 1 and np.isfinite(got[3, 69])
 
@@ -248,3 +251,76 @@ def test_a_row_is_cut_at_the_first_token_its_grammar_forbids() -> None:
     manager.accept(seqs, sampled, num_spec_tokens=1)
     assert sampled == {0: [three, four]}
     assert manager.stopped(list(seqs.values())) == [seqs[0]]
+
+
+def test_masks_filled_ahead_equal_masks_filled_in_the_step(monkeypatch, caplog) -> None:
+    """StructuredOutputManager.fill_ahead: the next step's rows, filled on the filler thread
+    while the engine thread goes on, equal those filled in the step, step after step: beside an
+    unconstrained row, a request that joins late (filled in the step), a finished one (not
+    filled), and a step whose fill ahead fails (its rows filled again in the step)."""
+    from pagedjax.core.sequence import Sequence, SequenceStatus
+    from pagedjax.structured_output import StructuredOutputManager, mask_filler
+    from pagedjax.structured_output.manager import AHEAD_MIN_ROWS
+    from pagedjax.tokenizer import load_tokenizer
+    from tests.structured_cases import CASES_BY_NAME
+
+    tokenizer = load_tokenizer(TARGET)
+    constraints = [CASES_BY_NAME[name].params for name in
+                   ("json_person", "json_nested_user", "regex_phone", "choice_cities")]
+    constraints += [StructuredOutputsParams(regex="[a-z]{3,9}@[a-z]{2,6}\\.com"), None,
+                    constraints[0]]
+    submitted = []
+    submit = mask_filler.MaskFiller.submit
+    monkeypatch.setattr(mask_filler.MaskFiller, "submit",
+                        lambda self, *a: submitted.append(len(a[0])) or submit(self, *a))
+
+    def start(manager, seq_id: int) -> Sequence:
+        params = SamplingParams(temperature=0.0, structured_outputs=constraints[seq_id])
+        seq = Sequence(seq_id, f"r{seq_id}", 0, (seq_id, 0), [1, 2], 2, params, 64, 0)
+        if params.structured_outputs is None:
+            return seq
+        manager.add_request(seq, manager.check(params))
+        while manager.has_waiting:
+            manager.wait(timeout=10)
+            assert not manager.take_ready()[1]
+        return seq
+
+    managers = [StructuredOutputManager(tokenizer, len(tokenizer), (tokenizer.eos_token_id,))
+                for _ in range(2)]  # [0] fills ahead, [1] only in the step
+    seqs = [[start(m, i) for i in range(6)] for m in managers]
+    assert len(seqs[0]) - 1 >= AHEAD_MIN_ROWS
+    for step in range(12):
+        if step == 3:  # a request joins: the step fills its row
+            for m, s in zip(managers, seqs):
+                s.append(start(m, 6))
+        if step == 5:  # one finishes (max_tokens): no row, no fill
+            for s in seqs:
+                s[1].status = SequenceStatus.FINISHED
+        if step == 8:  # the filler fails: the rows are filled again in the step
+            class Broken:
+                def unsafe_compute_mask_ptr(self, *args) -> None:
+                    raise RuntimeError("llguidance failed")
+
+            monkeypatch.setattr(managers[0]._filler, "executor", Broken())
+        live = [[seq for seq in s if not seq.is_finished] for s in seqs]
+        masks = [m.bitmask(s) for m, s in zip(managers, live)]
+        for m, mask in zip(managers, masks):
+            m.finish_bitmask(mask)
+        np.testing.assert_array_equal(masks[0], masks[1], err_msg=f"step {step}")
+        sampled = {}
+        for r, seq in enumerate(live[1]):  # an allowed token (any, unconstrained)
+            bits = np.unpackbits(masks[1][r].view(np.uint8), bitorder="little")
+            allowed = np.flatnonzero(bits[: len(tokenizer)])
+            sampled[seq.seq_id] = [int(allowed[step % len(allowed)])
+                                   if seq.sampling_params.structured_outputs else 5]
+        for m, s in zip(managers, live):
+            tokens = {seq_id: list(t) for seq_id, t in sampled.items()}
+            m.accept({seq.seq_id: seq for seq in s}, tokens, num_spec_tokens=0)
+            for seq in s:
+                seq.token_ids.append(tokens[seq.seq_id][0])
+                if seq in m.stopped(s):
+                    seq.status = SequenceStatus.FINISHED
+        managers[0].fill_ahead(live[0])
+    assert submitted and max(submitted) == 6 and "filling token masks ahead failed" in caplog.text
+    for m in managers:
+        m.shutdown()

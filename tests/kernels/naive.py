@@ -113,13 +113,54 @@ def logits_stats_cases() -> list[np.ndarray]:
     return [big, ties, special, rng.standard_normal((3, 5)).astype(np.float32)]
 
 
+def first_argmax(x: np.ndarray) -> np.ndarray:
+    """[R] int32: each row's first index of the maximum, a NaN counting as the maximum."""
+    nan = np.isnan(x)
+    return np.where(nan.any(-1), nan.argmax(-1),
+                    np.argmax(np.where(nan, -np.inf, x), -1)).astype(np.int32)
+
+
 def logits_stats_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """First index of the maximum (a NaN counting as the maximum); logsumexp in float64."""
     nan = np.isnan(x)
-    argmax = np.where(nan.any(-1), nan.argmax(-1), np.nanargmax(np.where(nan, 0, x), -1))
+    argmax = first_argmax(x)
     x64 = x.astype(np.float64)
     top = np.max(np.where(nan, -np.inf, x64), -1, keepdims=True)
     with np.errstate(invalid="ignore", over="ignore"):
         lse = np.where(np.isinf(top[:, 0]), top[:, 0],
                        top[:, 0] + np.log(np.exp(x64 - np.where(np.isinf(top), 0, top)).sum(-1)))
-    return argmax.astype(np.int32), np.where(nan.any(-1), np.nan, lse)
+    return argmax, np.where(nan.any(-1), np.nan, lse)
+
+
+def token_mask_cases() -> list[tuple[np.ndarray, np.ndarray]]:
+    """(logits [R, V] float32, bitmask [R, W] int32): a vocabulary that is no multiple of 8 or 32
+    (the partial last word), ties (small integers: the first allowed index must win), a NaN
+    allowed and a NaN masked, rows with every, no and one token allowed, +inf allowed, and a
+    bitmask wider than ceil(V / 32) (its extra words ignored)."""
+    rng = np.random.default_rng(3)
+
+    def bits(rows: int, words: int) -> np.ndarray:
+        return rng.integers(-2**31, 2**31, size=(rows, words), dtype=np.int64).astype(np.int32)
+
+    big = (rng.standard_normal((5, 4099)) * 8).astype(np.float32), bits(5, 129)
+    ties = rng.integers(-3, 4, size=(4, 77)).astype(np.float32), bits(4, 3)
+    x, m = rng.standard_normal((6, 45)).astype(np.float32), bits(6, 4)
+    x[0, 7] = np.nan  # allowed below
+    m[0, 0] |= 1 << 7
+    x[1, 9] = np.nan  # masked below: -inf, no NaN
+    m[1, 0] &= ~(1 << 9)
+    m[2], m[3] = -1, 0  # every token, none (argmax 0)
+    m[4] = 0
+    m[4, 1] = 1 << 3  # token 35 only
+    x[5, 40] = np.inf
+    m[5, 1] |= 1 << 8
+    return [big, ties, (x, m), (rng.standard_normal((2, 5)).astype(np.float32), bits(2, 1))]
+
+
+def token_mask_reference(x: np.ndarray, bitmask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x where bit t % 32 of word t // 32 is set, -inf elsewhere; and its argmax (the first index
+    of the maximum, a NaN counting as the maximum)."""
+    shifts = np.arange(32, dtype=np.int64)
+    allowed = ((bitmask.astype(np.int64)[:, :, None] >> shifts) & 1).reshape(len(x), -1)
+    out = np.where(allowed[:, : x.shape[1]] != 0, x, -np.inf).astype(np.float32)
+    return out, first_argmax(out)

@@ -256,3 +256,29 @@ def test_logits_stats_is_argmax_and_logsumexp(case: int) -> None:
     np.testing.assert_allclose(lse.numpy(), want_lse, rtol=2e-6, atol=2e-6)
     with pytest.raises(RuntimeError, match="contiguous float32"):
         torch.ops.pagedjax.logits_stats(torch.from_numpy(x).double())
+
+
+@pytest.mark.parametrize("case", range(4))
+def test_apply_token_bitmask_masks_and_finds_the_argmax_in_one_pass(case: int) -> None:
+    """The torch op of the grammar's token mask against NumPy: the same bits, the same argmax."""
+    from tests.kernels.naive import token_mask_cases, token_mask_reference
+
+    x, bitmask = token_mask_cases()[case]
+    out, argmax = torch.ops.pagedjax.apply_token_bitmask(torch.from_numpy(x),
+                                                         torch.from_numpy(bitmask))
+    want_out, want_argmax = token_mask_reference(x, bitmask)
+    assert out.dtype == torch.float32 and argmax.dtype == torch.int32
+    np.testing.assert_array_equal(out.numpy(), want_out)
+    np.testing.assert_array_equal(argmax.numpy(), want_argmax)
+
+
+@pytest.mark.parametrize(("logits", "bitmask", "message"), [
+    (torch.zeros(2, 64, dtype=torch.float64), torch.zeros(2, 2, dtype=torch.int32),
+     "contiguous float32"),
+    (torch.zeros(2, 64), torch.zeros(2, 1, dtype=torch.int32), r"int32 \[2, >= 2\]"),
+    (torch.zeros(2, 64), torch.zeros(3, 2, dtype=torch.int32), r"int32 \[2, >= 2\]"),
+    (torch.zeros(2, 64), torch.zeros(2, 2, dtype=torch.int64), r"int32 \[2, >= 2\]"),
+])
+def test_apply_token_bitmask_rejects_bad_arguments(logits, bitmask, message) -> None:
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.pagedjax.apply_token_bitmask(logits, bitmask)

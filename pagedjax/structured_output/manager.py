@@ -6,7 +6,9 @@ bitmask, and the tokens a step may keep.
 - Each step the rows of constrained completions get their allowed tokens as a packed int32
   bitmask [rows, ceil(V / 32)] (bit t % 32 of word t // 32: token t allowed), filled by
   llguidance; the other rows allow everything. The samplers apply it on the
-  device (a branch a step without constrained rows skips).
+  device (a branch a step without constrained rows skips). Where the runner's other cores idle
+  between steps, a step's rows are filled ahead (`fill_ahead`, mask_filler.py) as soon as the
+  last step's tokens advance the matchers, and copied in once the step's input is built.
 - With speculative decoding the mask is known for a row's first position only: the drafts, and
   the tokens the target verifies after them, come from the device in the same step. The
   matcher consumes the row's tokens in order and the row keeps them up to the first one the

@@ -178,10 +178,11 @@ def test_structured_outputs_params_takes_exactly_one_constraint() -> None:
         SamplingParams(structured_outputs={"json": {}})
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_the_device_mask_is_llguidance_reference(backend: str) -> None:
+@pytest.mark.parametrize("backend", [*BACKENDS, "torch-reference"])
+def test_the_device_mask_is_llguidance_reference(backend: str, monkeypatch) -> None:
     """apply_token_bitmask on each backend equals llguidance's NumPy reference, for a vocabulary
-    that is not a multiple of 32 and rows with every, some and one token allowed."""
+    that is not a multiple of 32 and rows with every, some and one token allowed (torch: its
+    C++ pass on the CPU, and the torch ops it stands for elsewhere)."""
     from llguidance.numpy import apply_token_bitmask_inplace
 
     rng = np.random.default_rng(0)
@@ -201,8 +202,13 @@ def test_the_device_mask_is_llguidance_reference(backend: str) -> None:
     else:
         import torch
 
-        from pagedjax.backends.torch.sampler import apply_token_bitmask
-        got, argmax = apply_token_bitmask(torch.from_numpy(logits), torch.from_numpy(bitmask))
+        from pagedjax.backends.torch import sampler
+
+        if backend == "torch-reference":
+            monkeypatch.setattr(sampler, "ops_backend", lambda: "reference")
+        got, argmax = sampler.apply_token_bitmask(torch.from_numpy(logits),
+                                                  torch.from_numpy(bitmask))
+        assert (argmax is None) == (backend == "torch-reference")
         got = got.numpy()
         if argmax is not None:  # the C++ op's, from the same pass
             np.testing.assert_array_equal(argmax.numpy(), np.argmax(want, axis=-1))

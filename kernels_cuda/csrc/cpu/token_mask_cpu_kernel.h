@@ -18,10 +18,7 @@
 #include <limits>
 
 #include "cpu_features.h"
-
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
+#include "logits_cpu_kernel.h"  // cpu_logits::horizontal
 
 namespace pagedjax::cpu_token_mask {
 
@@ -75,10 +72,7 @@ __attribute__((target("avx2,fma"))) inline void mask_row_avx2(const float* x,
       nan8 = _mm256_or_ps(nan8, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
     }
   }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, top8);
-  float top = lanes[0];
-  for (int l = 1; l < 8; ++l) top = lanes[l] > top ? lanes[l] : top;
+  float top = cpu_logits::horizontal(top8, true);
   bool nan = _mm256_movemask_ps(nan8) != 0;
   for (int64_t i = 32 * words; i < V; ++i) {  // the last, partial word
     const float v = allowed(bits, i) ? x[i] : -std::numeric_limits<float>::infinity();

@@ -1,4 +1,4 @@
-"""SchedulerOutput → the flattened, padded batch every runner executes (NumPy only).
+"""The flattened, padded batch every runner executes (NumPy only): its fields and shapes.
 
 A step's integers live in one int32 buffer and its sampling floats in one float32 buffer, so a
 runner uploads two arrays per step (four when a row has penalties, logit_bias or banned tokens:
@@ -15,18 +15,16 @@ them inside the compiled step, torch on the host.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
-import itertools
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
-from pagedjax.core.logit_entries import LogitEntries, build_logit_entries
-from pagedjax.core.scheduler_output import SampleSpec, ScheduledSequence, SchedulerOutput
+from pagedjax.core.logit_entries import LogitEntries
 from pagedjax.core.step_shapes import BatchLayout, StepShapes
 
 Array = TypeVar("Array")  # np.ndarray on the host, jax.Array or torch.Tensor on a device
@@ -173,6 +171,9 @@ class ModelInput:
     # [S, W] int32: each row's allowed tokens (bit t % 32 of word t // 32), -1 = all; when a
     # row has structured outputs (flags.token_mask), else None
     token_bitmask: np.ndarray | None = None
+    # [L] int64: the persistent batch's row of each real logits row's sequence (-1: a sibling
+    # forked this step, which has none yet); None when built by the reference builder
+    sample_rows: np.ndarray | None = None
 
     @property
     def num_logits(self) -> int:
@@ -186,6 +187,15 @@ class ModelInput:
     def fields(self) -> dict[str, np.ndarray]:
         """Named views into ints / floats (writable: the builder fills them)."""
         return unpack(self.layout, self.ints, self.floats)
+
+    def set_token_bitmask(self, token_bitmask: np.ndarray) -> None:
+        """The allowed tokens of the real logits rows [L, W] (StructuredOutputManager.bitmask);
+        padding rows allow every token."""
+        mask = np.full((self.layout.num_seqs, token_bitmask.shape[1]), -1, np.int32)
+        mask[: len(token_bitmask)] = token_bitmask
+        self.token_bitmask = mask
+        self.flags = dataclasses.replace(self.flags, token_mask=True)
+        self.fields()["step_flags"][:] = self.flags.as_array()
 
 
 class StepOutput(NamedTuple):
@@ -256,55 +266,6 @@ class ModelOutput:
         return [[t for t in row if t >= 0] for row in self.sampled_token_ids.tolist()]
 
 
-def build_model_input(out: SchedulerOutput, shapes: StepShapes, *, block_size: int,
-                      token_bitmask: np.ndarray | None = None) -> ModelInput:
-    """Flatten the scheduled sequences into the smallest of the engine's shapes that holds them.
-
-    token_bitmask [sample rows, W] int32: the allowed tokens of each sample row in order
-    (StructuredOutputManager.bitmask), or None when no row has structured outputs.
-
-    A step where every sequence computes one token is a decode step, or a speculative decode
-    step when the draft runs (K = the smallest compiled k that holds its drafts and the draft's
-    catch-up); any other step is mixed, and proposes no drafts (the scheduler saw to it).
-    """
-    entries = out.scheduled
-    samples = [(i, s) for i, e in enumerate(entries) for s in e.samples]
-    q_lens = [e.num_new_tokens + e.num_spec_tokens for e in entries]
-    draft_lens = [len(e.draft_token_ids) for e in entries]
-    num_tokens, num_draft = sum(q_lens), sum(draft_lens)
-    layout = _layout(shapes, entries, len(samples), num_tokens, num_draft)
-    params = [s.params for _, s in samples]
-    sampled = [p for p in params if not p.is_greedy]
-    prompt_rows = [(i, e) for i, e in enumerate(entries) if e.prompt_logprob_token_ids]
-    logit_entries = build_logit_entries([s for _, s in samples], shapes.num_logit_entries)
-    flags = StepFlags(
-        sampled=bool(sampled),
-        filters=any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in sampled),
-        logprobs=any(p.logprobs is not None for p in params),
-        prompt_logprobs=bool(prompt_rows), logit_entries=logit_entries is not None,
-        token_mask=token_bitmask is not None)
-    int_size, float_size = buffer_sizes(layout)
-    model_input = ModelInput(
-        layout, np.zeros(int_size, np.int32), np.zeros(float_size, np.float32), flags,
-        logit_entries, np.asarray(out.block_copies, np.int32).reshape(-1, 2),
-        [s.seq_id for _, s in samples], num_tokens, len(entries), max(q_lens, default=0),
-        max(draft_lens, default=0), layout.num_spec_tokens, num_draft)
-    if token_bitmask is not None:  # padding rows allow every token
-        model_input.token_bitmask = np.full((layout.num_seqs, token_bitmask.shape[1]), -1,
-                                            np.int32)
-        model_input.token_bitmask[: len(token_bitmask)] = token_bitmask
-    f = model_input.fields()
-    f["step_flags"][:] = flags.as_array()
-    f["num_padding_samples"][0] = layout.num_seqs - len(samples)
-    ends = _fill_tokens(f, entries, q_lens, block_size)
-    _fill_samples(f, entries, samples, ends, layout.num_spec_tokens)
-    if prompt_rows:
-        model_input.prompt_logprobs_rows = _fill_prompt_logprobs(f, prompt_rows, q_lens, ends)
-    if layout.draft:
-        _fill_drafts(f, entries, samples, draft_lens, ends, block_size)
-    return model_input
-
-
 def padding_input(layout: BatchLayout, flags: StepFlags = StepFlags()) -> ModelInput:
     """A step of this shape that holds only padding: it writes no KV and samples no row (what
     a CUDA graph is captured on)."""
@@ -321,130 +282,38 @@ def padding_input(layout: BatchLayout, flags: StepFlags = StepFlags()) -> ModelI
     return model_input
 
 
-def _layout(shapes: StepShapes, entries: Sequence[ScheduledSequence], num_samples: int,
-            num_tokens: int, num_draft: int) -> BatchLayout:
-    """The step's shape (see build_model_input)."""
-    num_seqs = max(len(entries), num_samples)
-    if not all(e.is_decode for e in entries):
-        assert not any(e.num_spec_tokens for e in entries), "mixed steps propose no drafts"
-        return shapes.mixed_layout(max(num_tokens, num_draft, num_samples))
-    if not num_draft:
-        return shapes.decode_layout(num_seqs)
-    s = shapes.seq_bucket(num_seqs)
-    drafts = max(e.num_spec_tokens for e in entries)
-    return shapes.spec_layout(s, max(drafts, -(-num_draft // s) - 1, 1))
 
 
-def _fill_tokens(f: dict[str, np.ndarray], entries: Sequence[ScheduledSequence],
-                 q_lens: list[int], block_size: int) -> np.ndarray:
-    """The target's tokens (each sequence's new tokens, then its draft slots); returns each
-    sequence's token-row end [S]."""
-    n, s = sum(q_lens), len(entries)
-    ends = np.cumsum(q_lens, dtype=np.int32)
-    f["query_start_loc"][1 : s + 1] = ends
-    f["query_start_loc"][s + 1 :] = n
-    f["kv_lens"][:s] = [e.start_pos + q for e, q in zip(entries, q_lens)]
-    _fill_block_tables(f["block_tables"], [e.block_table for e in entries])
-    # Draft slots carry token 0 here: the runner writes the proposed drafts in.
-    f["input_ids"][:n] = list(itertools.chain.from_iterable(
-        e.token_ids + [0] * e.num_spec_tokens for e in entries))
-    if any(e.input_row >= 0 for e in entries):  # decode rows: one token each
-        f["input_rows"][:s] = [e.input_row + 1 for e in entries]
-    positions = _ragged_positions([e.start_pos for e in entries], q_lens)
-    f["positions"][:n] = positions
-    f["slot_mapping"][:] = -1
-    f["slot_mapping"][:n] = _slots(f["block_tables"], np.repeat(np.arange(s), q_lens), positions,
-                                   block_size)
-    return ends
+def choose_layout(shapes: StepShapes, *, num_seqs: int, num_samples: int, num_tokens: int,
+                  num_draft_tokens: int, decode: bool, max_drafts: int) -> BatchLayout:
+    """The smallest of the engine's shapes that holds a step. A step where every sequence
+    computes one token (decode) is a decode step, or a speculative decode step when the draft
+    runs (K = the smallest compiled k that holds its drafts and the draft's catch-up); any
+    other step is mixed, and proposes no drafts (the scheduler saw to it)."""
+    rows = max(num_seqs, num_samples)
+    if not decode:
+        assert not max_drafts, "mixed steps propose no drafts"
+        return shapes.mixed_layout(max(num_tokens, num_draft_tokens, num_samples))
+    if not num_draft_tokens:
+        return shapes.decode_layout(rows)
+    s = shapes.seq_bucket(rows)
+    return shapes.spec_layout(s, max(max_drafts, -(-num_draft_tokens // s) - 1, 1))
 
 
-def _fill_samples(f: dict[str, np.ndarray], entries: Sequence[ScheduledSequence],
-                  samples: list[tuple[int, SampleSpec]], ends: np.ndarray, k: int) -> None:
-    """Logits rows and sampling knobs; row r samples from its sequence's last real token and,
-    when it verifies drafts, from each draft slot after it (padding repeats row 0)."""
-    num = len(samples)
-    seq_index = np.asarray([i for i, _ in samples], np.int64)
-    num_spec = np.asarray([entries[i].num_spec_tokens for i, _ in samples], np.int64)
-    last_real = ends[seq_index] - 1 - num_spec if num else np.zeros(0, np.int64)
-    offsets = np.minimum(np.arange(k + 1)[None, :], num_spec[:, None])  # [num, K+1]
-    f["logits_indices"][:num] = last_real[:, None] + offsets
-    params = [s.params for _, s in samples]
-    f["temperature"][:num] = [0.0 if p.is_greedy else p.temperature for p in params]
-    f["top_p"][:] = 1.0
-    f["top_p"][:num] = [p.top_p for p in params]
-    f["min_p"][:num] = [p.min_p for p in params]
-    f["top_k"][:num] = [p.top_k for p in params]
-    f["repetition_penalty"][:] = 1.0
-    f["repetition_penalty"][:num] = [p.repetition_penalty for p in params]
-    f["frequency_penalty"][:num] = [p.frequency_penalty for p in params]
-    f["presence_penalty"][:num] = [p.presence_penalty for p in params]
-    f["rng_seed"][:num] = np.asarray([s.rng_seed for _, s in samples], np.uint32).view(np.int32)
-    f["rng_step"][:num] = np.asarray([s.rng_step for _, s in samples], np.uint32).view(np.int32)
-
-
-def _fill_prompt_logprobs(f: dict[str, np.ndarray],
-                          prompt_rows: list[tuple[int, ScheduledSequence]], q_lens: list[int],
-                          ends: np.ndarray) -> list[tuple[int, int, int]]:
-    """The token rows that score a prompt token (the first new tokens of each such sequence)
-    and those tokens; returns ModelInput.prompt_logprobs_rows. Padding scores row 0."""
-    counts = [len(e.prompt_logprob_token_ids) for _, e in prompt_rows]
-    firsts = [int(ends[i]) - q_lens[i] for i, _ in prompt_rows]
-    n = sum(counts)
-    f["prompt_logprobs_indices"][:n] = _ragged_positions(firsts, counts)
-    f["prompt_logprobs_token_ids"][:n] = list(itertools.chain.from_iterable(
-        e.prompt_logprob_token_ids for _, e in prompt_rows))
-    return [(e.seq_id, e.start_pos + 1, count) for (_, e), count in zip(prompt_rows, counts)]
-
-
-def _fill_drafts(f: dict[str, np.ndarray], entries: Sequence[ScheduledSequence],
-                 samples: list[tuple[int, SampleSpec]], draft_lens: list[int], ends: np.ndarray,
-                 block_size: int) -> None:
-    """The draft's catch-up pass and where its k proposals go in the target's tokens."""
-    s, n = len(entries), sum(draft_lens)
-    draft_ends = np.cumsum(draft_lens, dtype=np.int32)
-    f["draft_query_start_loc"][1 : s + 1] = draft_ends
-    f["draft_query_start_loc"][s + 1 :] = n
-    starts = [e.draft_start_pos for e in entries]
-    f["draft_kv_lens"][:s] = [a + b for a, b in zip(starts, draft_lens)]
-    f["draft_input_ids"][:n] = list(itertools.chain.from_iterable(
-        e.draft_token_ids for e in entries))
-    positions = _ragged_positions(starts, draft_lens)
-    f["draft_positions"][:n] = positions
-    f["draft_slot_mapping"][:] = -1
-    f["draft_slot_mapping"][:n] = _slots(f["block_tables"], np.repeat(np.arange(s), draft_lens),
-                                         positions, block_size)
-    num_drafts = np.asarray([e.num_spec_tokens for e in entries], np.int32)
-    f["num_drafts"][:s] = num_drafts
-    k = f["draft_token_index"].shape[1]
-    index = ends[:, None] - num_drafts[:, None] + np.arange(k)[None, :]  # [s, K]
-    f["draft_token_index"][:] = len(f["input_ids"])  # out of range: dropped
-    f["draft_token_index"][:s] = np.where(np.arange(k)[None, :] < num_drafts[:, None], index,
-                                          len(f["input_ids"]))
-    first_row: dict[int, int] = {}
-    for row, (i, spec) in enumerate(samples):
-        first_row.setdefault(i, row)
-        f["sample_seq"][row] = i
-        if spec.seq_id == entries[i].seq_id:  # forked siblings never carry drafts
-            f["num_draft_tokens"][row] = num_drafts[i]
-    f["seq_sample_row"][:s] = [first_row.get(i, 0) for i in range(s)]
-
-
-def _ragged_positions(starts: list[int], lengths: list[int]) -> np.ndarray:
-    """Concatenated ranges [start, start + length) for each sequence."""
+def ragged_positions(starts: np.ndarray | list[int], lengths: np.ndarray | list[int]
+                     ) -> np.ndarray:
+    """Concatenated ranges [start, start + length) for each sequence [sum(lengths)] int64."""
     lengths_arr = np.asarray(lengths, np.int64)
     firsts = np.cumsum(lengths_arr) - lengths_arr
     offsets = np.arange(int(lengths_arr.sum())) - np.repeat(firsts, lengths_arr)
-    return (np.repeat(np.asarray(starts, np.int64), lengths_arr) + offsets).astype(np.int32)
+    return np.repeat(np.asarray(starts, np.int64), lengths_arr) + offsets
 
 
-def _slots(block_tables: np.ndarray, seq_index: np.ndarray, positions: np.ndarray,
-           block_size: int) -> np.ndarray:
-    """KV slot of each (sequence, position): block_id * block_size + offset."""
-    return block_tables[seq_index, positions // block_size] * block_size + positions % block_size
-
-
-def _fill_block_tables(block_tables: np.ndarray, tables: list[list[int]]) -> None:
-    lengths = [len(t) for t in tables]
-    rows = np.repeat(np.arange(len(tables)), lengths)
-    cols = np.arange(sum(lengths)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-    block_tables[rows, cols] = list(itertools.chain.from_iterable(tables))
+def draft_token_index(f: dict[str, np.ndarray], ends: np.ndarray, num_drafts: np.ndarray
+                      ) -> None:
+    """draft_token_index [S, K]: the token row of each sequence's draft j (T: none)."""
+    k, t = f["draft_token_index"].shape[1], len(f["input_ids"])
+    s = len(num_drafts)
+    index = ends[:, None] - num_drafts[:, None] + np.arange(k)[None, :]  # [s, K]
+    f["draft_token_index"][:] = t  # out of range: dropped
+    f["draft_token_index"][:s] = np.where(np.arange(k)[None, :] < num_drafts[:, None], index, t)

@@ -23,7 +23,7 @@ import numpy as np
 
 from pagedjax.core.batch import ModelOutput
 from pagedjax.core.request_policy import PolicyContext
-from pagedjax.core.scheduler_output import ScheduledSequence
+from pagedjax.core.scheduler_output import SchedulerOutput
 from pagedjax.core.sequence import Sequence
 from pagedjax.outputs import CompletionOutput, Logprob, Logprobs, RequestOutput
 from pagedjax.sampling_params import RequestOutputKind, SamplingParams
@@ -153,7 +153,7 @@ class BeamSearch:
     def done(self) -> bool:
         return self._done
 
-    def schedule(self, entries: list[ScheduledSequence]) -> None:
+    def schedule(self, out: SchedulerOutput, indices: list[int]) -> None:
         pass  # every beam samples from its own last position; nothing to add
 
     def update(self, output: ModelOutput, rows: dict[int, int]) -> RequestOutput | None:

@@ -7,7 +7,7 @@ runner only ever sees block tables and the (src, dst) copies it must perform.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 
 def _chain_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
@@ -48,11 +48,19 @@ class BlockManager:
         self._tables: dict[int, list[int]] = {}
         # Per seq: chain hashes of its leading full blocks hashed so far (cache_blocks' progress).
         self._seq_hashes: dict[int, list[int]] = {}
+        # seq id -> first index of its table changed since take_table_changes (the persistent
+        # batch copies tables from there only)
+        self._changed_from: dict[int, int] = {}
 
     @property
     def num_free_blocks(self) -> int:
         """Blocks with refcount 0, cached-but-free ones included (they are evicted on demand)."""
         return len(self._free)
+
+    @property
+    def tables(self) -> Mapping[int, list[int]]:
+        """seq id -> its block table (read-only for callers)."""
+        return self._tables
 
     def get_block_table(self, seq_id: int) -> list[int]:
         """The seq's block ids in order (empty if it has none). Read-only for callers."""
@@ -61,6 +69,16 @@ class BlockManager:
     def ref_count(self, block_id: int) -> int:
         """Number of block tables holding block_id."""
         return self._ref_counts[block_id]
+
+    def take_table_changes(self) -> dict[int, tuple[int, list[int]]]:
+        """seq id -> (first changed index, its table from there) of every table changed since
+        the last call (grown, copied on write, truncated; a new table from index 0)."""
+        changes, self._changed_from = self._changed_from, {}
+        return {seq_id: (first, self._tables[seq_id][first:])
+                for seq_id, first in changes.items()}
+
+    def _mark_changed(self, seq_id: int, first: int) -> None:
+        self._changed_from[seq_id] = min(first, self._changed_from.get(seq_id, first))
 
     def free_block_ids(self) -> list[int]:
         """The free queue, head (next to allocate or evict) first."""
@@ -100,10 +118,22 @@ class BlockManager:
         Returns the copy-on-write copies (src, dst) the runner must perform before writing, or None
         (with nothing changed) when the free blocks do not suffice; the scheduler then preempts.
         """
-        self._check_allocate_args(seq_id, num_computed_tokens, num_new_tokens, computed_blocks)
         bs = self.block_size
-        table = self._tables.get(seq_id, [])
+        table = self._tables.get(seq_id)
         num_required = _cdiv(num_computed_tokens + num_new_tokens, bs)
+        if (table is not None and not computed_blocks and num_new_tokens
+                and num_required <= len(table) and num_computed_tokens >= 0
+                and len(self._seq_hashes[seq_id]) <= num_computed_tokens // bs):
+            # The common step (a decode token in its last block): nothing to take if every
+            # block it writes is its own, unhashed and uncached.
+            for i in range(num_computed_tokens // bs, num_required):
+                block_id = table[i]
+                if self._ref_counts[block_id] > 1 or block_id in self._cached:
+                    break
+            else:
+                return []
+        self._check_allocate_args(seq_id, num_computed_tokens, num_new_tokens, computed_blocks)
+        table = table or []
         # Indices of the existing blocks that cover slots written this step.
         first_written = num_computed_tokens // bs if num_new_tokens else num_required
         written = range(first_written, min(len(table), num_required))
@@ -115,6 +145,7 @@ class BlockManager:
 
         table = self._tables.setdefault(seq_id, [])
         hashes = self._seq_hashes.setdefault(seq_id, [])
+        first_changed = len(table)
         for block_id in computed_blocks:
             self._free.pop(block_id, None)
             self._ref_counts[block_id] += 1
@@ -128,11 +159,14 @@ class BlockManager:
             self._ref_counts[src] -= 1
             table[i] = dst
             copies.append((src, dst))
+            first_changed = min(first_changed, i)
         for i in written:
             # Only after a rollback: the block is rewritten in place, so its cache entry goes stale.
             if table[i] in self._cached:
                 self._uncache(table[i])
         table.extend(self._take_free_block() for _ in range(num_new_blocks))
+        if first_changed < len(table):
+            self._mark_changed(seq_id, first_changed)
         return copies
 
     def cache_blocks(self, seq_id: int, token_ids: Sequence[int], num_computed_tokens: int) -> None:
@@ -167,11 +201,13 @@ class BlockManager:
             self._ref_counts[block_id] += 1
         self._tables[child_seq_id] = list(table)
         self._seq_hashes[child_seq_id] = list(self._seq_hashes.get(parent_seq_id, []))
+        self._mark_changed(child_seq_id, 0)
 
     def free(self, seq_id: int) -> None:
         """Release all of the seq's blocks (tail first, so its tail is evicted before its head)."""
         table = self._tables.pop(seq_id, None)
         self._seq_hashes.pop(seq_id, None)
+        self._changed_from.pop(seq_id, None)
         if table is not None:
             self._release(reversed(table))
 
@@ -184,6 +220,8 @@ class BlockManager:
             return
         num_kept = _cdiv(num_tokens, self.block_size)
         released = table[num_kept:]
+        if released:
+            self._mark_changed(seq_id, num_kept)
         del table[num_kept:]
         self._release(reversed(released))
         del self._seq_hashes[seq_id][num_tokens // self.block_size :]
@@ -263,6 +301,7 @@ class CopyingBlockManager(BlockManager):
         table = self._tables[child_seq_id]
         copies = [(src, self._take_free_block()) for src in table]
         table[:] = [dst for _, dst in copies]
+        self._mark_changed(child_seq_id, 0)
         self._pending_copies[child_seq_id] = copies
 
     def allocate_slots(self, seq_id: int, num_computed_tokens: int, num_new_tokens: int,

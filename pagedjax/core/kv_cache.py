@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from pagedjax.config import EngineConfig
-from pagedjax.core.batch import ModelInput, build_model_input
-from pagedjax.core.scheduler_output import SampleSpec, ScheduledSequence, SchedulerOutput
+from pagedjax.core.batch import ModelInput
+from pagedjax.core.batch_reference import build_model_input
+from pagedjax.core.scheduler_output import SampleSpec, ScheduledBatch, ScheduledSequence
 from pagedjax.core.step_shapes import StepShapes
 from pagedjax.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -50,6 +51,5 @@ def warm_up_input(config: EngineConfig, shapes: StepShapes) -> ModelInput:
                                               banned_token_ids=[])])
         for s in range(num_seqs)
     ]
-    out = SchedulerOutput(scheduled=scheduled, block_copies=[], preempted_seq_ids=[],
-                          num_batched_tokens=num_seqs * q_len)
+    out = ScheduledBatch(scheduled)
     return build_model_input(out, shapes, block_size=block_size)

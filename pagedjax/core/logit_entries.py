@@ -41,10 +41,12 @@ class LogitEntries:
     num_entries: int  # the real ones, first
 
 
-def build_logit_entries(samples: list[SampleSpec], capacity: int) -> LogitEntries | None:
-    """The entries of a step's sample rows (row r = samples[r]); None if no row has any."""
+def build_logit_entries(samples: list[SampleSpec], capacity: int,
+                        sample_rows: list[int] | None = None) -> LogitEntries | None:
+    """The entries of a step's sample rows (row r = samples[r], or sample_rows[r] when given:
+    the rows that may have any); None if no row has any."""
     rows, tokens, counts, flags, bias = [], [], [], [], []
-    for r, spec in enumerate(samples):
+    for r, spec in zip(range(len(samples)) if sample_rows is None else sample_rows, samples):
         params = spec.params
         for token in spec.banned_token_ids:
             rows.append(r), tokens.append(token), counts.append(0)

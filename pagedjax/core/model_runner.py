@@ -20,6 +20,9 @@ from pagedjax.core.step_shapes import BatchLayout, StepShapes
 BACKENDS = {
     "jax": "pagedjax.backends.jax.runner:JaxModelRunner",
     "torch": "pagedjax.backends.torch.runner:TorchModelRunner",
+    # No model: a fixed token per row, for measuring the engine's host work alone and for
+    # end-to-end tests of the core (fixed_token_runner.py)
+    "fixed-tokens": "pagedjax.core.fixed_token_runner:FixedTokenRunner",
 }
 
 

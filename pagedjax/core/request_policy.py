@@ -9,14 +9,13 @@ shared partial block is copied (copy-on-write), so siblings and beams hold their
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from pagedjax.core.batch import ModelOutput
 from pagedjax.core.scheduler import Scheduler
-from pagedjax.core.scheduler_output import ScheduledSequence
+from pagedjax.core.scheduler_output import SchedulerOutput
 from pagedjax.core.sequence import Sequence
 from pagedjax.outputs import RequestOutput
 
@@ -29,8 +28,9 @@ class RequestPolicy(Protocol):
         """Nothing is left for the policy to decide: the engine forgets it."""
         ...
 
-    def schedule(self, entries: list[ScheduledSequence]) -> None:
-        """Before the device step, with the request's scheduled sequences: add sample rows."""
+    def schedule(self, out: SchedulerOutput, indices: list[int]) -> None:
+        """Before the device step, with the request's scheduled sequences (their indices in
+        out.seq_ids): add sample rows (out.forks)."""
         ...
 
     def update(self, output: ModelOutput, rows: dict[int, int]) -> RequestOutput | None:
@@ -82,17 +82,22 @@ class ParallelSampling:
     def done(self) -> bool:
         return self.parent.num_pending_forks == 0
 
-    def schedule(self, entries: list[ScheduledSequence]) -> None:
+    def schedule(self, out: SchedulerOutput, indices: list[int]) -> None:
         parent = self.parent
-        for entry in entries:
-            if entry.seq_id != parent.seq_id or not entry.samples or not parent.num_pending_forks:
-                continue
+        for i in indices:
+            end = out.num_computed_tokens[i] + out.num_new_tokens[i]
+            if (out.seq_ids[i] != parent.seq_id or end != parent.num_tokens
+                    or not parent.num_pending_forks):
+                continue  # not the parent, or it samples nothing this step
+            draft_end = (out.draft_start_pos[i] + out.num_draft_tokens[i]
+                         if out.num_draft_tokens else parent.num_draft_computed_tokens)
+            children = []
             for k in range(parent.num_pending_forks):
                 index = parent.index + 1 + k
                 child = self.context.fork(parent, index, self.context.fork_seed(parent, index))
-                child.num_draft_computed_tokens = entry.draft_end_pos
-                entry.samples.append(dataclasses.replace(
-                    entry.samples[0], seq_id=child.seq_id, rng_seed=child.rng_seed))
+                child.num_draft_computed_tokens = draft_end
+                children.append(child.seq_id)
+            out.forks[parent.seq_id] = children
             parent.num_pending_forks = 0
 
     def update(self, output: ModelOutput, rows: dict[int, int]) -> RequestOutput | None:

@@ -16,6 +16,12 @@ they fork and drop sequences through the block manager and hand forks over with 
 scheduler only sees sequences; a sequence with nothing left to compute (a beam waiting for its
 policy to pick its next token) is simply not scheduled, and when preempted it is parked, holding
 no blocks and queued nowhere, until tokens are appended to it.
+
+Its output says what changed since the last step besides which sequences run (removed
+sequences, tables, sequences whose tokens changed on the host), so that the persistent batch
+(input_batch.py) updates those rows only. A step's work is a short loop over the running
+sequences (a few attribute reads each); allocation, draft and logit-entry bookkeeping run only
+for the sequences that need them.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import bisect
 from collections import deque
 
 from pagedjax.core.block_manager import BlockManager
-from pagedjax.core.scheduler_output import SampleSpec, ScheduledSequence, SchedulerOutput
+from pagedjax.core.scheduler_output import SampledTokens, SchedulerOutput
 from pagedjax.core.sequence import Sequence, SequenceStatus
 from pagedjax.core.stopping import StopChecker
 
@@ -46,21 +52,35 @@ class Scheduler:
         self.seqs: dict[int, Sequence] = {}  # every live sequence, forked children included
         self.num_preemptions_total = 0
         self.num_generation_tokens_total = 0
+        # since the last schedule(): sequences that left the batch, and sequences whose tokens
+        # or random counter changed on the host (SchedulerOutput)
+        self._removed: list[int] = []
+        self._changed: set[int] = set()
 
     # ---- bookkeeping -------------------------------------------------------------------------
 
     def add_sequence(self, seq: Sequence) -> None:
-        self.seqs[seq.seq_id] = seq
+        self._track(seq)
         self.waiting.append(seq)
 
     def add_fork(self, seq: Sequence) -> None:
         """Track a sequence a request policy forked: it joins its parent's queue (running, in
         arrival order; or waiting at the front, as the preempted do)."""
-        self.seqs[seq.seq_id] = seq
+        self._track(seq)
         if seq.status is SequenceStatus.RUNNING:
             bisect.insort(self.running, seq, key=lambda s: s.arrival)
         else:
             self.waiting.appendleft(seq)
+
+    def _track(self, seq: Sequence) -> None:
+        self.seqs[seq.seq_id] = seq
+        params = seq.sampling_params
+        seq.stop_token_set = frozenset(params.stop_token_ids).union(
+            self.stop_checker.eos_token_ids)
+        seq.max_num_tokens = min(seq.num_prompt_tokens + seq.max_tokens,
+                                 self.stop_checker.max_model_len)
+        seq.uses_logit_entries = bool(params.logit_bias or params.has_penalties
+                                      or params.min_tokens)
 
     def remove(self, seq: Sequence) -> None:
         """Forget a finished sequence once its output has been delivered."""
@@ -69,6 +89,10 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.parked)
+
+    def mark_changed(self, seq: Sequence) -> None:
+        """seq's tokens or random counter changed outside update() (a grammar's cut)."""
+        self._changed.add(seq.seq_id)
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None,
                num_output_tokens: int | None = None) -> None:
@@ -81,6 +105,7 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         self.block_manager.free(seq.seq_id)
+        self._removed.append(seq.seq_id)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
@@ -90,6 +115,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         idle = seq.num_computed_tokens == seq.num_tokens  # a beam whose row is in
         self.block_manager.free(seq.seq_id)
+        self._removed.append(seq.seq_id)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = seq.num_draft_computed_tokens = 0
         if idle:
@@ -103,20 +129,34 @@ class Scheduler:
     def schedule(self, num_spec_tokens: int = 0) -> SchedulerOutput:
         """This step's batch; with num_spec_tokens k > 0, up to k draft slots per sequence."""
         assert not num_spec_tokens or self.has_draft
-        step = SchedulerOutput([], [], [], 0, num_spec_tokens)
+        step = SchedulerOutput(num_spec_tokens=num_spec_tokens)
         self._draft_budget = self.max_num_batched_tokens if self.has_draft else 0
         self._entries_budget = self.max_logit_entries
+        self._scores_prompt = False  # some sequence scores prompt tokens (prompt_logprobs)
         self._schedule_running(step)
         if not step.preempted_seq_ids:
             self._schedule_waiting(step)
         if self.has_draft:
             self._fit_drafts(step)
+        return self._with_changes(step)
+
+    def take_changes(self) -> SchedulerOutput:
+        """An empty step carrying what changed since the last one (the persistent batch frees
+        the rows of what finished when nothing runs)."""
+        return self._with_changes(SchedulerOutput())
+
+    def _with_changes(self, step: SchedulerOutput) -> SchedulerOutput:
+        """step, with what changed since the last step (SchedulerOutput)."""
+        step.removed_seq_ids, self._removed = self._removed, []
+        if self._changed:
+            step.changed_seq_ids, self._changed = sorted(self._changed), set()
+        step.block_table_changes = self.block_manager.take_table_changes()
         return step
 
     def schedule_next(self, last: SchedulerOutput) -> SchedulerOutput | None:
         """Async scheduling: the decode step after `last`, scheduled while `last` runs, before
         its tokens reach the host. Each sequence computes the token `last` samples for it (the
-        runner reads it on the device: `input_row`) at the position after its tokens, and
+        runner reads it on the device: `input_rows`) at the position after its tokens, and
         samples the one after. None, with nothing allocated for the sequences that did not
         fit, unless `last` is a decode step of every running sequence with nobody waiting and
         none of them uses penalties (they count the tokens the host has not seen), forks or
@@ -125,32 +165,30 @@ class Scheduler:
         A sequence that `last` finishes computes one more row, which update() drops; the slot
         it writes is freed with its blocks before any later step can reuse it, and the device
         runs steps in order."""
-        if self.waiting or self.parked or self.has_draft or len(last.scheduled) != len(
-                self.running):
+        if (self.waiting or self.parked or self.has_draft or last.forks
+                or len(last.seq_ids) != len(self.running)
+                or last.num_batched_tokens != len(last.seq_ids)):
             return None
-        step = SchedulerOutput([], [], [], 0, 0)
-        for row, entry in enumerate(last.scheduled):
-            seq = self.seqs.get(entry.seq_id)
-            if (seq is None or seq.is_finished or not entry.is_decode or entry.num_spec_tokens
-                    or [s.seq_id for s in entry.samples] != [seq.seq_id]
+        step = SchedulerOutput(input_rows=list(range(len(last.seq_ids))))
+        max_model_len = self.stop_checker.max_model_len
+        for seq_id in last.seq_ids:
+            seq = self.seqs.get(seq_id)
+            if (seq is None or seq.is_finished or seq.num_computed_tokens != seq.num_tokens
                     or seq.num_pending_forks or seq.policy_picks_tokens
-                    or seq.sampling_params.has_penalties
-                    or seq.num_tokens >= self.stop_checker.max_model_len):
+                    or seq.sampling_params.has_penalties or seq.num_tokens >= max_model_len):
                 return None
             position = seq.num_tokens  # of the token `last` samples
-            copies = self.block_manager.allocate_slots(seq.seq_id, position, 1)
+            copies = self.block_manager.allocate_slots(seq_id, position, 1)
             if copies is None:
                 return None
-            step.scheduled.append(ScheduledSequence(
-                seq_id=seq.seq_id, token_ids=[0], start_pos=position,
-                block_table=list(self.block_manager.get_block_table(seq.seq_id)),
-                samples=[self._sample_spec(seq, ahead=1)], input_row=row))
+            step.seq_ids.append(seq_id)
+            step.num_computed_tokens.append(position)
             step.block_copies += copies
-            step.num_batched_tokens += 1
-        return step
+        step.num_new_tokens = [1] * len(step.seq_ids)
+        step.num_batched_tokens = len(step.seq_ids)
+        return self._with_changes(step)
 
-    @staticmethod
-    def _fit_drafts(step: SchedulerOutput) -> None:
+    def _fit_drafts(self, step: SchedulerOutput) -> None:
         """The draft's work fits the step's shape (step_shapes.py). A step where some
         sequence computes more than one token (a prompt chunk) proposes no drafts, and the
         draft catches up in it whatever k is. In a decode step the draft runs only with k > 0,
@@ -158,44 +196,73 @@ class Scheduler:
         once caught up). The step's k is then the most drafts a sequence proposes (max_tokens
         caps them near the end)."""
         k = step.num_spec_tokens
-        decode = all(e.is_decode for e in step.scheduled)
-        for e in step.scheduled:
-            if not decode or len(e.draft_token_ids) > k + 1:
-                step.num_batched_tokens -= e.num_spec_tokens
-                e.num_spec_tokens = 0
+        decode = not self._scores_prompt and all(n == 1 for n in step.num_new_tokens)
+        spec, catch_up = step.num_spec_tokens_per_seq, step.num_draft_tokens
+        for i, num_spec in enumerate(spec):
+            if not decode or catch_up[i] > k + 1:
+                step.num_batched_tokens -= num_spec
+                spec[i] = 0
             if decode:
-                e.draft_token_ids = e.draft_token_ids[: k + 1] if k else []
-        step.num_spec_tokens = max((e.num_spec_tokens for e in step.scheduled), default=0)
+                catch_up[i] = min(catch_up[i], k + 1) if k else 0
+        step.num_spec_tokens = max(spec, default=0)
 
     def _budget(self, step: SchedulerOutput) -> int:
         return self.max_num_batched_tokens - step.num_batched_tokens
 
-    def _add(self, step: SchedulerOutput, seq: Sequence, num_new: int, num_spec: int,
-             copies: list[tuple[int, int]]) -> ScheduledSequence:
-        entry = self._scheduled(seq, num_new, num_spec)
-        step.scheduled.append(entry)
-        step.block_copies += copies
+    def _add(self, step: SchedulerOutput, seq: Sequence, num_computed: int, num_new: int,
+             num_spec: int, copies: list[tuple[int, int]]) -> None:
+        """Schedule num_new of seq's tokens from num_computed, and num_spec draft slots."""
+        step.seq_ids.append(seq.seq_id)
+        step.num_computed_tokens.append(num_computed)
+        step.num_new_tokens.append(num_new)
+        if copies:
+            step.block_copies += copies
         step.num_batched_tokens += num_new + num_spec
-        return entry
+        if self.has_draft:
+            self._add_draft(step, seq, num_computed + num_new, num_spec)
+        if seq.needs_prompt_logprobs and num_computed + 1 < seq.num_prompt_tokens:
+            self._scores_prompt = True
+
+    def _add_draft(self, step: SchedulerOutput, seq: Sequence, end: int, num_spec: int) -> None:
+        """The draft's share of the step: its slots, and what it catches up on as far as it
+        may, for a sequence that may still draft (not one on its last token, or one that never
+        drafts)."""
+        step.num_spec_tokens_per_seq.append(num_spec)
+        draft_start = seq.num_draft_computed_tokens
+        step.draft_start_pos.append(draft_start)
+        num_catch_up = 0
+        if self._draft_budget and self._drafts_left(seq) > 0:
+            num_catch_up = min(end - draft_start, self._draft_budget)
+            self._draft_budget -= num_catch_up
+        step.num_draft_tokens.append(num_catch_up)
 
     def _schedule_running(self, step: SchedulerOutput) -> None:
         i = 0
-        while (i < len(self.running) and self._budget(step) > 0
-               and len(step.scheduled) < self.max_num_seqs):
-            seq = self.running[i]
+        running, max_num_seqs = self.running, self.max_num_seqs
+        allocate = self.block_manager.allocate_slots
+        k, budget, entries = step.num_spec_tokens, self.max_num_batched_tokens, self._entries_budget
+        while i < len(running) and budget > 0 and len(step.seq_ids) < max_num_seqs:
+            seq = running[i]
             i += 1
-            if seq.num_computed_tokens == seq.num_tokens:
+            num_computed = seq.num_computed_tokens
+            num_new = min(len(seq.token_ids) - num_computed, budget)
+            if num_new <= 0:
                 continue  # waits for its request policy's next token (a beam)
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, self._budget(step))
-            if not self._take_logit_entries(seq, seq.num_computed_tokens + num_new):
+            if entries is not None and seq.uses_logit_entries and not self._take_logit_entries(
+                    seq, num_computed + num_new):
                 break
-            num_spec = self._num_spec_tokens(step, seq, seq.num_computed_tokens, num_new)
-            allocated = self._allocate_or_preempt(seq, num_new, num_spec, step.preempted_seq_ids)
-            if allocated is None:
-                break  # seq itself was preempted: nothing after it runs either
-            self._add(step, seq, num_new, *allocated)
-            if i > len(self.running) or self.running[i - 1] is not seq:
-                i = self.running.index(seq) + 1  # an earlier, idle sequence was parked
+            num_spec = (self._num_spec_tokens(step, seq, num_computed, num_new) if k else 0)
+            copies = None if num_spec else allocate(seq.seq_id, num_computed, num_new)
+            if copies is None:  # drafts, or the pool is short
+                allocated = self._allocate_or_preempt(seq, num_new, num_spec,
+                                                      step.preempted_seq_ids)
+                if allocated is None:
+                    break  # seq itself was preempted: nothing after it runs either
+                num_spec, copies = allocated
+            self._add(step, seq, num_computed, num_new, num_spec, copies)
+            budget -= num_new + num_spec
+            if i > len(running) or running[i - 1] is not seq:
+                i = running.index(seq) + 1  # an earlier, idle sequence was parked
 
     def _num_seats(self) -> int:
         """Running sequences plus the forks their policies will add (n > 1 siblings, beams)."""
@@ -229,12 +296,12 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.arrival)
             seats += 1 + seq.num_pending_forks
-            self._add(step, seq, num_new, *allocated)
+            self._add(step, seq, num_computed, num_new, *allocated)
 
     def _take_logit_entries(self, seq: Sequence, end_pos: int) -> bool:
         """Whether the rows seq samples this step (itself and the forks it makes) fit what is
         left of the step's logit entries (taking them); rows that do not sample take none."""
-        if self._entries_budget is None or end_pos < seq.num_tokens:
+        if self._entries_budget is None or end_pos < seq.num_tokens or not seq.uses_logit_entries:
             return True
         need = (seq.num_logit_entries(len(self.stop_checker.eos_token_ids))
                 * (1 + seq.num_pending_forks))
@@ -311,77 +378,66 @@ class Scheduler:
             if victim is seq:
                 return None
 
-    def _scheduled(self, seq: Sequence, num_new: int, num_spec: int) -> ScheduledSequence:
-        start = seq.num_computed_tokens
-        end = start + num_new
-        entry = ScheduledSequence(
-            seq_id=seq.seq_id,
-            token_ids=seq.token_ids[start:end],
-            start_pos=start,
-            block_table=list(self.block_manager.get_block_table(seq.seq_id)),
-            num_spec_tokens=num_spec,
-            draft_start_pos=seq.num_draft_computed_tokens,
-            prompt_logprob_token_ids=seq.prompt_logprob_token_ids(start, end),
-        )
-        # The draft runs this step: it catches up as far as it may, for sequences that may
-        # still draft (not one on its last token, or one that never drafts).
-        if self._draft_budget and self._drafts_left(seq) > 0:
-            num_catch_up = min(end - entry.draft_start_pos, self._draft_budget)
-            entry.draft_token_ids = seq.token_ids[entry.draft_start_pos :
-                                                  entry.draft_start_pos + num_catch_up]
-            self._draft_budget -= num_catch_up
-        if end == seq.num_tokens:  # caught up: its last position yields a token
-            entry.samples = [self._sample_spec(seq)]
-        return entry
-
-    def _sample_spec(self, seq: Sequence, ahead: int = 0) -> SampleSpec:
-        """How seq's next token is sampled; ahead: tokens it will have that the host has not
-        seen yet (async scheduling)."""
-        params = seq.sampling_params
-        num_output = seq.num_output_tokens + ahead
-        banned: list[int] = []
-        if num_output < params.min_tokens:
-            banned = list(params.stop_token_ids)
-            if not params.ignore_eos:
-                banned += self.stop_checker.eos_token_ids
-        return SampleSpec(seq.seq_id, params, seq.rng_seed, num_output + seq.rng_offset, banned,
-                          *seq.penalty_token_ids())
-
     # ---- update ------------------------------------------------------------------------------
 
-    def update(self, output: SchedulerOutput, sampled: dict[int, list[int]]) -> list[Sequence]:
+    def update(self, output: SchedulerOutput, sampled: SampledTokens) -> list[Sequence]:
         """Advance computed counts, append sampled tokens, finish and free what stopped.
 
-        sampled: seq id → the tokens its row produced (one normally; its accepted drafts and a
+        sampled: the tokens each logits row produced (one normally; its accepted drafts and a
         recovered or bonus token with speculation). A sequence whose request policy picks its
         tokens (a beam) gets none here, and neither does one finished (or removed) since it was
         scheduled: the engine found its stop string in the last step's outputs meanwhile.
         Returns every sequence that got tokens.
         """
+        seqs, finished = self.seqs, SequenceStatus.FINISHED
+        ends = output.end_positions()
+        for seq_id, end in zip(output.seq_ids, ends):
+            seq = seqs.get(seq_id)
+            if seq is not None and seq.status is not finished:
+                seq.num_computed_tokens = end
+        if output.num_draft_tokens:
+            self._advance_drafts(output, ends)
+        end_of = dict(zip(output.seq_ids, ends))
+        for parent, children in output.forks.items():
+            end_of.update((child, end_of[parent]) for child in children)
         touched: list[Sequence] = []
-        for entry in output.scheduled:
-            seq = self.seqs.get(entry.seq_id)
-            if seq is None or seq.is_finished:
-                continue
-            seq.num_computed_tokens = entry.end_pos
-            if entry.draft_token_ids:  # the draft computed its catch-up and drafts 1..k-1
-                seq.num_draft_computed_tokens = entry.draft_end_pos + max(
-                    entry.num_spec_tokens - 1, 0)
-            for spec in entry.samples:
-                if spec.seq_id not in sampled:  # finished since it was scheduled
+        if sampled.token_ids.shape[1] == 1:  # one token a row: the common step
+            rows = zip(sampled.seq_ids, sampled.token_ids[:, 0].tolist())
+            for seq_id, token in rows:
+                seq = seqs.get(seq_id)
+                if seq is None or seq.status is finished or seq.policy_picks_tokens:
                     continue
-                seq = self.seqs[spec.seq_id]
-                if seq.policy_picks_tokens:
-                    continue
-                tokens = sampled[spec.seq_id]
-                # Drafts kept; the last token is recovered or bonus. Rejected: rolled back.
-                seq.num_computed_tokens = entry.end_pos + len(tokens) - 1
-                self.append_tokens(seq, tokens)
+                seq.num_computed_tokens = end_of[seq_id]
+                self._append(seq, token)
                 touched.append(seq)
-        for seq in touched:
-            if not seq.is_finished:
-                self._release_rejected_slots(seq)
+        else:
+            for r, seq_id in enumerate(sampled.seq_ids):
+                seq = seqs.get(seq_id)
+                if seq is None or seq.status is finished or seq.policy_picks_tokens:
+                    continue
+                tokens = sampled.tokens(r)
+                # Drafts kept; the last token is recovered or bonus. Rejected: rolled back.
+                seq.num_computed_tokens = end_of[seq_id] + len(tokens) - 1
+                for token in tokens:
+                    if self._append(seq, token):
+                        break
+                touched.append(seq)
+        if self.has_draft or self.block_manager.enable_prefix_caching:
+            for seq in touched:
+                if seq.status is not finished:
+                    self._release_rejected_slots(seq)
         return touched
+
+    def _advance_drafts(self, output: SchedulerOutput, ends: list[int]) -> None:
+        """The draft computed its catch-up and drafts 1..k-1."""
+        seqs = self.seqs
+        for i, seq_id in enumerate(output.seq_ids):
+            seq = seqs.get(seq_id)
+            if seq is None or seq.is_finished or not output.num_draft_tokens[i]:
+                continue
+            seq.num_draft_computed_tokens = (output.draft_start_pos[i]
+                                             + output.num_draft_tokens[i]
+                                             + max(output.num_spec_tokens_per_seq[i] - 1, 0))
 
     def _release_rejected_slots(self, seq: Sequence) -> None:
         """Blocks past the new length go back to the pool; full blocks whose KV the target
@@ -393,14 +449,22 @@ class Scheduler:
         self.block_manager.cache_blocks(seq.seq_id, seq.token_ids, computed)
 
     def append_tokens(self, seq: Sequence, token_ids: list[int]) -> None:
-        """Append tokens to seq, finishing it at the first token-level stop; a parked
-        sequence queues again."""
+        """Append tokens a request policy picked to seq, finishing it at the first token-level
+        stop; a parked sequence queues again."""
         if self.parked.pop(seq.seq_id, None) is not None:
             self.waiting.appendleft(seq)
+        self._changed.add(seq.seq_id)
         for token in token_ids:
-            seq.token_ids.append(token)
-            self.num_generation_tokens_total += 1
+            if self._append(seq, token):
+                return
+
+    def _append(self, seq: Sequence, token: int) -> bool:
+        """Append one token; finish seq if it stops there (returns True then)."""
+        seq.token_ids.append(token)
+        self.num_generation_tokens_total += 1
+        if token in seq.stop_token_set or len(seq.token_ids) >= seq.max_num_tokens:
             stop = self.stop_checker(seq, token)
             if stop is not None:
                 self.finish(seq, *stop)
-                return
+                return True
+        return False

@@ -1,10 +1,111 @@
-"""What one scheduler step decided: plain ints and lists, no framework types."""
+"""What one scheduler step decided, and what a step's logits rows produced: plain ints, lists
+and NumPy, no framework types.
+
+`SchedulerOutput` is the scheduler → persistent batch contract (vLLM V1's SchedulerOutput with
+its NewRequestData / CachedRequestData): which sequences compute how many tokens, and what
+changed since the last step, so that the batch (input_batch.py) touches only those rows.
+
+`ScheduledBatch` describes a step sequence by sequence, every field spelled out: what the
+reference builder (batch.build_model_input) reads. Synthetic steps (warm-up, the speculation
+cost table, tests) are written in it, and `describe` rebuilds it from the scheduler's state,
+the yardstick the persistent batch is tested against.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
 
 from pagedjax.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedjax.core.sequence import Sequence
+
+
+@dataclass
+class SchedulerOutput:
+    """The scheduler → persistent batch contract for one step.
+
+    A sequence the batch holds no row for (new, resumed after preemption, forked) gets one
+    from its Sequence; a row is copied again only where the scheduler says its sequence
+    changed on the host.
+    """
+
+    # The step's sequences in batch order (running first, then admitted), and for each:
+    seq_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)  # before the step: its start
+    num_new_tokens: list[int] = field(default_factory=list)  # real tokens it computes
+    # Speculative decoding (empty lists where the draft model does not run this step): the
+    # draft slots reserved after each sequence's new tokens, the draft's progress and the
+    # tokens it catches up on from there (its input: the sequence's own tokens).
+    num_spec_tokens_per_seq: list[int] = field(default_factory=list)
+    draft_start_pos: list[int] = field(default_factory=list)
+    num_draft_tokens: list[int] = field(default_factory=list)
+    # n > 1 (ParallelSampling): seq id → its siblings forked this step, which sample from its
+    # last position too
+    forks: dict[int, list[int]] = field(default_factory=dict)
+    # Async scheduling: the last step's logits row whose sampled token is each sequence's one
+    # new token (read on the device: the host has not seen it); None: every input is known.
+    input_rows: list[int] | None = None
+    # What changed since the last step:
+    removed_seq_ids: list[int] = field(default_factory=list)  # finished, preempted, parked
+    # tokens or random counter changed on the host (a beam's pick, a grammar's cut): the batch
+    # copies their rows again
+    changed_seq_ids: list[int] = field(default_factory=list)
+    # seq id → (first changed index, its block table from there): appended blocks,
+    # copy-on-write replacements, speculative truncation
+    block_table_changes: dict[int, tuple[int, list[int]]] = field(default_factory=dict)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), first
+    preempted_seq_ids: list[int] = field(default_factory=list)  # sent back to waiting
+    num_batched_tokens: int = 0  # new tokens and draft slots
+    # k: the most drafts a sequence proposes (0: none; the draft model still runs when some
+    # sequence has tokens to catch up on)
+    num_spec_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seq_ids
+
+    @property
+    def num_tokens_ahead(self) -> int:
+        """Tokens each sequence has that the host has not seen: 1 with async scheduling."""
+        return 0 if self.input_rows is None else 1
+
+    def end_positions(self) -> list[int]:
+        """Position after each sequence's last real token computed this step."""
+        return [c + n for c, n in zip(self.num_computed_tokens, self.num_new_tokens)]
+
+
+@dataclass
+class SampledTokens:
+    """A step's sampled tokens as the host keeps them: logits row r, of sequence seq_ids[r],
+    keeps token_ids[r, :num_tokens[r]] (its accepted drafts, then a recovered or bonus token).
+    A grammar may cut a row short (StructuredOutputManager.accept)."""
+
+    seq_ids: list[int]  # [L]
+    token_ids: np.ndarray  # [L, K+1] int32, -1 padded
+    num_tokens: np.ndarray  # [L] int32
+
+    @classmethod
+    def from_array(cls, seq_ids: list[int], token_ids: np.ndarray) -> SampledTokens:
+        return cls(seq_ids, token_ids, (token_ids >= 0).sum(axis=1, dtype=np.int32))
+
+    @classmethod
+    def from_lists(cls, rows: dict[int, list[int]]) -> SampledTokens:
+        """seq id → its tokens (tests, hand-made steps)."""
+        width = max((len(t) for t in rows.values()), default=1)
+        token_ids = np.full((len(rows), width), -1, np.int32)
+        for r, tokens in enumerate(rows.values()):
+            token_ids[r, : len(tokens)] = tokens
+        return cls.from_array(list(rows), token_ids)
+
+    def tokens(self, r: int) -> list[int]:
+        return self.token_ids[r, : self.num_tokens[r]].tolist()
+
+    def as_dict(self) -> dict[int, list[int]]:
+        return {seq_id: self.tokens(r) for r, seq_id in enumerate(self.seq_ids)}
 
 
 @dataclass
@@ -21,9 +122,23 @@ class SampleSpec:
     output_token_ids: list[int] = field(default_factory=list)  # every output token so far
 
 
+def sample_spec(seq: Sequence, eos_token_ids: tuple[int, ...], ahead: int = 0) -> SampleSpec:
+    """How seq's next token is sampled; ahead: tokens it will have that the host has not seen
+    yet (async scheduling)."""
+    params = seq.sampling_params
+    num_output = seq.num_output_tokens + ahead
+    banned: list[int] = []
+    if num_output < params.min_tokens:
+        banned = list(params.stop_token_ids)
+        if not params.ignore_eos:
+            banned += eos_token_ids
+    return SampleSpec(seq.seq_id, params, seq.rng_seed, num_output + seq.rng_offset, banned,
+                      *seq.penalty_token_ids())
+
+
 @dataclass
 class ScheduledSequence:
-    """One sequence's share of the batch."""
+    """One sequence's share of a step, spelled out (ScheduledBatch)."""
 
     seq_id: int
     token_ids: list[int]  # tokens whose KV this step computes (num_new_tokens of them)
@@ -68,17 +183,9 @@ class ScheduledSequence:
 
 
 @dataclass
-class SchedulerOutput:
-    """The scheduler → runner contract for one step."""
+class ScheduledBatch:
+    """A step described sequence by sequence (the reference builder's input)."""
 
-    scheduled: list[ScheduledSequence]  # in batch order (running first, then admitted)
-    block_copies: list[tuple[int, int]]  # (src, dst) copy-on-write block copies, before the forward
-    preempted_seq_ids: list[int]  # sequences sent back to waiting (recompute) this step
-    num_batched_tokens: int  # sum of num_new_tokens and draft slots
-    # k: the most drafts a sequence proposes (0: none; the draft model still runs when some
-    # sequence has draft_token_ids to catch up on)
-    num_spec_tokens: int = 0
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+    scheduled: list[ScheduledSequence]  # in batch order
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst)
+    num_spec_tokens: int = 0  # k (see SchedulerOutput)

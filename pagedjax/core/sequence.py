@@ -47,6 +47,13 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
+    # Set by the scheduler when it starts tracking the sequence, so that a step checks each
+    # sequence in a few attribute reads: the tokens that may stop it (EOS and stop ids; the
+    # StopChecker decides), the length that stops it, and whether its sampling carries logit
+    # entries (logit_entries.py: penalties, logit_bias, min_tokens).
+    stop_token_set: frozenset[int] = frozenset()
+    max_num_tokens: int = 1 << 62
+    uses_logit_entries: bool = False
     _distinct_prompt_token_ids: list[int] | None = field(default=None, repr=False)
 
     @property

@@ -20,8 +20,15 @@ from pathlib import Path
 from typing import Any
 
 from pagedjax.config import EngineConfig
-from pagedjax.core.batch import ModelInput, build_model_input
-from pagedjax.core.scheduler_output import SampleSpec, ScheduledSequence, SchedulerOutput
+from pagedjax.core.batch import ModelInput
+from pagedjax.core.batch_reference import build_model_input
+from pagedjax.core.scheduler_output import (
+    SampledTokens,
+    SampleSpec,
+    ScheduledBatch,
+    ScheduledSequence,
+    SchedulerOutput,
+)
 from pagedjax.core.step_shapes import StepShapes
 from pagedjax.sampling_params import SamplingParams
 
@@ -83,10 +90,14 @@ def read_vocab_size(model_dir: str) -> int:
     return json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
 
 
-def verified_drafts(out: SchedulerOutput, sampled: dict[int, list[int]]) -> list[tuple[int, int]]:
+def verified_drafts(out: SchedulerOutput, sampled: SampledTokens) -> list[tuple[int, int]]:
     """(drafts proposed, drafts accepted) of each sequence that drafted this step."""
-    return [(e.num_spec_tokens, len(sampled[e.seq_id]) - 1)
-            for e in out.scheduled if e.num_spec_tokens]
+    if not any(out.num_spec_tokens_per_seq):
+        return []
+    kept = dict(zip(sampled.seq_ids, sampled.num_tokens.tolist()))
+    return [(num_spec, kept[seq_id] - 1)
+            for seq_id, num_spec in zip(out.seq_ids, out.num_spec_tokens_per_seq)
+            if num_spec and seq_id in kept]
 
 
 class SpecDecodeMetrics:
@@ -143,7 +154,7 @@ def measure_step_costs(execute: Callable[[ModelInput], Any], shapes: StepShapes,
                 samples=[SampleSpec(s, _GREEDY, 0, 0, [])], num_spec_tokens=k,
                 draft_start_pos=context, draft_token_ids=[1] if k else [])
                 for s in range(num_seqs)]
-            out = SchedulerOutput(scheduled, [], [], num_seqs * (k + 1), k)
+            out = ScheduledBatch(scheduled, [], k)
             model_input = build_model_input(out, shapes, block_size=block_size)
             seconds = []
             for _ in range(repeats + 1):
@@ -202,7 +213,7 @@ class AdaptiveSpeculation:
         self.k = best
         return best
 
-    def observe(self, out: SchedulerOutput, sampled: dict[int, list[int]]) -> None:
+    def observe(self, out: SchedulerOutput, sampled: SampledTokens) -> None:
         """Record a step: how many of its drafts were accepted, per position."""
         self.steps_per_k[out.num_spec_tokens] += 1
         verified = verified_drafts(out, sampled)

@@ -32,13 +32,14 @@ from tqdm.auto import tqdm
 
 from pagedjax.cache import cache_dir, compile_at_startup, compile_cache_enabled
 from pagedjax.config import EngineConfig, ModelConfig
-from pagedjax.core.batch import ModelInput, ModelOutput, build_model_input
+from pagedjax.core.batch import ModelInput, ModelOutput
 from pagedjax.core.beam_search import BeamSearch, BeamSearchParams
 from pagedjax.core.block_manager import BlockManager
+from pagedjax.core.input_batch import InputBatch
 from pagedjax.core.model_runner import ModelRunner, get_runner_cls
 from pagedjax.core.request_policy import ParallelSampling, PolicyContext, RequestPolicy
 from pagedjax.core.scheduler import Scheduler
-from pagedjax.core.scheduler_output import ScheduledSequence, SchedulerOutput
+from pagedjax.core.scheduler_output import SampledTokens, SchedulerOutput
 from pagedjax.core.sequence import Sequence
 from pagedjax.core.spec_decode import (
     AdaptiveSpeculation,
@@ -70,7 +71,7 @@ class _Launched:
     out: SchedulerOutput
     model_input: ModelInput
     wait: Callable[[], ModelOutput]  # waits for the step's outputs on the host
-    policies: dict[str, list[ScheduledSequence]]
+    policies: dict[str, list[int]]  # request id → its sequences' indices in out.seq_ids
     bitmask: np.ndarray | None
     stamps: list[float]  # step start, scheduled, prepared
 
@@ -152,6 +153,9 @@ class LLMEngine:
             stop_checker=StopChecker(self.eos_token_ids, config.max_model_len),
             has_draft=self.speculation is not None,
             max_logit_entries=self.shapes.num_logit_entries)
+        self.input_batch = InputBatch(self.shapes, block_size=config.block_size,
+                                      max_model_len=config.max_model_len,
+                                      eos_token_ids=self.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler)
         self.structured_output = StructuredOutputManager(
             self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
@@ -433,21 +437,23 @@ class LLMEngine:
         k = self._choose_num_spec_tokens()
         out = self.scheduler.schedule(k)
         if out.is_empty:
+            self._apply_changes(out)
             flushed += self._flush_outputs()
             if self.structured_output.has_waiting and not flushed:  # only grammars compiling
                 self.structured_output.wait(timeout=0.05)
             return flushed + aborted
         policies = self._policies_of(out)
-        for request_id, entries in policies.items():
-            self.policies[request_id].schedule(entries)
-        seqs = self.scheduler.seqs
-        bitmask = self.structured_output.bitmask(
-            [seqs[s.seq_id] for e in out.scheduled for s in e.samples])
+        for request_id, indices in policies.items():
+            self.policies[request_id].schedule(out, indices)
         stamps.append(time.perf_counter())
-        model_input = build_model_input(out, self.shapes, block_size=self.config.block_size,
-                                        token_bitmask=bitmask)
-        if bitmask is not None:  # the rows filled ahead, while the input was built
-            self.structured_output.finish_bitmask(model_input.token_bitmask)
+        model_input = self._prepare(out)
+        bitmask = None
+        if self.structured_output.has_matchers:
+            seqs = self.scheduler.seqs
+            bitmask = self.structured_output.bitmask([seqs[i] for i in model_input.seq_ids])
+            if bitmask is not None:  # the rows filled ahead meanwhile, copied in
+                model_input.set_token_bitmask(bitmask)
+                self.structured_output.finish_bitmask(model_input.token_bitmask)
         stamps.append(time.perf_counter())
         launched = _Launched(out, model_input, self.runner.execute_async(model_input), policies,
                              bitmask, stamps)
@@ -455,6 +461,14 @@ class LLMEngine:
             self._in_flight = launched  # the next step() launches its successor first
             return flushed + aborted
         return flushed + aborted + self._collect(launched)
+
+    def _prepare(self, out: SchedulerOutput) -> ModelInput:
+        """The step's input, from the persistent batch."""
+        return self.input_batch.prepare(out, self.scheduler.seqs, self.block_manager.tables)
+
+    def _apply_changes(self, out: SchedulerOutput) -> None:
+        """What changed, into the persistent batch, for a step that runs nothing."""
+        self.input_batch.apply(out, self.scheduler.seqs, self.block_manager.tables)
 
     def _schedules_ahead(self, launched: _Launched) -> bool:
         """Whether the next step may be scheduled and launched before this one's tokens reach
@@ -478,15 +492,15 @@ class LLMEngine:
             out = self.scheduler.schedule_next(last.out)
         stamps.append(time.perf_counter())
         if out is not None:
-            model_input = build_model_input(out, self.shapes, block_size=self.config.block_size)
+            model_input = self._prepare(out)
             self._in_flight = _Launched(out, model_input, self.runner.execute_async(model_input),
                                         {}, None, stamps)
         stamps.append(time.perf_counter())
         last.stamps = stamps  # timed as this call's: schedule and prepare, then last's wait
         outputs = self._collect(last)
         ahead, seqs = self._in_flight, self.scheduler.seqs
-        if ahead is not None and not any(e.seq_id in seqs and not seqs[e.seq_id].is_finished
-                                         for e in ahead.out.scheduled):
+        if ahead is not None and not any(seq_id in seqs and not seqs[seq_id].is_finished
+                                         for seq_id in ahead.out.seq_ids):
             ahead.wait()  # `last` finished every sequence of it: no step() need collect it
             self._in_flight = None
         return outputs
@@ -505,12 +519,12 @@ class LLMEngine:
         stamps.append(time.perf_counter() - flush_seconds)
         # a row of a sequence that the last step's outputs finished (a stop string) is dropped
         seqs = self.scheduler.seqs
-        sampled = {seq_id: tokens for seq_id, tokens in zip(model_output.seq_ids,
-                                                             model_output.token_lists())
-                   if seq_id in seqs and not seqs[seq_id].is_finished}
+        sampled = SampledTokens.from_array(model_output.seq_ids, model_output.sampled_token_ids)
         if bitmask is not None:  # each row cut at a token its grammar forbids
-            self.structured_output.accept(seqs, sampled, model_input.num_spec_tokens)
+            for seq in self.structured_output.accept(seqs, sampled, model_input.num_spec_tokens):
+                self.scheduler.mark_changed(seq)
         touched = self.scheduler.update(out, sampled)
+        self.input_batch.append_sampled(sampled, model_input)
         if bitmask is not None:
             for seq in self.structured_output.stopped(touched):
                 self.scheduler.finish(seq, "stop")  # its grammar is complete
@@ -529,6 +543,8 @@ class LLMEngine:
         self.step_timings.record(stamps)
         if self.speculation is not None:
             self.speculation.observe(out, sampled)
+        if not self.scheduler.has_unfinished():  # the last rows free now, not at the next step
+            self._apply_changes(self.scheduler.take_changes())
         return flushed + outputs
 
     def _defers_outputs(self, policies: dict, bitmask: np.ndarray | None) -> bool:
@@ -562,18 +578,18 @@ class LLMEngine:
                 aborted.append(output)
         return aborted
 
-    def _policies_of(self, out: SchedulerOutput) -> dict[str, list[ScheduledSequence]]:
-        """The scheduled sequences of each request that has a policy."""
-        policies: dict[str, list[ScheduledSequence]] = {}
+    def _policies_of(self, out: SchedulerOutput) -> dict[str, list[int]]:
+        """The scheduled sequences (indices in out.seq_ids) of each request with a policy."""
+        policies: dict[str, list[int]] = {}
         if self.policies:
             seqs = self.scheduler.seqs
-            for entry in out.scheduled:
-                request_id = seqs[entry.seq_id].request_id
+            for i, seq_id in enumerate(out.seq_ids):
+                request_id = seqs[seq_id].request_id
                 if request_id in self.policies:
-                    policies.setdefault(request_id, []).append(entry)
+                    policies.setdefault(request_id, []).append(i)
         return policies
 
-    def _update_policies(self, policies: dict[str, list[ScheduledSequence]],
+    def _update_policies(self, policies: dict[str, list[int]],
                          model_output: ModelOutput) -> list[RequestOutput]:
         """Let the policies of the step's requests pick tokens, fork and drop; returns the
         outputs of the requests they ended (the output processor forgets those)."""

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from pagedjax.core.batch import bitmask_width
+from pagedjax.core.scheduler_output import SampledTokens
 from pagedjax.core.sequence import Sequence
 from pagedjax.sampling_params import SamplingParams
 from pagedjax.structured_output.grammar import GrammarCompiler, grammar_key
@@ -236,16 +237,19 @@ class StructuredOutputManager:
                            job.error)
         return mask
 
-    def accept(self, seqs: dict[int, Sequence], sampled: dict[int, list[int]],
-               num_spec_tokens: int) -> None:
+    def accept(self, seqs: dict[int, Sequence], sampled: SampledTokens,
+               num_spec_tokens: int) -> list[Sequence]:
         """Advance the matchers of a step's constrained rows by the tokens they produced, each
-        row cut at the first token its grammar forbids (only a row with drafts can hold one);
-        sampled: seq id → tokens, changed in place."""
-        for seq_id, tokens in sampled.items():
-            seq = seqs[seq_id]
-            if not self.is_constrained(seq) or seq.policy_picks_tokens:
+        row cut at the first token its grammar forbids (only a row with drafts can hold one;
+        `sampled` is cut in place). Returns the sequences cut: their random counter moved."""
+        cut = []
+        for r, seq_id in enumerate(sampled.seq_ids):
+            seq = seqs.get(seq_id)
+            if (seq is None or seq.is_finished or not self.is_constrained(seq)
+                    or seq.policy_picks_tokens):
                 continue
             matcher = self._matcher(seq)
+            tokens = sampled.tokens(r)
             if len(tokens) == 1:  # sampled under the mask (consume_token: the cheaper call)
                 num_kept = int(matcher.consume_token(tokens[0]))
             else:
@@ -258,9 +262,12 @@ class StructuredOutputManager:
                 num_kept = 1
                 self._failed.add(seq_id)
             self.num_tokens_rejected += len(tokens) - num_kept
-            del tokens[num_kept:]
+            sampled.num_tokens[r] = num_kept
+            sampled.token_ids[r, num_kept:] = -1
             if not seq.sampling_params.is_greedy:
                 seq.rng_offset += num_spec_tokens + 1  # past every counter the step used
+            cut.append(seq)
+        return cut
 
     def stopped(self, seqs: list[Sequence]) -> list[Sequence]:
         """The running constrained sequences whose grammar has finished (or failed): the

@@ -20,8 +20,9 @@ from pagedjax.backends.jax import rejection_sampler as jax_rejection
 from pagedjax.backends.jax import sampler as jax_sampler
 from pagedjax.backends.torch import rejection_sampler as torch_rejection
 from pagedjax.backends.torch import sampler as torch_sampler
-from pagedjax.core.batch import SAMPLING_FIELDS, ModelInput, build_model_input
-from pagedjax.core.scheduler_output import SampleSpec, ScheduledSequence, SchedulerOutput
+from pagedjax.core.batch import SAMPLING_FIELDS, ModelInput
+from pagedjax.core.batch_reference import build_model_input
+from pagedjax.core.scheduler_output import SampleSpec, ScheduledBatch, ScheduledSequence
 from pagedjax.core.sequence import Sequence
 from pagedjax.core.step_shapes import StepShapes
 from pagedjax.sampling_params import SamplingParams
@@ -69,7 +70,7 @@ def pack(rows: list[tuple[SamplingParams, list[int], list[int]]]) -> ModelInput:
         start = seq.num_tokens - 1
         entries.append(ScheduledSequence(seq_id, seq.token_ids[start:], start,
                                          list(range(seq.num_tokens // BLOCK_SIZE + 1)), [spec]))
-    out = SchedulerOutput(entries, [], [], len(entries))
+    out = ScheduledBatch(entries)
     return build_model_input(out, SHAPES, block_size=BLOCK_SIZE)
 
 

@@ -57,14 +57,13 @@ def comm(model: str, size: int) -> dict:
 
     from pagedjax import LLM, SamplingParams
     from pagedjax.backends.jax.sharding import all_reduce_operands
-    from pagedjax.core.batch import build_model_input
 
     llm = LLM(model, tensor_parallel_size=size, max_model_len=128, num_gpu_blocks_override=40)
     engine, runner = llm.engine, llm.engine.runner
     engine.add_request("r", {"prompt_token_ids": list(range(1, 30))},
                        SamplingParams(temperature=0.0, max_tokens=2))
     engine._drain_inbox()  # the request reaches the scheduler (step() would do this first)
-    model_input = build_model_input(engine.scheduler.schedule(), engine.shapes, block_size=16)
+    model_input = engine._prepare(engine.scheduler.schedule())
     hlo = runner.executable(runner.step_key(model_input)).as_text()  # the step it runs
     cfg, plan = engine.model_config, runner.target.plan
     return {"all_reduces": [[dtype, list(shape)] for dtype, shape in all_reduce_operands(hlo)],

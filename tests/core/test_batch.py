@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from pagedjax.core.batch import ModelOutput, StepFlags, buffer_sizes, build_model_input, unpack
+from pagedjax.core.batch import ModelOutput, StepFlags, buffer_sizes, unpack
+from pagedjax.core.batch_reference import build_model_input
 from pagedjax.core.logit_entries import EntryFlag
-from pagedjax.core.scheduler_output import SampleSpec, ScheduledSequence, SchedulerOutput
+from pagedjax.core.scheduler_output import SampleSpec, ScheduledBatch, ScheduledSequence
 from pagedjax.core.step_shapes import BatchLayout, StepShapes
 from pagedjax.sampling_params import SamplingParams
 
@@ -35,7 +36,7 @@ def test_mixed_step_with_the_draft_catching_up() -> None:
         ScheduledSequence(2, [30, 31], 3, [5, 6], [spec(2, sampled, banned=[9]), spec(3)],
                           draft_start_pos=3, draft_token_ids=[30, 31]),
     ]
-    model_input = build_model_input(SchedulerOutput(entries, [(6, 9)], [], 6), SHAPES,
+    model_input = build_model_input(ScheduledBatch(entries, [(6, 9)]), SHAPES,
                                     block_size=BS)
     layout, f = model_input.layout, model_input.fields()
     assert layout == BatchLayout(16, 4, 3, num_spec_tokens=0, draft=True)
@@ -80,7 +81,7 @@ def test_speculative_decode_step() -> None:
                           draft_token_ids=[6]),
         ScheduledSequence(2, [7], 2, [5], [spec(2)], draft_start_pos=2, draft_token_ids=[7]),
     ]
-    model_input = build_model_input(SchedulerOutput(entries, [], [], 6, 2), SHAPES,
+    model_input = build_model_input(ScheduledBatch(entries, [], 2), SHAPES,
                                     block_size=BS)
     layout, f = model_input.layout, model_input.fields()
     assert layout == BatchLayout(12, 4, 3, num_spec_tokens=2, draft=True)
@@ -101,14 +102,14 @@ def test_a_long_draft_catch_up_takes_a_larger_k() -> None:
     compiled k whose rows hold them (the scheduler caps a sequence's catch-up at k + 1)."""
     entries = [ScheduledSequence(0, [5], 8, [1, 2, 3], [spec(0)], num_spec_tokens=1,
                                  draft_start_pos=5, draft_token_ids=[1, 2, 3, 4])]
-    layout = build_model_input(SchedulerOutput(entries, [], [], 2, 1), SHAPES,
+    layout = build_model_input(ScheduledBatch(entries, [], 1), SHAPES,
                                block_size=BS).layout
     assert layout == BatchLayout(4, 1, 3, num_spec_tokens=3, draft=True)
 
 
 def test_decode_step_pads_tokens_to_sequences() -> None:
     entries = [ScheduledSequence(i, [i + 1], 5, [0, i + 1], [spec(i)]) for i in range(3)]
-    model_input = build_model_input(SchedulerOutput(entries, [], [], 3), SHAPES, block_size=BS)
+    model_input = build_model_input(ScheduledBatch(entries, []), SHAPES, block_size=BS)
     assert model_input.layout == BatchLayout(4, 4, 3, decode=True)
     assert "draft_input_ids" not in model_input.fields()
     f = model_input.fields()
@@ -124,7 +125,7 @@ def test_features_never_change_the_shape() -> None:
         counted = ([4], [5, 5]) if params.has_penalties else ([], [])  # as Sequence gives them
         sample = SampleSpec(0, params, 7, 2, [], *counted)
         entries = [ScheduledSequence(0, [1], 5, [0, 1], [sample])]
-        return build_model_input(SchedulerOutput(entries, [], [], 1), SHAPES, block_size=BS)
+        return build_model_input(ScheduledBatch(entries, []), SHAPES, block_size=BS)
 
     plain = decode(GREEDY)
     for params in (SamplingParams(temperature=0.9, top_p=0.5, seed=3, logprobs=5),
@@ -146,7 +147,7 @@ def test_logit_entries_merge_each_row_and_token_once() -> None:
                       output_token_ids=[8, 8, 5])
     entries = [ScheduledSequence(0, [5], 6, [7, 8], [seq0]),
                ScheduledSequence(1, [30], 3, [5], [spec(1), spec(2, banned=[0, 9])])]
-    model_input = build_model_input(SchedulerOutput(entries, [], [], 2), SHAPES, block_size=BS)
+    model_input = build_model_input(ScheduledBatch(entries, []), SHAPES, block_size=BS)
     got = model_input.entries
     seen, banned = EntryFlag.SEEN, EntryFlag.BANNED
     assert got.num_entries == 6 and got.ints.shape == (4, SHAPES.num_logit_entries)
@@ -166,7 +167,7 @@ def test_prompt_logprobs_rows() -> None:
     entries = [ScheduledSequence(0, [5], 6, [7, 8], [spec(0)]),
                ScheduledSequence(1, [20, 21, 22], 4, [3, 4], [],
                                  prompt_logprob_token_ids=[21, 22])]
-    model_input = build_model_input(SchedulerOutput(entries, [], [], 4), SHAPES, block_size=BS)
+    model_input = build_model_input(ScheduledBatch(entries, []), SHAPES, block_size=BS)
     f = model_input.fields()
     assert model_input.flags.prompt_logprobs and model_input.layout.num_tokens == 16
     np.testing.assert_array_equal(f["prompt_logprobs_indices"][:3], [1, 2, 0])

@@ -17,7 +17,7 @@ from pagedjax.core.beam_search import BeamSearch, BeamSearchParams
 from pagedjax.core.block_manager import BlockManager
 from pagedjax.core.request_policy import PolicyContext, RequestPolicy
 from pagedjax.core.scheduler import Scheduler
-from pagedjax.core.scheduler_output import ScheduledSequence
+from pagedjax.core.scheduler_output import SampledTokens
 from pagedjax.core.sequence import Sequence
 from pagedjax.core.stopping import StopChecker
 from pagedjax.outputs import RequestOutput
@@ -61,19 +61,21 @@ class FakeEngine:
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
         self.copies.append(list(out.block_copies))
-        by_request: dict[str, list[ScheduledSequence]] = {}
-        for entry in out.scheduled:
-            by_request.setdefault(self.scheduler.seqs[entry.seq_id].request_id, []).append(entry)
-        rows = [s.seq_id for e in out.scheduled for s in e.samples]
+        by_request: dict[str, list[int]] = {}
         seqs = self.scheduler.seqs
-        for entry in out.scheduled:  # a row's logits come from all of its tokens
-            assert not entry.samples or entry.end_pos == seqs[entry.seq_id].num_tokens
+        for i, seq_id in enumerate(out.seq_ids):
+            by_request.setdefault(seqs[seq_id].request_id, []).append(i)
+        # a row samples from a sequence whose tokens are all computed (its logits come from
+        # all of them)
+        rows = [seq_id for seq_id, end in zip(out.seq_ids, out.end_positions())
+                if end == seqs[seq_id].num_tokens]
         lps = np.stack([self._logprobs(seqs[i].token_ids) for i in rows] + [np.zeros(VOCAB)])
         lps = lps[: len(rows)].astype(np.float32)
         top_ids = np.argsort(-lps, axis=1, kind="stable")[:, :TOP].astype(np.int32)
         top = np.take_along_axis(lps, top_ids, axis=1)
         output = ModelOutput(rows, top_ids[:, :1], top[:, :1], top_ids[:, None], top[:, None])
-        self.scheduler.update(out, {i: [int(top_ids[r, 0])] for r, i in enumerate(rows)})
+        self.scheduler.update(out, SampledTokens.from_lists(
+            {i: [int(top_ids[r, 0])] for r, i in enumerate(rows)}))
         results = []
         for request_id in by_request:
             result = self.policies[request_id].update(output, {i: r for r, i in enumerate(rows)})

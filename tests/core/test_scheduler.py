@@ -7,6 +7,7 @@ import itertools
 from pagedjax.core.block_manager import BlockManager
 from pagedjax.core.request_policy import ParallelSampling, PolicyContext
 from pagedjax.core.scheduler import Scheduler
+from pagedjax.core.scheduler_output import SampledTokens, SchedulerOutput
 from pagedjax.core.sequence import Sequence, SequenceStatus
 from pagedjax.core.stopping import StopChecker
 from pagedjax.sampling_params import SamplingParams
@@ -38,11 +39,30 @@ def add(sched: Scheduler, seq_id: int, prompt_len: int, max_tokens: int = 100,
     return seq
 
 
+def sampling(sched: Scheduler, out: SchedulerOutput) -> list[int]:
+    """The step's sequences that sample (caught up with their tokens), forks after theirs."""
+    rows = []
+    for seq_id, end in zip(out.seq_ids, out.end_positions()):
+        if end == sched.seqs[seq_id].num_tokens:
+            rows += [seq_id, *out.forks.get(seq_id, ())]
+    return rows
+
+
+def update(sched: Scheduler, out: SchedulerOutput, rows: dict[int, list[int]]) -> list[Sequence]:
+    return sched.update(out, SampledTokens.from_lists(rows))
+
+
+def draft_tokens(sched: Scheduler, out: SchedulerOutput, i: int) -> list[int]:
+    """The tokens the draft catches up on for the step's i-th sequence."""
+    start = out.draft_start_pos[i]
+    return sched.seqs[out.seq_ids[i]].token_ids[start : start + out.num_draft_tokens[i]]
+
+
 def step(sched: Scheduler, token: int = 7) -> list[tuple[int, int, int]]:
     """One step with a fake model that always samples `token`; returns (seq, start, n) triples."""
     out = sched.schedule()
-    sched.update(out, {s.seq_id: [token] for e in out.scheduled for s in e.samples})
-    return [(e.seq_id, e.start_pos, e.num_new_tokens) for e in out.scheduled]
+    update(sched, out, {seq_id: [token] for seq_id in sampling(sched, out)})
+    return list(zip(out.seq_ids, out.num_computed_tokens, out.num_new_tokens))
 
 
 def test_chunked_prefill_shares_the_budget_with_decodes() -> None:
@@ -64,20 +84,20 @@ def test_the_draft_runs_only_for_drafts_it_can_still_propose() -> None:
     sched = make_scheduler(64, budget=8, has_draft=True)
     add(sched, 0, 12, max_tokens=3)
     out = sched.schedule(4)  # a prompt chunk: no drafts, the draft catches up on it
-    assert out.num_spec_tokens == 0 and out.scheduled[0].num_spec_tokens == 0
-    assert out.scheduled[0].draft_token_ids == list(range(1, 9))
-    sched.update(out, {})
+    assert out.num_spec_tokens == 0 and out.num_spec_tokens_per_seq[0] == 0
+    assert draft_tokens(sched, out, 0) == list(range(1, 9))
+    update(sched, out, {})
     out = sched.schedule(4)  # the prompt's end, 4 tokens: still no drafts
-    assert out.num_spec_tokens == 0 and out.scheduled[0].draft_token_ids == list(range(9, 13))
+    assert out.num_spec_tokens == 0 and draft_tokens(sched, out, 0) == list(range(9, 13))
     assert out.num_batched_tokens == 4
-    sched.update(out, {0: [7]})
+    update(sched, out, {0: [7]})
     out = sched.schedule(4)  # decoding: one draft beside its token (max_tokens leaves one)
-    assert out.num_spec_tokens == out.scheduled[0].num_spec_tokens == 1
-    assert out.scheduled[0].draft_token_ids == [7]
-    sched.update(out, {0: [7]})  # the draft rejected
+    assert out.num_spec_tokens == out.num_spec_tokens_per_seq[0] == 1
+    assert draft_tokens(sched, out, 0) == [7]
+    update(sched, out, {0: [7]})  # the draft rejected
     out = sched.schedule(4)  # its last token: nothing for the draft to do
-    assert out.num_spec_tokens == 0 and out.scheduled[0].draft_token_ids == []
-    sched.update(out, {0: [7]})
+    assert out.num_spec_tokens == 0 and draft_tokens(sched, out, 0) == []
+    update(sched, out, {0: [7]})
     assert sched.seqs[0].is_finished
 
 
@@ -91,14 +111,14 @@ def test_a_decode_step_catches_the_draft_up_on_k_plus_one_tokens() -> None:
     for _ in range(6):  # the prompt, then five tokens with k = 0
         out = sched.schedule(0)
         assert out.num_spec_tokens == 0
-        sched.update(out, {0: [5]})
+        update(sched, out, {0: [5]})
     assert sched.seqs[0].num_draft_computed_tokens == 4  # the prompt, caught up on
     out = sched.schedule(2)  # 6 tokens behind, k = 2: 3 of them now, no drafts
-    assert out.scheduled[0].draft_token_ids == [5, 5, 5]
+    assert draft_tokens(sched, out, 0) == [5, 5, 5]
     assert out.num_spec_tokens == 0 and out.num_batched_tokens == 1
-    sched.update(out, {0: [5]})
+    update(sched, out, {0: [5]})
     out = sched.schedule(4)  # 4 behind: caught up, and 4 drafts
-    assert out.num_spec_tokens == 4 and len(out.scheduled[0].draft_token_ids) == 4
+    assert out.num_spec_tokens == 4 and len(draft_tokens(sched, out, 0)) == 4
 
 
 def test_max_num_seqs_and_fcfs() -> None:
@@ -156,14 +176,14 @@ def test_fork_on_prompt_completion_shares_blocks_then_copies_on_write() -> None:
     seq.num_pending_forks = 2
     policy = ParallelSampling(seq, make_context(sched))
     out = sched.schedule()
-    assert [s.seq_id for s in out.scheduled[0].samples] == [0]  # the scheduler forks nothing
-    policy.schedule(out.scheduled)
-    assert policy.done and [s.seq_id for s in out.scheduled[0].samples] == [0, 100, 101]
-    assert [s.rng_seed for s in out.scheduled[0].samples] == [0, 1, 2]
+    assert sampling(sched, out) == [0]  # the scheduler forks nothing
+    policy.schedule(out, [0])
+    assert policy.done and sampling(sched, out) == [0, 100, 101]
+    assert [sched.seqs[i].rng_seed for i in (0, 100, 101)] == [0, 1, 2]
     assert [s.seq_id for s in sched.running] == [0, 100, 101]
     table = list(sched.block_manager.get_block_table(0))
     assert all(sched.block_manager.ref_count(b) == 3 for b in table)
-    sched.update(out, {0: [1], 100: [2], 101: [3]})
+    update(sched, out, {0: [1], 100: [2], 101: [3]})
     out = sched.schedule()  # every child writes into the shared partial block
     assert len(out.block_copies) == 2
     assert {src for src, _ in out.block_copies} == {table[1]}
@@ -187,7 +207,7 @@ def test_a_sequence_with_nothing_to_compute_is_not_scheduled() -> None:
     a, b = add(sched, 0, 3), add(sched, 1, 3)
     a.policy_picks_tokens = True
     out = sched.schedule()
-    touched = sched.update(out, {0: [9], 1: [9]})
+    touched = update(sched, out, {0: [9], 1: [9]})
     assert touched == [b] and a.num_tokens == a.num_computed_tokens == 3  # no token for a
     assert step(sched) == [(1, 3, 1)]
     sched.append_tokens(a, [5])  # its policy picked a token

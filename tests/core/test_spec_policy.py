@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedjax.core.scheduler_output import ScheduledSequence, SchedulerOutput
+from pagedjax.core.scheduler_output import SampledTokens, SchedulerOutput
 from pagedjax.core.spec_decode import AdaptiveSpeculation, SpeculativeConfig
 from pagedjax.core.step_shapes import StepShapes
 
@@ -34,8 +34,9 @@ def policy_for(tmp_path, seconds: callable, k: int = 4, adaptive: bool = True
 
 
 def decode_step(num_seqs: int, k: int) -> SchedulerOutput:
-    entries = [ScheduledSequence(i, [1], 10, [0], num_spec_tokens=k) for i in range(num_seqs)]
-    return SchedulerOutput(entries, [], [], num_seqs * (1 + k), num_spec_tokens=k)
+    return SchedulerOutput(seq_ids=list(range(num_seqs)), num_computed_tokens=[10] * num_seqs,
+                           num_new_tokens=[1] * num_seqs, num_spec_tokens_per_seq=[k] * num_seqs,
+                           num_batched_tokens=num_seqs * (1 + k), num_spec_tokens=k)
 
 
 def simulate(policy: AdaptiveSpeculation, num_seqs: int, steps: int, accepted: int
@@ -45,7 +46,8 @@ def simulate(policy: AdaptiveSpeculation, num_seqs: int, steps: int, accepted: i
     chosen = []
     for _ in range(steps):
         k = policy.choose(num_seqs)
-        sampled = {i: [0] * (min(accepted, k) + 1) for i in range(num_seqs)}
+        sampled = SampledTokens.from_lists(
+            {i: [0] * (min(accepted, k) + 1) for i in range(num_seqs)})
         policy.observe(decode_step(num_seqs, k), sampled)
         chosen.append(k)
     return chosen
@@ -85,10 +87,10 @@ def test_a_rarely_drafted_position_keeps_its_earlier_measurements(tmp_path) -> N
     there weighs as one sample among its last ~10, not as the whole estimate."""
     policy = policy_for(tmp_path, lambda k, s: 1.0)
     for _ in range(10):  # k = 4: all four drafts kept
-        policy.observe(decode_step(1, 4), {0: [0] * 5})
+        policy.observe(decode_step(1, 4), SampledTokens.from_lists({0: [0] * 5}))
     for _ in range(50):  # k = 3 only: positions 1-3 measured, position 4 not drafted
-        policy.observe(decode_step(1, 3), {0: [0] * 4})
-    policy.observe(decode_step(1, 4), {0: [0] * 4})  # the 4th draft rejected
+        policy.observe(decode_step(1, 3), SampledTokens.from_lists({0: [0] * 4}))
+    policy.observe(decode_step(1, 4), SampledTokens.from_lists({0: [0] * 4}))  # the 4th draft rejected
     gain_of_4th = policy.expected_tokens(4) - policy.expected_tokens(3)
     assert 0.8 < gain_of_4th < 0.95  # ~0.87; forgetting per step made it 1 / (1 + 10 * 0.9^50)
 

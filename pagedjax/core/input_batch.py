@@ -1,0 +1,362 @@
+"""The persistent batch: a row of NumPy arrays per running sequence, kept across steps and
+updated by what the scheduler says changed (vLLM V1's InputBatch).
+
+A row holds its sequence's token ids, block table and sampling parameters. Each step the batch
+frees the rows of removed sequences, fills rows for sequences it meets first (new, resumed,
+forked), applies the block-table changes and copies the rows whose sequence changed on the host
+(a beam's pick, a grammar's cut); it then builds the step's packed ModelInput with a few
+vectorized gathers over the scheduled rows, and after the step appends the sampled tokens to
+their rows in one scatter. A decode step in which every sequence gets one token touches its
+rows in NumPy only; Python work is proportional to the rows that changed, and to the rows whose
+sampling reads their history (penalties, logit_bias, min_tokens: logit_entries.py).
+
+batch_reference.build_model_input is the definition: the same step built from scratch, sequence
+by sequence. Both give the same buffers (tests/core/test_input_batch.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from pagedjax.core.batch import (
+    ModelInput,
+    StepFlags,
+    buffer_sizes,
+    choose_layout,
+    draft_token_index,
+    ragged_positions,
+)
+from pagedjax.core.logit_entries import LogitEntries, build_logit_entries
+from pagedjax.core.scheduler_output import SampledTokens, SchedulerOutput, sample_spec
+from pagedjax.core.sequence import Sequence
+from pagedjax.core.step_shapes import StepShapes
+
+
+class InputBatch:
+    """Rows of the running sequences (at most the largest sequence bucket of them)."""
+
+    def __init__(self, shapes: StepShapes, *, block_size: int, max_model_len: int,
+                 eos_token_ids: tuple[int, ...]) -> None:
+        n, m = shapes.max_num_seqs, shapes.max_blocks_per_seq
+        self.shapes, self.block_size = shapes, block_size
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.seq_ids = np.full(n, -1, np.int64)  # -1: a free row
+        self.seqs: list[Sequence | None] = [None] * n
+        self.row_of: dict[int, int] = {}
+        self._free_rows = list(range(n - 1, -1, -1))  # pop() takes the lowest
+        self.token_ids = np.zeros((n, max_model_len), np.int32)  # [R, max_model_len]
+        self.num_tokens = np.zeros(n, np.int64)  # tokens the host has (prompt + output)
+        self.num_prompt_tokens = np.zeros(n, np.int64)
+        self.block_table = np.zeros((n, m), np.int32)  # [R, M], 0 past num_blocks
+        self.num_blocks = np.zeros(n, np.int64)
+        # sampling parameters of each row
+        self.temperature = np.zeros(n, np.float32)  # 0: greedy
+        self.top_p = np.ones(n, np.float32)
+        self.top_k = np.zeros(n, np.int32)
+        self.min_p = np.zeros(n, np.float32)
+        self.presence_penalty = np.zeros(n, np.float32)
+        self.frequency_penalty = np.zeros(n, np.float32)
+        self.repetition_penalty = np.ones(n, np.float32)
+        self.filters = np.zeros(n, bool)  # top-k, top-p or min-p (of a sampled row)
+        self.logprobs = np.zeros(n, bool)
+        self.prompt_logprobs = np.zeros(n, bool)
+        self.rng_seed = np.zeros(n, np.uint32)
+        self.rng_offset = np.zeros(n, np.int64)
+        # rows whose sampling may carry logit entries (penalties, logit_bias, min_tokens)
+        self.has_entries = np.zeros(n, bool)
+        self.appends_sampled = np.zeros(n, bool)  # False: its policy picks its tokens (beams)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.row_of)
+
+    # ---- rows --------------------------------------------------------------------------------
+
+    def add(self, seq: Sequence, block_table: list[int]) -> int:
+        """A row for seq, filled from it; returns the row."""
+        if not self._free_rows:
+            raise RuntimeError(f"the persistent batch's {len(self.seq_ids)} rows are taken")
+        row = self._free_rows.pop()
+        self.row_of[seq.seq_id] = row
+        self.seq_ids[row], self.seqs[row] = seq.seq_id, seq
+        self.num_prompt_tokens[row] = seq.num_prompt_tokens
+        self._copy_tokens(row, seq)
+        self._set_table(row, 0, block_table)
+        params = seq.sampling_params
+        sampled = not params.is_greedy
+        self.temperature[row] = params.temperature if sampled else 0.0
+        self.top_p[row], self.top_k[row], self.min_p[row] = params.top_p, params.top_k, params.min_p
+        self.presence_penalty[row] = params.presence_penalty
+        self.frequency_penalty[row] = params.frequency_penalty
+        self.repetition_penalty[row] = params.repetition_penalty
+        self.filters[row] = sampled and (params.top_k > 0 or params.top_p < 1.0
+                                         or params.min_p > 0.0)
+        self.logprobs[row] = params.logprobs is not None
+        self.prompt_logprobs[row] = params.prompt_logprobs is not None
+        self.rng_seed[row] = seq.rng_seed
+        self.has_entries[row] = bool(params.logit_bias or params.has_penalties
+                                     or params.min_tokens)
+        self.appends_sampled[row] = not seq.policy_picks_tokens
+        return row
+
+    def remove(self, seq_id: int) -> None:
+        row = self.row_of.pop(seq_id, None)
+        if row is None:
+            return
+        self.seq_ids[row], self.seqs[row] = -1, None
+        self._set_table(row, 0, [])
+        self._free_rows.append(row)
+
+    def _copy_tokens(self, row: int, seq: Sequence) -> None:
+        """The row's tokens and random counter from its sequence."""
+        n = seq.num_tokens
+        self.token_ids[row, :n] = seq.token_ids
+        self.num_tokens[row] = n
+        self.rng_offset[row] = seq.rng_offset
+
+    def _set_table(self, row: int, first: int, block_ids: list[int]) -> None:
+        """The row's block table from index `first` on is block_ids (zeros after)."""
+        end, old = first + len(block_ids), int(self.num_blocks[row])
+        self.block_table[row, first:end] = block_ids
+        if end < old:
+            self.block_table[row, end:old] = 0
+        self.num_blocks[row] = end
+
+    def apply(self, out: SchedulerOutput, seqs: Mapping[int, Sequence],
+              block_tables: Mapping[int, list[int]]) -> None:
+        """Bring the rows up to date with what the scheduler says changed; sequences met for
+        the first time get rows (with their tables from block_tables: seq id → table)."""
+        for seq_id in out.removed_seq_ids:
+            self.remove(seq_id)
+        row_of = self.row_of
+        for seq_id, (first, block_ids) in out.block_table_changes.items():
+            row = row_of.get(seq_id)
+            if row is not None:
+                self._set_table(row, first, block_ids)
+        for seq_id in out.changed_seq_ids:
+            row = row_of.get(seq_id)
+            if row is not None:
+                self._copy_tokens(row, seqs[seq_id])
+        if len(row_of) < len(out.seq_ids) or not row_of.keys() >= set(out.seq_ids):
+            for seq_id in sorted(set(out.seq_ids).difference(row_of)):
+                self.add(seqs[seq_id], block_tables[seq_id])
+
+    def append_sampled(self, sampled: SampledTokens, model_input: ModelInput) -> None:
+        """The step's kept tokens onto their rows (model_input: the step they came from), as
+        the scheduler appended them, except to rows whose policy picks their tokens. A row
+        whose sequence stopped mid-way gets them all: it is removed before it is read."""
+        rows = model_input.sample_rows
+        if rows is None or not len(rows):
+            return
+        ok = rows >= 0
+        ok[ok] = (self.seq_ids[rows[ok]] == np.asarray(sampled.seq_ids)[ok]) & \
+            self.appends_sampled[rows[ok]]
+        rows, tokens, counts = rows[ok], sampled.token_ids[ok], sampled.num_tokens[ok]
+        starts = self.num_tokens[rows]
+        capacity = self.token_ids.shape[1]
+        for j in range(tokens.shape[1]):
+            take = (counts > j) & (starts + j < capacity)
+            if not take.any():
+                break
+            self.token_ids[rows[take], starts[take] + j] = tokens[take, j]
+        self.num_tokens[rows] = np.minimum(starts + counts, capacity)
+
+    # ---- the step ----------------------------------------------------------------------------
+
+    def prepare(self, out: SchedulerOutput, seqs: Mapping[int, Sequence],
+                block_tables: Mapping[int, list[int]]) -> ModelInput:
+        """The step's packed ModelInput (the same buffers as build_model_input(describe(out)))."""
+        self.apply(out, seqs, block_tables)
+        s = len(out.seq_ids)
+        rows = np.fromiter(map(self.row_of.__getitem__, out.seq_ids), np.int64, s)  # [S]
+        start = np.asarray(out.num_computed_tokens, np.int64)
+        num_new = np.asarray(out.num_new_tokens, np.int64)
+        num_spec = (np.asarray(out.num_spec_tokens_per_seq, np.int64)
+                    if out.num_spec_tokens_per_seq else np.zeros(s, np.int64))
+        q_lens = num_new + num_spec
+        ends = np.cumsum(q_lens)
+        num_tokens = int(ends[-1])
+        end_real = start + num_new
+        num_prompt = self.num_prompt_tokens[rows]
+        # prompt_logprobs: the prompt tokens after each of the first new tokens, while due
+        prompt_counts = np.where(
+            self.prompt_logprobs[rows] & (self.num_tokens[rows] == num_prompt)
+            & (start + 1 < num_prompt), np.minimum(end_real + 1, num_prompt) - start - 1, 0)
+        samples = _Samples(self, out, seqs, rows, end_real)
+        draft_lens = (np.asarray(out.num_draft_tokens, np.int64) if out.num_draft_tokens
+                      else np.zeros(s, np.int64))
+        num_draft = int(draft_lens.sum())
+        layout = choose_layout(
+            self.shapes, num_seqs=s, num_samples=samples.num, num_tokens=num_tokens,
+            num_draft_tokens=num_draft,
+            decode=num_tokens == s + int(num_spec.sum()) and not prompt_counts.any(),
+            max_drafts=int(num_spec.max(initial=0)))
+        entries = samples.logit_entries(self.shapes.num_logit_entries)
+        flags = samples.flags(prompt_logprobs=bool(prompt_counts.any()),
+                              logit_entries=entries is not None)
+        int_size, float_size = buffer_sizes(layout)
+        model_input = ModelInput(
+            layout, np.zeros(int_size, np.int32), np.zeros(float_size, np.float32), flags,
+            entries, np.asarray(out.block_copies, np.int32).reshape(-1, 2),
+            self.seq_ids[samples.own_rows].tolist() if not out.forks else samples.seq_ids,
+            num_tokens, s, int(q_lens.max()), int(draft_lens.max(initial=0)),
+            layout.num_spec_tokens, num_draft, sample_rows=samples.own_rows)
+        f = model_input.fields()
+        f["step_flags"][:] = flags.as_array()
+        f["num_padding_samples"][0] = layout.num_seqs - samples.num
+        self._fill_tokens(f, out, rows, start, num_new, q_lens, ends)
+        samples.fill(f, ends, num_spec, layout.num_spec_tokens)
+        if flags.prompt_logprobs:
+            model_input.prompt_logprobs_rows = self._fill_prompt_logprobs(
+                f, out, rows, start, prompt_counts, ends - q_lens)
+        if layout.draft:
+            self._fill_drafts(f, out, rows, draft_lens, num_spec, ends, samples)
+        return model_input
+
+    def _slots(self, block_tables: np.ndarray, seq_index: np.ndarray,
+               positions: np.ndarray) -> np.ndarray:
+        bs = self.block_size
+        return block_tables[seq_index, positions // bs] * bs + positions % bs
+
+    def _fill_tokens(self, f: dict[str, np.ndarray], out: SchedulerOutput, rows: np.ndarray,
+                     start: np.ndarray, num_new: np.ndarray, q_lens: np.ndarray,
+                     ends: np.ndarray) -> None:
+        """The target's tokens: each sequence's new tokens, then its draft slots (token 0: the
+        runner writes the proposed drafts in)."""
+        s, n = len(rows), int(ends[-1])
+        f["query_start_loc"][1 : s + 1] = ends
+        f["query_start_loc"][s + 1 :] = n
+        f["kv_lens"][:s] = start + q_lens
+        f["block_tables"][:s] = self.block_table[rows]
+        if n == s:  # one token each (a decode step)
+            seq_index, positions = np.arange(s), start
+        else:
+            seq_index = np.repeat(np.arange(s), q_lens)
+            positions = ragged_positions(start, q_lens)
+        if out.input_rows is not None:  # each one's token is the last step's, on the device
+            f["input_rows"][:s] = np.asarray(out.input_rows) + 1
+        else:
+            token_rows = rows[seq_index]
+            real = positions < (start + num_new)[seq_index]
+            f["input_ids"][:n] = np.where(real, self.token_ids[
+                token_rows, np.minimum(positions, self.token_ids.shape[1] - 1)], 0)
+        f["positions"][:n] = positions
+        f["slot_mapping"][:] = -1
+        f["slot_mapping"][:n] = self._slots(f["block_tables"], seq_index, positions)
+
+    def _fill_prompt_logprobs(self, f: dict[str, np.ndarray], out: SchedulerOutput,
+                              rows: np.ndarray, start: np.ndarray, counts: np.ndarray,
+                              firsts: np.ndarray) -> list[tuple[int, int, int]]:
+        """The token rows that score a prompt token (the first new tokens of each such
+        sequence) and those tokens; returns ModelInput.prompt_logprobs_rows."""
+        which = np.flatnonzero(counts)
+        n = int(counts.sum())
+        f["prompt_logprobs_indices"][:n] = ragged_positions(firsts[which], counts[which])
+        positions = ragged_positions(start[which] + 1, counts[which])
+        f["prompt_logprobs_token_ids"][:n] = self.token_ids[
+            np.repeat(rows[which], counts[which]), positions]
+        return [(out.seq_ids[i], int(start[i]) + 1, int(counts[i])) for i in which]
+
+    def _fill_drafts(self, f: dict[str, np.ndarray], out: SchedulerOutput, rows: np.ndarray,
+                     draft_lens: np.ndarray, num_spec: np.ndarray, ends: np.ndarray,
+                     samples: _Samples) -> None:
+        """The draft's catch-up pass and where its k proposals go in the target's tokens."""
+        s, n = len(rows), int(draft_lens.sum())
+        draft_start = (np.asarray(out.draft_start_pos, np.int64) if out.draft_start_pos
+                       else np.zeros(s, np.int64))
+        draft_ends = np.cumsum(draft_lens)
+        f["draft_query_start_loc"][1 : s + 1] = draft_ends
+        f["draft_query_start_loc"][s + 1 :] = n
+        f["draft_kv_lens"][:s] = draft_start + draft_lens
+        seq_index = np.repeat(np.arange(s), draft_lens)
+        positions = ragged_positions(draft_start, draft_lens)
+        f["draft_input_ids"][:n] = self.token_ids[rows[seq_index], positions]
+        f["draft_positions"][:n] = positions
+        f["draft_slot_mapping"][:] = -1
+        f["draft_slot_mapping"][:n] = self._slots(f["block_tables"], seq_index, positions)
+        f["num_drafts"][:s] = num_spec
+        draft_token_index(f, ends, num_spec)
+        num = samples.num
+        f["sample_seq"][:num] = samples.seq_index
+        f["num_draft_tokens"][:num] = np.where(samples.is_fork, 0, num_spec[samples.seq_index])
+        first_row = np.zeros(s, np.int64)  # each sequence's first logits row (0: none)
+        first_row[samples.seq_index[::-1]] = np.arange(num)[::-1]
+        f["seq_sample_row"][:s] = first_row
+
+
+class _Samples:
+    """A step's logits rows: one per scheduled sequence that has caught up with its tokens,
+    followed by its siblings forked this step (n > 1), who sample from its last position."""
+
+    def __init__(self, batch: InputBatch, out: SchedulerOutput, seqs: Mapping[int, Sequence],
+                 rows: np.ndarray, end_real: np.ndarray) -> None:
+        self.batch, self.out, self.seqs, self.rows = batch, out, seqs, rows
+        ahead = out.num_tokens_ahead
+        # [num] index of each logits row's sequence in the step
+        self.seq_index = np.flatnonzero(end_real == batch.num_tokens[rows] + ahead)
+        self.param_rows = rows[self.seq_index]  # [num] the row whose parameters it samples by
+        self.own_rows = self.param_rows  # [num] its own row (-1: a sibling forked this step)
+        self.is_fork = np.zeros(len(self.seq_index), bool)
+        self.rng_seed = batch.rng_seed[self.param_rows]
+        self.seq_ids: list[int] = []
+        if out.forks:
+            self._add_forks()
+        self.num = len(self.seq_index)
+
+    def _add_forks(self) -> None:
+        out, seq_ids = self.out, self.out.seq_ids
+        index, own, seeds, ids = [], [], [], []
+        for i, row in zip(self.seq_index.tolist(), self.param_rows.tolist()):
+            index.append(i), own.append(row), ids.append(seq_ids[i])
+            seeds.append(self.batch.rng_seed[row])
+            for child in out.forks.get(seq_ids[i], ()):
+                index.append(i), own.append(-1), ids.append(child)
+                seeds.append(self.seqs[child].rng_seed)
+        self.seq_index = np.asarray(index, np.int64)
+        self.own_rows = np.asarray(own, np.int64)
+        self.param_rows = self.rows[self.seq_index]
+        self.is_fork = self.own_rows < 0
+        self.rng_seed = np.asarray(seeds, np.uint32)
+        self.seq_ids = ids
+
+    def flags(self, *, prompt_logprobs: bool, logit_entries: bool) -> StepFlags:
+        b, rows = self.batch, self.param_rows
+        sampled = b.temperature[rows] > 0
+        return StepFlags(sampled=bool(sampled.any()), filters=bool(b.filters[rows].any()),
+                         logprobs=bool(b.logprobs[rows].any()), prompt_logprobs=prompt_logprobs,
+                         logit_entries=logit_entries)
+
+    def logit_entries(self, capacity: int) -> LogitEntries | None:
+        """The penalties, logit_bias and min_tokens entries of the rows that may have any."""
+        which = np.flatnonzero(self.batch.has_entries[self.param_rows])
+        if not len(which):
+            return None
+        ahead, eos = self.out.num_tokens_ahead, self.batch.eos_token_ids
+        specs = [sample_spec(self.batch.seqs[self.param_rows[r]], eos, ahead)
+                 for r in which.tolist()]
+        return build_logit_entries(specs, capacity, which.tolist())
+
+    def fill(self, f: dict[str, np.ndarray], ends: np.ndarray, num_spec: np.ndarray,
+             k: int) -> None:
+        """Logits rows and sampling knobs; row r samples from its sequence's last real token
+        and, when it verifies drafts, from each draft slot after it (padding repeats row 0)."""
+        b, rows, num = self.batch, self.param_rows, self.num
+        spec = num_spec[self.seq_index]
+        last_real = ends[self.seq_index] - 1 - spec
+        f["logits_indices"][:num] = last_real[:, None] + np.minimum(
+            np.arange(k + 1)[None, :], spec[:, None])
+        f["temperature"][:num] = b.temperature[rows]
+        f["top_p"][:] = 1.0
+        f["top_p"][:num] = b.top_p[rows]
+        f["min_p"][:num] = b.min_p[rows]
+        f["top_k"][:num] = b.top_k[rows]
+        f["repetition_penalty"][:] = 1.0
+        f["repetition_penalty"][:num] = b.repetition_penalty[rows]
+        f["frequency_penalty"][:num] = b.frequency_penalty[rows]
+        f["presence_penalty"][:num] = b.presence_penalty[rows]
+        f["rng_seed"][:num] = self.rng_seed.view(np.int32)
+        rng_step = (b.num_tokens[rows] + self.out.num_tokens_ahead - b.num_prompt_tokens[rows]
+                    + b.rng_offset[rows])
+        f["rng_step"][:num] = rng_step.astype(np.uint32).view(np.int32)

@@ -171,9 +171,9 @@ class Scheduler:
             return None
         step = SchedulerOutput(input_rows=list(range(len(last.seq_ids))))
         max_model_len = self.stop_checker.max_model_len
-        for seq_id in last.seq_ids:
+        for seq_id, start in zip(last.seq_ids, last.num_computed_tokens):
             seq = self.seqs.get(seq_id)
-            if (seq is None or seq.is_finished or seq.num_computed_tokens != seq.num_tokens
+            if (seq is None or seq.is_finished or start + 1 != seq.num_tokens  # not sampling
                     or seq.num_pending_forks or seq.policy_picks_tokens
                     or seq.sampling_params.has_penalties or seq.num_tokens >= max_model_len):
                 return None

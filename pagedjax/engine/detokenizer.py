@@ -59,18 +59,24 @@ class IncrementalDetokenizer:
         return self._pieces[0] if self._pieces else ""
 
     def append(self, new_token_ids: list[int]) -> str:
-        """Add tokens; return the text they completed (possibly empty) and extend the text."""
+        """Add tokens; return the text they completed (possibly empty) and extend the text.
+        Several tokens at once give the text token-at-a-time appends would have: up to the
+        last of them after which the text does not end inside a character."""
         self.token_ids.extend(new_token_ids)
         decode, skip = self.decode, self.skip_special_tokens
         if decode is None:
             return ""
-        prefix = decode(self.token_ids[self.prefix_offset : self.read_offset], skip)
-        full = decode(self.token_ids[self.prefix_offset :], skip)
+        ids, end = self.token_ids, len(self.token_ids)
+        prefix = decode(ids[self.prefix_offset : self.read_offset], skip)
+        full = decode(ids[self.prefix_offset :], skip)
+        while full.endswith(_INCOMPLETE) and end > self.read_offset + 1:
+            end -= 1  # held back: the text up to an earlier token boundary
+            full = decode(ids[self.prefix_offset : end], skip)
         if len(full) <= len(prefix) or full.endswith(_INCOMPLETE):
             return ""
         delta = full[len(prefix) :]
         self.prefix_offset = self.read_offset
-        self.read_offset = len(self.token_ids)
+        self.read_offset = end
         self._pieces.append(delta)
         self.num_chars += len(delta)
         return delta

@@ -445,6 +445,9 @@ class LLMEngine:
         policies = self._policies_of(out)
         for request_id, indices in policies.items():
             self.policies[request_id].schedule(out, indices)
+        for children in out.forks.values():
+            for child in children:
+                self.output_processor.add_fork(self.scheduler.seqs[child])
         stamps.append(time.perf_counter())
         model_input = self._prepare(out)
         bitmask = None

@@ -3,7 +3,9 @@
 Off the scheduler's path: it detokenizes each completion's new tokens incrementally, finishes a
 completion through the scheduler when a stop string appears (cutting the tokens after it), keeps
 logprobs, and builds RequestOutputs as each request's `output_kind` asks (everything so far, only
-what is new, or one output at the end). Work per step is proportional to the new tokens.
+what is new, or one output at the end). Work per step is proportional to what users asked for:
+a request that wants one output at the end (FINAL_ONLY: the offline LLM's) with no stop strings
+and no logprobs is detokenized once, when it finishes, in one call; the others every step.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any
 
 from pagedjax.core.batch import ModelOutput, PromptLogprobsOutput
 from pagedjax.core.scheduler import Scheduler
-from pagedjax.core.sequence import Sequence
+from pagedjax.core.sequence import Sequence, SequenceStatus
 from pagedjax.engine.detokenizer import IncrementalDetokenizer, find_stop_string, token_decoder
 from pagedjax.outputs import CompletionOutput, Logprob, Logprobs, PromptLogprobs, RequestOutput
 from pagedjax.sampling_params import RequestOutputKind, SamplingParams
@@ -54,13 +56,20 @@ class OutputProcessor:
         self._decode = token_decoder(tokenizer)
         self.scheduler = scheduler
         self.requests: dict[str, RequestState] = {}
+        # requests whose completions are processed every step (streams, stop strings,
+        # logprobs); the others only when a completion finishes
+        self._per_step: set[str] = set()
         self._decoded: dict[int, str | None] = {}  # token id → its text alone
 
     def add_request(self, request_id: str, prompt: str | None, seq: Sequence) -> None:
-        state = RequestState(request_id, prompt, list(seq.token_ids), seq.sampling_params)
-        if state.params.prompt_logprobs is not None:
+        params = seq.sampling_params
+        state = RequestState(request_id, prompt, list(seq.token_ids), params)
+        if params.prompt_logprobs is not None:
             state.prompt_logprobs = [None]  # the first token has no prefix to score it
         self.requests[request_id] = state
+        if (params.output_kind is not RequestOutputKind.FINAL_ONLY or params.stop_strings
+                or params.logprobs is not None):
+            self._per_step.add(request_id)
         self._track(state, seq)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -72,11 +81,18 @@ class OutputProcessor:
     def remove_request(self, request_id: str) -> RequestState | None:
         """Forget the request, finishing ("abort") and freeing any sequence still running."""
         state = self.requests.pop(request_id, None)
+        self._per_step.discard(request_id)
         for seq in () if state is None else state.seqs.values():
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
             self.scheduler.remove(seq)
         return state
+
+    def add_fork(self, seq: Sequence) -> None:
+        """Track a sibling its request forked (n > 1), from then on."""
+        state = self.requests.get(seq.request_id)
+        if state is not None and seq.index not in state.seqs:
+            self._track(state, seq)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -93,22 +109,32 @@ class OutputProcessor:
     # ---- one step ----------------------------------------------------------------------------
 
     def process(self, touched: list[Sequence], output: ModelOutput) -> list[RequestOutput]:
-        """Take the step's new tokens of each touched sequence; return the outputs due."""
+        """Take the step's new tokens of each touched sequence whose request wants them now
+        (every step, or at its end); return the outputs due."""
         if output.prompt_logprobs is not None:
             self._add_prompt_logprobs(output.prompt_logprobs)
-        rows = {seq_id: r for r, seq_id in enumerate(output.seq_ids)}
+        per_step, finished_status = self._per_step, SequenceStatus.FINISHED
+        due = [seq for seq in touched
+               if seq.status is finished_status or seq.request_id in per_step]
+        if not due:
+            return []
+        rows = None
+        if output.sampled_logprobs is not None and any(
+                s.sampling_params.logprobs is not None for s in due):
+            rows = {seq_id: r for r, seq_id in enumerate(output.seq_ids)}
         requests: dict[str, RequestState] = {}
-        for seq in touched:
+        for seq in due:
             state = self.requests[seq.request_id]
-            if seq.index not in state.seqs:  # a sibling forked this step
+            if seq.index not in state.seqs:  # a sibling forked since
                 self._track(state, seq)
-            self._process_seq(state, seq, output, rows[seq.seq_id])
+            self._process_seq(state, seq, output, rows[seq.seq_id] if rows else -1)
             requests[seq.request_id] = state
         outputs = []
         for state in requests.values():
             finished = state.finished
             if finished:
                 del self.requests[state.request_id]
+                self._per_step.discard(state.request_id)
                 for seq in state.seqs.values():
                     self.scheduler.remove(seq)
             if finished or state.params.output_kind is not RequestOutputKind.FINAL_ONLY:
@@ -215,6 +241,10 @@ class OutputProcessor:
     def _completion_output(seq: Sequence, completion: CompletionState, delta: bool,
                            hold_back: int = 0) -> CompletionOutput:
         detokenizer, start = completion.detokenizer, seq.num_prompt_tokens
+        pending = seq.num_output_tokens - completion.num_processed
+        if pending > 0:  # not processed as it came (one output at the end, or an abort)
+            detokenizer.append(seq.token_ids[-pending:])
+            completion.num_processed += pending
         logprobs = completion.logprobs
         if delta:  # O(new) work: only what earlier outputs did not carry
             sendable = detokenizer.num_chars - (0 if seq.is_finished else hold_back)

@@ -29,7 +29,7 @@ def record_schedule(llm: LLM) -> list[tuple[SchedulerOutput, list[str]]]:
 
     def recording_schedule(*args):
         out = schedule(*args)
-        log.append((out, [scheduler.seqs[e.seq_id].request_id for e in out.scheduled]))
+        log.append((out, [scheduler.seqs[seq_id].request_id for seq_id in out.seq_ids]))
         return out
 
     scheduler.schedule = recording_schedule
@@ -206,8 +206,10 @@ def test_beams_never_draft_beside_requests_that_do(tiny_model, backend) -> None:
     plain, _, _ = run()
     drafted, log, llm = run(speculative_config=speculative_config)
     assert drafted == plain
-    drafting = {request_id for out, ids in log for e, request_id in zip(out.scheduled, ids)
-                if e.num_spec_tokens or e.draft_token_ids}
+    drafting = {request_id for out, ids in log
+                for num_spec, num_draft, request_id in zip(out.num_spec_tokens_per_seq,
+                                                           out.num_draft_tokens, ids)
+                if num_spec or num_draft}
     assert drafting == {"greedy"}
     assert_no_leaks(llm)
 
@@ -300,8 +302,9 @@ def test_a_shared_200_token_prefix_is_computed_once(tiny_model, backend) -> None
     llm.generate({"prompt_token_ids": first}, params, use_tqdm=False)
     num_steps = len(log)
     out = llm.generate({"prompt_token_ids": second}, params, use_tqdm=False)[0]
-    admitted = log[num_steps][0].scheduled[0]
-    assert (admitted.start_pos, admitted.num_new_tokens) == (200, 11)  # only the suffix
+    admitted = log[num_steps][0]
+    # only the suffix
+    assert (admitted.num_computed_tokens[0], admitted.num_new_tokens[0]) == (200, 11)
     assert out.num_cached_tokens == 200
     uncached = make_llm(model_dir, backend, block_size=8, enable_prefix_caching=False)
     want = uncached.generate({"prompt_token_ids": second}, params, use_tqdm=False)[0]

@@ -170,8 +170,9 @@ def test_speculation_keeps_penalised_rows_exact_and_undrafted(tiny_model, backen
     assert ([o.outputs[0].token_ids for o in results["spec"]]
             == [o.outputs[0].token_ids for o in results["plain"]])
     # a fresh engine: the i-th request is sequence i
-    num_drafts = [sum(e.num_spec_tokens for step in scheduled for e in step.scheduled
-                      if e.seq_id == i) for i in range(len(prompts))]
+    num_drafts = [sum(n for step in scheduled
+                      for seq_id, n in zip(step.seq_ids, step.num_spec_tokens_per_seq)
+                      if seq_id == i) for i in range(len(prompts))]
     assert num_drafts[0] == num_drafts[1] == 0 and num_drafts[2] > 0 and num_drafts[3] > 0
     plain_lps, spec_lps = (results[n][3].prompt_logprobs for n in ("plain", "spec"))
     assert len(spec_lps) == 14 and spec_lps[0] is None

@@ -15,8 +15,9 @@ from pagedjax.backends.jax.runner import JaxModelRunner
 from pagedjax.backends.torch.model import DecoderLayer
 from pagedjax.backends.torch.runner import GRAPH_FLAGS, TorchModelRunner
 from pagedjax.config import EngineConfig, ModelConfig
+from pagedjax.core.batch_reference import describe
 from pagedjax.core.kv_cache import num_kv_blocks_for_budget, warm_up_input
-from pagedjax.core.scheduler_output import SchedulerOutput
+from pagedjax.core.scheduler_output import ScheduledBatch
 from pagedjax.core.step_shapes import StepShapes
 from pagedjax.entrypoints.llm import LLM
 from pagedjax.sampling_params import SamplingParams
@@ -57,26 +58,28 @@ class Run:
     schedule: list[tuple]  # one summary per step (see _record_schedule)
 
 
-def _record_schedule(llm: LLM) -> list[SchedulerOutput]:
-    """Wrap the scheduler so each step's SchedulerOutput is kept (see _summary)."""
-    scheduler, log = llm.engine.scheduler, []
-    schedule = scheduler.schedule
+def _record_schedule(llm: LLM) -> list[tuple[ScheduledBatch, list[int]]]:
+    """Keep each step as the engine prepares it, spelled out, and the sequences it preempted
+    (see _summary)."""
+    engine, log = llm.engine, []
+    prepare = engine._prepare
 
-    def recording_schedule(*args):
-        out = schedule(*args)
-        log.append(out)
-        return out
+    def recording_prepare(out):
+        log.append((describe(out, engine.scheduler.seqs, engine.block_manager,
+                             engine.eos_token_ids), out.preempted_seq_ids))
+        return prepare(out)
 
-    scheduler.schedule = recording_schedule
+    engine._prepare = recording_prepare
     return log
 
 
-def _summary(out: SchedulerOutput) -> tuple:
+def _summary(logged: tuple[ScheduledBatch, list[int]]) -> tuple:
     """(scheduled, block copies, preempted ids) of a step, with the sample rows the request
     policies added to it (n > 1 forks) before it ran."""
+    step, preempted = logged
     return ([(e.seq_id, e.start_pos, e.num_new_tokens, tuple(e.block_table),
-              tuple(s.seq_id for s in e.samples)) for e in out.scheduled],
-            [tuple(c) for c in out.block_copies], list(out.preempted_seq_ids))
+              tuple(s.seq_id for s in e.samples)) for e in step.scheduled],
+            [tuple(c) for c in step.block_copies], list(preempted))
 
 
 def _run(model_dir: Path, backend: str, engine_kwargs: dict, prompts: list[list[int]],

@@ -90,7 +90,8 @@ def test_a_rarely_drafted_position_keeps_its_earlier_measurements(tmp_path) -> N
         policy.observe(decode_step(1, 4), SampledTokens.from_lists({0: [0] * 5}))
     for _ in range(50):  # k = 3 only: positions 1-3 measured, position 4 not drafted
         policy.observe(decode_step(1, 3), SampledTokens.from_lists({0: [0] * 4}))
-    policy.observe(decode_step(1, 4), SampledTokens.from_lists({0: [0] * 4}))  # the 4th draft rejected
+    # the 4th draft rejected
+    policy.observe(decode_step(1, 4), SampledTokens.from_lists({0: [0] * 4}))
     gain_of_4th = policy.expected_tokens(4) - policy.expected_tokens(3)
     assert 0.8 < gain_of_4th < 0.95  # ~0.87; forgetting per step made it 1 / (1 + 10 * 0.9^50)
 

@@ -84,7 +84,7 @@ def test_a_step_in_flight_is_collected_before_adds_aborts_and_shutdown(tiny_mode
                                                        ignore_eos=True))
     while engine._in_flight is None:
         engine.step()
-    in_flight = engine._in_flight.out.scheduled[0].seq_id
+    in_flight = engine._in_flight.out.seq_ids[0]
     engine.abort_request("a")
     outputs = engine.step()  # the steps collected first, then the abort
     reasons = [o.finish_reason for r in outputs for o in r.outputs]

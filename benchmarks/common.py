@@ -108,11 +108,13 @@ def _fmt(value: object) -> str:
 
 def step_phases_ms(timings: Any) -> dict[str, float]:
     """ms per engine step in each phase of an engine's `step_timings` (schedule, prepare,
-    execute, update, output), their sum ("step") and the share outside execute ("host share")."""
+    launch, execute, update, output, detokenize), their sum ("step") and the share outside the
+    step's launch and execute ("host share")."""
     steps = max(timings.num_steps, 1)
     phases = {phase: 1e3 * seconds / steps for phase, seconds in timings.seconds.items()}
     step_ms = sum(phases.values())
-    return {**phases, "step": step_ms, "host share": (step_ms - phases["execute"]) / step_ms}
+    device_ms = phases["launch"] + phases["execute"]  # the step itself, called then waited for
+    return {**phases, "step": step_ms, "host share": (step_ms - device_ms) / step_ms}
 
 
 def median_seconds(run: Callable[[], Any], synchronize: Callable[[Any], Any],

@@ -73,7 +73,7 @@ class _Launched:
     wait: Callable[[], ModelOutput]  # waits for the step's outputs on the host
     policies: dict[str, list[int]]  # request id → its sequences' indices in out.seq_ids
     bitmask: np.ndarray | None
-    stamps: list[float]  # step start, scheduled, prepared
+    stamps: list[float]  # step start, scheduled, prepared, launched
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,10 @@ class _AddCommand:
     grammar: str | None = None  # structured outputs: the llguidance grammar
 
 
-STEP_PHASES = ("schedule", "prepare", "execute", "update", "output")
+# launch: the runner's call that starts the step (the whole step where it runs as called);
+# execute: waiting for its outputs; output: RequestOutputs, stop strings, logprobs, without
+# detokenize (text)
+STEP_PHASES = ("schedule", "prepare", "launch", "execute", "update", "output", "detokenize")
 
 
 @dataclass
@@ -99,10 +102,14 @@ class StepTimings:
     num_steps: int = 0
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STEP_PHASES, 0.0))
 
-    def record(self, stamps: list[float]) -> None:
+    def record(self, stamps: list[float], detokenize_seconds: float) -> None:
+        """stamps: the ends of the phases before detokenize (which the output phase's time
+        includes), after the step's start."""
         self.num_steps += 1
         for name, start, end in zip(STEP_PHASES, stamps, stamps[1:]):
             self.seconds[name] += end - start
+        self.seconds["output"] -= detokenize_seconds
+        self.seconds["detokenize"] += detokenize_seconds
 
 
 class LLMEngine:
@@ -460,6 +467,7 @@ class LLMEngine:
         stamps.append(time.perf_counter())
         launched = _Launched(out, model_input, self.runner.execute_async(model_input), policies,
                              bitmask, stamps)
+        stamps.append(time.perf_counter())
         if self._schedules_ahead(launched):
             self._in_flight = launched  # the next step() launches its successor first
             return flushed + aborted
@@ -494,12 +502,13 @@ class LLMEngine:
         if not self.structured_output.has_waiting:
             out = self.scheduler.schedule_next(last.out)
         stamps.append(time.perf_counter())
+        model_input = self._prepare(out) if out is not None else None
+        stamps.append(time.perf_counter())
         if out is not None:
-            model_input = self._prepare(out)
             self._in_flight = _Launched(out, model_input, self.runner.execute_async(model_input),
                                         {}, None, stamps)
         stamps.append(time.perf_counter())
-        last.stamps = stamps  # timed as this call's: schedule and prepare, then last's wait
+        last.stamps = stamps  # timed as this call's: schedule, prepare, launch, then last's wait
         outputs = self._collect(last)
         ahead, seqs = self._in_flight, self.scheduler.seqs
         if ahead is not None and not any(seq_id in seqs and not seqs[seq_id].is_finished
@@ -513,7 +522,8 @@ class LLMEngine:
         its outputs, building the last step's deferred ones while the device runs."""
         out, model_input, policies, bitmask = (launched.out, launched.model_input,
                                                launched.policies, launched.bitmask)
-        stamps = launched.stamps[:3]
+        stamps = launched.stamps[:4]
+        detokenize_start = self.output_processor.detokenize_seconds
         flush_start = time.perf_counter()
         flushed = self._flush_outputs()  # the last step's, while the device runs this one
         flush_seconds = time.perf_counter() - flush_start
@@ -543,7 +553,8 @@ class LLMEngine:
         if self.structured_output.has_matchers:
             self.structured_output.release()  # the completions that finished
         stamps.append(time.perf_counter())
-        self.step_timings.record(stamps)
+        self.step_timings.record(
+            stamps, self.output_processor.detokenize_seconds - detokenize_start)
         if self.speculation is not None:
             self.speculation.observe(out, sampled)
         if not self.scheduler.has_unfinished():  # the last rows free now, not at the next step

@@ -10,6 +10,7 @@ and no logprobs is detokenized once, when it finishes, in one call; the others e
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +61,7 @@ class OutputProcessor:
         # logprobs); the others only when a completion finishes
         self._per_step: set[str] = set()
         self._decoded: dict[int, str | None] = {}  # token id → its text alone
+        self.detokenize_seconds = 0.0  # spent turning tokens into text, in all
 
     def add_request(self, request_id: str, prompt: str | None, seq: Sequence) -> None:
         params = seq.sampling_params
@@ -150,9 +152,18 @@ class OutputProcessor:
         if completion.logprobs is not None:
             self._add_logprobs(completion, output, row, new_tokens, params.logprobs)
         detokenizer = completion.detokenizer
+        start_time = time.perf_counter()
         if not params.stop_strings:
             detokenizer.append(new_tokens)
+            self.detokenize_seconds += time.perf_counter() - start_time
             return
+        self._find_stop_string(state, seq, completion, new_tokens)
+        self.detokenize_seconds += time.perf_counter() - start_time
+
+    def _find_stop_string(self, state: RequestState, seq: Sequence,
+                          completion: CompletionState, new_tokens: list[int]) -> None:
+        """Detokenize one token at a time: a stop string may end at any of them."""
+        params, detokenizer = state.params, completion.detokenizer
         longest = max(map(len, params.stop_strings))
         for j, token in enumerate(new_tokens):  # one at a time: the stop may end at any token
             delta = detokenizer.append([token])
@@ -237,13 +248,14 @@ class OutputProcessor:
                              finished=finished, num_cached_tokens=first.num_cached_tokens,
                              prompt_logprobs=prompt_logprobs)
 
-    @staticmethod
-    def _completion_output(seq: Sequence, completion: CompletionState, delta: bool,
+    def _completion_output(self, seq: Sequence, completion: CompletionState, delta: bool,
                            hold_back: int = 0) -> CompletionOutput:
         detokenizer, start = completion.detokenizer, seq.num_prompt_tokens
         pending = seq.num_output_tokens - completion.num_processed
         if pending > 0:  # not processed as it came (one output at the end, or an abort)
+            start_time = time.perf_counter()
             detokenizer.append(seq.token_ids[-pending:])
+            self.detokenize_seconds += time.perf_counter() - start_time
             completion.num_processed += pending
         logprobs = completion.logprobs
         if delta:  # O(new) work: only what earlier outputs did not carry

@@ -263,7 +263,6 @@ class StructuredOutputManager:
                 self._failed.add(seq_id)
             self.num_tokens_rejected += len(tokens) - num_kept
             sampled.num_tokens[r] = num_kept
-            sampled.token_ids[r, num_kept:] = -1
             if not seq.sampling_params.is_greedy:
                 seq.rng_offset += num_spec_tokens + 1  # past every counter the step used
             cut.append(seq)

@@ -220,6 +220,7 @@ def test_a_row_is_cut_at_the_first_token_its_grammar_forbids() -> None:
     """StructuredOutputManager.accept: a speculative row keeps its tokens up to the first one
     the grammar forbids, its matcher advanced by those; a sampled row's random counter moves
     past the step's, a greedy row's does not; a finished grammar stops its completion."""
+    from pagedjax.core.scheduler_output import SampledTokens
     from pagedjax.core.sequence import Sequence
     from pagedjax.structured_output import StructuredOutputManager
     from pagedjax.tokenizer import load_tokenizer
@@ -245,17 +246,17 @@ def test_a_row_is_cut_at_the_first_token_its_grammar_forbids() -> None:
     assert mask.shape == (2, (len(tokenizer) + 31) // 32)
     assert ((mask[:, one // 32] >> (one % 32)) & 1 == 1).all()
     assert ((mask[:, letter // 32] >> (letter % 32)) & 1 == 0).all()
-    sampled = {0: [one, two, letter, three], 1: [one, letter, two]}
-    manager.accept(seqs, sampled, num_spec_tokens=3)
-    assert sampled == {0: [one, two], 1: [one]}
+    sampled = SampledTokens.from_lists({0: [one, two, letter, three], 1: [one, letter, two]})
+    assert manager.accept(seqs, sampled, num_spec_tokens=3) == [seqs[0], seqs[1]]
+    assert sampled.as_dict() == {0: [one, two], 1: [one]}
     assert (seqs[0].rng_offset, seqs[1].rng_offset) == (0, 4)
     assert manager.metrics()["structured_output_tokens_rejected_total"] == 4
-    for seq_id, tokens in sampled.items():
+    for seq_id, tokens in sampled.as_dict().items():
         seqs[seq_id].token_ids += tokens
     assert manager.stopped(list(seqs.values())) == []
-    sampled = {0: [three, four]}
-    manager.accept(seqs, sampled, num_spec_tokens=1)
-    assert sampled == {0: [three, four]}
+    sampled = SampledTokens.from_lists({0: [three, four]})
+    assert manager.accept(seqs, sampled, num_spec_tokens=1) == []
+    assert sampled.as_dict() == {0: [three, four]}
     assert manager.stopped(list(seqs.values())) == [seqs[0]]
 
 
@@ -264,6 +265,7 @@ def test_masks_filled_ahead_equal_masks_filled_in_the_step(monkeypatch, caplog) 
     while the engine thread goes on, equal those filled in the step, step after step: beside an
     unconstrained row, a request that joins late (filled in the step), a finished one (not
     filled), and a step whose fill ahead fails (its rows filled again in the step)."""
+    from pagedjax.core.scheduler_output import SampledTokens
     from pagedjax.core.sequence import Sequence, SequenceStatus
     from pagedjax.structured_output import StructuredOutputManager, mask_filler
     from pagedjax.structured_output.manager import AHEAD_MIN_ROWS
@@ -320,10 +322,10 @@ def test_masks_filled_ahead_equal_masks_filled_in_the_step(monkeypatch, caplog) 
             sampled[seq.seq_id] = [int(allowed[step % len(allowed)])
                                    if seq.sampling_params.structured_outputs else 5]
         for m, s in zip(managers, live):
-            tokens = {seq_id: list(t) for seq_id, t in sampled.items()}
+            tokens = SampledTokens.from_lists(sampled)
             m.accept({seq.seq_id: seq for seq in s}, tokens, num_spec_tokens=0)
             for seq in s:
-                seq.token_ids.append(tokens[seq.seq_id][0])
+                seq.token_ids.append(tokens.as_dict()[seq.seq_id][0])
                 if seq in m.stopped(s):
                     seq.status = SequenceStatus.FINISHED
         managers[0].fill_ahead(live[0])

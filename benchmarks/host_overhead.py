@@ -36,12 +36,16 @@ HOST_PHASES = ("schedule", "prepare", "update", "output", "detokenize")
 BACKEND_OF = {"host-only": "fixed-tokens", "jax": "jax", "torch": "torch"}
 
 
-def make_llm(runner: str, batch: int, context: int, max_num_batched_tokens: int):
+def make_llm(runner: str, batch: int, args):
+    """An engine for batches up to `batch`: a step's token budget holds every sequence's
+    decode token and as many prompt tokens again."""
     from pagedjax import LLM
     from pagedjax.demo import demo_model_dirs
 
+    max_num_batched_tokens = max(args.max_num_batched_tokens, 2 * batch)
     # room for the tokens the first prompts decode while the last ones are computed
-    max_len = context + batch * context // max_num_batched_tokens + WARMUP_STEPS + 96
+    prefill_steps = -(-batch * args.context // (max_num_batched_tokens - batch))
+    max_len = args.context + prefill_steps + WARMUP_STEPS + args.steps + 64
     return LLM(demo_model_dirs()[0], backend=BACKEND_OF[runner], dtype="float32",
                max_model_len=max_len, max_num_seqs=batch,
                max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=False)
@@ -66,6 +70,8 @@ def start_decoding(llm, batch: int, context: int, output_kind, seed: int) -> lis
 
     while not decoding():
         engine.step()
+        if len(scheduler.running) + len(scheduler.waiting) < batch:
+            raise RuntimeError("a request finished before every prompt was computed")
     for _ in range(WARMUP_STEPS):
         engine.step()
     return ids
@@ -92,7 +98,7 @@ def time_steps(llm, batch: int, num_steps: int) -> dict:
 def measure(runner: str, args, round_index: int, output_kind) -> list[dict]:
     """Every batch size on one engine of this runner (started anew each round)."""
     start = time.perf_counter()
-    llm = make_llm(runner, max(args.batch_sizes), args.context, args.max_num_batched_tokens)
+    llm = make_llm(runner, max(args.batch_sizes), args)
     startup = time.perf_counter() - start
     rows = []
     for batch in args.batch_sizes:
@@ -140,7 +146,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=128, help="prompt tokens per sequence")
     parser.add_argument("--steps", type=int, default=32, help="timed steps per batch")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512,
+                        help="a step's token budget (at least twice the largest batch)")
     parser.add_argument("--output-kind", choices=("final", "delta"), default="final",
                         help="final: one output per request at its end (LLM.generate); delta: "
                              "an output every step (a streaming server)")

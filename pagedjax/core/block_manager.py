@@ -51,6 +51,9 @@ class BlockManager:
         # seq id -> first index of its table changed since take_table_changes (the persistent
         # batch copies tables from there only)
         self._changed_from: dict[int, int] = {}
+        # Seqs that took part in a fork: their tables may share a block they write (prefix-cache
+        # hits never are: those blocks are full). Every other seq writes its own blocks only.
+        self.forked: set[int] = set()
 
     @property
     def num_free_blocks(self) -> int:
@@ -169,6 +172,18 @@ class BlockManager:
             self._mark_changed(seq_id, first_changed)
         return copies
 
+    def append_blocks(self, seq_ids: Sequence[int]) -> bool:
+        """One new block at the end of each seq's table, all or none (False: too few free): the
+        common step's sequences that fill their last block, allocated in one go."""
+        if len(seq_ids) > len(self._free):
+            return False
+        tables = self._tables
+        for seq_id in seq_ids:
+            table = tables[seq_id]
+            self._mark_changed(seq_id, len(table))
+            table.append(self._take_free_block())
+        return True
+
     def cache_blocks(self, seq_id: int, token_ids: Sequence[int], num_computed_tokens: int) -> None:
         """Register in the prefix cache each full, computed block of the seq not yet hashed."""
         if not self.enable_prefix_caching or seq_id not in self._tables:
@@ -202,12 +217,14 @@ class BlockManager:
         self._tables[child_seq_id] = list(table)
         self._seq_hashes[child_seq_id] = list(self._seq_hashes.get(parent_seq_id, []))
         self._mark_changed(child_seq_id, 0)
+        self.forked.update((parent_seq_id, child_seq_id))
 
     def free(self, seq_id: int) -> None:
         """Release all of the seq's blocks (tail first, so its tail is evicted before its head)."""
         table = self._tables.pop(seq_id, None)
         self._seq_hashes.pop(seq_id, None)
         self._changed_from.pop(seq_id, None)
+        self.forked.discard(seq_id)
         if table is not None:
             self._release(reversed(table))
 

@@ -28,11 +28,19 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
+from operator import attrgetter
+
+import numpy as np
 
 from pagedjax.core.block_manager import BlockManager
 from pagedjax.core.scheduler_output import SampledTokens, SchedulerOutput
 from pagedjax.core.sequence import Sequence, SequenceStatus
 from pagedjax.core.stopping import StopChecker
+
+_num_computed = attrgetter("num_computed_tokens")
+_token_ids = attrgetter("token_ids")
+_uses_entries = attrgetter("uses_logit_entries")
+_seq_id = attrgetter("seq_id")
 
 
 class Scheduler:
@@ -133,7 +141,8 @@ class Scheduler:
         self._draft_budget = self.max_num_batched_tokens if self.has_draft else 0
         self._entries_budget = self.max_logit_entries
         self._scores_prompt = False  # some sequence scores prompt tokens (prompt_logprobs)
-        self._schedule_running(step)
+        if not self._schedule_decodes(step):
+            self._schedule_running(step)
         if not step.preempted_seq_ids:
             self._schedule_waiting(step)
         if self.has_draft:
@@ -235,6 +244,40 @@ class Scheduler:
             num_catch_up = min(end - draft_start, self._draft_budget)
             self._draft_budget -= num_catch_up
         step.num_draft_tokens.append(num_catch_up)
+
+    def _schedule_decodes(self, step: SchedulerOutput) -> bool:
+        """The common step in bulk: every running sequence computes its one new token, none
+        drafts or carries logit entries, and all fit. Only the sequences that cross into a new
+        block (or share one after a fork) go to the block manager. False if this step is not
+        that one (or the pool is short): _schedule_running decides, from the blocks taken here
+        on (it takes the same blocks, in the same order)."""
+        running, n = self.running, len(self.running)
+        if (not n or step.num_spec_tokens or self.has_draft or n > self.max_num_seqs
+                or n > self.max_num_batched_tokens):
+            return False
+        computed = list(map(_num_computed, running))
+        if (list(map(len, map(_token_ids, running))) != [c + 1 for c in computed]
+                or (self._entries_budget is not None and any(map(_uses_entries, running)))):
+            return False
+        bm, seq_ids = self.block_manager, list(map(_seq_id, running))
+        # those that fill their last block: one new block each, in one go
+        full = np.flatnonzero(np.asarray(computed) % bm.block_size == 0).tolist()
+        forked, tables, bs = bm.forked, bm.tables, bm.block_size
+        new_block = [seq_ids[i] for i in full if seq_ids[i] not in forked
+                     and len(tables[seq_ids[i]]) * bs == computed[i]]
+        if not bm.append_blocks(new_block):
+            return False
+        if forked:  # a block shared since a fork is copied before it is written
+            for i in (i for i, seq_id in enumerate(seq_ids) if seq_id in forked):
+                copies = bm.allocate_slots(seq_ids[i], computed[i], 1)
+                if copies is None:
+                    return False
+                step.block_copies += copies
+        step.seq_ids = seq_ids
+        step.num_computed_tokens = computed
+        step.num_new_tokens = [1] * n
+        step.num_batched_tokens = n
+        return True
 
     def _schedule_running(self, step: SchedulerOutput) -> None:
         i = 0
@@ -391,6 +434,9 @@ class Scheduler:
         """
         seqs, finished = self.seqs, SequenceStatus.FINISHED
         ends = output.end_positions()
+        if (sampled.token_ids.shape[1] == 1 and not output.forks and not output.num_draft_tokens
+                and sampled.seq_ids == output.seq_ids):
+            return self._update_decodes(output.seq_ids, ends, sampled.token_ids[:, 0].tolist())
         for seq_id, end in zip(output.seq_ids, ends):
             seq = seqs.get(seq_id)
             if seq is not None and seq.status is not finished:
@@ -401,30 +447,47 @@ class Scheduler:
         for parent, children in output.forks.items():
             end_of.update((child, end_of[parent]) for child in children)
         touched: list[Sequence] = []
-        if sampled.token_ids.shape[1] == 1:  # one token a row: the common step
-            rows = zip(sampled.seq_ids, sampled.token_ids[:, 0].tolist())
-            for seq_id, token in rows:
-                seq = seqs.get(seq_id)
-                if seq is None or seq.status is finished or seq.policy_picks_tokens:
-                    continue
-                seq.num_computed_tokens = end_of[seq_id]
-                self._append(seq, token)
-                touched.append(seq)
-        else:
-            for r, seq_id in enumerate(sampled.seq_ids):
-                seq = seqs.get(seq_id)
-                if seq is None or seq.status is finished or seq.policy_picks_tokens:
-                    continue
-                tokens = sampled.tokens(r)
-                # Drafts kept; the last token is recovered or bonus. Rejected: rolled back.
-                seq.num_computed_tokens = end_of[seq_id] + len(tokens) - 1
-                for token in tokens:
-                    if self._append(seq, token):
-                        break
-                touched.append(seq)
+        for r, seq_id in enumerate(sampled.seq_ids):
+            seq = seqs.get(seq_id)
+            if seq is None or seq.status is finished or seq.policy_picks_tokens:
+                continue
+            tokens = sampled.tokens(r)
+            # Drafts kept; the last token is recovered or bonus. Rejected: rolled back.
+            seq.num_computed_tokens = end_of[seq_id] + len(tokens) - 1
+            for token in tokens:
+                if self._append(seq, token):
+                    break
+            touched.append(seq)
         if self.has_draft or self.block_manager.enable_prefix_caching:
             for seq in touched:
                 if seq.status is not finished:
+                    self._release_rejected_slots(seq)
+        return touched
+
+    def _update_decodes(self, seq_ids: list[int], ends: list[int], tokens: list[int]
+                        ) -> list[Sequence]:
+        """update() of a step where each sequence samples one token from its last position,
+        with no drafts and no forks: one pass, a few attribute reads and an append each."""
+        seqs, finished, touched = self.seqs, SequenceStatus.FINISHED, []
+        for seq_id, end, token in zip(seq_ids, ends, tokens):
+            seq = seqs.get(seq_id)
+            if seq is None or seq.status is finished:
+                continue
+            seq.num_computed_tokens = end
+            if seq.policy_picks_tokens:
+                continue
+            token_ids = seq.token_ids
+            token_ids.append(token)
+            touched.append(seq)
+            if token in seq.stop_token_set or len(token_ids) >= seq.max_num_tokens:
+                stop = self.stop_checker(seq, token)
+                if stop is not None:
+                    self.finish(seq, *stop)
+        self.num_generation_tokens_total += len(touched)
+        if self.block_manager.enable_prefix_caching:  # the blocks that filled up
+            bs = self.block_manager.block_size
+            for seq in touched:
+                if seq.num_computed_tokens % bs == 0 and seq.status is not finished:
                     self._release_rejected_slots(seq)
         return touched
 

@@ -90,7 +90,7 @@ def time_steps(llm, batch: int, num_steps: int) -> dict:
         raise RuntimeError("a sequence finished or was preempted while timed")
     timings = engine.step_timings
     us = {name: 1e6 * s / timings.num_steps for name, s in timings.seconds.items()}
-    host = sum(us[p] for p in HOST_PHASES)
+    host = sum(us.get(p, 0.0) for p in HOST_PHASES)
     return {"phases us/step": us, "host us/step": host, "host us/seq": host / batch,
             "step us (median)": 1e6 * statistics.median(seconds)}
 

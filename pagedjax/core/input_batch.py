@@ -67,6 +67,9 @@ class InputBatch:
         # rows whose sampling may carry logit entries (penalties, logit_bias, min_tokens)
         self.has_entries = np.zeros(n, bool)
         self.appends_sampled = np.zeros(n, bool)  # False: its policy picks its tokens (beams)
+        # rows with prompt_logprobs asked for, and rows that may carry logit entries: a step
+        # looks for them only while some row has them
+        self._num_prompt_logprobs_rows = self._num_entry_rows = 0
 
     @property
     def num_rows(self) -> int:
@@ -99,6 +102,8 @@ class InputBatch:
         self.has_entries[row] = bool(params.logit_bias or params.has_penalties
                                      or params.min_tokens)
         self.appends_sampled[row] = not seq.policy_picks_tokens
+        self._num_prompt_logprobs_rows += int(self.prompt_logprobs[row])
+        self._num_entry_rows += int(self.has_entries[row])
         return row
 
     def remove(self, seq_id: int) -> None:
@@ -107,6 +112,9 @@ class InputBatch:
             return
         self.seq_ids[row], self.seqs[row] = -1, None
         self._set_table(row, 0, [])
+        self._num_prompt_logprobs_rows -= int(self.prompt_logprobs[row])
+        self._num_entry_rows -= int(self.has_entries[row])
+        self.prompt_logprobs[row] = self.has_entries[row] = False
         self._free_rows.append(row)
 
     def _copy_tokens(self, row: int, seq: Sequence) -> None:
@@ -150,12 +158,17 @@ class InputBatch:
         rows = model_input.sample_rows
         if rows is None or not len(rows):
             return
-        ok = rows >= 0
-        ok[ok] = (self.seq_ids[rows[ok]] == np.asarray(sampled.seq_ids)[ok]) & \
-            self.appends_sampled[rows[ok]]
-        rows, tokens, counts = rows[ok], sampled.token_ids[ok], sampled.num_tokens[ok]
-        starts = self.num_tokens[rows]
+        # rows of this step's sequences still (a fork's -1 row holds another sequence)
+        ok = (self.seq_ids[rows] == np.asarray(sampled.seq_ids)) & self.appends_sampled[rows]
+        tokens, counts = sampled.token_ids, sampled.num_tokens
+        if not ok.all():
+            rows, tokens, counts = rows[ok], tokens[ok], counts[ok]
         capacity = self.token_ids.shape[1]
+        starts = self.num_tokens[rows]
+        if tokens.shape[1] == 1:  # one token a row
+            self.token_ids[rows, np.minimum(starts, capacity - 1)] = tokens[:, 0]
+            self.num_tokens[rows] = np.minimum(starts + 1, capacity)
+            return
         for j in range(tokens.shape[1]):
             take = (counts > j) & (starts + j < capacity)
             if not take.any():
@@ -179,11 +192,7 @@ class InputBatch:
         ends = np.cumsum(q_lens)
         num_tokens = int(ends[-1])
         end_real = start + num_new
-        num_prompt = self.num_prompt_tokens[rows]
-        # prompt_logprobs: the prompt tokens after each of the first new tokens, while due
-        prompt_counts = np.where(
-            self.prompt_logprobs[rows] & (self.num_tokens[rows] == num_prompt)
-            & (start + 1 < num_prompt), np.minimum(end_real + 1, num_prompt) - start - 1, 0)
+        prompt_counts = self._prompt_counts(rows, start, end_real)
         samples = _Samples(self, out, seqs, rows, end_real)
         draft_lens = (np.asarray(out.num_draft_tokens, np.int64) if out.num_draft_tokens
                       else np.zeros(s, np.int64))
@@ -214,6 +223,17 @@ class InputBatch:
         if layout.draft:
             self._fill_drafts(f, out, rows, draft_lens, num_spec, ends, samples)
         return model_input
+
+    def _prompt_counts(self, rows: np.ndarray, start: np.ndarray, end_real: np.ndarray
+                       ) -> np.ndarray:
+        """[S] prompt tokens each sequence scores this step (prompt_logprobs, while due): the
+        prompt token after each of its first new tokens."""
+        if not self._num_prompt_logprobs_rows:
+            return np.zeros(len(rows), np.int64)
+        num_prompt = self.num_prompt_tokens[rows]
+        due = (self.prompt_logprobs[rows] & (self.num_tokens[rows] == num_prompt)
+               & (start + 1 < num_prompt))
+        return np.where(due, np.minimum(end_real + 1, num_prompt) - start - 1, 0)
 
     def _slots(self, block_tables: np.ndarray, seq_index: np.ndarray,
                positions: np.ndarray) -> np.ndarray:
@@ -330,6 +350,8 @@ class _Samples:
 
     def logit_entries(self, capacity: int) -> LogitEntries | None:
         """The penalties, logit_bias and min_tokens entries of the rows that may have any."""
+        if not self.batch._num_entry_rows:
+            return None
         which = np.flatnonzero(self.batch.has_entries[self.param_rows])
         if not len(which):
             return None

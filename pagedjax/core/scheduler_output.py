@@ -90,6 +90,8 @@ class SampledTokens:
 
     @classmethod
     def from_array(cls, seq_ids: list[int], token_ids: np.ndarray) -> SampledTokens:
+        if token_ids.shape[1] == 1:  # no drafts: one token each
+            return cls(seq_ids, token_ids, np.ones(len(seq_ids), np.int32))
         return cls(seq_ids, token_ids, (token_ids >= 0).sum(axis=1, dtype=np.int32))
 
     @classmethod

@@ -174,6 +174,9 @@ class ModelInput:
     # [L] int64: the persistent batch's row of each real logits row's sequence (-1: a sibling
     # forked this step, which has none yet); None when built by the reference builder
     sample_rows: np.ndarray | None = None
+    # the persistent batch's row assignment these rows were read under, when each of them is a
+    # row the sampled tokens append to (no fork, no beam); -1 otherwise (InputBatch)
+    rows_version: int = -1
 
     @property
     def num_logits(self) -> int:

@@ -70,6 +70,8 @@ class InputBatch:
         # rows with prompt_logprobs asked for, and rows that may carry logit entries: a step
         # looks for them only while some row has them
         self._num_prompt_logprobs_rows = self._num_entry_rows = 0
+        self._num_policy_rows = 0  # rows whose policy picks their tokens (beams)
+        self._version = 0  # changes whenever a row is given to another sequence
 
     @property
     def num_rows(self) -> int:
@@ -102,6 +104,8 @@ class InputBatch:
         self.has_entries[row] = bool(params.logit_bias or params.has_penalties
                                      or params.min_tokens)
         self.appends_sampled[row] = not seq.policy_picks_tokens
+        self._num_policy_rows += int(seq.policy_picks_tokens)
+        self._version += 1
         self._num_prompt_logprobs_rows += int(self.prompt_logprobs[row])
         self._num_entry_rows += int(self.has_entries[row])
         return row
@@ -114,7 +118,8 @@ class InputBatch:
         self._set_table(row, 0, [])
         self._num_prompt_logprobs_rows -= int(self.prompt_logprobs[row])
         self._num_entry_rows -= int(self.has_entries[row])
-        self.prompt_logprobs[row] = self.has_entries[row] = False
+        self._num_policy_rows -= int(not self.appends_sampled[row])
+        self.prompt_logprobs[row] = self.has_entries[row] = self.appends_sampled[row] = False
         self._free_rows.append(row)
 
     def _copy_tokens(self, row: int, seq: Sequence) -> None:
@@ -158,14 +163,16 @@ class InputBatch:
         rows = model_input.sample_rows
         if rows is None or not len(rows):
             return
-        # rows of this step's sequences still (a fork's -1 row holds another sequence)
-        ok = (self.seq_ids[rows] == np.asarray(sampled.seq_ids)) & self.appends_sampled[rows]
         tokens, counts = sampled.token_ids, sampled.num_tokens
-        if not ok.all():
-            rows, tokens, counts = rows[ok], tokens[ok], counts[ok]
+        if model_input.rows_version != self._version:
+            # rows of this step's sequences still, that append (a fork's -1 row holds another
+            # sequence; a beam's tokens come from its policy)
+            ok = (self.seq_ids[rows] == np.asarray(sampled.seq_ids)) & self.appends_sampled[rows]
+            rows, tokens = rows[ok], tokens[ok]
+            counts = None if counts is None else counts[ok]
         capacity = self.token_ids.shape[1]
         starts = self.num_tokens[rows]
-        if tokens.shape[1] == 1:  # one token a row
+        if counts is None:  # one token a row
             self.token_ids[rows, np.minimum(starts, capacity - 1)] = tokens[:, 0]
             self.num_tokens[rows] = np.minimum(starts + 1, capacity)
             return
@@ -211,7 +218,8 @@ class InputBatch:
             entries, np.asarray(out.block_copies, np.int32).reshape(-1, 2),
             self.seq_ids[samples.own_rows].tolist() if not out.forks else samples.seq_ids,
             num_tokens, s, int(q_lens.max()), int(draft_lens.max(initial=0)),
-            layout.num_spec_tokens, num_draft, sample_rows=samples.own_rows)
+            layout.num_spec_tokens, num_draft, sample_rows=samples.own_rows,
+            rows_version=-1 if out.forks or self._num_policy_rows else self._version)
         f = model_input.fields()
         f["step_flags"][:] = flags.as_array()
         f["num_padding_samples"][0] = layout.num_seqs - samples.num

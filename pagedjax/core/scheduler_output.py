@@ -86,13 +86,19 @@ class SampledTokens:
 
     seq_ids: list[int]  # [L]
     token_ids: np.ndarray  # [L, K+1] int32, -1 padded
-    num_tokens: np.ndarray  # [L] int32
+    num_tokens: np.ndarray | None  # [L] int32; None: one each (K = 0)
 
     @classmethod
     def from_array(cls, seq_ids: list[int], token_ids: np.ndarray) -> SampledTokens:
-        if token_ids.shape[1] == 1:  # no drafts: one token each
-            return cls(seq_ids, token_ids, np.ones(len(seq_ids), np.int32))
+        if token_ids.shape[1] == 1:  # no drafts: one token each, none to cut
+            return cls(seq_ids, token_ids, None)
         return cls(seq_ids, token_ids, (token_ids >= 0).sum(axis=1, dtype=np.int32))
+
+    def counts(self) -> np.ndarray:
+        """[L] tokens each row keeps."""
+        if self.num_tokens is None:
+            return np.ones(len(self.seq_ids), np.int32)
+        return self.num_tokens
 
     @classmethod
     def from_lists(cls, rows: dict[int, list[int]]) -> SampledTokens:
@@ -104,6 +110,8 @@ class SampledTokens:
         return cls.from_array(list(rows), token_ids)
 
     def tokens(self, r: int) -> list[int]:
+        if self.num_tokens is None:
+            return self.token_ids[r, :1].tolist()
         return self.token_ids[r, : self.num_tokens[r]].tolist()
 
     def as_dict(self) -> dict[int, list[int]]:

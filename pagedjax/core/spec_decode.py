@@ -94,7 +94,7 @@ def verified_drafts(out: SchedulerOutput, sampled: SampledTokens) -> list[tuple[
     """(drafts proposed, drafts accepted) of each sequence that drafted this step."""
     if not any(out.num_spec_tokens_per_seq):
         return []
-    kept = dict(zip(sampled.seq_ids, sampled.num_tokens.tolist()))
+    kept = dict(zip(sampled.seq_ids, sampled.counts().tolist()))
     return [(num_spec, kept[seq_id] - 1)
             for seq_id, num_spec in zip(out.seq_ids, out.num_spec_tokens_per_seq)
             if num_spec and seq_id in kept]

@@ -262,7 +262,8 @@ class StructuredOutputManager:
                 num_kept = 1
                 self._failed.add(seq_id)
             self.num_tokens_rejected += len(tokens) - num_kept
-            sampled.num_tokens[r] = num_kept
+            if sampled.num_tokens is not None:  # a row of one token is never cut
+                sampled.num_tokens[r] = num_kept
             if not seq.sampling_params.is_greedy:
                 seq.rng_offset += num_spec_tokens + 1  # past every counter the step used
             cut.append(seq)

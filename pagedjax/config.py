@@ -7,6 +7,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pagedjax.architectures import (
     ARCHITECTURE_BY_MODEL_TYPE,
@@ -237,8 +238,9 @@ class EngineConfig:
     async_scheduling: bool = False
     tensor_parallel_size: int = 1
     # {"model": draft_dir, "num_speculative_tokens": k, "method": "draft_model",
-    #  "adaptive": True}; see spec_decode.py
-    speculative_config: dict | None = None
+    #  "adaptive": True}; the engine replaces it with its validated SpeculativeConfig, which
+    # the runners read (spec_decode.py)
+    speculative_config: Any = None
     trust_remote_code: bool = False  # accepted; checkpoints with custom code are refused
     attention_impl: str = "auto"  # pagedjax's own; see the backends' resolve_attention
 

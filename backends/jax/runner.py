@@ -170,8 +170,8 @@ class JaxModelRunner:
         if draft_model_config is not None:
             plan = TensorParallelPlan.for_draft(
                 draft_model_config, size,
-                config.speculative_config.get("draft_tensor_parallel_size"))
-            self.draft = _Model.load(config.speculative_config["model"], draft_model_config,
+                config.speculative_config.draft_tensor_parallel_size)
+            self.draft = _Model.load(config.speculative_config.model, draft_model_config,
                                      config, plan, self.mesh)
         # Host inputs go to every device whole (replicated) or to the one device.
         self._inputs = (NamedSharding(self.mesh, REPLICATED) if self.mesh is not None

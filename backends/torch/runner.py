@@ -155,8 +155,8 @@ class TorchModelRunner:
         if draft_model_config is not None:
             draft = Shard(rank, TensorParallelPlan.for_draft(
                 draft_model_config, size,
-                config.speculative_config.get("draft_tensor_parallel_size")))
-            self.models.append(_Model.load(config.speculative_config["model"],
+                config.speculative_config.draft_tensor_parallel_size))
+            self.models.append(_Model.load(config.speculative_config.model,
                                            draft_model_config, config, self.device, draft))
         self.upload = HostToDevice(self.device)
         self.graphs: StepGraphs | None = None  # none while the pool is sized

@@ -37,6 +37,10 @@ class Sequence:
     # Its request policy picks its next token on the host (beam search): the scheduler appends
     # no sampled token to it and gives it no draft slots.
     policy_picks_tokens: bool = False
+    # Its request wants its tokens every step (it streams, or the frontend checks stop strings
+    # or keeps logprobs), not only when it finishes; output tokens sent to the frontend so far.
+    outputs_every_step: bool = False
+    num_output_tokens_sent: int = 0
     num_computed_tokens: int = 0
     num_draft_computed_tokens: int = 0  # the draft model's KV progress (speculative decoding)
     num_cached_tokens: int = 0  # prompt tokens that came from the prefix cache at admission
@@ -123,4 +127,5 @@ class Sequence:
             status=self.status,
             _distinct_prompt_token_ids=self._distinct_prompt_token_ids,
             policy_picks_tokens=self.policy_picks_tokens,
+            outputs_every_step=self.outputs_every_step,
         )

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pagedjax.config import EngineConfig
+from pagedjax.config import EngineConfig, ModelConfig
 from pagedjax.core.batch import ModelInput
 from pagedjax.core.batch_reference import build_model_input
 from pagedjax.core.scheduler_output import (
@@ -41,12 +41,20 @@ MAX_SPECULATIVE_TOKENS = 16
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
+    """speculative_config, validated: what the engine and the runners read (EngineConfig
+    holds the user's dict until the engine replaces it with this)."""
+
     model: str  # draft checkpoint directory
     num_speculative_tokens: int  # k: the most drafts proposed per sequence and step
     adaptive: bool = True  # pick k per step from measurements; False: always k
+    # 1: the draft on every device whole; or the target's tensor_parallel_size: split
+    draft_tensor_parallel_size: int = 1
 
     @classmethod
-    def from_dict(cls, config: dict, tensor_parallel_size: int = 1) -> SpeculativeConfig:
+    def from_dict(cls, config: dict | SpeculativeConfig,
+                  tensor_parallel_size: int = 1) -> SpeculativeConfig:
+        if isinstance(config, SpeculativeConfig):
+            return config
         unknown = set(config) - set(_KEYS)
         if unknown or "model" not in config:
             raise ValueError(f"speculative_config={config!r}: expected the keys {_KEYS} "
@@ -70,7 +78,22 @@ class SpeculativeConfig:
         if not (Path(config["model"]) / "config.json").is_file():
             raise ValueError(f"speculative model={config['model']!r} is not a Hugging Face "
                              "checkpoint directory (no config.json).")
-        return cls(str(config["model"]), k, adaptive)
+        return cls(str(config["model"]), k, adaptive, draft_tp)
+
+    def draft_model_config(self, target_dir: str, target_tokenizer: Any,
+                           target_config: ModelConfig, max_model_len: int) -> ModelConfig:
+        """The draft's ModelConfig, once it is checked against the target's vocabulary and
+        max_model_len."""
+        from pagedjax.tokenizer import load_tokenizer
+
+        draft_config = ModelConfig.from_pretrained(self.model)
+        self.check_vocabulary(target_dir, target_tokenizer, load_tokenizer(self.model),
+                              target_config.vocab_size, draft_config.vocab_size)
+        if draft_config.max_position_embeddings < max_model_len:
+            raise ValueError(f"draft max_position_embeddings="
+                             f"{draft_config.max_position_embeddings} is below "
+                             f"max_model_len={max_model_len}; lower max_model_len.")
+        return draft_config
 
     def check_vocabulary(self, target_dir: str, target_tokenizer: Any, draft_tokenizer: Any,
                          target_vocab_size: int, draft_vocab_size: int) -> None:

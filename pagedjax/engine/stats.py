@@ -1,7 +1,8 @@
-"""Request timing as vLLM defines it: TTFT, inter-token latency, time per output token, E2E.
+"""Request timing as vLLM defines it: TTFT, inter-token latency, time per output token, E2E;
+and where each engine step's time goes (StepTimings).
 
-AsyncLLM's engine loop feeds each step's DELTA outputs to `IterationStats.observe` and hands the
-stats to its stat loggers (stat_loggers.py). Times are `time.monotonic()` seconds.
+AsyncLLM's output handler feeds each step's DELTA outputs to `IterationStats.observe` and hands
+the stats to its stat loggers (stat_loggers.py). Times are `time.monotonic()` seconds.
 """
 
 from __future__ import annotations
@@ -9,6 +10,30 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagedjax.outputs import RequestOutput
+
+# A step's phases: launch, the runner's call that starts the step (the whole step where it runs
+# as called); execute, waiting for its outputs; output, the engine core's outputs and the
+# frontend's (RequestOutputs, stop strings, logprobs) but text; detokenize, the text.
+STEP_PHASES = ("schedule", "prepare", "launch", "execute", "update", "output", "detokenize")
+
+
+@dataclass
+class StepTimings:
+    """Wall seconds spent in each phase of the engine's steps, summed over steps."""
+
+    num_steps: int = 0
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STEP_PHASES, 0.0))
+
+    def record(self, stamps: list[float]) -> None:
+        """One step of the engine core: stamps are its start, then the end of each phase
+        up to its output."""
+        self.num_steps += 1
+        for name, start, end in zip(STEP_PHASES, stamps, stamps[1:]):
+            self.seconds[name] += end - start
+
+    def add(self, phase: str, seconds: float) -> None:
+        """Work of the frontend's on a step's outputs."""
+        self.seconds[phase] += seconds
 
 
 @dataclass

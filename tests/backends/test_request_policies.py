@@ -51,7 +51,7 @@ def run_to_end(llm: LLM) -> dict:
 def assert_no_leaks(llm: LLM) -> None:
     metrics = llm.get_metrics()
     assert metrics["kv_blocks_free"] == metrics["kv_blocks_total"]
-    assert not llm.engine.scheduler.seqs and not llm.engine.policies
+    assert not llm.engine.scheduler.seqs and not llm.engine.engine_core.policies
 
 
 # ---- parallel sampling -------------------------------------------------------------------------
@@ -100,6 +100,7 @@ def test_seeded_samples_equal_their_streams_run_as_separate_requests(tiny_model,
     for i in range(4):
         engine.add_request(f"alone-{i}", {"prompt_token_ids": PROMPT_40}, alone)
     engine._drain_inbox()  # the requests reach the scheduler: give each completion i's stream
+    engine.engine_core._apply_pending()
     for i, seq in enumerate(engine.scheduler.waiting):
         seq.rng_seed = derive_seed(7, i)
     outputs = run_to_end(llm)
@@ -167,7 +168,7 @@ def test_beams_share_blocks(tiny_model, backend) -> None:
     params = BeamSearchParams(4, 20, ignore_eos=True)
     engine.add_request("r", {"prompt_token_ids": PROMPT_40}, params)
     engine.step()  # the prompt; the 4 best first tokens all continue its one sequence
-    beams = engine.policies["r"].beams
+    beams = engine.engine_core.policies["r"].beams
     prompt_table = list(bm.get_block_table(beams[0].seq.seq_id))
     assert len(beams) == 4 and len(prompt_table) == 3 and used_blocks(llm) == 3
     assert all(bm.get_block_table(b.seq.seq_id) == prompt_table for b in beams)
@@ -176,7 +177,7 @@ def test_beams_share_blocks(tiny_model, backend) -> None:
     engine.step()  # each beam writes position 40 into the shared partial block: 3 copies
     assert [src for src, _ in log[-1][0].block_copies] == [prompt_table[2]] * 3
     while engine.has_unfinished_requests():
-        tables = [bm.get_block_table(b.seq.seq_id) for b in engine.policies["r"].beams]
+        tables = [bm.get_block_table(b.seq.seq_id) for b in engine.engine_core.policies["r"].beams]
         # Every beam holds the full prompt blocks, and the pool holds each distinct block once
         # (a beam's fork shares its parent's; a dropped beam's unshared ones went back).
         assert len(tables) == 4 and all(t[:2] == prompt_table[:2] for t in tables)

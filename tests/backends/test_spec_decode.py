@@ -69,7 +69,7 @@ def test_adaptive_speculation_is_exact(tiny_model, reference, backend: str) -> N
     (checked for every bucket and k), then replaced by one where drafting costs no more than a
     plain step: whether drafting pays on this machine is timing, not what is tested here."""
     llm = make_llm(tiny_model("llama"), backend, tiny_model("draft"), k=4, max_num_seqs=8)
-    speculation, shapes = llm.engine.speculation, llm.engine.shapes
+    speculation, shapes = llm.engine.engine_core.speculation, llm.engine.shapes
     assert speculation.adaptive and shapes.spec_ks == (2, 4)
     assert {s: sorted(row) for s, row in speculation.costs.items()} == {
         s: [0, 2, 4] for s in shapes.seq_buckets}

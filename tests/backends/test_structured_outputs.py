@@ -124,7 +124,7 @@ def test_unconstrained_rows_equal_their_solo_outputs(backend: str) -> None:
     assert [o.outputs[0].token_ids for o in mixed[3:5]] == [o.outputs[0].token_ids
                                                             for o in alone]
     _check_all(mixed[:3] + mixed[5:], CASES[:6])
-    assert not llm.engine.structured_output.has_matchers  # released with their requests
+    assert not llm.engine.engine_core.structured_output.has_matchers  # released with their requests
 
 
 def test_an_aborted_constrained_request_leaks_nothing() -> None:
@@ -145,7 +145,7 @@ def test_an_aborted_constrained_request_leaks_nothing() -> None:
     assert finished["running"].outputs[0].finish_reason == "abort"
     while engine.has_unfinished_requests():
         engine.step()
-    manager = engine.structured_output
+    manager = engine.engine_core.structured_output
     assert not manager.has_matchers and not manager.has_waiting and not manager._grammars
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 

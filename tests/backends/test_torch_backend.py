@@ -62,14 +62,14 @@ def _record_schedule(llm: LLM) -> list[tuple[ScheduledBatch, list[int]]]:
     """Keep each step as the engine prepares it, spelled out, and the sequences it preempted
     (see _summary)."""
     engine, log = llm.engine, []
-    prepare = engine._prepare
+    prepare = engine.engine_core._prepare
 
     def recording_prepare(out):
         log.append((describe(out, engine.scheduler.seqs, engine.block_manager,
                              engine.eos_token_ids), out.preempted_seq_ids))
         return prepare(out)
 
-    engine._prepare = recording_prepare
+    engine.engine_core._prepare = recording_prepare
     return log
 
 

@@ -63,7 +63,8 @@ def comm(model: str, size: int) -> dict:
     engine.add_request("r", {"prompt_token_ids": list(range(1, 30))},
                        SamplingParams(temperature=0.0, max_tokens=2))
     engine._drain_inbox()  # the request reaches the scheduler (step() would do this first)
-    model_input = engine._prepare(engine.scheduler.schedule())
+    engine.engine_core._apply_pending()
+    model_input = engine.engine_core._prepare(engine.scheduler.schedule())
     hlo = runner.executable(runner.step_key(model_input)).as_text()  # the step it runs
     cfg, plan = engine.model_config, runner.target.plan
     return {"all_reduces": [[dtype, list(shape)] for dtype, shape in all_reduce_operands(hlo)],

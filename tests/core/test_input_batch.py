@@ -63,7 +63,7 @@ def assert_rows_rebuilt(batch: InputBatch, engine) -> None:
 
 def checked(engine) -> list[int]:
     """Check every step the engine prepares; returns a list counting them."""
-    prepare, count = engine._prepare, []
+    prepare, count = engine.engine_core._prepare, []
 
     def checked_prepare(out):
         model_input = prepare(out)
@@ -71,11 +71,11 @@ def checked(engine) -> list[int]:
         want = build_model_input(describe(out, seqs, engine.block_manager, engine.eos_token_ids),
                                  engine.shapes, block_size=engine.config.block_size)
         assert_same_input(model_input, want)
-        assert_rows_rebuilt(engine.input_batch, engine)
+        assert_rows_rebuilt(engine.engine_core.input_batch, engine)
         count.append(len(out.seq_ids))
         return model_input
 
-    engine._prepare = checked_prepare
+    engine.engine_core._prepare = checked_prepare
     return count
 
 
@@ -141,7 +141,7 @@ def test_the_persistent_batch_equals_a_rebuild_after_every_step(speculative: boo
     assert metrics["structured_output_requests_total"] > 0
     if speculative:
         assert metrics["spec_decode_num_draft_tokens"] > 0
-    assert llm.engine.input_batch.num_rows == 0  # every row freed
+    assert llm.engine.engine_core.input_batch.num_rows == 0  # every row freed
     assert llm.engine.block_manager.num_free_blocks == 24
     llm.shutdown()
 

@@ -57,7 +57,7 @@ def run(engine: LLMEngine, late: int = 3, abort_at: int = 5) -> tuple[dict, int]
         step += 1
     manager = engine.block_manager
     assert manager.num_free_blocks == manager.num_blocks  # nothing leaked
-    assert not engine.scheduler.seqs and engine._in_flight is None
+    assert not engine.scheduler.seqs and engine.engine_core.overlap.in_flight is None
     return final, launched_ahead
 
 
@@ -82,20 +82,22 @@ def test_a_step_in_flight_is_collected_before_adds_aborts_and_shutdown(tiny_mode
     engine = make_engine(tiny_model("llama"), True)
     engine.add_request("a", PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=8,
                                                        ignore_eos=True))
-    while engine._in_flight is None:
+    while engine.engine_core.overlap.in_flight is None:
         engine.step()
-    in_flight = engine._in_flight.out.seq_ids[0]
+    in_flight = engine.engine_core.overlap.in_flight.out.seq_ids[0]
     engine.abort_request("a")
-    outputs = engine.step()  # the steps collected first, then the abort
+    outputs = engine.step()  # the step in flight collected first, then the abort
     reasons = [o.finish_reason for r in outputs for o in r.outputs]
-    assert reasons[-1] == "abort" and len(reasons) >= 2 and not any(reasons[:-1])
-    assert engine._in_flight is None and in_flight not in engine.scheduler.seqs
+    assert reasons[-1] == "abort" and not any(reasons[:-1])
+    # the final output carries the tokens of every step, the one in flight's too
+    assert len(outputs[-1].outputs[0].token_ids) >= 2
+    assert engine.engine_core.overlap.in_flight is None and in_flight not in engine.scheduler.seqs
     engine.add_request("b", PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=8,
                                                        ignore_eos=True))
-    while engine._in_flight is None:
+    while engine.engine_core.overlap.in_flight is None:
         engine.step()
     engine.shutdown()  # waits for the step in flight, then frees the device arrays
-    assert engine._in_flight is None
+    assert engine.engine_core.overlap.in_flight is None
 
 
 def test_torch_and_penalties_do_not_schedule_ahead(tiny_model) -> None:
@@ -112,5 +114,5 @@ def test_torch_and_penalties_do_not_schedule_ahead(tiny_model) -> None:
                                                        repetition_penalty=1.3))
     while engine.has_unfinished_requests():
         engine.step()
-        assert engine._in_flight is None
+        assert engine.engine_core.overlap.in_flight is None
     engine.shutdown()

@@ -5,15 +5,12 @@ from __future__ import annotations
 import dataclasses
 import random
 
-import numpy as np
 import pytest
 
 from pagedjax.checkpoints import MULTIBYTE_TEXT
-from pagedjax.core.batch import ModelOutput
-from pagedjax.core.block_manager import BlockManager
-from pagedjax.core.scheduler import Scheduler
 from pagedjax.core.sequence import Sequence
 from pagedjax.core.stopping import StopChecker
+from pagedjax.engine.core_messages import EngineCoreOutputs, EngineCoreRequest, SeqOutput
 from pagedjax.engine.detokenizer import IncrementalDetokenizer, find_stop_string, token_decoder
 from pagedjax.engine.output_processor import OutputProcessor
 from pagedjax.outputs import CompletionOutput, RequestOutput
@@ -42,12 +39,6 @@ def test_incremental_equals_full_decode(tokenizer, seed: int) -> None:
     assert text == detok.output_text == tokenizer.decode(ids) == TEXT
 
 
-def make_processor(tokenizer) -> tuple[Scheduler, OutputProcessor]:
-    scheduler = Scheduler(BlockManager(64, 16), max_num_seqs=4, max_num_batched_tokens=64,
-                          stop_checker=StopChecker((tokenizer.eos_token_id,), 4096))
-    return scheduler, OutputProcessor(tokenizer, scheduler)
-
-
 def make_seq(tokenizer, params: SamplingParams, prompt: str = "x = ") -> Sequence:
     prompt_ids = tokenizer.encode(prompt)
     return Sequence(seq_id=0, request_id="r", index=0, arrival=(0, 0), token_ids=list(prompt_ids),
@@ -56,25 +47,30 @@ def make_seq(tokenizer, params: SamplingParams, prompt: str = "x = ") -> Sequenc
 
 
 def stream(tokenizer, params: SamplingParams, chunks: list[list[int]]) -> list[RequestOutput]:
-    """Feed each chunk as one step's sampled tokens (several when drafts were accepted), through
-    the scheduler's token-level stops and the output processor; returns every output."""
-    scheduler, processor = make_processor(tokenizer)
+    """Feed each chunk as one step's new tokens (several when drafts were accepted), as the
+    engine core sends them (its token-level stops applied; every step, or at the end for a
+    request that wants one output), through the output processor; returns every output."""
+    checker = StopChecker((tokenizer.eos_token_id,), 4096)
+    processor = OutputProcessor(tokenizer)
     seq = make_seq(tokenizer, params)
-    scheduler.add_sequence(seq)
-    processor.add_request("r", "x = ", seq)
-    outputs = []
+    request = EngineCoreRequest("r", seq.token_ids[:], params, seq.max_tokens)
+    processor.add_request(request, "x = ")
+    every_step = processor.requests["r"].every_step
+    outputs, sent = [], seq.num_prompt_tokens
     for chunk in chunks:
+        finish = None
         for token in chunk:
             seq.token_ids.append(token)
-            stop = scheduler.stop_checker(seq, token)
-            if stop is not None:
-                scheduler.finish(seq, *stop)
+            finish = checker(seq, token)
+            if finish is not None:
                 break
-        row = np.full((1, max(map(len, chunks))), -1, np.int32)
-        row[0, : len(chunk)] = chunk
-        output = ModelOutput([seq.seq_id], row, np.zeros(row.shape, np.float32), None, None)
-        outputs += processor.process([seq], output)
-        if seq.is_finished:
+        if not every_step and finish is None:
+            continue
+        new, sent = seq.token_ids[sent:], seq.num_tokens
+        core_out = EngineCoreOutputs([SeqOutput("r", 0, new, *(finish or (None, None)))])
+        results, finishes = processor.process(core_out)
+        outputs += results
+        if finish is not None or finishes:
             break
     return outputs
 

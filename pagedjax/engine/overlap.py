@@ -1,0 +1,89 @@
+"""Async scheduling: the engine core launches decode step n + 1 before step n's tokens reach the
+host, its input tokens read on the device (vLLM's async scheduling), so that the host's work
+between two steps (update, outputs, scheduling) runs while the device computes.
+
+Only decode steps of every running sequence qualify, with nobody waiting and no request policy,
+grammar, speculation, penalties, logit bias or banned tokens (those read tokens the host has
+not seen: Scheduler.schedule_next), on a runner that launches asynchronously and can read its
+inputs on the device. Any other step runs as before, after the one in flight is collected.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from pagedjax.core.batch import ModelInput, ModelOutput
+from pagedjax.core.scheduler_output import SchedulerOutput
+
+if TYPE_CHECKING:
+    from pagedjax.engine.core import EngineCore
+    from pagedjax.engine.core_messages import EngineCoreOutputs
+
+
+@dataclass
+class Launched:
+    """A step launched on the device and not collected yet."""
+
+    out: SchedulerOutput
+    model_input: ModelInput
+    wait: Callable[[], ModelOutput]  # waits for the step's outputs on the host
+    policies: dict[str, list[int]]  # request id → its sequences' indices in out.seq_ids
+    constrained: bool  # some row samples under a grammar's mask
+    stamps: list[float]  # step start, scheduled, prepared, launched
+
+
+class StepOverlap:
+    """The engine core's step in flight, and the steps launched ahead of it."""
+
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+        self.in_flight: Launched | None = None  # launched, not collected
+
+    def hold(self, launched: Launched) -> None:
+        self.in_flight = launched
+
+    def take(self) -> Launched:
+        launched, self.in_flight = self.in_flight, None
+        return launched
+
+    def drop(self) -> None:
+        """Wait for the step in flight and forget it (shutdown)."""
+        if self.in_flight is not None:
+            self.take().wait()
+
+    def schedules_ahead(self, launched: Launched) -> bool:
+        """Whether the next step may be scheduled and launched before this one's tokens
+        reach the host (see the module docstring)."""
+        core, model_input = self.core, launched.model_input
+        return (core.config.async_scheduling and core.runner.async_launch
+                and core.runner.async_scheduling and not launched.policies
+                and not launched.constrained and core.speculation is None
+                and model_input.layout.decode and model_input.entries is None)
+
+    def step_ahead(self, outputs: EngineCoreOutputs,
+                   during: Callable[[], Any] | None) -> EngineCoreOutputs:
+        """Launch the step after the one in flight (its input tokens are that one's, read on
+        the device), then collect the one in flight while the device runs both."""
+        core, last = self.core, self.take()
+        stamps = [time.perf_counter()]
+        out = None
+        if not core.structured_output.has_waiting:
+            out = core.scheduler.schedule_next(last.out)
+        stamps.append(time.perf_counter())
+        model_input = core._prepare(out) if out is not None else None
+        stamps.append(time.perf_counter())
+        if out is not None:
+            self.in_flight = Launched(out, model_input, core.runner.execute_async(model_input),
+                                      {}, False, stamps)
+        stamps.append(time.perf_counter())
+        last.stamps = stamps  # timed as this call's: schedule, prepare, launch, then last's wait
+        core._collect(last, outputs, during)
+        ahead, seqs = self.in_flight, core.scheduler.seqs
+        if ahead is not None and not any(seq_id in seqs and not seqs[seq_id].is_finished
+                                         for seq_id in ahead.out.seq_ids):
+            self.drop()  # `last` finished every sequence of it: no step() need collect it
+        return outputs
+

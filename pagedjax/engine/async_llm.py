@@ -1,8 +1,9 @@
 """AsyncLLM: the engine for asyncio code (the OpenAI server), under vLLM's names.
 
-One engine loop thread owns the LLMEngine: it steps while requests exist and sleeps otherwise.
-Other threads only add and abort through the engine's inbox, which step() drains first. Each
-request has a RequestOutputCollector on its caller's event loop; the loop thread hands it every
+The engine core runs in a process of its own by default (core_client.MPClient), or on a thread
+of this one (InprocClient: multiprocess=False, or PAGEDJAX_ENGINE_CORE_PROCESS=0). Either way
+requests are validated and tokenized here, at the call; each request has a
+RequestOutputCollector on its caller's event loop, and the client's thread hands it every
 step's DELTA output, records timings and feeds the stat loggers.
 """
 
@@ -12,6 +13,7 @@ import asyncio
 import atexit
 import dataclasses
 import logging
+import os
 import threading
 import time
 import weakref
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedjax.config import EngineConfig
+from pagedjax.engine.core_client import EngineDeadError, InprocClient, MPClient
 from pagedjax.engine.llm_engine import LLMEngine, PromptType
 from pagedjax.engine.output_collector import RequestOutputCollector
 from pagedjax.engine.stat_loggers import LoggingStatLogger, StatLogger
@@ -28,20 +31,18 @@ from pagedjax.engine.stats import IterationStats, RequestTimes
 from pagedjax.engine_args import EngineArgs
 from pagedjax.outputs import RequestOutput
 from pagedjax.sampling_params import RequestOutputKind, SamplingParams
-from pagedjax.tokenizer import load_tokenizer
+
+__all__ = ["AsyncEngineArgs", "AsyncLLM", "EngineDeadError"]
 
 logger = logging.getLogger("pagedjax")
 
 StatLoggerFactory = Callable[[EngineConfig], StatLogger]
+EngineClient = InprocClient | MPClient
 
 
 @dataclass
 class AsyncEngineArgs(EngineArgs):
     """EngineArgs for AsyncLLM (vLLM's name): the same options."""
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop stopped (shut down, or a step failed); no request can finish."""
 
 
 @dataclass
@@ -51,54 +52,66 @@ class _Request:
     times: RequestTimes
 
 
+def default_multiprocess() -> bool:
+    """The engine core in its own process unless PAGEDJAX_ENGINE_CORE_PROCESS=0."""
+    return os.environ.get("PAGEDJAX_ENGINE_CORE_PROCESS", "1").lower() not in ("0", "false")
+
+
 class AsyncLLM:
-    """Serve requests from asyncio code over one LLMEngine driven by an engine loop thread.
+    """Serve requests from asyncio code over an engine core.
 
     >>> llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model="path/to/checkpoint"))
     >>> async for output in llm.generate("def f(x):", SamplingParams(max_tokens=8), "r1"):
     ...     print(output.outputs[0].text)
     """
 
-    def __init__(self, engine: LLMEngine, *, log_stats: bool = True,
+    def __init__(self, client: EngineClient, *, log_stats: bool = True,
                  stat_loggers: list[StatLoggerFactory] | None = None,
                  log_stats_interval: float = 10.0) -> None:
         """stat_loggers: factories (engine config → StatLogger), as vLLM's; log_stats adds the
         periodic log line, every log_stats_interval seconds."""
-        self.engine = engine
-        # The frontend's own tokenizer: the loop thread detokenizes with the engine's.
-        self.tokenizer = load_tokenizer(engine.config.tokenizer or engine.config.model)
-        self.stat_loggers = [factory(engine.config) for factory in stat_loggers or []]
+        self.client = client
+        self.config, self.model_config = client.config, client.model_config
+        self.tokenizer = client.tokenizer
+        self.stat_loggers = [factory(client.config) for factory in stat_loggers or []]
         if log_stats:
             self.stat_loggers.append(LoggingStatLogger())
         self.log_stats_interval = log_stats_interval
+        self._last_log = time.monotonic()
         self._requests: dict[str, _Request] = {}
-        self._finished_early: deque[tuple[RequestTimes, float]] = deque()  # aborted in the inbox
-        self._wakeup = threading.Event()
+        self._finished_early: deque[tuple[RequestTimes, float]] = deque()  # aborted, queued
+        self._lock = threading.Lock()  # _requests, between the event loops and the client
         self._stopping = False
         self.dead_error: BaseException | None = None
-        self.metrics = engine.get_metrics()  # replaced (never changed) by the engine loop
+        self.metrics = client.get_metrics()  # replaced (never changed) with each step's
         for stat_logger in self.stat_loggers:
             stat_logger.record(self.metrics, IterationStats())
-        self._thread = threading.Thread(target=self._run_engine_loop, daemon=True,
-                                        name="pagedjax-engine-loop")
-        self._thread.start()
+        client.start(self._dispatch, self._fail)
         _LIVE.add(self)
 
     @classmethod
-    def from_engine_args(cls, engine_args: EngineArgs, **kwargs: Any) -> AsyncLLM:
+    def from_engine_args(cls, engine_args: EngineArgs, *, multiprocess: bool | None = None,
+                         **kwargs: Any) -> AsyncLLM:
         """Load the model (logging the load time, the KV cache size and the concurrency it
-        allows) and start the engine loop. kwargs: AsyncLLM's (log_stats, stat_loggers, ...)."""
+        allows) and start the engine core: in its own process unless multiprocess=False.
+        kwargs: AsyncLLM's (log_stats, stat_loggers, ...)."""
         start = time.perf_counter()
-        engine = LLMEngine.from_engine_args(engine_args)
-        config = engine.config
-        num_tokens = engine.block_manager.num_blocks * config.block_size
-        logger.info("Loaded %s (backend %s, %s) in %.1f s", config.model, config.backend,
-                    config.dtype, time.perf_counter() - start)
+        config = EngineConfig(**{f.name: getattr(engine_args, f.name)
+                                 for f in dataclasses.fields(EngineConfig)})
+        if default_multiprocess() if multiprocess is None else multiprocess:
+            client = MPClient(config)
+        else:
+            client = InprocClient(LLMEngine(config))
+        config, metrics = client.config, client.get_metrics()
+        num_tokens = metrics["kv_blocks_total"] * config.block_size
+        logger.info("Loaded %s (backend %s, %s) in %.1f s%s", config.model, config.backend,
+                    config.dtype, time.perf_counter() - start,
+                    ", engine core in its own process" if isinstance(client, MPClient) else "")
         logger.info("KV cache: %d blocks of %d tokens = %d tokens; maximum concurrency for "
-                    "%d tokens per request: %.2fx", engine.block_manager.num_blocks,
+                    "%d tokens per request: %.2fx", metrics["kv_blocks_total"],
                     config.block_size, num_tokens, config.max_model_len,
                     num_tokens / config.max_model_len)
-        return cls(engine, **kwargs)
+        return cls(client, **kwargs)
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -111,32 +124,22 @@ class AsyncLLM:
     def _add_request(self, request_id: str, prompt: PromptType,
                      params: SamplingParams) -> RequestOutputCollector:
         if self.dead_error is not None:
-            raise EngineDeadError(f"the engine loop has stopped: {self.dead_error!r}")
-        if request_id in self._requests:
-            raise ValueError(f"request_id={request_id!r} is already in use; pick a unique id.")
+            raise EngineDeadError(f"the engine core has stopped: {self.dead_error}")
         times = RequestTimes(time.monotonic())
-        prompt = self._tokenize(prompt)
-        if isinstance(prompt, dict):
-            times.num_prompt_tokens = len(prompt.get("prompt_token_ids", ()))
         collector = RequestOutputCollector(params.output_kind)
-        self._requests[request_id] = _Request(collector, asyncio.get_running_loop(), times)
+        with self._lock:
+            if request_id in self._requests:
+                raise ValueError(f"request_id={request_id!r} is already in use; pick a unique "
+                                 "id.")
+            self._requests[request_id] = _Request(collector, asyncio.get_running_loop(), times)
         try:
             engine_params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
-            self.engine.add_request(request_id, prompt, engine_params)
+            self.client.add_request(request_id, prompt, engine_params)
         except BaseException:
-            del self._requests[request_id]
+            with self._lock:
+                del self._requests[request_id]
             raise
-        self._wakeup.set()
         return collector
-
-    def _tokenize(self, prompt: PromptType) -> PromptType:
-        """Text (or vLLM's {"prompt": text}) → {"prompt", "prompt_token_ids"}, here, so the
-        engine loop never waits for it. Anything else goes to the engine to validate."""
-        if isinstance(prompt, dict) and "prompt_token_ids" not in prompt:
-            prompt = prompt.get("prompt", prompt)
-        if isinstance(prompt, str) and self.tokenizer is not None:
-            return {"prompt": prompt, "prompt_token_ids": self.tokenizer.encode(prompt)}
-        return prompt
 
     def generate(self, prompt: PromptType, sampling_params: SamplingParams,
                  request_id: str) -> AsyncGenerator[RequestOutput, None]:
@@ -166,58 +169,49 @@ class AsyncLLM:
 
     def abort_request(self, request_id: str) -> None:
         """abort() for code outside a coroutine; thread-safe."""
-        if self.engine.abort_request(request_id):  # still in the inbox: never started
-            request = self._requests.pop(request_id, None)
+        if self.dead_error is None and self.client.abort_request(request_id):
+            with self._lock:  # still queued: never started, no output will come
+                request = self._requests.pop(request_id, None)
             if request is not None:
                 self._finished_early.append((request.times, time.monotonic()))
-        self._wakeup.set()
 
-    # ---- the engine loop ---------------------------------------------------------------------
+    # ---- the client's thread -----------------------------------------------------------------
 
-    def _run_engine_loop(self) -> None:
-        engine, last_log = self.engine, time.monotonic()
-        try:
-            while not self._stopping:
-                self._wakeup.clear()
-                if engine.has_unfinished_requests():
-                    outputs = engine.step()
-                    self._dispatch(outputs, time.monotonic())
-                else:
-                    self._dispatch([], time.monotonic())
-                    self._wakeup.wait(timeout=self.log_stats_interval)
-                if time.monotonic() - last_log >= self.log_stats_interval:
-                    last_log = time.monotonic()
-                    for stat_logger in self.stat_loggers:
-                        stat_logger.log()
-        except BaseException as e:  # a bug, not a client's mistake: fail what is in flight
-            logger.exception("the engine loop failed; in-flight requests fail with it")
-            self.dead_error = e
-            self._fail_all(EngineDeadError(f"the engine loop failed: {e!r}"))
-
-    def _dispatch(self, outputs: list[RequestOutput], now: float) -> None:
-        """Time the outputs, hand them to their collectors, feed the stat loggers."""
+    def _dispatch(self, outputs: list[RequestOutput], metrics: dict[str, Any] | None) -> None:
+        """Time the outputs, hand them to their collectors, feed the stat loggers (and log
+        every log_stats_interval)."""
+        now = time.monotonic()
         iteration = IterationStats()
         while self._finished_early:
             times, when = self._finished_early.popleft()
             iteration.finish(times, "abort", when)
         batches: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
-        for output in outputs:
-            request = self._requests.get(output.request_id)
-            if request is None:
-                continue
-            iteration.observe(request.times, output, now)
-            if output.finished:
-                self._requests.pop(output.request_id, None)
-            batches[request.loop].append((request.collector, output))
-        self.metrics = self.engine.get_metrics()
+        with self._lock:
+            for output in outputs:
+                request = self._requests.get(output.request_id)
+                if request is None:
+                    continue
+                iteration.observe(request.times, output, now)
+                if output.finished:
+                    del self._requests[output.request_id]
+                batches[request.loop].append((request.collector, output))
+        if metrics is not None:
+            self.metrics = metrics
         if outputs or iteration:  # before delivery: a client that got its output sees it counted
             for stat_logger in self.stat_loggers:
                 stat_logger.record(self.metrics, iteration)
         for loop, items in batches.items():
             _call_soon(loop, _deliver, items)
+        if now - self._last_log >= self.log_stats_interval:
+            self._last_log = now
+            for stat_logger in self.stat_loggers:
+                stat_logger.log()
 
-    def _fail_all(self, error: BaseException) -> None:
-        requests, self._requests = self._requests, {}
+    def _fail(self, error: BaseException) -> None:
+        """The engine core is gone: every request in flight fails with its error."""
+        self.dead_error = error
+        with self._lock:
+            requests, self._requests = self._requests, {}
         for request in requests.values():
             _call_soon(request.loop, request.collector.put, error)
 
@@ -225,7 +219,7 @@ class AsyncLLM:
 
     @property
     def is_running(self) -> bool:
-        return self._thread.is_alive()
+        return self.client.is_alive
 
     @property
     def errored(self) -> bool:
@@ -233,26 +227,22 @@ class AsyncLLM:
 
     async def check_health(self) -> None:
         if self.errored:
-            raise EngineDeadError(f"the engine loop has stopped: {self.dead_error!r}")
+            raise EngineDeadError(f"the engine core has stopped: {self.dead_error}")
 
     async def get_tokenizer(self) -> Any:
         return self.tokenizer
 
     def get_metrics(self) -> dict[str, Any]:
-        """LLMEngine.get_metrics() as of the engine loop's latest step (safe from any thread)."""
+        """The engine core's get_metrics() as of its latest step (safe from any thread)."""
         return self.metrics
 
     def shutdown(self) -> None:
-        """Stop the engine loop, fail what is in flight, free the engine's memory."""
+        """Stop the engine core, fail what is in flight, free its memory."""
         if self._stopping:
             return
         self._stopping = True
-        self._wakeup.set()
-        self._thread.join()
-        self._fail_all(EngineDeadError("the engine was shut down"))
-        if self.dead_error is None:
-            self.dead_error = EngineDeadError("the engine was shut down")
-        self.engine.shutdown()
+        self.client.shutdown()
+        self._fail(self.dead_error or EngineDeadError("the engine was shut down"))
 
 
 def _deliver(items: list[tuple[RequestOutputCollector, RequestOutput]]) -> None:
@@ -272,6 +262,6 @@ _LIVE: weakref.WeakSet[AsyncLLM] = weakref.WeakSet()
 
 @atexit.register
 def _shutdown_all() -> None:
-    """Stop engine loops before pagedjax.distributed frees engines at exit (atexit is LIFO)."""
+    """Stop engine cores before pagedjax.distributed frees engines at exit (atexit is LIFO)."""
     for llm in list(_LIVE):
         llm.shutdown()

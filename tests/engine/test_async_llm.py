@@ -104,7 +104,7 @@ def test_bad_input_raises_at_the_call_and_queues_nothing(async_llm) -> None:
         return [o async for o in outputs]
 
     assert asyncio.run(run())[-1].finished
-    assert not async_llm.engine.has_unfinished_requests()
+    assert not async_llm.client.has_unfinished_requests()
 
 
 def test_shutdown_fails_what_is_in_flight(tiny_model) -> None:

@@ -89,7 +89,7 @@ def _add_info_routes(app: FastAPI, engine: AsyncLLM, names: list[str]) -> None:
 
     @app.get("/v1/models")
     async def models() -> dict:
-        model_config = engine.engine.config
+        model_config = engine.config
         data = [{"id": name, "object": "model", "created": 0, "owned_by": "pagedjax",
                  "root": model_config.model, "parent": None,
                  "max_model_len": model_config.max_model_len, "permission": []}

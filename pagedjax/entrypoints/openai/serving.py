@@ -32,9 +32,9 @@ class OpenAIServing:
         self.engine = engine
         self.served_model_names = served_model_names
         self.tokenizer = engine.tokenizer
-        self.max_model_len = engine.engine.config.max_model_len
-        self.vocab_size = engine.engine.model_config.vocab_size
-        self.defaults = default_sampling_kwargs(engine.engine.config.model)
+        self.max_model_len = engine.config.max_model_len
+        self.vocab_size = engine.model_config.vocab_size
+        self.defaults = default_sampling_kwargs(engine.config.model)
 
     @property
     def model_name(self) -> str:

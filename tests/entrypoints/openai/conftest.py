@@ -71,10 +71,14 @@ class Server:
         self.engine.shutdown()
 
 
-def start_server(model: str, *, api_key: str | None = None, **engine_kwargs) -> Server:
+def start_server(model: str, *, api_key: str | None = None, multiprocess: bool | None = None,
+                 **engine_kwargs) -> Server:
+    """multiprocess=False: the engine core on a thread of the test process (a test that
+    reaches into it); by default in a process of its own, as `pagedjax serve` runs it."""
     recorder = FinishedRecorder()
     engine = AsyncLLM.from_engine_args(
-        AsyncEngineArgs(model=model, **engine_kwargs), log_stats=False,
+        AsyncEngineArgs(model=model, **engine_kwargs), multiprocess=multiprocess,
+        log_stats=False,
         stat_loggers=[lambda config: PrometheusStatLogger(MODEL_NAME, config.max_model_len),
                       lambda config: recorder])
     app = build_app(engine, ServerConfig([MODEL_NAME], api_key=api_key))

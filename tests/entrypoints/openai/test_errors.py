@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import time
 from typing import Any
 
 import pytest
@@ -161,12 +162,12 @@ def test_a_valid_request_succeeds_after_the_bad_ones(server) -> None:
 
 def test_a_failing_engine_answers_503_and_never_a_traceback(chat_model) -> None:
     server = start_server(chat_model, backend="torch", max_model_len=MAX_MODEL_LEN,
-                          num_gpu_blocks_override=16)
+                          num_gpu_blocks_override=16, multiprocess=False)
     try:
         def broken_step() -> list:
             raise RuntimeError("injected failure")
 
-        server.engine.engine.step = broken_step
+        server.engine.client.engine.step = broken_step
         status, text = request(server, "POST", CMPL, completion(stream=True))
         assert status == 200  # the headers went out before the engine failed
         error = json.loads(text.split("data: ")[1])
@@ -177,6 +178,39 @@ def test_a_failing_engine_answers_503_and_never_a_traceback(chat_model) -> None:
             status, error = request(server, method, path, body)
             assert status == 503 and "injected failure" in error["error"]["message"]
             assert_error_shape(error)
+    finally:
+        server.stop()
+
+
+def test_a_killed_engine_core_fails_its_streams_and_the_server_turns_unhealthy(
+        chat_model) -> None:
+    """The engine core's process killed mid-stream: the stream ends with an error event,
+    /health answers 503 within seconds, and new requests 503; nothing hangs."""
+    server = start_server(chat_model, backend="torch", max_model_len=MAX_MODEL_LEN,
+                          num_gpu_blocks_override=16)
+    try:
+        process = server.engine.client.process
+        host, port = server.url.removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        conn.request("POST", CMPL, body=json.dumps(completion(
+            stream=True, max_tokens=MAX_MODEL_LEN - 8, ignore_eos=True)).encode(),
+                     headers={"Content-Type": "application/json",
+                              "Authorization": f"Bearer {API_KEY}"})
+        response = conn.getresponse()
+        first = response.readline()  # a token streamed: the request is in flight
+        process.kill()
+        text = first.decode() + response.read().decode()  # ends within the timeout
+        status = response.status
+        conn.close()
+        assert status == 200 and '"server_error"' in text and text.endswith("data: [DONE]\n\n")
+        assert "Traceback" not in text
+        deadline = time.monotonic() + 5
+        while request(server, "GET", "/health")[0] != 503:
+            assert time.monotonic() < deadline, "/health stayed healthy"
+            time.sleep(0.05)
+        status, error = request(server, "POST", CMPL, completion())
+        assert status == 503 and "exited" in error["error"]["message"]
+        assert_error_shape(error)
     finally:
         server.stop()
 

@@ -123,6 +123,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         idle = seq.num_computed_tokens == seq.num_tokens  # a beam whose row is in
         self.block_manager.free(seq.seq_id)
+        seq.num_full_blocks_cached = 0
         self._removed.append(seq.seq_id)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = seq.num_draft_computed_tokens = 0
@@ -484,10 +485,11 @@ class Scheduler:
                 if stop is not None:
                     self.finish(seq, *stop)
         self.num_generation_tokens_total += len(touched)
-        if self.block_manager.enable_prefix_caching:  # the blocks that filled up
+        if self.block_manager.enable_prefix_caching:  # blocks full and not in the cache yet
             bs = self.block_manager.block_size
             for seq in touched:
-                if seq.num_computed_tokens % bs == 0 and seq.status is not finished:
+                if (seq.num_computed_tokens // bs > seq.num_full_blocks_cached
+                        and seq.status is not finished):
                     self._release_rejected_slots(seq)
         return touched
 
@@ -510,6 +512,7 @@ class Scheduler:
             seq.num_draft_computed_tokens = min(seq.num_draft_computed_tokens, computed)
             self.block_manager.truncate(seq.seq_id, seq.num_tokens)
         self.block_manager.cache_blocks(seq.seq_id, seq.token_ids, computed)
+        seq.num_full_blocks_cached = computed // self.block_manager.block_size
 
     def append_tokens(self, seq: Sequence, token_ids: list[int]) -> None:
         """Append tokens a request policy picked to seq, finishing it at the first token-level

@@ -44,6 +44,8 @@ class Sequence:
     num_computed_tokens: int = 0
     num_draft_computed_tokens: int = 0  # the draft model's KV progress (speculative decoding)
     num_cached_tokens: int = 0  # prompt tokens that came from the prefix cache at admission
+    # its full blocks offered to the prefix cache so far (Scheduler: a step offers the rest)
+    num_full_blocks_cached: int = 0
     # Added to its random counter (rng_step = output tokens + rng_offset): moved past a step's
     # counters when tokens drawn with them are dropped (structured outputs), so the tokens
     # drawn again use fresh random numbers.
@@ -123,6 +125,7 @@ class Sequence:
             num_computed_tokens=self.num_computed_tokens,
             num_draft_computed_tokens=self.num_draft_computed_tokens,
             num_cached_tokens=self.num_cached_tokens,
+            num_full_blocks_cached=self.num_full_blocks_cached,
             rng_offset=self.rng_offset,
             status=self.status,
             _distinct_prompt_token_ids=self._distinct_prompt_token_ids,

@@ -102,8 +102,9 @@ class EngineCoreProc:
         last_metrics = time.monotonic()
         try:
             while True:
-                busy = self.core.has_unfinished_requests()
+                busy, arrived = self.core.has_unfinished_requests(), False
                 if poller.poll(0 if busy else POLL_MS):
+                    arrived = True
                     if not self._read():
                         return
                 elif not busy and os.getppid() != self.parent_pid:
@@ -112,7 +113,8 @@ class EngineCoreProc:
                     continue
                 outputs = self.core.step()
                 now = time.monotonic()
-                if (now - last_metrics >= METRICS_INTERVAL_S or any(
+                # the metrics go out when requests come, finish, or now and then
+                if (arrived or now - last_metrics >= METRICS_INTERVAL_S or any(
                         o.finish_reason for o in outputs.outputs) or outputs.request_outputs
                         or not self.core.has_unfinished_requests()):
                     outputs.metrics, last_metrics = self.core.get_metrics(), now

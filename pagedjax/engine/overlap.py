@@ -13,14 +13,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from pagedjax.config import EngineConfig
 from pagedjax.core.batch import ModelInput, ModelOutput
+from pagedjax.core.model_runner import ModelRunner
+from pagedjax.core.scheduler import Scheduler
 from pagedjax.core.scheduler_output import SchedulerOutput
-
-if TYPE_CHECKING:
-    from pagedjax.engine.core import EngineCore
-    from pagedjax.engine.core_messages import EngineCoreOutputs
+from pagedjax.engine.core_messages import EngineCoreOutputs
 
 
 @dataclass
@@ -35,10 +35,25 @@ class Launched:
     stamps: list[float]  # step start, scheduled, prepared, launched
 
 
+class StepHost(Protocol):
+    """What the overlap needs of the engine core (core.EngineCore)."""
+
+    config: EngineConfig
+    runner: ModelRunner
+    scheduler: Scheduler
+    structured_output: Any
+    speculation: Any
+
+    def _prepare(self, out: SchedulerOutput) -> ModelInput: ...
+
+    def _collect(self, launched: Launched, outputs: EngineCoreOutputs,
+                 during: Callable[[], Any] | None) -> None: ...
+
+
 class StepOverlap:
     """The engine core's step in flight, and the steps launched ahead of it."""
 
-    def __init__(self, core: EngineCore) -> None:
+    def __init__(self, core: StepHost) -> None:
         self.core = core
         self.in_flight: Launched | None = None  # launched, not collected
 

@@ -271,6 +271,7 @@ def test_the_no_sharing_baseline_generates_the_same_in_more_blocks(tiny_model, b
         engine = llm.engine
         bm = block_manager_cls(engine.block_manager.num_blocks, engine.block_manager.block_size)
         engine.block_manager = engine.scheduler.block_manager = bm
+        engine.engine_core.block_manager = bm
         for request_id, params in prompts.items():
             engine.add_request(request_id, {"prompt_token_ids": PROMPT_40}, params)
         outputs, peak = {}, 0

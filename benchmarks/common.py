@@ -42,10 +42,12 @@ def add_dtype_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def add_async_scheduling_argument(parser: argparse.ArgumentParser) -> None:
-    """--async-scheduling: the engine option (jax on a GPU); results files get "_async"."""
-    parser.add_argument("--async-scheduling", action="store_true",
+    """--[no-]async-scheduling: the engine option (on by default: jax); results files of runs
+    without it get "_sync"."""
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                        default=True,
                         help="launch each decode step before the last one's tokens reach the "
-                             "host (jax on a GPU)")
+                             "host (the engine's default; jax)")
 
 
 def environment() -> dict:

@@ -382,7 +382,7 @@ def main() -> None:
     model_name = "random-llama" if args.random_llama else Path(args.model).name
     path = write_json(
         f"decode_step_{args.backend}_{model_name}_{env['accelerator'].replace(' ', '_')}"
-        f"{'_async' if args.async_scheduling else ''}"
+        f"{'' if args.async_scheduling else '_sync'}"
         f"{f'_copies{args.executable_copies}' if args.executable_copies else ''}.json",
         {"args": vars(args), "copy_bandwidth_gbs": copy_gbs, "dtype": dtype, **startup,
          "results": rows, "environment": env}, args.out)

@@ -166,7 +166,7 @@ def main() -> None:
     model_name = "random-llama" if args.random_llama else Path(args.model).name
     path = write_json(
         f"latency_{args.backend}_{model_name}_{env['accelerator'].replace(' ', '_')}"
-        f"{'_async' if args.async_scheduling else ''}.json",
+        f"{'' if args.async_scheduling else '_sync'}.json",
         {"args": vars(args), "prompt_lengths": PROMPT_LENGTHS, "results": rows,
          "compiles_after_startup": llm.get_metrics()["num_compiles_after_startup"],
          "repeats": args.repeats, "step_breakdown_ms": breakdown, "environment": env}, args.out)

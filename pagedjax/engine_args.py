@@ -41,7 +41,8 @@ _FLAGS: dict[str, tuple[str, dict]] = {
                                   "builds them while the device runs it)",
                                   {"action": "store_true"}),
     "async_scheduling": ("launch each decode step before the last one's tokens reach the host "
-                         "(jax on a GPU; step() returns a step late)", {"action": "store_true"}),
+                         "(jax; step() returns a step late)",
+                         {"action": argparse.BooleanOptionalAction}),
     "tensor_parallel_size": ("devices to shard the model over", {"type": int}),
     "speculative_config": ("JSON, e.g. '{\"model\": DIR, \"num_speculative_tokens\": 4}'; "
                            "each k compiled (2, 4, 8, 16 below num_speculative_tokens, and it) "

@@ -177,11 +177,12 @@ class JaxModelRunner:
         self._inputs = (NamedSharding(self.mesh, REPLICATED) if self.mesh is not None
                         else SingleDeviceSharding(jax.devices()[0]))
         self._on_cpu = jax.devices()[0].platform == "cpu"
-        # A call enqueues the step and reading its outputs waits for it, so the engine builds
-        # the last step's outputs meanwhile, on an accelerator (H200, batch 64: 1.4 ms of a 6.1
-        # ms step). Not on a CPU, whose cores compute the step: no gain on 2 cores (paired
-        # A/B at batch 32 and 64: 1.02x, 1.00x), and outputs would stream a step later.
-        self.async_launch = not self._on_cpu
+        # A call enqueues the step and reading its outputs waits for it, so the engine works
+        # meanwhile: it schedules and launches the next decode step (async scheduling) and
+        # builds the last step's outputs. On an accelerator (H200, batch 64: 4.16 against 4.82
+        # ms a step) and on a CPU too, where XLA's threads compute while Python waits: 2-core
+        # CPU, demo target, output tok/s 1.17-1.24x at batch 16-64 (RESULTS.md, stop 43).
+        self.async_launch = True
         # Each step also returns the first sampled token of each row [R] (R = the most rows);
         # the next step may take its inputs from it (ModelInput's input_rows) on the device.
         self.async_scheduling = True

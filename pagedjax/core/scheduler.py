@@ -12,16 +12,14 @@ reserves their slots, lets the draft catch up on what it has not computed (withi
 budget), and after verification rolls rejected drafts back by bookkeeping.
 
 Request-level behaviour (n > 1 siblings, beams) lives in request policies (request_policy.py):
-they fork and drop sequences through the block manager and hand forks over with `add_fork`. The
-scheduler only sees sequences; a sequence with nothing left to compute (a beam waiting for its
-policy to pick its next token) is simply not scheduled, and when preempted it is parked, holding
-no blocks and queued nowhere, until tokens are appended to it.
+they fork and drop sequences through the block manager and hand forks over with `add_fork`. A
+sequence with nothing left to compute (a beam waiting for its policy's token) is not scheduled,
+and when preempted it is parked, holding no blocks and queued nowhere, until tokens come.
 
-Its output says what changed since the last step besides which sequences run (removed
-sequences, tables, sequences whose tokens changed on the host), so that the persistent batch
-(input_batch.py) updates those rows only. A step's work is a short loop over the running
-sequences (a few attribute reads each); allocation, draft and logit-entry bookkeeping run only
-for the sequences that need them.
+Its output says what changed since the last step (removed sequences, tables, sequences whose
+tokens changed on the host), so that the persistent batch (input_batch.py) updates those rows
+only. The common step (every sequence decodes) is one pass of attribute reads over the running
+sequences; allocation, drafts and logit entries cost only where a sequence needs them.
 """
 
 from __future__ import annotations
@@ -164,17 +162,12 @@ class Scheduler:
         return step
 
     def schedule_next(self, last: SchedulerOutput) -> SchedulerOutput | None:
-        """Async scheduling: the decode step after `last`, scheduled while `last` runs, before
-        its tokens reach the host. Each sequence computes the token `last` samples for it (the
-        runner reads it on the device: `input_rows`) at the position after its tokens, and
-        samples the one after. None, with nothing allocated for the sequences that did not
-        fit, unless `last` is a decode step of every running sequence with nobody waiting and
-        none of them uses penalties (they count the tokens the host has not seen), forks or
-        drafts, and the pool has the slots without preempting anyone.
-
-        A sequence that `last` finishes computes one more row, which update() drops; the slot
-        it writes is freed with its blocks before any later step can reuse it, and the device
-        runs steps in order."""
+        """Async scheduling: the decode step after `last`, scheduled while `last` runs. Each
+        sequence computes the token `last` samples for it (read on the device: `input_rows`)
+        and samples the one after. None unless `last` decodes every running sequence, nobody
+        waits, none uses penalties (they count tokens the host has not seen), forks or drafts,
+        and the pool has the slots without preempting anyone. A sequence that `last` finishes
+        computes one more row, which update() drops (its slot is freed before any reuse)."""
         if (self.waiting or self.parked or self.has_draft or last.forks
                 or len(last.seq_ids) != len(self.running)
                 or last.num_batched_tokens != len(last.seq_ids)):
@@ -199,12 +192,10 @@ class Scheduler:
         return self._with_changes(step)
 
     def _fit_drafts(self, step: SchedulerOutput) -> None:
-        """The draft's work fits the step's shape (step_shapes.py). A step where some
-        sequence computes more than one token (a prompt chunk) proposes no drafts, and the
-        draft catches up in it whatever k is. In a decode step the draft runs only with k > 0,
-        and a sequence catches up on at most k + 1 tokens there (the rest next step: it drafts
-        once caught up). The step's k is then the most drafts a sequence proposes (max_tokens
-        caps them near the end)."""
+        """The draft's work fits the step's shape (step_shapes.py): a step where a sequence
+        computes several tokens proposes no drafts (the draft only catches up); in a decode
+        step the draft runs only with k > 0, catching up on at most k + 1 tokens a sequence.
+        The step's k is then the most drafts a sequence proposes."""
         k = step.num_spec_tokens
         decode = not self._scores_prompt and all(n == 1 for n in step.num_new_tokens)
         spec, catch_up = step.num_spec_tokens_per_seq, step.num_draft_tokens
@@ -234,9 +225,8 @@ class Scheduler:
             self._scores_prompt = True
 
     def _add_draft(self, step: SchedulerOutput, seq: Sequence, end: int, num_spec: int) -> None:
-        """The draft's share of the step: its slots, and what it catches up on as far as it
-        may, for a sequence that may still draft (not one on its last token, or one that never
-        drafts)."""
+        """The draft's share of the step: its slots, and what it catches up on (where seq may
+        still draft)."""
         step.num_spec_tokens_per_seq.append(num_spec)
         draft_start = seq.num_draft_computed_tokens
         step.draft_start_pos.append(draft_start)
@@ -248,10 +238,9 @@ class Scheduler:
 
     def _schedule_decodes(self, step: SchedulerOutput) -> bool:
         """The common step in bulk: every running sequence computes its one new token, none
-        drafts or carries logit entries, and all fit. Only the sequences that cross into a new
-        block (or share one after a fork) go to the block manager. False if this step is not
-        that one (or the pool is short): _schedule_running decides, from the blocks taken here
-        on (it takes the same blocks, in the same order)."""
+        drafts or carries logit entries, and all fit; only those that fill their last block (or
+        share one since a fork) go to the block manager. False otherwise (or the pool is
+        short): _schedule_running decides, taking the same blocks in the same order."""
         running, n = self.running, len(self.running)
         if (not n or step.num_spec_tokens or self.has_draft or n > self.max_num_seqs
                 or n > self.max_num_batched_tokens):

@@ -94,7 +94,7 @@ class EngineCoreProc:
                                 self.core.get_metrics()))
 
     def _send(self, kind: bytes, payload: Any) -> None:
-        self.output.send_multipart([kind, self.encoder.encode(payload)], copy=False)
+        self.output.send_multipart([kind, self.encoder.encode(payload)])
 
     def run(self) -> None:
         poller = zmq.Poller()
@@ -238,7 +238,7 @@ class MPClient:
         return self.metrics
 
     def _send(self, kind: bytes, payload: Any) -> None:
-        self._input.send_multipart([kind, self._encoder.encode(payload)], copy=False)
+        self._input.send_multipart([kind, self._encoder.encode(payload)])
 
     def _run_output_loop(self, on_outputs: OnOutputs, on_dead: OnDead) -> None:
         decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)

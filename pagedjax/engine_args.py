@@ -113,6 +113,11 @@ class EngineArgs(EngineConfig):
                 argv += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
         return argv
 
+    def create_engine_config(self) -> EngineConfig:
+        """A copy as a plain EngineConfig (validated again: the caller's stay as given)."""
+        return EngineConfig(**{f.name: getattr(self, f.name)
+                               for f in dataclasses.fields(EngineConfig)})
+
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineArgs:
         """EngineArgs(model, **kwargs), naming an unknown option and the known ones."""

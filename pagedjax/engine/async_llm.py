@@ -96,8 +96,7 @@ class AsyncLLM:
         allows) and start the engine core: in its own process unless multiprocess=False.
         kwargs: AsyncLLM's (log_stats, stat_loggers, ...)."""
         start = time.perf_counter()
-        config = EngineConfig(**{f.name: getattr(engine_args, f.name)
-                                 for f in dataclasses.fields(EngineConfig)})
+        config = engine_args.create_engine_config()
         if default_multiprocess() if multiprocess is None else multiprocess:
             client = MPClient(config)
         else:

@@ -1,5 +1,6 @@
 """How AsyncLLM reaches the engine core: in a process of its own (MPClient, the default, as
-vLLM V1's EngineCoreProc and AsyncMPClient), or on a thread of this one (InprocClient).
+vLLM V1's EngineCoreProc and AsyncMPClient), or on a thread of this one (InprocClient); and the
+offline LLM, with multiprocess=True (SyncMPClient).
 
 MPClient starts the core as a plain subprocess of this Python (no fork of a process that holds
 a framework, no re-import of the caller's main module) and talks to it over
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import subprocess
 import sys
 import tempfile
@@ -289,6 +291,47 @@ class MPClient:
         self._output.close(linger=0)
         self._context.term()
         self._folder.cleanup()
+
+
+class SyncMPClient(MPClient):
+    """The offline LLM's engine core in its own process (vLLM V1's SyncMPClient): this client's
+    thread turns each step's token ids into RequestOutputs (text, stop strings) while the core
+    runs its next steps; step() hands over what is ready, as LLMEngine.step() does."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        # lists of RequestOutputs, or the error the core died of
+        self._ready: queue.SimpleQueue[list[RequestOutput] | BaseException] = queue.SimpleQueue()
+        self.start(self._on_outputs, self._ready.put)
+
+    def _on_outputs(self, outputs: list[RequestOutput], metrics: dict[str, Any] | None) -> None:
+        if outputs:
+            self._ready.put(outputs)
+
+    def has_unfinished_requests(self) -> bool:
+        return super().has_unfinished_requests() or not self._ready.empty()
+
+    @property
+    def num_generation_tokens(self) -> int:
+        """Tokens generated so far, as of the core's last metrics (a progress bar's rate)."""
+        return self.metrics.get("generation_tokens_total", 0)
+
+    def step(self) -> list[RequestOutput]:
+        """Every output built since the last call; waits for one while requests are
+        unfinished. Raises EngineDeadError if the core is gone."""
+        results: list[RequestOutput] = []
+        while self.has_unfinished_requests():
+            try:
+                item = (self._ready.get_nowait() if results
+                        else self._ready.get(timeout=POLL_MS / 1000))
+            except queue.Empty:
+                if results:
+                    break
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            results += item
+        return results
 
 
 class InprocClient:

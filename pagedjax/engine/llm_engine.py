@@ -11,8 +11,9 @@ Thread-safe for adds and aborts (AsyncLLM's in-process mode steps on a thread of
 Where the runner launches steps asynchronously (an accelerator), a step's outputs are built
 while the device runs the next one (vLLM's async output processing): a stop string is then
 found a step late, and the completion's one more token dropped. The offline LLM keeps the core
-in its process: a second process would cost each step a message each way and give nothing back
-on 2 cores, where there is no third core for it (the server runs it in its own, core_client.py).
+in its process unless asked (LLM(multiprocess=True): core_client.SyncMPClient, where the
+outputs and text are built in this process while the core steps in its own): a second process
+costs each step a message each way and pays only where a core is free for it.
 """
 
 from __future__ import annotations
@@ -105,6 +106,11 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._inbox) or self.output_processor.has_unfinished_requests()
+
+    @property
+    def num_generation_tokens(self) -> int:
+        """Tokens generated so far (a progress bar's rate)."""
+        return self.scheduler.num_generation_tokens_total
 
     def _drain_inbox(self) -> None:
         """Queued adds and aborts, in order, into the core (and the output processor)."""

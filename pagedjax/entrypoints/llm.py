@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -11,6 +12,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from pagedjax.core.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from pagedjax.engine.core_client import SyncMPClient
 from pagedjax.engine.llm_engine import LLMEngine, PromptType
 from pagedjax.engine_args import EngineArgs
 from pagedjax.entrypoints.chat_utils import ChatMessage, apply_chat_template, load_chat_template
@@ -27,10 +29,19 @@ class LLM:
     >>> print(outs[0].outputs[0].text)
     """
 
-    def __init__(self, model: str, **kwargs: Any) -> None:
+    def __init__(self, model: str, *, multiprocess: bool | None = None, **kwargs: Any) -> None:
         """kwargs: EngineArgs' options under vLLM's names (backend, dtype, max_model_len,
-        gpu_memory_utilization, max_num_seqs, speculative_config, ...)."""
-        self.engine = LLMEngine.from_engine_args(EngineArgs.from_kwargs(model, **kwargs))
+        gpu_memory_utilization, max_num_seqs, speculative_config, ...). multiprocess: the
+        engine core in a process of its own, as the server's (vLLM V1's default), so that text
+        and outputs are built while it steps; default: in this process, or as
+        PAGEDJAX_ENGINE_CORE_PROCESS says."""
+        engine_args = EngineArgs.from_kwargs(model, **kwargs)
+        if multiprocess is None:
+            multiprocess = os.environ.get("PAGEDJAX_ENGINE_CORE_PROCESS", "0").lower() in (
+                "1", "true")
+        self.engine: LLMEngine | SyncMPClient = (
+            SyncMPClient(engine_args.create_engine_config()) if multiprocess
+            else LLMEngine(engine_args.create_engine_config()))
         self._request_ids = itertools.count()
 
     def get_tokenizer(self):
@@ -128,15 +139,15 @@ class LLM:
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm,
                    dynamic_ncols=True)
-        scheduler = self.engine.scheduler
-        start, start_tokens = time.perf_counter(), scheduler.num_generation_tokens_total
-        while self.engine.has_unfinished_requests():
-            for output in self.engine.step():
+        engine = self.engine
+        start, start_tokens = time.perf_counter(), engine.num_generation_tokens
+        while engine.has_unfinished_requests():
+            for output in engine.step():
                 if output.finished:
                     finished[output.request_id] = output
                     bar.update(1)
             elapsed = time.perf_counter() - start
-            rate = (scheduler.num_generation_tokens_total - start_tokens) / max(elapsed, 1e-9)
+            rate = (engine.num_generation_tokens - start_tokens) / max(elapsed, 1e-9)
             bar.set_postfix_str(f"{rate:.1f} tok/s", refresh=False)
         bar.close()
         return [finished[i] for i in ids]

@@ -4,7 +4,8 @@ ms per step at batch B, both engines alive, rounds taking turns.
 In one process, each step's outputs (RequestOutputs, detokenization) take the engine loop's
 time; with the core in its own process (vLLM V1's default) they are built while it steps. A
 round at batch B: B fresh prompts of --context random tokens generate 1 token, then B others
-generate 1 + --steps; the difference over --steps is one decode step (prefills cancel).
+generate 1 + --steps; the difference over --steps is one decode step (the prefills, each one
+step of B x --context tokens, cancel).
 
     python benchmarks/core_process.py [--model DIR] [--backend jax|torch]
         [--batch-sizes 1 16 64] [--context 512] [--steps 64] [--rounds 3]
@@ -74,6 +75,7 @@ def main() -> None:
         engines[mode] = LLM(args.model, multiprocess=multiprocess, backend=args.backend,
                             dtype=args.dtype, max_model_len=args.context + args.steps + 8,
                             max_num_seqs=max(args.batch_sizes), enable_prefix_caching=False,
+                            max_num_batched_tokens=max(args.batch_sizes) * args.context,
                             gpu_memory_utilization=args.gpu_memory_utilization)
         startup[mode] = time.perf_counter() - start
         print(f"{mode}: startup {startup[mode]:.1f} s", flush=True)

@@ -19,15 +19,32 @@ logger = logging.getLogger(__name__)
 
 class HostToDevice:
     """NumPy → device tensors. On CUDA through pinned staging buffers (one per name, grown on
-    demand, reused every step) and non_blocking copies; on CPU the array's memory is shared.
+    demand) and non_blocking copies; on CPU the array's memory is shared.
 
-    Reusing a staging buffer is safe: every step ends by synchronising on its sampled tokens, so
-    the previous step's copies out of the buffer have completed before it is overwritten.
+    Steps take two sets of staging buffers in turn (begin_step, end_step): the next step is
+    launched before the last one is waited for (async scheduling), so its uploads must not
+    overwrite buffers whose copies may still be queued. A set is reused two steps later, after
+    the event of the step that last filled it (at most one step is in flight: done by then).
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._staging: dict[str, torch.Tensor] = {}
+        self._sets: tuple[dict[str, torch.Tensor], ...] = ({}, {})
+        self._done: list[torch.cuda.Event | None] = [None, None]
+        self._current = 0
+        self._staging = self._sets[0]
+
+    def begin_step(self) -> None:
+        """Take the other set of staging buffers, once its last step's copies are done."""
+        self._current ^= 1
+        self._staging = self._sets[self._current]
+        done = self._done[self._current]
+        if done is not None:
+            done.synchronize()
+
+    def end_step(self, done: torch.cuda.Event | None) -> None:
+        """done: an event recorded after this step's uploads (None on CPU)."""
+        self._done[self._current] = done
 
     def __call__(self, name: str, array: np.ndarray,
                  out: torch.Tensor | None = None) -> torch.Tensor:

@@ -5,8 +5,11 @@ with drafts, the draft catch-up and k - 1 draft steps (spec_step.py), the target
 pass and rejection sampling, with no host synchronisation until the sampled tokens come back.
 CPU: eager, on the C++ CPU ops. CUDA: decode and speculative-decode steps replay CUDA graphs of
 the whole step (cuda_graphs.py), all captured by `compile` before the first request (the closed
-set of step_shapes.py); other steps run eagerly. The KV pool is sized from the device memory
-left after a warm-up of the largest step.
+set of step_shapes.py); other steps run eagerly. On CUDA a step is launched and the copies of
+its outputs to the host queued; the engine waits for them when it needs them, so it builds the
+last step's outputs, or schedules and launches the next step (async scheduling: rows read their
+input token from the last step's, kept on the device in last_tokens), while the device runs.
+The KV pool is sized from the device memory left after a warm-up of the largest step.
 """
 
 from __future__ import annotations
@@ -150,6 +153,9 @@ class TorchModelRunner:
                         if size > 1 and rank == 0 else None)
         self.device = (torch.device("cuda", rank) if torch.cuda.is_available()
                        else torch.device("cpu"))
+        # (free, total) device bytes before this runner took any: what others hold is theirs
+        self._memory_before = (torch.cuda.mem_get_info(self.device)
+                               if self.device.type == "cuda" else None)
         target = Shard(rank, TensorParallelPlan.for_model(model_config, size))
         self.models = [_Model.load(config.model, model_config, config, self.device, target)]
         if draft_model_config is not None:
@@ -159,6 +165,14 @@ class TorchModelRunner:
             self.models.append(_Model.load(config.speculative_config.model,
                                            draft_model_config, config, self.device, draft))
         self.upload = HostToDevice(self.device)
+        # each row's first sampled token of the last step [max_num_seqs]: the inputs of the
+        # rows whose input_rows say so (async scheduling); one buffer, so graphs capture it
+        self.last_tokens = torch.zeros(shapes.max_num_seqs, dtype=torch.int32,
+                                       device=self.device)
+        # On CUDA a step runs while the host goes on (its graph replays, its outputs' copies to
+        # the host are queued, and only the function execute_async returns waits for them).
+        # On a CPU torch computes as it is called: nothing to overlap.
+        self.async_launch = self.device.type == "cuda"
         self.graphs: StepGraphs | None = None  # none while the pool is sized
         self.num_kv_blocks = 0
         if rank == 0:  # rank 0 sizes the pool; the others allocate when told to
@@ -203,7 +217,7 @@ class TorchModelRunner:
         enforce_eager (eager steps compile nothing)."""
         return [] if self.graphs is None else self.graph_plan(layouts)
 
-    @torch.inference_mode()  # as execute_local: the graphs share its staging buffers
+    @torch.inference_mode()  # as _launch: the graphs share its staging buffers
     def compile(self, layouts: list[BatchLayout],
                 on_compiled: Callable[[], None] = lambda: None) -> None:
         """Capture the CUDA graph of every decode-shaped step before the first request (on a
@@ -229,11 +243,13 @@ class TorchModelRunner:
         return num_kv_blocks_for_budget(per_block, self.config, stats)
 
     def _cuda_memory_after_warm_up(self) -> dict[str, int]:
-        """{"bytes_limit", "bytes_in_use"}: weights + the largest step's activation peak + what
-        torch's allocator does not hold (CUDA context, other processes such as JAX).
+        """{"bytes_limit", "bytes_in_use", "bytes_free"}: this engine's own use (weights, the
+        largest step's activation peak, and what outside torch's allocator grew since the
+        runner started), vLLM's per-instance rule: two engines at 0.4 share a device, whatever
+        else it holds, as long as it is free (KV pool at most the free bytes).
 
-        UNVERIFIED on a GPU. CUDA graphs captured later take their own (decode-sized) pool out
-        of the 1 - gpu_memory_utilization headroom.
+        CUDA graphs captured later take their own (decode-sized) pool out of the
+        1 - gpu_memory_utilization headroom.
         """
         torch.cuda.reset_peak_memory_stats()
         model_input = warm_up_input(self.config, self.shapes)
@@ -241,9 +257,11 @@ class TorchModelRunner:
         self.execute(model_input)
         self.allocate_kv_caches(0)
         torch.cuda.synchronize()
-        free, total = torch.cuda.mem_get_info()
-        outside_torch = total - free - torch.cuda.memory_reserved()
-        return {"bytes_limit": total,
+        free, total = torch.cuda.mem_get_info(self.device)
+        free_before, _ = self._memory_before
+        # device bytes taken since the start outside torch's allocator (our context, cuBLAS)
+        outside_torch = max(free_before - free - torch.cuda.memory_reserved(), 0)
+        return {"bytes_limit": total, "bytes_free": free,
                 "bytes_in_use": torch.cuda.max_memory_allocated() + outside_torch}
 
     def shutdown(self) -> None:
@@ -261,10 +279,7 @@ class TorchModelRunner:
 
     # ---- execute -----------------------------------------------------------------------------
 
-    # Its steps run as they are called (on CUDA the graphs replay asynchronously, but the
-    # host copy of the outputs waits inside execute; splitting that out is unmeasured).
-    async_launch = False
-    async_scheduling = False  # its steps read input_ids only
+    async_scheduling = True  # a step's rows read their input_rows from last_tokens
 
     @property
     def idle_cores_between_steps(self) -> bool:
@@ -275,19 +290,26 @@ class TorchModelRunner:
         return self.device.type == "cuda"
 
     def execute_async(self, model_input: ModelInput) -> Callable[[], ModelOutput]:
-        """The step run now; the function returned gives its output."""
-        output = self.execute(model_input)
-        return lambda: output
-
-    def execute(self, model_input: ModelInput) -> ModelOutput:
-        """Run one step (see the module docstring), on every rank."""
+        """Start one step (see the module docstring) on every rank; the function returned
+        waits for its output on the host."""
         if self.workers is not None:
             self.workers.send("execute_local", model_input)
-        return self.execute_local(model_input)
+        launched = self._launch(model_input)
+        return lambda: self._wait(launched, model_input)
+
+    def execute(self, model_input: ModelInput) -> ModelOutput:
+        """Run one step, on every rank."""
+        return self.execute_async(model_input)()
+
+    def execute_local(self, model_input: ModelInput) -> ModelOutput:
+        """This rank's part of the step (the other ranks' loop)."""
+        return self._wait(self._launch(model_input), model_input)
 
     @torch.inference_mode()
-    def execute_local(self, model_input: ModelInput) -> ModelOutput:
-        """This rank's part of the step."""
+    def _launch(self, model_input: ModelInput) -> tuple[StepOutput, torch.cuda.Event | None]:
+        """This rank's step, queued: its outputs' copies to the host (pinned tensors, not
+        yet valid on CUDA) and the event after them."""
+        self.upload.begin_step()
         if len(model_input.block_copies):
             self._copy_blocks(self.upload("block_copies", model_input.block_copies))
         variant = self._graph_variant(model_input)
@@ -305,7 +327,25 @@ class TorchModelRunner:
                              num_tokens=model_input.num_tokens,
                              num_draft_tokens=model_input.num_draft_tokens,
                              num_samples=model_input.num_logits)
-        return self._to_host(out, model_input)
+        # copied out now: a graph's outputs are its own buffers, overwritten by its next replay
+        host = StepOutput(*(None if t is None else t.to("cpu", non_blocking=True)
+                            for t in out.wanted(model_input.flags).cut(model_input)))
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        self.upload.end_step(done)
+        return host, done
+
+    @staticmethod
+    def _wait(launched: tuple[StepOutput, torch.cuda.Event | None],
+              model_input: ModelInput) -> ModelOutput:
+        """A launched step's ModelOutput, once its copies to the host are done (the step's
+        one synchronisation)."""
+        host, done = launched
+        if done is not None:
+            done.synchronize()
+        return ModelOutput.from_step(model_input, host)
 
     def _graph_variant(self, model_input: ModelInput) -> str | None:
         """The graph a step replays: decode-shaped steps without prompt logprobs, logit entries
@@ -359,7 +399,9 @@ class TorchModelRunner:
         if token_bitmask is not None:
             sampling["token_bitmask"] = token_bitmask  # [S, W]
         target, k = self.models[0], layout.num_spec_tokens
-        input_ids = b["input_ids"]
+        rows = b["input_rows"]  # [T]: 1 + a row of last_tokens, or 0 (input_ids)
+        input_ids = torch.where(rows > 0, self.last_tokens[(rows - 1).clamp(min=0).long()],
+                                b["input_ids"])
         if layout.draft:
             draft = self.models[1]
             drafts = propose_drafts(draft.forward, draft.kv_caches, b, draft.rope,
@@ -387,15 +429,23 @@ class TorchModelRunner:
             logits = torch.nn.functional.pad(logits, (0, 0, 0, indices.numel() - num_rows))
         if not k:
             out = sample(logits, sampling, flags)
+            self._keep_first_tokens(out[0][:, None])
             return StepOutput(*(None if x is None else x[:, None] for x in out), *prompt)
         logits = logits.view(*indices.shape, -1)  # [L, K+1, V]
         seqs = b["sample_seq"].long()  # [L]: the sequence whose drafts row l verifies
         tokens, _ = rejection_sample(logits, drafts[seqs], None, b["num_draft_tokens"],
                                      sampling, all_greedy=not flags.sampled,
                                      use_filters=flags.filters)
+        self._keep_first_tokens(tokens)
         lse = torch.logsumexp(logits, dim=-1)  # [L, K+1]
         return StepOutput(tokens, *gather_logprobs(
             logits, lse, tokens, MAX_LOGPROBS if flags.logprobs else 0), *prompt)
+
+    def _keep_first_tokens(self, tokens: torch.Tensor) -> None:
+        """[L, K+1] → each row's first token into last_tokens (the next step's inputs, read
+        on the device when it is launched before these reach the host)."""
+        n = min(tokens.shape[0], self.last_tokens.shape[0])
+        self.last_tokens[:n] = tokens[:n, 0]
 
     def _copy_blocks(self, copies: torch.Tensor) -> None:
         """Copy-on-write: block copies[:, 1] becomes a copy of block copies[:, 0] in every layer
@@ -404,10 +454,3 @@ class TorchModelRunner:
         for model in self.models:  # the gather copies first, as the JAX .at[].set
             model.kv_pool.index_copy_(2, dst, model.kv_pool.index_select(2, src))
 
-    def _to_host(self, out: StepOutput, model_input: ModelInput) -> ModelOutput:
-        """The step's one device→host transfer (and its one synchronisation)."""
-        host = StepOutput(*(None if t is None else t.to("cpu", non_blocking=True)
-                            for t in out.wanted(model_input.flags).cut(model_input)))
-        if self.device.type == "cuda":
-            torch.cuda.current_stream().synchronize()
-        return ModelOutput.from_step(model_input, host)

@@ -18,7 +18,8 @@ def num_kv_blocks_for_budget(per_block: int, config: EngineConfig,
 
     per_block: KV bytes one block takes on a device, every model's (a draft's too) and this
     device's share of the heads under tensor parallelism.
-    memory_stats: the accelerator's {"bytes_limit", "bytes_in_use"} (None on CPU).
+    memory_stats: the accelerator's {"bytes_limit", "bytes_in_use"} (None on CPU), this
+    engine's own use, and where known "bytes_free", the device's free bytes (a cap).
     """
     if memory_stats is None:
         budget = int(CPU_KV_CACHE_BYTES * config.gpu_memory_utilization)
@@ -27,6 +28,8 @@ def num_kv_blocks_for_budget(per_block: int, config: EngineConfig,
     else:
         limit, used = memory_stats["bytes_limit"], memory_stats["bytes_in_use"]
         budget = int(limit * config.gpu_memory_utilization) - used
+        if "bytes_free" in memory_stats:  # others hold the rest of the device
+            budget = min(budget, memory_stats["bytes_free"])
         num_blocks = budget // per_block
     if num_blocks < config.max_blocks_per_seq:
         raise ValueError(

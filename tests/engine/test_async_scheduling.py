@@ -61,11 +61,14 @@ def run(engine: LLMEngine, late: int = 3, abort_at: int = 5) -> tuple[dict, int]
     return final, launched_ahead
 
 
-@pytest.mark.parametrize("prefix_caching", [True, False])
-def test_outputs_match_the_synchronous_engine(tiny_model, prefix_caching: bool) -> None:
+@pytest.mark.parametrize("backend,prefix_caching",
+                         [("jax", True), ("jax", False), ("torch", True)])
+def test_outputs_match_the_synchronous_engine(tiny_model, backend: str,
+                                              prefix_caching: bool) -> None:
     results, ahead = {}, {}
     for on in (False, True):
-        engine = make_engine(tiny_model("llama"), on, enable_prefix_caching=prefix_caching)
+        engine = make_engine(tiny_model("llama"), on, backend=backend,
+                             enable_prefix_caching=prefix_caching)
         results[on], ahead[on] = run(engine)
         engine.shutdown()
     assert ahead[False] == 0 and ahead[True] >= 20  # most decode steps were launched ahead
@@ -100,13 +103,19 @@ def test_a_step_in_flight_is_collected_before_adds_aborts_and_shutdown(tiny_mode
     assert engine.engine_core.overlap.in_flight is None
 
 
-def test_torch_and_penalties_do_not_schedule_ahead(tiny_model) -> None:
-    """The torch runner reads host inputs only; a request with penalties needs every token on
-    the host before its next step: both run synchronously."""
+def test_torch_on_a_cpu_and_penalties_do_not_schedule_ahead(tiny_model) -> None:
+    """torch computes on a CPU as it is called (nothing to overlap: it launches synchronously
+    there, on CUDA not); a request with penalties needs every token on the host before its
+    next step: both run synchronously."""
     torch_engine = LLMEngine.from_engine_args(EngineArgs(
         model=tiny_model("llama"), backend="torch", max_model_len=96,
         num_gpu_blocks_override=64, async_scheduling=True))
-    assert not torch_engine.runner.async_scheduling
+    assert torch_engine.runner.async_scheduling and not torch_engine.runner.async_launch
+    torch_engine.add_request("t", PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=4,
+                                                             ignore_eos=True))
+    while torch_engine.has_unfinished_requests():
+        torch_engine.step()
+        assert torch_engine.engine_core.overlap.in_flight is None
     torch_engine.shutdown()
     engine = make_engine(tiny_model("llama"), True)
     engine.add_request("p", PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=6,

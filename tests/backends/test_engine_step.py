@@ -59,8 +59,8 @@ def test_one_device_call_per_step_with_drafts(tiny_model, backend: str) -> None:
         object.__setattr__(runner.draft.module, "apply",
                            lambda *a, **kw: draft_calls.append(1) or draft_apply(*a, **kw))
     else:
-        to_host = runner._to_host
-        runner._to_host = lambda *a: device_calls.append(1) or to_host(*a)
+        wait = runner._wait
+        runner._wait = lambda *a: device_calls.append(1) or wait(*a)
     steps = record_steps(llm)
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, params)

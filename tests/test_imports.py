@@ -94,9 +94,11 @@ def test_a_circle_is_found() -> None:
 
 
 def readme_imports() -> list[tuple[str, str]]:
-    """(module, name) of every `from X import a, b` in the README (examples and inline code),
-    and (dotted path, "") of every other pagedjax name it mentions in code."""
-    text = (ROOT / "README.md").read_text()
+    """(module, name) of every `from X import a, b` in the README and the pages of docs/
+    (examples and inline code), and (dotted path, "") of every other pagedjax name they mention
+    in code."""
+    text = "\n".join(p.read_text() for p in [ROOT / "README.md",
+                                              *sorted((ROOT / "docs").glob("*.md"))])
     found = set()
     for module, names in re.findall(r"from (pagedjax[\w.]*) import ([\w, ]+)", text):
         found |= {(module, n.strip()) for n in names.split(",") if n.strip()}

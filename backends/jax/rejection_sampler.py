@@ -18,7 +18,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pagedjax.backends.jax.sampler import argmax, filter_logits, process_logits, uniform
+from pagedjax.backends.jax.sampler import (
+    argmax,
+    branch,
+    filter_logits,
+    process_logits,
+    uniform,
+)
 from pagedjax.core.batch import StepFlag
 
 PLACEHOLDER_TOKEN_ID = -1  # pads output_token_ids after the recovered / bonus token
@@ -36,11 +42,11 @@ def sampling_probs(logits: jax.Array, sampling: dict, flags: jax.Array) -> jax.A
     def random(logits: jax.Array) -> jax.Array:
         temperature = sampling["temperature"]  # [L]
         scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
-        scaled = jax.lax.cond(flags[StepFlag.FILTERS], lambda x: filter_logits(
+        scaled = branch(flags[StepFlag.FILTERS], lambda x: filter_logits(
             x, sampling["top_k"], sampling["top_p"], sampling["min_p"]), lambda x: x, scaled)
         return jnp.where(temperature[:, None] > 0, jax.nn.softmax(scaled, axis=-1), greedy)
 
-    return jax.lax.cond(flags[StepFlag.SAMPLED], random, lambda _: greedy, logits)
+    return branch(flags[StepFlag.SAMPLED], random, lambda _: greedy, logits)
 
 
 def rejection_sample(target_logits: jax.Array, draft_token_ids: jax.Array,
@@ -89,8 +95,7 @@ def rejection_sample(target_logits: jax.Array, draft_token_ids: jax.Array,
                                     num_draft_tokens, sampling)
         return num_accepted, jnp.where(random_rows[:, 0], sampled, next_token)
 
-    num_accepted, next_token = jax.lax.cond(flags[StepFlag.SAMPLED], random, greedy,
-                                            target_logits)
+    num_accepted, next_token = branch(flags[StepFlag.SAMPLED], random, greedy, target_logits)
     return _assemble(draft_token_ids, next_token, num_accepted), num_accepted.astype(jnp.int32)
 
 

@@ -79,11 +79,20 @@ def uses_cpu_linear(attention_impl: str, dtype: jnp.dtype, mesh: Mesh | None) ->
 # took 3.3 ms back to back and 3.3 ms waited for, against 1.7 ms of kernels). torch's "plain"
 # CUDA graph is the same idea.
 PLAIN = "plain"
+# The variant of every other decode-shaped step (decode or speculative) on an accelerator: every
+# sampling feature traced in and run over masks (logit entries, bitmask, filters, sampling,
+# logprobs: a no-op for the rows that ask nothing), and the draft loop unrolled, so that no
+# conditional or loop is left (torch's "full" graph).
+FULL = "full"
+
+
+def _decode_shaped(layout: BatchLayout) -> bool:
+    return layout.decode or layout.num_spec_tokens > 0
 
 
 def _branch_free_decode(platform: str) -> bool:
-    """Whether decode steps get a PLAIN variant: on accelerators (a CPU's conditionals cost
-    nothing and each variant would add a compile to startup)."""
+    """Whether decode-shaped steps run branch-free (PLAIN, FULL): on accelerators (a CPU's
+    conditionals cost nothing, and what FULL runs over masks would)."""
     return platform != "cpu"
 
 
@@ -203,10 +212,10 @@ class JaxModelRunner:
         # input's buffer, so the addresses a GPU step's command buffer records stay put (XLA
         # re-records every command that touches a buffer whose address changed).
         self._step = jax.jit(self._step_fn, donate_argnums=(2, 3, 9),
-                             static_argnames=("layout", "plain"))
-        self._plain_decode = _branch_free_decode(jax.devices()[0].platform)
+                             static_argnames=("layout", "variant"))
+        self._branch_free = _branch_free_decode(jax.devices()[0].platform)
         self._copy = jax.jit(_copy_blocks, donate_argnums=(0,))
-        # by BatchLayout, (BatchLayout, PLAIN) or "copy"
+        # by BatchLayout, (BatchLayout, PLAIN or FULL) or "copy"
         self._executables: dict[Hashable, jax.stages.Compiled] = {}
         self.num_compiles = 0  # step shapes compiled after `compile`: each one a logged bug
         self._late_compiles_expected = not compile_at_startup()  # unless startup compiled none
@@ -215,9 +224,9 @@ class JaxModelRunner:
         self._no_entries = self._put((np.full((4, entries), -1, np.int32),
                                       np.zeros(entries, np.float32)))
         # The token bitmask [S, W] of a step without structured outputs, per sequence bucket:
-        # its branch is not taken, so it is never read.
+        # every token allowed (FULL steps apply it; the others skip it).
         width = bitmask_width(model_config.vocab_size)
-        self._no_bitmask = {s: self._put(np.zeros((s, width), np.int32))
+        self._no_bitmask = {s: self._put(np.full((s, width), -1, np.int32))
                             for s in shapes.seq_buckets}
         self.kv_caches: list[KVCache] = []
         self.draft_kv_caches: list[KVCache] = []
@@ -292,10 +301,16 @@ class JaxModelRunner:
     # ---- compile -----------------------------------------------------------------------------
 
     def compile_plan(self, layouts: list[BatchLayout]) -> list[Hashable]:
-        """What `compile` builds: the steps of the layouts, with the PLAIN variant of each decode
-        layout where there is one, and the copy-on-write copy ("copy"), less what is built."""
-        plain = [(layout, PLAIN) for layout in layouts if self._plain_decode and layout.decode]
-        return [key for key in [*layouts, *plain, "copy"] if key not in self._executables]
+        """What `compile` builds: the steps of the layouts (on an accelerator each decode-shaped
+        one as FULL, and each decode one as PLAIN too) and the copy-on-write copy ("copy"), less
+        what is built."""
+        keys: list[Hashable] = []
+        for layout in layouts:
+            if not (self._branch_free and _decode_shaped(layout)):
+                keys.append(layout)
+                continue
+            keys += [(layout, FULL), (layout, PLAIN)] if layout.decode else [(layout, FULL)]
+        return [key for key in [*keys, "copy"] if key not in self._executables]
 
     def compile(self, layouts: list[BatchLayout],
                 on_compiled: Callable[[], None] = lambda: None) -> None:
@@ -331,24 +346,25 @@ class JaxModelRunner:
         return f"jax:{self._store.key}"
 
     def _lower(self, key: Hashable) -> jax.stages.Lowered:
-        """The step of a layout or (layout, PLAIN) (or "copy": the block copies) traced for the
-        arrays it takes."""
-        def spec(x: jax.Array) -> jax.ShapeDtypeStruct:
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-
-        caches = jax.tree.map(spec, (self.kv_caches, self.draft_kv_caches))
+        """The step of a layout or (layout, variant) (or "copy": the block copies) traced for
+        the arrays it takes."""
         if key == "copy":
+            caches = jax.tree.map(_spec, (self.kv_caches, self.draft_kv_caches))
             return self._copy.lower(caches, self._input_spec((self.shapes.max_num_seqs, 2)))
-        layout, plain = key if isinstance(key, tuple) else (key, False)
-        params = jax.tree.map(spec, (self.target.params,
-                                     None if self.draft is None else self.draft.params))
+        args, kwargs = self._step_args(key)
+        return self._step.lower(*args, **kwargs)
+
+    def _step_args(self, key: Hashable) -> tuple[tuple, dict]:
+        """The step's arguments (as ShapeDtypeStructs) and static arguments for a key."""
+        layout, variant = key if isinstance(key, tuple) else (key, None)
         int_size, float_size = buffer_sizes(layout)
-        entries = jax.tree.map(spec, self._no_entries)
-        bitmask = spec(self._no_bitmask[layout.num_seqs])
-        return self._step.lower(*params, *caches, self._input_spec((int_size,)),
-                                self._input_spec((float_size,), jnp.float32), *entries, bitmask,
-                                self._input_spec((self.shapes.max_num_seqs,)),
-                                layout=layout, plain=plain == PLAIN)
+        args = (*jax.tree.map(_spec, (self.target.params,
+                                      None if self.draft is None else self.draft.params,
+                                      self.kv_caches, self.draft_kv_caches)),
+                self._input_spec((int_size,)), self._input_spec((float_size,), jnp.float32),
+                *jax.tree.map(_spec, self._no_entries), _spec(self._no_bitmask[layout.num_seqs]),
+                self._input_spec((self.shapes.max_num_seqs,)))
+        return args, {"layout": layout, "variant": variant}
 
     def _input_spec(self, shape: tuple[int, ...], dtype=jnp.int32) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(shape, dtype, sharding=self._inputs)
@@ -372,12 +388,12 @@ class JaxModelRunner:
         return executable
 
     def step_key(self, model_input: ModelInput) -> Hashable:
-        """The executable a step runs: its layout's, or the PLAIN variant of a decode layout
-        when no row uses an optional sampling feature."""
+        """The executable a step runs: its layout's, or on an accelerator a decode-shaped
+        layout's PLAIN variant when no row uses an optional sampling feature, else its FULL."""
         layout = model_input.layout
-        if self._plain_decode and layout.decode and model_input.flags == StepFlags():
-            return layout, PLAIN
-        return layout
+        if not (self._branch_free and _decode_shaped(layout)):
+            return layout
+        return layout, PLAIN if layout.decode and model_input.flags == StepFlags() else FULL
 
     def _put(self, arrays):
         """Host arrays (any pytree) onto the device(s) the steps read them from."""
@@ -446,20 +462,21 @@ class JaxModelRunner:
     def _step_fn(self, params: dict, draft_params: dict | None, kv_caches: list[KVCache],
                  draft_kv_caches: list[KVCache], ints: jax.Array, floats: jax.Array,
                  entry_ints: jax.Array, entry_bias: jax.Array, token_bitmask: jax.Array,
-                 last_tokens: jax.Array, *, layout: BatchLayout, plain: bool = False) -> tuple:
+                 last_tokens: jax.Array, *, layout: BatchLayout,
+                 variant: str | None = None) -> tuple:
         """The whole step on the device → (caches, draft caches, each row's first token [R]
         for the next step, StepOutput with tokens and logprobs [L, K+1] and, computed where the
-        step's flags ask, top logprobs and prompt logprobs). plain: every flag is off (PLAIN),
-        known here: no branches. last_tokens [R]: the last step's first tokens, the inputs of
-        the rows whose input_rows say so (async scheduling); donated, and the first output of
-        its shape, so that jax gives its buffer to the first tokens out."""
+        step's flags ask, top logprobs and prompt logprobs). variant PLAIN: every flag off,
+        FULL: every flag on, known here: no branches. last_tokens [R]: the last step's first
+        tokens, the inputs of the rows whose input_rows say so (async scheduling); donated, and
+        the first output of its shape, so that jax gives its buffer to the first tokens out."""
         b = unpack(layout, ints, floats)
         rows = b["input_rows"]  # [T]: 1 + a row of last_tokens, or 0
         b["input_ids"] = jnp.where(rows > 0, last_tokens[jnp.maximum(rows - 1, 0)],
                                    b["input_ids"])
         flags = b["step_flags"] != 0  # [len(StepFlag)] bool
-        if plain:
-            flags = np.zeros(len(StepFlag), bool)
+        if variant is not None:
+            flags = np.full(len(StepFlag), variant == FULL)
         sampling = {name: b[name] for name in SAMPLING_FIELDS}
         for name in ("rng_seed", "rng_step"):  # uint32 counters carried as int32 bits
             sampling[name] = jax.lax.bitcast_convert_type(b[name], jnp.uint32)
@@ -469,7 +486,7 @@ class JaxModelRunner:
         if k:
             draft_kv_caches, drafts = propose_drafts(
                 self.draft.forward(draft_params), draft_kv_caches, b, self.draft.rope,
-                layout=layout)
+                layout=layout, unroll=variant is not None)
             input_ids = input_ids.at[b["draft_token_index"].reshape(-1)].set(
                 drafts.reshape(-1), mode="drop")  # draft slots get their drafts
         elif layout.draft:  # a mixed step: the draft only catches up (its KV, no logits)
@@ -510,6 +527,10 @@ class JaxModelRunner:
         if self.mesh is not None:  # where the next step expects its host inputs
             first = jax.lax.with_sharding_constraint(first, self._inputs)
         return first
+
+
+def _spec(x: jax.Array) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
 
 
 def _no_prompt_logprobs(hidden: jax.Array) -> tuple[jax.Array, ...]:

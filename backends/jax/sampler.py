@@ -8,7 +8,8 @@ from pagedjax.random's counters (an exact categorical sample).
 
 The shapes never depend on what the rows ask for: each optional part is a `lax.cond` on the
 step's flags (batch.StepFlag), a branch XLA runs or skips inside the compiled step; where the
-flags are known when tracing (a NumPy array: the runner's branch-free decode steps) the part is
+flags are known when tracing (a NumPy array: the runner's branch-free decode steps, PLAIN with
+every part off and FULL with every part on, a no-op for the rows that ask nothing) the part is
 traced in or left out instead (`branch`).
 """
 
@@ -32,6 +33,13 @@ def branch(pred, true_fn: Callable, false_fn: Callable, *operands):
     if isinstance(pred, (bool, np.bool_)):
         return (true_fn if pred else false_fn)(*operands)
     return jax.lax.cond(pred, true_fn, false_fn, *operands)
+
+
+def cpu_kernels(x: jax.Array) -> bool:
+    """Whether a trace over x uses the C++ CPU kernels (XLA's FFI): on a CPU, in float32."""
+    from pagedjax.kernels_pallas import cpu_ffi
+
+    return jax.default_backend() == "cpu" and x.dtype == jnp.float32 and cpu_ffi.available()
 
 
 def _mix32(x: jax.Array) -> jax.Array:
@@ -70,7 +78,7 @@ def _top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     for 20 of 4096)."""
     from pagedjax.kernels_pallas import cpu_ffi
 
-    if jax.default_backend() == "cpu" and x.dtype == jnp.float32 and cpu_ffi.available():
+    if cpu_kernels(x):
         return cpu_ffi.top_k(x, k)
     return jax.lax.top_k(x, k)
 
@@ -81,7 +89,7 @@ def filter_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array,
     float32 the C++ filter (the sort-based version below took 70 ms for 64 rows of 4,096)."""
     from pagedjax.kernels_pallas import cpu_ffi
 
-    if jax.default_backend() == "cpu" and logits.dtype == jnp.float32 and cpu_ffi.available():
+    if cpu_kernels(logits):
         return cpu_ffi.filter_logits(logits, top_k, top_p, min_p)
     return filter_logits_sorted(logits, top_k, top_p, min_p)
 
@@ -152,8 +160,7 @@ def logits_stats(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
     CPU in float32 one C++ pass per row (logits_cpu_kernel.h; the torch backend's op too)."""
     from pagedjax.kernels_pallas import cpu_ffi
 
-    if (jax.default_backend() == "cpu" and logits.dtype == jnp.float32 and logits.ndim == 2
-            and cpu_ffi.available()):
+    if cpu_kernels(logits) and logits.ndim == 2:
         return cpu_ffi.logits_stats(logits)
     return argmax(logits), jax.nn.logsumexp(logits, axis=-1)
 

@@ -2,7 +2,8 @@
 
 1. catch-up: one ragged draft pass over the tokens the draft has not computed, up to each
    sequence's last real token, whose logits give draft 1 (a mixed step, K = 0, stops here);
-2. K - 1 single-token draft passes in a `lax.fori_loop`, each feeding the previous draft. K is
+2. K - 1 single-token draft passes in a `lax.fori_loop` (unrolled on accelerators), each feeding
+   the previous draft. K is
    the step's k (one executable per compiled k, step_shapes.py): the trip count is static, and
    a sequence that proposes fewer drafts writes nothing in the passes past them.
 
@@ -38,9 +39,10 @@ def catch_up_metadata(b: dict[str, jax.Array], rope: tuple[jax.Array, jax.Array]
 
 def propose_drafts(forward: DraftForward, kv_caches: list[KVCache], b: dict[str, jax.Array],
                    rope: tuple[jax.Array, jax.Array], *,
-                   layout: BatchLayout) -> tuple[list[KVCache], jax.Array]:
+                   layout: BatchLayout, unroll: bool = False) -> tuple[list[KVCache], jax.Array]:
     """Returns (draft KV caches, drafts [S, K] int32); K >= 1. b: the step's unpacked fields
-    (batch.py)."""
+    (batch.py). unroll: the K - 1 passes traced one after the other (the runner's branch-free
+    steps), not as a loop."""
     num_seqs, k = layout.num_seqs, layout.num_spec_tokens
     last_rows = jnp.maximum(b["draft_query_start_loc"][1:] - 1, 0)  # [S]
     logits, kv_caches = forward(b["draft_input_ids"], kv_caches, catch_up_metadata(b, rope),
@@ -67,4 +69,9 @@ def propose_drafts(forward: DraftForward, kv_caches: list[KVCache], b: dict[str,
         logits, kv_caches = forward(drafts[:, j - 1], kv_caches, step_meta, seq_rows)
         return kv_caches, drafts.at[:, j].set(argmax(logits))
 
-    return jax.lax.fori_loop(1, k, draft_step, (kv_caches, drafts))
+    carry = (kv_caches, drafts)
+    if unroll:  # no while loop (on a GPU its predicate goes to the host every pass); a scan's
+        for j in range(1, k):  # unroll=True keeps one (jax 0.10)
+            carry = draft_step(j, carry)
+        return carry
+    return jax.lax.fori_loop(1, k, draft_step, carry)

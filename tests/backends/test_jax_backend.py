@@ -162,9 +162,9 @@ def test_decode_steps_padded_to_min_decode_rows(tiny_model, monkeypatch) -> None
 
 
 def test_branch_free_decode_steps(tiny_model, monkeypatch) -> None:
-    """The accelerators' PLAIN decode variant (forced on here): compiled at startup beside
-    each decode layout, without a conditional; greedy steps run it and give HF's tokens, a step
-    asking for logprobs runs the branched executable, and nothing compiles late."""
+    """The accelerators' branch-free decode variants (forced on here): PLAIN and FULL compiled
+    at startup for each decode layout, neither with a conditional; greedy steps run PLAIN and
+    give HF's tokens, a step asking for logprobs runs FULL, and nothing compiles late."""
     from pagedjax.backends.jax import runner as jax_runner
 
     monkeypatch.setattr(jax_runner, "_branch_free_decode", lambda platform: True)
@@ -172,10 +172,12 @@ def test_branch_free_decode_steps(tiny_model, monkeypatch) -> None:
     model_dir = tiny_model("llama")
     llm = make_llm(model_dir, max_num_seqs=4, max_num_batched_tokens=64)
     runner = llm.engine.runner
-    decode = [key for key in runner._executables if getattr(key, "decode", False)]
+    decode = [key[0] for key in runner._executables
+              if isinstance(key, tuple) and key[1] == jax_runner.PLAIN]
     plain = {key: runner._executables[(key, jax_runner.PLAIN)] for key in decode}
-    assert decode and "conditional" not in plain[decode[0]].as_text()
-    assert "conditional" in runner._executables[decode[0]].as_text()
+    full = {key: runner._executables[(key, jax_runner.FULL)] for key in decode}
+    assert decode and not any(key in runner._executables for key in decode)  # no branched one
+    assert all("conditional" not in e.as_text() for e in [*plain.values(), *full.values()])
     used = []
     launch = runner.launch
     monkeypatch.setattr(runner, "launch", lambda executable, model_input: (
@@ -194,6 +196,7 @@ def test_branch_free_decode_steps(tiny_model, monkeypatch) -> None:
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outputs]
     assert all(len(entry) >= 2 for o in again for entry in o.outputs[0].logprobs)
     assert not any(e is p for e in used for p in plain.values())
+    assert any(e is f for e in used for f in full.values())
     assert llm.get_metrics()["num_compiles_after_startup"] == 0
 
 

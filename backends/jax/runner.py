@@ -208,11 +208,19 @@ class JaxModelRunner:
         self.executable_copies = 1 if self._on_cpu else 2
         self._copies: dict[Hashable, jax.stages.Compiled] = {}
         self._num_launches = 0
-        # The caches and the last step's first tokens are donated: each output takes its
-        # input's buffer, so the addresses a GPU step's command buffer records stay put (XLA
-        # re-records every command that touches a buffer whose address changed).
-        self._step = jax.jit(self._step_fn, donate_argnums=(2, 3, 9),
+        # The caches, the last step's first tokens and a decode-shaped step's output buffers
+        # are donated: each output takes its input's buffer, so the addresses a GPU step's
+        # command buffer records stay put (XLA re-records every command that touches a buffer
+        # whose address changed: 0.2-0.3 ms a call; at batch 64 the outputs took 7-18 places
+        # over 50 calls, H100/H200). Outputs go into two sets of buffers taken in turn (the
+        # last step's are still to be read when the next one launches), matched to the two
+        # executable copies: each copy's graph sees one set.
+        self._step = jax.jit(self._step_fn, donate_argnums=(2, 3, 9, 10),
                              static_argnames=("layout", "variant"))
+        self._num_calls = 0
+        # (layout, call parity) -> the StepOutput of its last call, donated to its next one
+        self._out_buffers: dict[tuple[BatchLayout, int], StepOutput] = {}
+        self._unread: set[int] = set()  # ids of the StepOutputs launched and not read yet
         self._branch_free = _branch_free_decode(jax.devices()[0].platform)
         self._copy = jax.jit(_copy_blocks, donate_argnums=(0,))
         # by BatchLayout, (BatchLayout, PLAIN or FULL) or "copy"
@@ -291,8 +299,10 @@ class JaxModelRunner:
         models = [m for m in (self.target, self.draft) if m is not None]
         for array in jax.tree.leaves(([m.params for m in models], [m.rope for m in models],
                                       self.kv_caches, self.draft_kv_caches, self._no_entries,
-                                      self._no_bitmask, self._last_tokens)):
+                                      self._no_bitmask, self._last_tokens,
+                                      list(self._out_buffers.values()))):
             array.delete()
+        self._out_buffers.clear()
         self.kv_caches, self.draft_kv_caches, self.target, self.draft = [], [], None, None
         self._step = self._copy = None
         self._executables.clear()
@@ -363,8 +373,21 @@ class JaxModelRunner:
                                       self.kv_caches, self.draft_kv_caches)),
                 self._input_spec((int_size,)), self._input_spec((float_size,), jnp.float32),
                 *jax.tree.map(_spec, self._no_entries), _spec(self._no_bitmask[layout.num_seqs]),
-                self._input_spec((self.shapes.max_num_seqs,)))
+                self._input_spec((self.shapes.max_num_seqs,)), self._output_spec(layout))
         return args, {"layout": layout, "variant": variant}
+
+    def _output_spec(self, layout: BatchLayout) -> StepOutput | None:
+        """The StepOutput a decode-shaped step writes, as ShapeDtypeStructs: the buffers it is
+        given to write into (L = S rows of K + 1 positions; the prompt fields over its T tokens,
+        zeros); None where outputs are not donated (other steps, and under tensor parallelism,
+        where XLA picks the outputs' sharding)."""
+        if not _decode_shaped(layout) or self.mesh is not None:
+            return None
+        rows, t, n = (layout.num_seqs, layout.num_spec_tokens + 1), layout.num_tokens, MAX_LOGPROBS
+        i32, f32 = jnp.int32, jnp.float32
+        shapes = ((rows, i32), (rows, f32), ((*rows, n), i32), ((*rows, n), f32), (rows, i32),
+                  ((t,), f32), ((t, n), i32), ((t, n), f32), ((t,), i32))
+        return StepOutput(*(self._input_spec(shape, dtype) for shape, dtype in shapes))
 
     def _input_spec(self, shape: tuple[int, ...], dtype=jnp.int32) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(shape, dtype, sharding=self._inputs)
@@ -415,6 +438,7 @@ class JaxModelRunner:
         if self.executable_copies == 2 and model_input.layout.decode and self._num_launches % 2:
             executable = self._copy_of(key)
         out = self.launch(executable, model_input)
+        self._unread.add(id(out))
         return lambda: self._host_output(model_input, out)
 
     def _copy_of(self, key: Hashable) -> jax.stages.Compiled:
@@ -425,7 +449,9 @@ class JaxModelRunner:
 
     def _host_output(self, model_input: ModelInput, out: StepOutput) -> ModelOutput:
         """A launched step's ModelOutput: the fields its flags ask for, waited for on the host."""
-        return ModelOutput.from_step(model_input, self._to_host(out.wanted(model_input.flags)))
+        host = self._to_host(out.wanted(model_input.flags))
+        self._unread.discard(id(out))
+        return ModelOutput.from_step(model_input, host)
 
     def launch(self, executable: jax.stages.Compiled, model_input: ModelInput) -> StepOutput:
         """Enqueue one step (the caches advance); its outputs stay on the device, not waited
@@ -435,12 +461,22 @@ class JaxModelRunner:
         entries = self._no_entries
         if model_input.entries is not None:
             entries = (model_input.entries.ints, model_input.entries.bias)
+        layout = model_input.layout
         bitmask = model_input.token_bitmask
         if bitmask is None:
-            bitmask = self._no_bitmask[model_input.layout.num_seqs]
+            bitmask = self._no_bitmask[layout.num_seqs]
+        parity = self._num_calls % 2
+        self._num_calls += 1
+        buffers = self._out_buffers.get((layout, parity))
+        if buffers is not None and id(buffers) in self._unread:  # a step still to be read
+            buffers = None  # holds them (the engine reads each before the next but one)
+        if buffers is None and (spec := self._output_spec(layout)) is not None:
+            buffers = jax.tree.map(lambda s: self._put(np.zeros(s.shape, s.dtype)), spec)
         self.kv_caches, self.draft_kv_caches, self._last_tokens, out = executable(
             self.target.params, draft_params, self.kv_caches, self.draft_kv_caches,
-            model_input.ints, model_input.floats, *entries, bitmask, self._last_tokens)
+            model_input.ints, model_input.floats, *entries, bitmask, self._last_tokens, buffers)
+        if buffers is not None:
+            self._out_buffers[layout, parity] = out
         return out
 
     def _to_host(self, arrays):
@@ -462,14 +498,15 @@ class JaxModelRunner:
     def _step_fn(self, params: dict, draft_params: dict | None, kv_caches: list[KVCache],
                  draft_kv_caches: list[KVCache], ints: jax.Array, floats: jax.Array,
                  entry_ints: jax.Array, entry_bias: jax.Array, token_bitmask: jax.Array,
-                 last_tokens: jax.Array, *, layout: BatchLayout,
-                 variant: str | None = None) -> tuple:
+                 last_tokens: jax.Array, out_buffers: StepOutput | None, *,
+                 layout: BatchLayout, variant: str | None = None) -> tuple:
         """The whole step on the device → (caches, draft caches, each row's first token [R]
         for the next step, StepOutput with tokens and logprobs [L, K+1] and, computed where the
         step's flags ask, top logprobs and prompt logprobs). variant PLAIN: every flag off,
         FULL: every flag on, known here: no branches. last_tokens [R]: the last step's first
         tokens, the inputs of the rows whose input_rows say so (async scheduling); donated, and
-        the first output of its shape, so that jax gives its buffer to the first tokens out."""
+        the first output of its shape, so that jax gives its buffer to the first tokens out.
+        out_buffers: the StepOutput's own buffers (_output_spec, donated), written in place."""
         b = unpack(layout, ints, floats)
         rows = b["input_rows"]  # [T]: 1 + a row of last_tokens, or 0
         b["input_ids"] = jnp.where(rows > 0, last_tokens[jnp.maximum(rows - 1, 0)],
@@ -511,14 +548,16 @@ class JaxModelRunner:
         if not k:
             out = sample(logits, sampling, flags)
             out = StepOutput(*(x[:, None] for x in out), *prompt)  # [L, 1, ...]
-            return kv_caches, draft_kv_caches, self._first_tokens(out.tokens), out
+            return (kv_caches, draft_kv_caches, self._first_tokens(out.tokens),
+                    _written(out, out_buffers))
         logits = logits.reshape(*indices.shape, -1)  # [L, K+1, V]
         seqs = b["sample_seq"]  # [L]: the sequence whose drafts row l verifies
         tokens, _ = rejection_sample(logits, drafts[seqs], None, b["num_draft_tokens"],
                                      sampling, flags)
         lse = jax.nn.logsumexp(logits, axis=-1)  # [L, K+1]
-        return kv_caches, draft_kv_caches, self._first_tokens(tokens), StepOutput(
-            tokens, *gather_logprobs(logits, lse, tokens, flags[StepFlag.LOGPROBS]), *prompt)
+        out = StepOutput(tokens, *gather_logprobs(logits, lse, tokens, flags[StepFlag.LOGPROBS]),
+                         *prompt)
+        return kv_caches, draft_kv_caches, self._first_tokens(tokens), _written(out, out_buffers)
 
     def _first_tokens(self, tokens: jax.Array) -> jax.Array:
         """[L, K+1] → each row's first token [R], zero-padded (a decode step's one token)."""
@@ -527,6 +566,15 @@ class JaxModelRunner:
         if self.mesh is not None:  # where the next step expects its host inputs
             first = jax.lax.with_sharding_constraint(first, self._inputs)
         return first
+
+
+def _written(out: StepOutput, buffers: StepOutput | None) -> StepOutput:
+    """out's fields written into the step's own buffers (donated: XLA writes them in place), or
+    out where it has none."""
+    if buffers is None:
+        return out
+    return StepOutput(*(jax.lax.dynamic_update_slice(b, x.astype(b.dtype), (0,) * x.ndim)
+                        for x, b in zip(out, buffers)))
 
 
 def _spec(x: jax.Array) -> jax.ShapeDtypeStruct:

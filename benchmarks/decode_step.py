@@ -205,14 +205,18 @@ def probe_step(llm, repeats: int = 50) -> dict:
     on_device = dataclasses.replace(model_input, ints=jax.device_put(model_input.ints),
                                     floats=jax.device_put(model_input.floats))
     synced("synced, inputs on device", on_device, [executable], keep_last=False)
-    try:  # a second copy: serialized and loaded again (jax 0.10's CPU client cannot)
-        payload, in_tree, out_tree = serialize_executable.serialize(executable)
-        twin = serialize_executable.deserialize_and_load(payload, in_tree, out_tree,
-                                                         execution_devices=jax.devices()[:1])
+    try:  # a second copy: serialized and loaded again, as the runner makes it; on a CPU
+        # compiled again (jax 0.10's CPU client cannot copy one it loaded from the store, and a
+        # failed call would leave the caches it was given deleted)
+        if runner._on_cpu:
+            twin = runner._lower(runner.step_key(model_input)).compile()
+        else:
+            payload, in_tree, out_tree = serialize_executable.serialize(executable)
+            twin = serialize_executable.deserialize_and_load(
+                payload, in_tree, out_tree, execution_devices=jax.devices()[:1])
         jax.block_until_ready(runner.launch(twin, model_input))
     except Exception as error:  # noqa: BLE001 (recorded, the other figures stand)
         result["two executables"] = f"not loaded: {error}"[:200]
-        runner._out_buffers.clear()  # the failed call's outputs: not to be written into
     else:
         synced("synced, two executables", model_input, [executable, twin])
     return result

@@ -1,8 +1,18 @@
-"""Everything a GPU run should tell us, in parts of under 9 minutes each.
+"""Everything a GPU run should tell us: `--part all` in one command of under 10 minutes, or one
+part at a time (each under 9 minutes).
 
     python benchmarks/gpu_suite.py --part NAME [--part NAME ...] --out DIR [--dry-run]
 
-Parts (in the order a first run should take them; `--part all` runs every one):
+`all` (a lent GPU's first command) runs, in this order, as many of its steps as fit 570 s (a
+step that would run past the deadline gets what is left; one with under 15 s is skipped and
+recorded so): the GPU tests (kernels compiled and the CUDA op against the float64 oracle; greedy
+parity with HF; async scheduling, branch-free and donated-output steps against the synchronous,
+branched engine, on the device), decode steps at batch 1/16/64 on both backends (jax with its
+optimized HLO dumped and archived, torch asynchronous then synchronous), XLA command-buffer flag
+A/B, the attention kernels against JAX's op, speculation at batch 1 and 32, and the 8B shape at
+batch 1.
+
+The other parts (in the order a first run should take them):
 - environment: `pagedjax doctor` (which builds the CUDA ops once and caches them), pip list;
 - correctness: the kernel tests with the gpu-marked ones (Pallas compiled vs the float64 oracle,
   the CUDA op on device tensors with NaN-poisoned pools), then greedy parity jax/torch/HF in
@@ -39,6 +49,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 BENCHMARKS = REPO / "benchmarks"
 PART_BUDGET_S = 540  # 9 minutes: under the 10-minute limit of one command on the GPU machines
+ALL_BUDGET_S = 570  # `all`: its steps run until this deadline
+MIN_STEP_S = 15  # a step with less time than this left is skipped
 MODEL_CACHE = REPO / "build" / "gpu_suite_models"  # build/ is git-ignored
 
 # Llama-3.2-1B's shape (random weights): 1.24B parameters, GQA 32/8, head_dim 64.
@@ -69,6 +81,7 @@ class Step:
     argv: tuple[str, ...]
     timeout_s: int
     stdout_file: str | None = None  # also save stdout alone to PART/stdout_file
+    env: tuple[tuple[str, str], ...] = ()  # set for this step (XLA_FLAGS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +131,8 @@ def kernels_steps(ctx: Context) -> list[Step]:
 
 def _make_model_step(ctx: Context, shape: str = "1b", timeout_s: int = 150) -> Step:
     argv = (str(Path(__file__)), "--make-model", str(ctx.model_dir(shape)), "--shape", shape)
-    return Step("make_model", (*argv, "--dry-run") if ctx.dry_run else argv, timeout_s)
+    name = "make_model" if shape == "1b" else f"make_model_{shape}"
+    return Step(name, (*argv, "--dry-run") if ctx.dry_run else argv, timeout_s)
 
 
 def throughput_steps(ctx: Context) -> list[Step]:
@@ -174,6 +188,66 @@ def decode_step_steps(ctx: Context) -> list[Step]:
     return _decode_step_steps(ctx, "1b", {"make": 150, "jax": 200, "torch": 180})
 
 
+def all_steps(ctx: Context) -> list[Step]:
+    """`all`, in priority order (see the module docstring); run_parts holds it to ALL_BUDGET_S."""
+    part, dry = ctx.out / "all", ctx.dry_run
+    tests = ("tests/test_gpu_parity.py", "tests/engine/test_async_scheduling.py",
+             "tests/backends/test_donated_outputs.py", "tests/backends/test_branch_free_steps.py")
+    engine_tests = (*tests, "-k", "float32 or outputs or match or buffers or places")
+    kernel_tests = ("-m", "gpu and not nvcc", "tests/kernels")
+    if dry:  # a sample: the gpu-marked tests deselect themselves on a CPU
+        kernel_tests = ("tests/kernels/test_pallas_lowering.py", "-k", "1b")
+        engine_tests = ("tests/backends/test_donated_outputs.py", "-k", "places")
+    model, model_8b = str(ctx.model_dir()), str(ctx.model_dir("8b"))
+    decode = str(BENCHMARKS / "decode_step.py")
+    size = (("--context", "16", "--steps", "4") if dry else ("--context", "512", "--steps", "32"))
+    batches = ("1", "2") if dry else ("1", "16", "64")
+
+    def decode_step(name: str, backend: str, *flags: str, timeout_s: int,
+                    env: tuple = (), model_dir: str = model, batch_sizes=batches) -> Step:
+        return Step(name, (decode, "--model", model_dir, "--backend", backend, "--batch-sizes",
+                           *batch_sizes, *size, *flags, "--out", str(part / name)),
+                    timeout_s, env=env)
+
+    dump = part / "xla_dump"
+    dump_flags = (f"--xla_dump_to={dump} --xla_dump_hlo_as_text "
+                  "--xla_dump_hlo_module_re=.*step_fn.*")
+    flag_ab = [decode_step(f"decode_step_jax_{label}", "jax", timeout_s=90,
+                           batch_sizes=("1", "2") if dry else ("1", "64"),
+                           env=(("XLA_FLAGS", flags),))
+               for label, flags in (("conditional", "--xla_gpu_enable_command_buffer=+CONDITIONAL"),
+                                    ("concurrent_region",
+                                     "--xla_gpu_graph_enable_concurrent_region=true"))]
+    kernels = (("--batches", "1", "2", "--contexts", "32", "--repeats", "1") if dry
+               else ("--batches", "1", "8", "64", "--contexts", "512", "2048", "8192"))
+    spec = (("--batch-sizes", "1", "--ks", "1", "--max-tokens", "4") if dry else
+            ("--batch-sizes", "1", "32", "--ks", "4", "--max-tokens", "64"))
+    return [
+        Step("doctor", ("-m", "pagedjax.entrypoints.cli", "doctor", "--json"), 150,
+             "doctor.json"),
+        Step("kernel_gpu_tests", _pytest(part / "kernel_gpu_tests.xml", *kernel_tests), 120),
+        Step("engine_gpu_tests", _pytest(part / "engine_gpu_tests.xml", *engine_tests), 150),
+        _make_model_step(ctx, "1b", 60),
+        decode_step("decode_step_jax", "jax", "--profile", "--probe", timeout_s=120,
+                    env=(("XLA_FLAGS", dump_flags),)),
+        Step("xla_dump_archive", ("-c", "import shutil, sys; shutil.make_archive(sys.argv[1], "
+                                  "'gztar', sys.argv[2]); shutil.rmtree(sys.argv[2])",
+                                  str(dump), str(dump)), 30),
+        decode_step("decode_step_torch", "torch", "--profile", timeout_s=60),
+        decode_step("decode_step_torch_sync", "torch", "--no-async-scheduling", timeout_s=45),
+        *flag_ab,
+        *(Step(f"kernels_{fw}", (str(BENCHMARKS / "kernels.py"), "--framework", fw, *kernels,
+                                 "--out", str(part / "kernels")), 120)
+          for fw in ("jax", "torch")),
+        *(Step(f"spec_decode_{backend}", (str(BENCHMARKS / "spec_decode.py"), "--backends",
+                                          backend, *spec, "--out", str(part / "spec_decode")),
+               timeout_s) for backend, timeout_s in (("torch", 60), ("jax", 150))),
+        _make_model_step(ctx, "8b", 150),
+        decode_step("decode_step_8b_jax", "jax", timeout_s=200, model_dir=model_8b,
+                    batch_sizes=("1",)),
+    ]
+
+
 def decode_step_8b_steps(ctx: Context) -> list[Step]:
     # the weights are drawn on the GPU; jax compiles 32 layers per step shape
     return _decode_step_steps(ctx, "8b", {"make": 150, "jax": 230, "torch": 160})
@@ -189,6 +263,7 @@ PARTS: dict[str, Callable[[Context], list[Step]]] = {
     "decode_step": decode_step_steps,
     "decode_step_8b": decode_step_8b_steps,
     "core_process": core_process_steps,
+    "all": all_steps,
 }
 
 
@@ -256,6 +331,9 @@ def make_model(out_dir: Path, dry_run: bool, shape: str = "1b") -> Path:
 def run_step(step: Step, part_dir: Path, env: dict[str, str]) -> dict:
     """Runs one step (its own process group, killed whole on timeout), teeing output to a log."""
     record = dict(step=step.name, command=[sys.executable, *step.argv], timeout_s=step.timeout_s)
+    env = dict(env, **dict(step.env))
+    if step.env:
+        record["env"] = dict(step.env)
     script = Path(step.argv[0])
     if script.suffix == ".py" and not script.exists():
         return dict(record, status="missing", detail=f"{script} does not exist")
@@ -304,7 +382,16 @@ def run_parts(names: list[str], ctx: Context) -> list[dict]:
     for name in names:
         part_dir = ctx.out / name
         part_dir.mkdir(parents=True, exist_ok=True)
+        deadline = time.monotonic() + ALL_BUDGET_S if name == "all" else None
         for step in PARTS[name](ctx):
+            if deadline is not None:  # what is left of `all`'s budget
+                left = int(deadline - time.monotonic())
+                if left < MIN_STEP_S:
+                    records.append(dict(step=step.name, part=name, status="skipped",
+                                        detail=f"{left} s of the budget left"))
+                    print(f"=== {name}/{step.name}: skipped ({left} s left)", flush=True)
+                    continue
+                step = dataclasses.replace(step, timeout_s=min(step.timeout_s, left))
             print(f"=== gpu_suite {name}/{step.name} (timeout {step.timeout_s}s)", flush=True)
             records.append(dict(run_step(step, part_dir, env), part=name))
             print(f"=== {name}/{step.name}: {records[-1]['status']}", flush=True)
@@ -327,11 +414,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.part or args.out is None:
         parser.error("--part NAME and --out DIR are required")
-    names = list(PARTS) if "all" in args.part else list(dict.fromkeys(args.part))
+    names = list(dict.fromkeys(args.part))
     ctx = Context(out=args.out.resolve(), dry_run=args.dry_run,
                   model_cache=args.model_cache.resolve())
     records = run_parts(names, ctx)
-    bad = [f"{r['part']}/{r['step']}: {r['status']}" for r in records if r["status"] != "ok"]
+    bad = [f"{r['part']}/{r['step']}: {r['status']}" for r in records
+           if r["status"] not in ("ok", "skipped")]
     print("gpu_suite: " + ("all steps ok" if not bad else "; ".join(bad)))
     return 1 if bad else 0
 

@@ -22,8 +22,8 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from pagedjax.architectures import architecture
 from pagedjax.config import ModelConfig
+from pagedjax.model_loader.architectures import architecture
 
 _SAFETENSORS_DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,

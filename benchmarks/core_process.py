@@ -65,7 +65,7 @@ def main() -> None:
 
     from pagedjax import LLM
     from pagedjax.config import ModelConfig
-    from pagedjax.demo import demo_model_dirs
+    from pagedjax.model_loader.demo import demo_model_dirs
 
     args.model = args.model or demo_model_dirs()[0]
     vocab_size = ModelConfig.from_pretrained(args.model).vocab_size

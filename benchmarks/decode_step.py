@@ -338,12 +338,12 @@ def main() -> None:
 
     from pagedjax import LLM
     from pagedjax.config import ModelConfig
-    from pagedjax.demo import demo_model_dirs
+    from pagedjax.model_loader.demo import demo_model_dirs
 
     copy_gbs = args.copy_gbs or copy_bandwidth_gbs(args.backend)  # before the KV pool
     with tempfile.TemporaryDirectory() as tmp:
         if args.random_llama:
-            from pagedjax.checkpoints import make_tiny_checkpoint
+            from pagedjax.testing.checkpoints import make_tiny_checkpoint
 
             args.model = str(make_tiny_checkpoint(Path(tmp) / "random-llama", "llama",
                                                   **RANDOM_LLAMA))

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_demo_models import autocast, encode_stream, load_split, make_optimizer  # noqa: E402
 
 from pagedjax import LLM, SamplingParams  # noqa: E402
-from pagedjax.demo import demo_model_dirs  # noqa: E402
+from pagedjax.model_loader.demo import demo_model_dirs  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -276,7 +276,7 @@ def make_model(out_dir: Path, dry_run: bool, shape: str = "1b") -> Path:
     from safetensors.torch import save_file
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from pagedjax.checkpoints import MULTIBYTE_TEXT, stdlib_corpus, train_tokenizer
+    from pagedjax.testing.checkpoints import MULTIBYTE_TEXT, stdlib_corpus, train_tokenizer
 
     if (out_dir / "config.json").exists():
         print(f"reusing {out_dir}")

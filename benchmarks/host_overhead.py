@@ -40,7 +40,7 @@ def make_llm(runner: str, batch: int, args):
     """An engine for batches up to `batch`: a step's token budget holds every sequence's
     decode token and as many prompt tokens again."""
     from pagedjax import LLM
-    from pagedjax.demo import demo_model_dirs
+    from pagedjax.model_loader.demo import demo_model_dirs
 
     max_num_batched_tokens = max(args.max_num_batched_tokens, 2 * batch)
     # room for the tokens the first prompts decode while the last ones are computed

@@ -99,7 +99,7 @@ def main() -> None:
     if args.arguments or not args.trace:
         argument_sweep()
     if args.trace:
-        from pagedjax.demo import demo_model_dirs
+        from pagedjax.model_loader.demo import demo_model_dirs
 
         host_trace(args.model or demo_model_dirs()[0], args.batch, args.steps)
 

@@ -133,11 +133,11 @@ def main() -> None:
         parser.error("--max-tokens must be >= 2 (decode time is t(N) - t(1))")
 
     from pagedjax.config import ModelConfig
-    from pagedjax.demo import demo_model_dirs
+    from pagedjax.model_loader.demo import demo_model_dirs
 
     with tempfile.TemporaryDirectory() as tmp:
         if args.random_llama:
-            from pagedjax.checkpoints import make_tiny_checkpoint
+            from pagedjax.testing.checkpoints import make_tiny_checkpoint
 
             args.model = str(make_tiny_checkpoint(Path(tmp) / "random-llama", "llama",
                                                   **RANDOM_LLAMA))

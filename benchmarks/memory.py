@@ -369,7 +369,7 @@ def main() -> None:
     if args.quick:
         args.num_requests, args.num_shared_prompts, args.num_chats = 8, 2, 4
         args.num_beam_prompts, args.beam_tokens, args.repeats, args.scale = 4, 8, 1, 0.1
-    from pagedjax.demo import demo_model_dirs
+    from pagedjax.model_loader.demo import demo_model_dirs
 
     args.model = args.model or demo_model_dirs()[0]
     rng = np.random.default_rng(args.seed)

@@ -173,7 +173,7 @@ def main() -> None:
     from common import environment, print_table, write_json
 
     from pagedjax.config import ModelConfig
-    from pagedjax.demo import demo_model_dirs
+    from pagedjax.model_loader.demo import demo_model_dirs
 
     if "vllm" in args.systems and not args.vllm_python.exists():
         raise SystemExit(f"no vLLM venv at {args.vllm_python}: run `make bench-vllm`, or pass "

@@ -118,7 +118,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=HERE / "results")
     args = parser.parse_args()
     if args.model == "smollm2-instruct":
-        from pagedjax.demo import smollm2_instruct_dir
+        from pagedjax.model_loader.demo import smollm2_instruct_dir
 
         args.model = smollm2_instruct_dir()
     loads = [tuple(map(int, load.split(":"))) for load in args.loads]

@@ -24,9 +24,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import add_out_argument, environment, print_table, write_json  # noqa: E402
 
-from pagedjax.demo import demo_model_dirs  # noqa: E402
 from pagedjax.entrypoints.bench_serve import add_bench_serve_args  # noqa: E402
 from pagedjax.entrypoints.bench_serve import main as bench_serve  # noqa: E402
+from pagedjax.model_loader.demo import demo_model_dirs  # noqa: E402
 
 
 def start_server(backend: str, port: int, log_path: Path) -> tuple[subprocess.Popen, float]:

@@ -159,7 +159,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def main() -> None:
-    from pagedjax.demo import demo_model_dirs
+    from pagedjax.model_loader.demo import demo_model_dirs
 
     target, draft = demo_model_dirs()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

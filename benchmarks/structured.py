@@ -375,8 +375,8 @@ def main() -> None:
         parser.error("--max-tokens must be >= 2 (decode time is t(N) - t(1))")
 
     from pagedjax.config import ModelConfig
-    from pagedjax.demo import demo_model_dirs
-    from pagedjax.tokenizer import load_eos_token_ids, load_tokenizer
+    from pagedjax.model_loader.demo import demo_model_dirs
+    from pagedjax.model_loader.tokenizer import load_eos_token_ids, load_tokenizer
 
     args.model = args.model or demo_model_dirs()[0]
     load_before = os.getloadavg()  # a shared host: how busy it was, kept with the results

@@ -83,7 +83,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from pagedjax.config import ModelConfig
-    from pagedjax.demo import demo_model_dirs
+    from pagedjax.model_loader.demo import demo_model_dirs
 
     model = args.model or demo_model_dirs()[0]
     vocab = ModelConfig.from_pretrained(model).vocab_size

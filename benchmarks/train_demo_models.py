@@ -3,10 +3,10 @@
 What: both models are trained from scratch on this Python's standard library source (every
 `*.py` under `sysconfig.get_paths()["stdlib"]`, minus tests, idlelib, encodings tables and
 the like; whole files are held out for evaluation), documents joined by the EOS token, with one
-byte-level BPE tokenizer (`pagedjax.checkpoints.train_tokenizer`) shared by both. They are saved
-as bf16 safetensors Hugging Face checkpoints in `pagedjax/demo_models/{target,draft}/`, each with
-a `training_summary.json` (sizes, steps, losses vs a unigram baseline, tokens seen, wall time,
-device, draft/target greedy agreement, sample generations, the command).
+byte-level BPE tokenizer (`pagedjax.testing.checkpoints.train_tokenizer`) shared by both. They
+are saved as bf16 safetensors Hugging Face checkpoints in `pagedjax/demo_models/{target,draft}/`,
+each with a `training_summary.json` (sizes, steps, losses vs a unigram baseline, tokens seen,
+wall time, device, draft/target greedy agreement, sample generations, the command).
 
 Why: the engine, its tests and the speculative-decoding path need a real (not random) model pair
 that ships inside the package (no model hub): a target whose greedy text looks like Python and a
@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from pagedjax.checkpoints import train_tokenizer
+from pagedjax.testing.checkpoints import train_tokenizer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase

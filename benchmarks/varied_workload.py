@@ -113,7 +113,7 @@ def measure(backend: str, speculative: bool, num_requests: int) -> dict:
 
     from pagedjax import LLM
     from pagedjax.config import ModelConfig
-    from pagedjax.demo import demo_model_dirs
+    from pagedjax.model_loader.demo import demo_model_dirs
 
     compiles: list[float] = []
     jax.monitoring.register_event_duration_secs_listener(

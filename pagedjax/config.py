@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pagedjax.architectures import (
+from pagedjax.model_loader.architectures import (
     ARCHITECTURE_BY_MODEL_TYPE,
     SUPPORTED_ARCHITECTURES,
     architecture,
@@ -22,7 +22,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 @dataclass(frozen=True)
 class ModelConfig:
     """The model's shape and its architecture's variations of the Llama decoder
-    (pagedjax/architectures.py), read from config.json (transformers v4 and v5 layouts)."""
+    (pagedjax/model_loader/architectures.py), read from config.json (transformers v4 and v5
+    layouts)."""
 
     architecture: str
     vocab_size: int

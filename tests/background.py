@@ -13,7 +13,8 @@ import pytest
 
 # SmolLM2's GGUF file converted to a checkpoint in the session's cache folder (~45 s, one thread)
 SMOLLM2_CONVERSION = pytest.StashKey[subprocess.Popen]()
-_CONVERT_SMOLLM2 = "from pagedjax.demo import smollm2_instruct_dir; smollm2_instruct_dir()"
+_CONVERT_SMOLLM2 = ("from pagedjax.model_loader.demo import smollm2_instruct_dir; "
+                    "smollm2_instruct_dir()")
 
 
 def start_low_priority(argv: list[str], **kwargs) -> subprocess.Popen:

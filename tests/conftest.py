@@ -28,7 +28,7 @@ os.environ.setdefault("PAGEDJAX_FREEZE_GC_HEAP", "0")
 
 import pytest
 
-from pagedjax.checkpoints import (
+from pagedjax.testing.checkpoints import (
     MULTIBYTE_TEXT,
     make_tiny_checkpoint,
     stdlib_corpus,

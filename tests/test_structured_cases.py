@@ -11,7 +11,7 @@ import llguidance.numpy
 import numpy as np
 import pytest
 
-from pagedjax.demo import DEMO_DIR
+from pagedjax.model_loader.demo import DEMO_DIR
 from pagedjax.sampling_params import StructuredOutputsParams
 from tests.structured_cases import (
     CASES,
@@ -28,7 +28,7 @@ WALKS = 20
 
 @pytest.fixture(scope="module")
 def demo_tokenizer():
-    from pagedjax.tokenizer import load_eos_token_ids, load_tokenizer
+    from pagedjax.model_loader.tokenizer import load_eos_token_ids, load_tokenizer
 
     target = str(DEMO_DIR / "target")
     hf = load_tokenizer(target)

@@ -4,7 +4,7 @@ Order (vLLM's): raw logprobs (returned) → banned tokens (min_tokens) → logit
 frequency and presence penalties → the grammar's token bitmask (structured outputs) → greedy
 rows take the argmax; random rows divide by
 temperature, keep top-k, then top-p, then min-p, and take the argmax of logits + Gumbel noise
-from pagedjax.random's counters (an exact categorical sample).
+from pagedjax.rng's counters (an exact categorical sample).
 
 The shapes never depend on what the rows ask for: each optional part is a `lax.cond` on the
 step's flags (batch.StepFlag), a branch XLA runs or skips inside the compiled step; where the
@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pagedjax import random as prng
+from pagedjax import rng as prng
 from pagedjax.core.batch import StepFlag
 from pagedjax.core.logit_entries import EntryFlag
 from pagedjax.sampling_params import MAX_LOGPROBS
@@ -51,14 +51,14 @@ def _mix32(x: jax.Array) -> jax.Array:
 
 
 def uniform(seed: jax.Array, step: jax.Array, num: int) -> jax.Array:
-    """[L] uint32 seeds and steps → [L, num] float32 uniforms in (0, 1) (see pagedjax.random)."""
+    """[L] uint32 seeds and steps → [L, num] float32 uniforms in (0, 1) (see pagedjax.rng)."""
     key = _mix32(seed[:, None] ^ _mix32(step[:, None] * jnp.uint32(prng.GOLDEN)))
     bits = _mix32(key + jnp.arange(num, dtype=jnp.uint32)[None, :] * jnp.uint32(prng.STREAM))
     return bits_to_uniform(bits)
 
 
 def bits_to_uniform(bits: jax.Array) -> jax.Array:
-    """uint32 hashes → float32 uniforms strictly inside (0, 1) (pagedjax.random's)."""
+    """uint32 hashes → float32 uniforms strictly inside (0, 1) (pagedjax.rng's)."""
     top = (bits >> (32 - prng.UNIFORM_BITS)).astype(jnp.float32)
     return (top + 0.5) * (2.0**-prng.UNIFORM_BITS)
 

@@ -1,5 +1,6 @@
 """Llama-family decoder in PyTorch over a paged KV cache: Llama, and the variations other
-architectures take of it (pagedjax/architectures.py: q/k norms, post-norms, multipliers).
+architectures take of it (pagedjax/model_loader/architectures.py: q/k norms, post-norms,
+multipliers).
 
 The model sees one flattened ragged batch: T tokens from S sequences. Attention metadata is
 passed explicitly (never a global), as in the JAX model; the KV caches are written in place by

@@ -4,7 +4,7 @@ Order (vLLM's): raw logprobs (returned) → banned tokens (min_tokens) → logit
 frequency and presence penalties → the grammar's token bitmask (structured outputs) → greedy
 rows take the argmax; random rows divide by
 temperature, keep top-k, then top-p, then min-p, and take the argmax of logits + Gumbel noise
-from pagedjax.random's counters (an exact categorical sample), so a seeded request samples the
+from pagedjax.rng's counters (an exact categorical sample), so a seeded request samples the
 same tokens on either backend.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedjax import random as prng
+from pagedjax import rng as prng
 from pagedjax.core.batch import StepFlags
 from pagedjax.core.logit_entries import EntryFlag
 from pagedjax.kernels_cuda import ops_backend
@@ -39,7 +39,7 @@ def uniform(seed: torch.Tensor, step: torch.Tensor, num: int) -> torch.Tensor:
 
 
 def bits_to_uniform(bits: torch.Tensor) -> torch.Tensor:
-    """uint32 hashes (in int64) → float32 uniforms strictly inside (0, 1) (pagedjax.random's)."""
+    """uint32 hashes (in int64) → float32 uniforms strictly inside (0, 1) (pagedjax.rng's)."""
     top = (bits >> (32 - prng.UNIFORM_BITS)).to(torch.float32)
     return (top + 0.5) * (2.0**-prng.UNIFORM_BITS)
 

@@ -84,7 +84,7 @@ class SpeculativeConfig:
                            target_config: ModelConfig, max_model_len: int) -> ModelConfig:
         """The draft's ModelConfig, once it is checked against the target's vocabulary and
         max_model_len."""
-        from pagedjax.tokenizer import load_tokenizer
+        from pagedjax.model_loader.tokenizer import load_tokenizer
 
         draft_config = ModelConfig.from_pretrained(self.model)
         self.check_vocabulary(target_dir, target_tokenizer, load_tokenizer(self.model),

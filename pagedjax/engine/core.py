@@ -52,12 +52,12 @@ from pagedjax.engine.core_messages import (
 from pagedjax.engine.overlap import Launched, StepOverlap
 from pagedjax.engine.stats import StepTimings
 from pagedjax.engine.step_costs import step_costs
-from pagedjax.gguf_loader import resolve_model_source
+from pagedjax.model_loader.gguf import resolve_model_source
+from pagedjax.model_loader.tokenizer import load_eos_token_ids, load_tokenizer
 from pagedjax.parallel import TensorParallelPlan
-from pagedjax.random import derive_seed
+from pagedjax.rng import derive_seed
 from pagedjax.sampling_params import RequestOutputKind
 from pagedjax.structured_output import StructuredOutputManager
-from pagedjax.tokenizer import load_eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
 

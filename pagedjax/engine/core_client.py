@@ -36,9 +36,9 @@ from pagedjax.core.beam_search import BeamSearchParams
 from pagedjax.engine.core_messages import EngineCoreOutputs, EngineCoreRequest, FinishSequence
 from pagedjax.engine.input_processor import EngineLimits, InputProcessor, PromptType
 from pagedjax.engine.output_processor import OutputProcessor
+from pagedjax.model_loader.tokenizer import load_tokenizer
 from pagedjax.outputs import RequestOutput
 from pagedjax.sampling_params import SamplingParams
-from pagedjax.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ import time
 
 
 def _parser() -> argparse.ArgumentParser:
-    from pagedjax.demo import SMOLLM2_INSTRUCT
     from pagedjax.engine_args import EngineArgs, FlexibleArgumentParser
+    from pagedjax.model_loader.demo import SMOLLM2_INSTRUCT
 
     parser = FlexibleArgumentParser(prog="pagedjax", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -66,7 +66,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def convert(args: argparse.Namespace) -> None:
-    from pagedjax.gguf_loader import convert_gguf, gguf_file
+    from pagedjax.model_loader.gguf import convert_gguf, gguf_file
 
     gguf_path = gguf_file(args.model)
     if gguf_path is not None:
@@ -90,8 +90,8 @@ def convert(args: argparse.Namespace) -> None:
 
 def generate(args: argparse.Namespace) -> None:
     from pagedjax import LLM, SamplingParams
-    from pagedjax.demo import SMOLLM2_INSTRUCT, demo_model_dirs, smollm2_instruct_dir
     from pagedjax.engine_args import EngineArgs
+    from pagedjax.model_loader.demo import SMOLLM2_INSTRUCT, demo_model_dirs, smollm2_instruct_dir
 
     model, draft = args.model, args.speculative_model
     if model == SMOLLM2_INSTRUCT:

@@ -16,9 +16,9 @@ from pagedjax.engine.core_client import SyncMPClient
 from pagedjax.engine.llm_engine import LLMEngine, PromptType
 from pagedjax.engine_args import EngineArgs
 from pagedjax.entrypoints.chat_utils import ChatMessage, apply_chat_template, load_chat_template
+from pagedjax.model_loader.tokenizer import default_sampling_kwargs
 from pagedjax.outputs import RequestOutput
 from pagedjax.sampling_params import RequestOutputKind, SamplingParams
-from pagedjax.tokenizer import default_sampling_kwargs
 
 
 class LLM:

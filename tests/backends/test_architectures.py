@@ -1,6 +1,7 @@
-"""Every architecture row of pagedjax/architectures.py beyond Llama/Mistral/Qwen2, on both
-backends: float32 greedy tokens identical to HF transformers' on a tiny random checkpoint, with
-default settings and under chunked prefill with a pool small enough to preempt."""
+"""Every architecture row of pagedjax/model_loader/architectures.py beyond Llama/Mistral/Qwen2,
+on both backends: float32 greedy tokens identical to HF transformers' on a tiny random
+checkpoint, with default settings and under chunked prefill with a pool small enough to
+preempt."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from pagedjax import random as prng
+from pagedjax import rng as prng
 from pagedjax.backends.jax import rejection_sampler as jax_rs
 from pagedjax.backends.jax import sampler as jax_sampler
 from pagedjax.backends.torch import rejection_sampler as torch_rs

@@ -10,7 +10,7 @@ import pytest
 from pagedjax import LLM, BeamSearchParams, SamplingParams
 from pagedjax.core.block_manager import BlockManager, CopyingBlockManager
 from pagedjax.core.scheduler_output import SchedulerOutput
-from pagedjax.random import derive_seed
+from pagedjax.rng import derive_seed
 from tests.hf_reference import hf_beam_search, hf_greedy
 
 BACKENDS = ["jax", "torch"]

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from pagedjax import random as prng
+from pagedjax import rng as prng
 from pagedjax.backends.jax import sampler as jax_sampler
 from pagedjax.backends.torch import sampler as torch_sampler
 from pagedjax.core.batch import StepFlags

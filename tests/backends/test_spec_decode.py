@@ -154,7 +154,7 @@ def test_speculation_under_pressure(tiny_model, reference, backend: str) -> None
 
 
 def test_draft_must_share_the_vocabulary(tiny_model, tmp_path) -> None:
-    from pagedjax.checkpoints import make_tiny_checkpoint, stdlib_corpus, train_tokenizer
+    from pagedjax.testing.checkpoints import make_tiny_checkpoint, stdlib_corpus, train_tokenizer
 
     other = make_tiny_checkpoint(tmp_path / "other", "llama",
                                  tokenizer=train_tokenizer(stdlib_corpus()[:1], vocab_size=300))

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from pagedjax import LLM, SamplingParams, StructuredOutputsParams
-from pagedjax.demo import demo_model_dirs
+from pagedjax.model_loader.demo import demo_model_dirs
 from tests.structured_cases import CASES, max_tokens_for
 
 BACKENDS = ["jax", "torch"]
@@ -222,8 +222,8 @@ def test_a_row_is_cut_at_the_first_token_its_grammar_forbids() -> None:
     past the step's, a greedy row's does not; a finished grammar stops its completion."""
     from pagedjax.core.scheduler_output import SampledTokens
     from pagedjax.core.sequence import Sequence
+    from pagedjax.model_loader.tokenizer import load_tokenizer
     from pagedjax.structured_output import StructuredOutputManager
-    from pagedjax.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(TARGET)
     manager = StructuredOutputManager(tokenizer, len(tokenizer), (tokenizer.eos_token_id,))
@@ -267,9 +267,9 @@ def test_masks_filled_ahead_equal_masks_filled_in_the_step(monkeypatch, caplog) 
     filled), and a step whose fill ahead fails (its rows filled again in the step)."""
     from pagedjax.core.scheduler_output import SampledTokens
     from pagedjax.core.sequence import Sequence, SequenceStatus
+    from pagedjax.model_loader.tokenizer import load_tokenizer
     from pagedjax.structured_output import StructuredOutputManager, mask_filler
     from pagedjax.structured_output.manager import AHEAD_MIN_ROWS
-    from pagedjax.tokenizer import load_tokenizer
     from tests.structured_cases import CASES_BY_NAME
 
     tokenizer = load_tokenizer(TARGET)

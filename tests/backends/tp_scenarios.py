@@ -79,8 +79,8 @@ def errors(model: str, tmp_dir: str) -> dict:
     """The errors for a size that does not divide the heads, and for more devices than there
     are (an 8-head copy of the model, so that 8 divides)."""
     from pagedjax import LLM
-    from pagedjax.checkpoints import make_tiny_checkpoint
-    from pagedjax.tokenizer import load_tokenizer
+    from pagedjax.model_loader.tokenizer import load_tokenizer
+    from pagedjax.testing.checkpoints import make_tiny_checkpoint
 
     eight_heads = make_tiny_checkpoint(tmp_dir, "llama", tokenizer=load_tokenizer(model),
                                        num_attention_heads=8, num_key_value_heads=8)

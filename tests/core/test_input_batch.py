@@ -18,7 +18,7 @@ from pagedjax.core.batch import ModelInput
 from pagedjax.core.batch_reference import build_model_input, describe
 from pagedjax.core.beam_search import BeamSearchParams
 from pagedjax.core.input_batch import InputBatch
-from pagedjax.demo import demo_model_dirs
+from pagedjax.model_loader.demo import demo_model_dirs
 from pagedjax.sampling_params import StructuredOutputsParams
 
 ROW_ARRAYS = ("num_prompt_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",

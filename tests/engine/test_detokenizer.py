@@ -7,7 +7,6 @@ import random
 
 import pytest
 
-from pagedjax.checkpoints import MULTIBYTE_TEXT
 from pagedjax.core.sequence import Sequence
 from pagedjax.core.stopping import StopChecker
 from pagedjax.engine.core_messages import EngineCoreOutputs, EngineCoreRequest, SeqOutput
@@ -15,6 +14,7 @@ from pagedjax.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from pagedjax.engine.output_processor import OutputProcessor
 from pagedjax.outputs import CompletionOutput, RequestOutput
 from pagedjax.sampling_params import RequestOutputKind, SamplingParams
+from pagedjax.testing.checkpoints import MULTIBYTE_TEXT
 
 TEXT = "def greet(name):\n    return f'héllo {name} — ✓ 日本語 😀🎉'\n" + MULTIBYTE_TEXT[:60]
 

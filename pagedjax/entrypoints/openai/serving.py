@@ -19,9 +19,9 @@ from pagedjax.engine.async_llm import AsyncLLM, EngineDeadError
 from pagedjax.entrypoints.openai.errors import OpenAIError, bad_request, error_body
 from pagedjax.entrypoints.openai.protocol import SamplingFields
 from pagedjax.entrypoints.openai.sampling import to_sampling_params
+from pagedjax.model_loader.tokenizer import default_sampling_kwargs
 from pagedjax.outputs import RequestOutput
 from pagedjax.sampling_params import RequestOutputKind, SamplingParams
-from pagedjax.tokenizer import default_sampling_kwargs
 
 T = TypeVar("T")
 logger = logging.getLogger("pagedjax")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-DEMO_DIR = Path(__file__).resolve().parent / "demo_models"
+DEMO_DIR = Path(__file__).resolve().parents[1] / "demo_models"
 
 
 def demo_model_dirs() -> tuple[str, str]:
@@ -39,6 +39,6 @@ def smollm2_instruct_gguf() -> str:
 def smollm2_instruct_dir() -> str:
     """SmolLM2-135M-Instruct as a HF checkpoint directory: its GGUF file dequantized to float32
     once and cached (~0.5 GB)."""
-    from pagedjax.gguf_loader import resolve_model_source
+    from pagedjax.model_loader.gguf import resolve_model_source
 
     return resolve_model_source(smollm2_instruct_gguf())

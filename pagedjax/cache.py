@@ -1,34 +1,27 @@
-"""Where pagedjax keeps what it builds once: the JAX backend's compiled steps (steps/) and the C++
-FFI library. `$PAGEDJAX_CACHE_DIR`, else `$XDG_CACHE_HOME/pagedjax`, else `~/.cache/pagedjax`.
-`PAGEDJAX_DISABLE_COMPILE_CACHE=1` turns the compiled steps' cache off (every process then
-compiles its steps anew).
-
-And when the steps compile: all at startup by default. `PAGEDJAX_COMPILE_AT_STARTUP=0` compiles
-(or captures) each step shape when a step first needs it instead: a faster start for a quick
-experiment or a test, paid for by compiles while serving (adaptive speculation then keeps k
-fixed: its step-time table would compile every speculative shape)."""
+"""Where pagedjax keeps what it builds once (the JAX backend's compiled steps, steps/, and the C++
+FFI library), whether compiled steps are cached, and when the steps compile: all at startup by
+default, or each when a step first needs it (adaptive speculation then keeps k fixed: its
+step-time table would compile every speculative shape). The switches: envs.py."""
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
-import os
 from pathlib import Path
+
+from pagedjax import envs
 
 
 def cache_dir() -> Path:
-    explicit = os.environ.get("PAGEDJAX_CACHE_DIR")
-    if explicit:
-        return Path(explicit)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pagedjax"
+    return envs.PAGEDJAX_CACHE_DIR
 
 
 def compile_cache_enabled() -> bool:
-    return os.environ.get("PAGEDJAX_DISABLE_COMPILE_CACHE", "0").lower() in ("", "0", "false")
+    return not envs.PAGEDJAX_DISABLE_COMPILE_CACHE
 
 
 def compile_at_startup() -> bool:
-    return os.environ.get("PAGEDJAX_COMPILE_AT_STARTUP", "1").lower() not in ("0", "false")
+    return envs.PAGEDJAX_COMPILE_AT_STARTUP
 
 
 def source_digest() -> str:

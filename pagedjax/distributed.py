@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import atexit
 import gc
-import os
 import sys
 import weakref
 from typing import Protocol
+
+from pagedjax import envs
 
 
 class _Releasable(Protocol):
@@ -35,7 +36,7 @@ def register_engine(engine: _Releasable) -> None:
 def freeze_gc_heap() -> None:
     """Collect what is garbage now (frozen garbage included), then freeze what is alive (~0.2 s
     over a quarter of a million objects); PAGEDJAX_FREEZE_GC_HEAP=0 leaves the heap alone."""
-    if os.environ.get("PAGEDJAX_FREEZE_GC_HEAP", "1").lower() in ("0", "false"):
+    if not envs.PAGEDJAX_FREEZE_GC_HEAP:
         return
     gc.unfreeze()
     gc.collect()

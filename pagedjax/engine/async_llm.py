@@ -13,7 +13,6 @@ import asyncio
 import atexit
 import dataclasses
 import logging
-import os
 import threading
 import time
 import weakref
@@ -22,6 +21,7 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from pagedjax import envs
 from pagedjax.config import EngineConfig
 from pagedjax.engine.core_client import EngineDeadError, InprocClient, MPClient
 from pagedjax.engine.llm_engine import LLMEngine, PromptType
@@ -54,7 +54,7 @@ class _Request:
 
 def default_multiprocess() -> bool:
     """The engine core in its own process unless PAGEDJAX_ENGINE_CORE_PROCESS=0."""
-    return os.environ.get("PAGEDJAX_ENGINE_CORE_PROCESS", "1").lower() not in ("0", "false")
+    return envs.PAGEDJAX_ENGINE_CORE_PROCESS is not False
 
 
 class AsyncLLM:

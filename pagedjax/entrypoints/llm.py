@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import os
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
 
+from pagedjax import envs
 from pagedjax.core.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagedjax.engine.core_client import SyncMPClient
 from pagedjax.engine.llm_engine import LLMEngine, PromptType
@@ -37,8 +37,7 @@ class LLM:
         PAGEDJAX_ENGINE_CORE_PROCESS says."""
         engine_args = EngineArgs.from_kwargs(model, **kwargs)
         if multiprocess is None:
-            multiprocess = os.environ.get("PAGEDJAX_ENGINE_CORE_PROCESS", "0").lower() in (
-                "1", "true")
+            multiprocess = bool(envs.PAGEDJAX_ENGINE_CORE_PROCESS)
         self.engine: LLMEngine | SyncMPClient = (
             SyncMPClient(engine_args.create_engine_config()) if multiprocess
             else LLMEngine(engine_args.create_engine_config()))

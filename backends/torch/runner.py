@@ -399,9 +399,11 @@ class TorchModelRunner:
         if token_bitmask is not None:
             sampling["token_bitmask"] = token_bitmask  # [S, W]
         target, k = self.models[0], layout.num_spec_tokens
-        rows = b["input_rows"]  # [T]: 1 + a row of last_tokens, or 0 (input_ids)
-        input_ids = torch.where(rows > 0, self.last_tokens[(rows - 1).clamp(min=0).long()],
-                                b["input_ids"])
+        input_ids = b["input_ids"]
+        if self.async_launch:  # only then may a step be scheduled before the last one's tokens
+            rows = b["input_rows"]  # [T]: 1 + a row of last_tokens, or 0 (input_ids)
+            input_ids = torch.where(rows > 0, self.last_tokens[(rows - 1).clamp(min=0).long()],
+                                    input_ids)
         if layout.draft:
             draft = self.models[1]
             drafts = propose_drafts(draft.forward, draft.kv_caches, b, draft.rope,
@@ -443,7 +445,9 @@ class TorchModelRunner:
 
     def _keep_first_tokens(self, tokens: torch.Tensor) -> None:
         """[L, K+1] → each row's first token into last_tokens (the next step's inputs, read
-        on the device when it is launched before these reach the host)."""
+        on the device when it is launched before these reach the host; a CPU never is)."""
+        if not self.async_launch:
+            return
         n = min(tokens.shape[0], self.last_tokens.shape[0])
         self.last_tokens[:n] = tokens[:n, 0]
 

@@ -18,10 +18,9 @@ costs each step a message each way and pays only where a core is free for it.
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedjax.config import EngineConfig
 from pagedjax.core.beam_search import BeamSearchParams
@@ -32,6 +31,9 @@ from pagedjax.engine.input_processor import EngineLimits, InputProcessor, Prompt
 from pagedjax.engine.output_processor import OutputProcessor
 from pagedjax.outputs import RequestOutput
 from pagedjax.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedjax.engine_args import EngineArgs
 
 __all__ = ["LLMEngine", "PromptType"]
 
@@ -53,10 +55,9 @@ class LLMEngine:
         self._inbox_lock = threading.Lock()
 
     @classmethod
-    def from_engine_args(cls, engine_args: EngineConfig) -> LLMEngine:
+    def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
         """An engine for EngineArgs (validated on a copy: the caller's stay as given)."""
-        return cls(EngineConfig(**{f.name: getattr(engine_args, f.name)
-                                   for f in dataclasses.fields(EngineConfig)}))
+        return cls(engine_args.create_engine_config())
 
     @property
     def runner(self) -> ModelRunner | None:

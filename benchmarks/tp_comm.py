@@ -1,5 +1,6 @@
 """Tensor parallelism's communication: bytes all-reduced per decoder layer and per step, as
-pagedjax.parallel counts them, checked against the HLO XLA partitions the JAX step into.
+pagedjax.distributed.tensor_parallel counts them, checked against the HLO XLA partitions the
+JAX step into.
 
 Only one GPU is available to this project, so multi-GPU speed is not measured here: this
 script computes the volume for Llama-3.2-1B and Llama-3-8B shapes at TP 2/4/8, and compiles
@@ -48,19 +49,20 @@ def hlo_all_reduces(config, size: int, num_tokens: int) -> list[tuple[str, tuple
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
 
-    from pagedjax.backends.jax.model import AttentionMetadata, LlamaForCausalLM
-    from pagedjax.backends.jax.sharding import (
+    from pagedjax.backends.common.attention_metadata import AttentionMetadata
+    from pagedjax.backends.jax.model import LlamaForCausalLM
+    from pagedjax.backends.jax.parallel import (
         KV_CACHE,
         all_reduce_operands,
         make_mesh,
         param_specs,
         per_shard,
     )
+    from pagedjax.distributed.tensor_parallel import TensorParallelPlan
     from pagedjax.kernels_pallas.reference import (
         ragged_paged_attention_reference,
         write_kv_reference,
     )
-    from pagedjax.parallel import TensorParallelPlan
 
     plan = TensorParallelPlan.for_model(config, size)
     mesh, shard_config = make_mesh(size), plan.shard_config(config)
@@ -91,7 +93,7 @@ def main() -> None:
     add_out_argument(parser)
     args = parser.parse_args()
 
-    from pagedjax.parallel import TensorParallelPlan
+    from pagedjax.distributed.tensor_parallel import TensorParallelPlan
 
     rows = []
     for name, fields in SHAPES.items():

@@ -1,5 +1,5 @@
 """EngineArgs: the engine's options under vLLM's names, on the command line with `vllm serve`'s
-flag spellings, and FlexibleArgumentParser (which also takes `--max_model_len`)."""
+flag spellings."""
 
 from __future__ import annotations
 
@@ -52,25 +52,6 @@ _FLAGS: dict[str, tuple[str, dict]] = {
                           {"action": "store_true"}),
     "attention_impl": ("attention implementation (auto: the backend's fastest)", {}),
 }
-
-
-class FlexibleArgumentParser(argparse.ArgumentParser):
-    """An ArgumentParser that also accepts underscores in long options (`--max_model_len`), as
-    vLLM's does."""
-
-    def parse_known_args(self, args: Sequence[str] | None = None,
-                         namespace: argparse.Namespace | None = None):
-        import sys
-
-        args = list(sys.argv[1:] if args is None else args)
-        return super().parse_known_args([_dashes(a) for a in args], namespace)
-
-
-def _dashes(arg: str) -> str:
-    if not arg.startswith("--"):
-        return arg
-    name, eq, value = arg.partition("=")
-    return name.replace("_", "-") + eq + value
 
 
 @dataclass

@@ -83,7 +83,7 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_import_circles() -> None:
     modules = package_modules()
-    assert {"pagedjax.config", "pagedjax.parallel", "pagedjax.core.scheduler",
+    assert {"pagedjax.config", "pagedjax.distributed.tensor_parallel", "pagedjax.core.scheduler",
             "pagedjax.backends.torch.runner"} <= modules.keys()
     assert circles(import_graph(modules)) == []
 
@@ -139,3 +139,17 @@ def test_no_module_is_named_like_a_standard_one() -> None:
     folders = [ROOT / name for name in ("pagedjax", "backends", "kernels_pallas", "kernels_cuda")]
     names = {path.stem for folder in folders for path in folder.rglob("*.py")}
     assert names & set(sys.stdlib_module_names) <= {"__init__"}
+
+
+def test_the_backends_have_the_same_files_for_the_same_jobs() -> None:
+    """docs/architecture.md's table: each job in a file of the same name in both backends, and
+    what they share (naming no framework) in backends/common/."""
+    jobs = {"model", "params", "attention", "step", "spec_step", "sampler", "rejection_sampler",
+            "parallel", "runner"}
+    for backend in ("jax", "torch"):
+        files = {path.stem for path in (ROOT / "backends" / backend).glob("*.py")}
+        assert jobs <= files, (backend, sorted(jobs - files))
+    common = ROOT / "backends" / "common"
+    for path in common.glob("*.py"):
+        text = path.read_text()
+        assert "import jax" not in text and "import torch" not in text, path.name

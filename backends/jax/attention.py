@@ -1,8 +1,10 @@
-"""Which attention and KV-write implementation the JAX model uses."""
+"""Which attention, KV-write and linear implementations the JAX model uses, decided once."""
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from pagedjax.backends.jax.model import AttentionFn, WriteKVFn
 from pagedjax.kernels_pallas.reference import (
@@ -39,3 +41,13 @@ def resolve_attention(attention_impl: str) -> tuple[AttentionFn, WriteKVFn, str]
     from pagedjax.kernels_pallas import ragged_paged_attention, write_kv
 
     return ragged_paged_attention, write_kv, "pallas"
+
+
+def uses_cpu_linear(attention_impl: str, dtype: jnp.dtype, mesh: Mesh | None) -> bool:
+    """The linear layers on the C++ kernel through XLA's FFI: with the C++ CPU attention
+    ("cpu"), in float32, on one device (packed kernels have no tensor-parallel layout)."""
+    if attention_impl != "cpu" or dtype != jnp.float32 or mesh is not None:
+        return False
+    from pagedjax.kernels_pallas import cpu_ffi
+
+    return cpu_ffi.available()

@@ -10,26 +10,15 @@ jitted step can donate them.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from pagedjax.backends.common.attention_metadata import AttentionMetadata
 from pagedjax.config import ModelConfig
 
 KVCache = tuple[jax.Array, jax.Array]  # k, v: [num_blocks, Hkv, block_size, D]
-
-
-class AttentionMetadata(NamedTuple):
-    positions: jax.Array  # [T] int32
-    slot_mapping: jax.Array  # [T] int32, -1 = padding
-    query_start_loc: jax.Array  # [S+1] int32
-    kv_lens: jax.Array  # [S] int32
-    block_tables: jax.Array  # [S, M] int32
-    rope_cos: jax.Array  # [max_model_len, D] float32
-    rope_sin: jax.Array  # [max_model_len, D] float32
-    decode: bool = False  # static: one query token per sequence, T == S (attention's fast path)
 
 
 # (q [T, Hq, D], k_cache, v_cache, kv_lens, block_tables, query_start_loc, *, sm_scale,

@@ -1,22 +1,27 @@
-"""Canonical HF weights → the Flax parameter tree (linear kernels transposed to [in, out]),
-and its Orbax checkpoint: converted once with `pagedjax convert`, restored directly after."""
+"""Loading and layout: canonical HF weights → the Flax parameter tree (linear kernels transposed
+to [in, out]), and its Orbax checkpoint: converted once with `pagedjax convert`, restored
+directly after. DeviceModel: one model on the device(s), as a runner holds it."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from pagedjax.backends.jax.sharding import param_specs, shardings
-from pagedjax.backends.weights import layer_norm_names, load_weights, repeat_kv_heads
-from pagedjax.config import ModelConfig
-from pagedjax.parallel import TensorParallelPlan
+from pagedjax.backends.common.rope import rope_cos_sin
+from pagedjax.backends.common.weights import layer_norm_names, load_weights, repeat_kv_heads
+from pagedjax.backends.jax.attention import resolve_attention, uses_cpu_linear
+from pagedjax.backends.jax.model import KVCache, LlamaForCausalLM, pack_params
+from pagedjax.backends.jax.parallel import KV_CACHE, REPLICATED, param_specs, per_shard, shardings
+from pagedjax.config import EngineConfig, ModelConfig
+from pagedjax.distributed.tensor_parallel import TensorParallelPlan
 
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
@@ -34,7 +39,8 @@ def load_params(model_dir: str, config: ModelConfig, dtype: jnp.dtype, *,
     """({"params": ...} for LlamaForCausalLM.apply in `dtype`, "orbax" | "safetensors").
 
     With a mesh, each device receives only its shard (from the host arrays, or straight from
-    the Orbax checkpoint); KV heads are repeated plan.kv_replicas times (see pagedjax.parallel).
+    the Orbax checkpoint); KV heads are repeated plan.kv_replicas times (see
+    pagedjax.distributed.tensor_parallel).
     """
     plan = plan or TensorParallelPlan(1)
     path = orbax_dir(model_dir, dtype)
@@ -131,3 +137,65 @@ def convert_weights(model_dir: str, config: ModelConfig, dtype: jnp.dtype, *,
             "mlp": {name: dense(f"{p}.{name}") for name in _MLP},
         }
     return {"params": params}
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceModel:
+    """One model on the device(s): module, params, rope tables and how it is split."""
+
+    module: LlamaForCausalLM
+    params: dict
+    rope: tuple[jax.Array, jax.Array]  # cos, sin: [max_model_len, D]
+    config: ModelConfig  # as the devices hold it (KV heads repeated under tensor parallelism)
+    plan: TensorParallelPlan
+    params_source: str  # "orbax" | "safetensors"
+
+    @classmethod
+    def load(cls, model_dir: str, model_config: ModelConfig, config: EngineConfig,
+             plan: TensorParallelPlan, mesh: Mesh | None) -> DeviceModel:
+        dtype = jnp.dtype(config.dtype)
+        attention_fn, write_kv_fn, impl = resolve_attention(config.attention_impl)
+        shard_config = plan.shard_config(model_config)
+        packed = uses_cpu_linear(impl, dtype, mesh)
+        module = LlamaForCausalLM(shard_config, dtype,
+                                  *per_shard(attention_fn, write_kv_fn, mesh, plan), packed)
+        params, source = load_params(model_dir, model_config, dtype, plan=plan, mesh=mesh)
+        if packed:
+            params = pack_params(params, model_config.tie_word_embeddings)
+        cos, sin = rope_cos_sin(model_config, config.max_model_len)
+        return cls(module, params, (jnp.asarray(cos), jnp.asarray(sin)), shard_config, plan,
+                   source)
+
+    def hidden(self, params: dict) -> functools.partial:
+        """(input_ids [T], kv_caches, meta) -> (hidden states [T, H], kv_caches)."""
+        return functools.partial(self.module.apply, params)
+
+    def logits(self, params: dict) -> Callable[..., jax.Array]:
+        """(hidden states [R, H], num_rows=None) -> float32 logits [R, V] (Model.logits)."""
+        return functools.partial(self.module.apply, params, method=LlamaForCausalLM.logits)
+
+    def forward(self, params: dict) -> Callable:
+        """(input_ids, kv_caches, meta, logits_indices [R]) -> (logits [R, V], kv_caches)."""
+        def run(input_ids, kv_caches, meta, logits_indices):
+            hidden, kv_caches = self.hidden(params)(input_ids, kv_caches, meta)
+            return self.logits(params)(hidden[logits_indices]), kv_caches
+
+        return run
+
+    def allocate_kv_caches(self, num_blocks: int, block_size: int,
+                           mesh: Mesh | None) -> list[KVCache]:
+        """Zeroed caches, each device holding its heads' share."""
+        cfg, dtype = self.config, self.module.dtype
+        shape = (num_blocks, cfg.num_kv_heads, block_size, cfg.head_dim)
+        if mesh is None:
+            zeros = lambda: jnp.zeros(shape, dtype)
+        else:
+            spec = KV_CACHE if self.plan.shard_heads else REPLICATED
+            zeros = jax.jit(lambda: jnp.zeros(shape, dtype),
+                            out_shardings=NamedSharding(mesh, spec))
+        return [(zeros(), zeros()) for _ in range(cfg.num_layers)]
+
+    def kv_bytes_per_block(self, block_size: int, dtype_bytes: int) -> int:
+        """KV bytes of one block on each device."""
+        shards = self.plan.size if self.plan.shard_heads else 1
+        return self.config.kv_bytes_per_block(block_size, dtype_bytes) // shards

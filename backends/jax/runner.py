@@ -4,16 +4,14 @@ step shape, all compiled before the first request.
 Each step uploads two arrays (the packed int32 and float32 buffers of ModelInput; two more when
 a row has logit entries, one more when a row has a grammar's token bitmask) and calls the step's
 executable, with the KV caches donated. With a draft model that executable also runs the draft
-catch-up, the k - 1 draft steps (spec_step.py), the target's verification pass and rejection
-sampling: one device call per step. `compile`
-builds the engine's whole closed set of shapes (step_shapes.py) ahead of time, XLA compiling in
-parallel threads; a shape met later still compiles, but is counted and logged as the bug it is.
+catch-up, the k - 1 draft steps, the target's verification pass and rejection sampling (the
+step body: step.py): one device call per step. `compile` builds the engine's whole closed set
+of shapes (step_shapes.py) ahead of time, XLA compiling in parallel threads; a shape met later
+still compiles, but is counted and logged as the bug it is.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import logging
 import os
 from collections.abc import Callable, Hashable
@@ -22,73 +20,31 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+from jax.sharding import NamedSharding, SingleDeviceSharding
 
 from pagedjax.backends.jax.attention import resolve_attention
 from pagedjax.backends.jax.executable_store import ExecutableStore, load_copy
-from pagedjax.backends.jax.model import (
-    AttentionMetadata,
-    KVCache,
-    LlamaForCausalLM,
-    pack_params,
-)
-from pagedjax.backends.jax.params import load_params
-from pagedjax.backends.jax.rejection_sampler import rejection_sample
-from pagedjax.backends.jax.sampler import gather_logprobs, sample, score_prompt_tokens
-from pagedjax.backends.jax.sharding import KV_CACHE, REPLICATED, make_mesh, per_shard
-from pagedjax.backends.jax.spec_step import catch_up_metadata, propose_drafts
-from pagedjax.backends.rope import rope_cos_sin
+from pagedjax.backends.jax.model import KVCache
+from pagedjax.backends.jax.parallel import REPLICATED, make_mesh
+from pagedjax.backends.jax.params import DeviceModel
+from pagedjax.backends.jax.step import FULL, PLAIN, StepBody, copy_blocks, decode_shaped
 from pagedjax.cache import compile_at_startup
 from pagedjax.config import EngineConfig, ModelConfig
 from pagedjax.core.batch import (
-    SAMPLING_FIELDS,
     ModelInput,
     ModelOutput,
-    StepFlag,
     StepFlags,
     StepOutput,
     bitmask_width,
     buffer_sizes,
-    unpack,
 )
 from pagedjax.core.kv_cache import num_kv_blocks_for_budget, warm_up_input
 from pagedjax.core.model_runner import auto_dtype
 from pagedjax.core.step_shapes import BatchLayout, StepShapes
-from pagedjax.parallel import TensorParallelPlan
+from pagedjax.distributed.tensor_parallel import TensorParallelPlan
 from pagedjax.sampling_params import MAX_LOGPROBS
 
 logger = logging.getLogger(__name__)
-
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-
-
-def uses_cpu_linear(attention_impl: str, dtype: jnp.dtype, mesh: Mesh | None) -> bool:
-    """The linear layers on the C++ kernel through XLA's FFI: with the C++ CPU attention
-    ("cpu"), in float32, on one device (packed kernels have no tensor-parallel layout)."""
-    if attention_impl != "cpu" or dtype != jnp.float32 or mesh is not None:
-        return False
-    from pagedjax.kernels_pallas import cpu_ffi
-
-    return cpu_ffi.available()
-
-
-# The variant of a decode step whose rows use no optional sampling feature (greedy, no logprobs,
-# logit entries or bitmask: StepFlags() all off), compiled with the flags known, so without a
-# conditional: on a GPU XLA ran some of the step's `lax.cond`s as a copy of the predicate to the
-# host and a wait, so the 1B batch-1 step could not run ahead of the host (H100: its executable
-# took 3.3 ms back to back and 3.3 ms waited for, against 1.7 ms of kernels). torch's "plain"
-# CUDA graph is the same idea.
-PLAIN = "plain"
-# The variant of every other decode-shaped step (decode or speculative) on an accelerator: every
-# sampling feature traced in and run over masks (logit entries, bitmask, filters, sampling,
-# logprobs: a no-op for the rows that ask nothing), and the draft loop unrolled, so that no
-# conditional or loop is left (torch's "full" graph).
-FULL = "full"
-
-
-def _decode_shaped(layout: BatchLayout) -> bool:
-    return layout.decode or layout.num_spec_tokens > 0
-
 
 def _branch_free_decode(platform: str) -> bool:
     """Whether decode-shaped steps run branch-free (PLAIN, FULL): on accelerators (a CPU's
@@ -102,68 +58,6 @@ def _measures_memory(device: jax.Device) -> bool:
     return device.platform != "cpu"
 
 
-@dataclasses.dataclass(frozen=True)
-class _Model:
-    """One model on the device(s): module, params, rope tables and how it is split."""
-
-    module: LlamaForCausalLM
-    params: dict
-    rope: tuple[jax.Array, jax.Array]  # cos, sin: [max_model_len, D]
-    config: ModelConfig  # as the devices hold it (KV heads repeated under tensor parallelism)
-    plan: TensorParallelPlan
-    params_source: str  # "orbax" | "safetensors"
-
-    @classmethod
-    def load(cls, model_dir: str, model_config: ModelConfig, config: EngineConfig,
-             plan: TensorParallelPlan, mesh: Mesh | None) -> _Model:
-        dtype = _DTYPES[config.dtype]
-        attention_fn, write_kv_fn, impl = resolve_attention(config.attention_impl)
-        shard_config = plan.shard_config(model_config)
-        packed = uses_cpu_linear(impl, dtype, mesh)
-        module = LlamaForCausalLM(shard_config, dtype,
-                                  *per_shard(attention_fn, write_kv_fn, mesh, plan), packed)
-        params, source = load_params(model_dir, model_config, dtype, plan=plan, mesh=mesh)
-        if packed:
-            params = pack_params(params, model_config.tie_word_embeddings)
-        cos, sin = rope_cos_sin(model_config, config.max_model_len)
-        return cls(module, params, (jnp.asarray(cos), jnp.asarray(sin)), shard_config, plan,
-                   source)
-
-    def hidden(self, params: dict) -> functools.partial:
-        """(input_ids [T], kv_caches, meta) -> (hidden states [T, H], kv_caches)."""
-        return functools.partial(self.module.apply, params)
-
-    def logits(self, params: dict) -> Callable[..., jax.Array]:
-        """(hidden states [R, H], num_rows=None) -> float32 logits [R, V] (Model.logits)."""
-        return functools.partial(self.module.apply, params, method=LlamaForCausalLM.logits)
-
-    def forward(self, params: dict) -> Callable:
-        """(input_ids, kv_caches, meta, logits_indices [R]) -> (logits [R, V], kv_caches)."""
-        def run(input_ids, kv_caches, meta, logits_indices):
-            hidden, kv_caches = self.hidden(params)(input_ids, kv_caches, meta)
-            return self.logits(params)(hidden[logits_indices]), kv_caches
-
-        return run
-
-    def allocate_kv_caches(self, num_blocks: int, block_size: int,
-                           mesh: Mesh | None) -> list[KVCache]:
-        """Zeroed caches, each device holding its heads' share."""
-        cfg, dtype = self.config, self.module.dtype
-        shape = (num_blocks, cfg.num_kv_heads, block_size, cfg.head_dim)
-        if mesh is None:
-            zeros = lambda: jnp.zeros(shape, dtype)
-        else:
-            spec = KV_CACHE if self.plan.shard_heads else REPLICATED
-            zeros = jax.jit(lambda: jnp.zeros(shape, dtype),
-                            out_shardings=NamedSharding(mesh, spec))
-        return [(zeros(), zeros()) for _ in range(cfg.num_layers)]
-
-    def kv_bytes_per_block(self, block_size: int, dtype_bytes: int) -> int:
-        """KV bytes of one block on each device."""
-        shards = self.plan.size if self.plan.shard_heads else 1
-        return self.config.kv_bytes_per_block(block_size, dtype_bytes) // shards
-
-
 class JaxModelRunner:
     """Executes ModelInputs; returns sampled token ids and logprobs (nothing else leaves)."""
 
@@ -173,14 +67,14 @@ class JaxModelRunner:
         self.attention_impl = resolve_attention(config.attention_impl)[2]
         size = config.tensor_parallel_size
         self.mesh = make_mesh(size)
-        self.target = _Model.load(config.model, model_config, config,
+        self.target = DeviceModel.load(config.model, model_config, config,
                                   TensorParallelPlan.for_model(model_config, size), self.mesh)
         self.draft = None
         if draft_model_config is not None:
             plan = TensorParallelPlan.for_draft(
                 draft_model_config, size,
                 config.speculative_config.draft_tensor_parallel_size)
-            self.draft = _Model.load(config.speculative_config.model, draft_model_config,
+            self.draft = DeviceModel.load(config.speculative_config.model, draft_model_config,
                                      config, plan, self.mesh)
         # Host inputs go to every device whole (replicated) or to the one device.
         self._inputs = (NamedSharding(self.mesh, REPLICATED) if self.mesh is not None
@@ -215,14 +109,16 @@ class JaxModelRunner:
         # over 50 calls, H100/H200). Outputs go into two sets of buffers taken in turn (the
         # last step's are still to be read when the next one launches), matched to the two
         # executable copies: each copy's graph sees one set.
-        self._step = jax.jit(self._step_fn, donate_argnums=(2, 3, 9, 10),
+        body = StepBody(self.target, self.draft, shapes.max_num_seqs,
+                        None if self.mesh is None else self._inputs)
+        self._step = jax.jit(body, donate_argnums=(2, 3, 9, 10),
                              static_argnames=("layout", "variant"))
         self._num_calls = 0
         # (layout, call parity) -> the StepOutput of its last call, donated to its next one
         self._out_buffers: dict[tuple[BatchLayout, int], StepOutput] = {}
         self._unread: set[int] = set()  # ids of the StepOutputs launched and not read yet
         self._branch_free = _branch_free_decode(jax.devices()[0].platform)
-        self._copy = jax.jit(_copy_blocks, donate_argnums=(0,))
+        self._copy = jax.jit(copy_blocks, donate_argnums=(0,))
         # by BatchLayout, (BatchLayout, PLAIN or FULL) or "copy"
         self._executables: dict[Hashable, jax.stages.Compiled] = {}
         self.num_compiles = 0  # step shapes compiled after `compile`: each one a logged bug
@@ -316,7 +212,7 @@ class JaxModelRunner:
         what is built."""
         keys: list[Hashable] = []
         for layout in layouts:
-            if not (self._branch_free and _decode_shaped(layout)):
+            if not (self._branch_free and decode_shaped(layout)):
                 keys.append(layout)
                 continue
             keys += [(layout, FULL), (layout, PLAIN)] if layout.decode else [(layout, FULL)]
@@ -381,7 +277,7 @@ class JaxModelRunner:
         given to write into (L = S rows of K + 1 positions; the prompt fields over its T tokens,
         zeros); None where outputs are not donated (other steps, and under tensor parallelism,
         where XLA picks the outputs' sharding)."""
-        if not _decode_shaped(layout) or self.mesh is not None:
+        if not decode_shaped(layout) or self.mesh is not None:
             return None
         rows, t, n = (layout.num_seqs, layout.num_spec_tokens + 1), layout.num_tokens, MAX_LOGPROBS
         i32, f32 = jnp.int32, jnp.float32
@@ -414,7 +310,7 @@ class JaxModelRunner:
         """The executable a step runs: its layout's, or on an accelerator a decode-shaped
         layout's PLAIN variant when no row uses an optional sampling feature, else its FULL."""
         layout = model_input.layout
-        if not (self._branch_free and _decode_shaped(layout)):
+        if not (self._branch_free and decode_shaped(layout)):
             return layout
         return layout, PLAIN if layout.decode and model_input.flags == StepFlags() else FULL
 
@@ -495,102 +391,6 @@ class JaxModelRunner:
         self.kv_caches, self.draft_kv_caches = self.executable("copy")(
             (self.kv_caches, self.draft_kv_caches), copies)
 
-    def _step_fn(self, params: dict, draft_params: dict | None, kv_caches: list[KVCache],
-                 draft_kv_caches: list[KVCache], ints: jax.Array, floats: jax.Array,
-                 entry_ints: jax.Array, entry_bias: jax.Array, token_bitmask: jax.Array,
-                 last_tokens: jax.Array, out_buffers: StepOutput | None, *,
-                 layout: BatchLayout, variant: str | None = None) -> tuple:
-        """The whole step on the device → (caches, draft caches, each row's first token [R]
-        for the next step, StepOutput with tokens and logprobs [L, K+1] and, computed where the
-        step's flags ask, top logprobs and prompt logprobs). variant PLAIN: every flag off,
-        FULL: every flag on, known here: no branches. last_tokens [R]: the last step's first
-        tokens, the inputs of the rows whose input_rows say so (async scheduling); donated, and
-        the first output of its shape, so that jax gives its buffer to the first tokens out.
-        out_buffers: the StepOutput's own buffers (_output_spec, donated), written in place."""
-        b = unpack(layout, ints, floats)
-        rows = b["input_rows"]  # [T]: 1 + a row of last_tokens, or 0
-        b["input_ids"] = jnp.where(rows > 0, last_tokens[jnp.maximum(rows - 1, 0)],
-                                   b["input_ids"])
-        flags = b["step_flags"] != 0  # [len(StepFlag)] bool
-        if variant is not None:
-            flags = np.full(len(StepFlag), variant == FULL)
-        sampling = {name: b[name] for name in SAMPLING_FIELDS}
-        for name in ("rng_seed", "rng_step"):  # uint32 counters carried as int32 bits
-            sampling[name] = jax.lax.bitcast_convert_type(b[name], jnp.uint32)
-        sampling["entries"] = (entry_ints, entry_bias)
-        sampling["token_bitmask"] = token_bitmask  # [S, W]
-        input_ids, k = b["input_ids"], layout.num_spec_tokens
-        if k:
-            draft_kv_caches, drafts = propose_drafts(
-                self.draft.forward(draft_params), draft_kv_caches, b, self.draft.rope,
-                layout=layout, unroll=variant is not None)
-            input_ids = input_ids.at[b["draft_token_index"].reshape(-1)].set(
-                drafts.reshape(-1), mode="drop")  # draft slots get their drafts
-        elif layout.draft:  # a mixed step: the draft only catches up (its KV, no logits)
-            _, draft_kv_caches = self.draft.hidden(draft_params)(
-                b["draft_input_ids"], draft_kv_caches, catch_up_metadata(b, self.draft.rope))
-        meta = AttentionMetadata(b["positions"], b["slot_mapping"], b["query_start_loc"],
-                                 b["kv_lens"], b["block_tables"], *self.target.rope,
-                                 decode=layout.decode)
-        hidden, kv_caches = self.target.hidden(params)(input_ids, kv_caches, meta)  # [T, H]
-        indices = b["logits_indices"]  # [L, K+1]
-        num_samples = indices.shape[0] - b["num_padding_samples"][0]
-        logits = self.target.logits(params)(hidden[indices.reshape(-1)],
-                                            num_samples * indices.shape[1])
-        # Only a mixed step scores prompt tokens: in a decode-shaped one every sequence is
-        # past its prompt, or at its single token (which scores nothing).
-        prompt = _no_prompt_logprobs(hidden)
-        if not (layout.decode or k):
-            prompt = jax.lax.cond(
-                flags[StepFlag.PROMPT_LOGPROBS], lambda h: score_prompt_tokens(
-                    self.target.logits(params)(h[b["prompt_logprobs_indices"]]),
-                    b["prompt_logprobs_token_ids"]), _no_prompt_logprobs, hidden)
-        if not k:
-            out = sample(logits, sampling, flags)
-            out = StepOutput(*(x[:, None] for x in out), *prompt)  # [L, 1, ...]
-            return (kv_caches, draft_kv_caches, self._first_tokens(out.tokens),
-                    _written(out, out_buffers))
-        logits = logits.reshape(*indices.shape, -1)  # [L, K+1, V]
-        seqs = b["sample_seq"]  # [L]: the sequence whose drafts row l verifies
-        tokens, _ = rejection_sample(logits, drafts[seqs], None, b["num_draft_tokens"],
-                                     sampling, flags)
-        lse = jax.nn.logsumexp(logits, axis=-1)  # [L, K+1]
-        out = StepOutput(tokens, *gather_logprobs(logits, lse, tokens, flags[StepFlag.LOGPROBS]),
-                         *prompt)
-        return kv_caches, draft_kv_caches, self._first_tokens(tokens), _written(out, out_buffers)
-
-    def _first_tokens(self, tokens: jax.Array) -> jax.Array:
-        """[L, K+1] → each row's first token [R], zero-padded (a decode step's one token)."""
-        r = self.shapes.max_num_seqs
-        first = jnp.zeros(r, jnp.int32).at[: min(r, tokens.shape[0])].set(tokens[:r, 0])
-        if self.mesh is not None:  # where the next step expects its host inputs
-            first = jax.lax.with_sharding_constraint(first, self._inputs)
-        return first
-
-
-def _written(out: StepOutput, buffers: StepOutput | None) -> StepOutput:
-    """out's fields written into the step's own buffers (donated: XLA writes them in place), or
-    out where it has none."""
-    if buffers is None:
-        return out
-    return StepOutput(*(jax.lax.dynamic_update_slice(b, x.astype(b.dtype), (0,) * x.ndim)
-                        for x, b in zip(out, buffers)))
-
 
 def _spec(x: jax.Array) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-
-
-def _no_prompt_logprobs(hidden: jax.Array) -> tuple[jax.Array, ...]:
-    """score_prompt_tokens' four outputs for T rows, as zeros (a step scoring no prompt)."""
-    t = hidden.shape[0]
-    return (jnp.zeros(t, jnp.float32), jnp.zeros((t, MAX_LOGPROBS), jnp.int32),
-            jnp.zeros((t, MAX_LOGPROBS), jnp.float32), jnp.zeros(t, jnp.int32))
-
-
-def _copy_blocks(caches: tuple[list[KVCache], ...], copies: jax.Array) -> tuple:
-    """Copy-on-write: block copies[:, 1] becomes a copy of block copies[:, 0] in every layer of
-    every model (target and draft); a dst past the pool is padding, dropped."""
-    src, dst = copies[:, 0], copies[:, 1]
-    return tuple([(k.at[dst].set(k[src], mode="drop"), v.at[dst].set(v[src], mode="drop"))
-                  for k, v in model_caches] for model_caches in caches)

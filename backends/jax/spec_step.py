@@ -20,7 +20,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from pagedjax.backends.jax.model import AttentionMetadata, KVCache
+from pagedjax.backends.common.attention_metadata import AttentionMetadata
+from pagedjax.backends.jax.model import KVCache
 from pagedjax.backends.jax.sampler import argmax
 from pagedjax.core.step_shapes import BatchLayout
 

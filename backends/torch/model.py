@@ -12,16 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
-import ml_dtypes
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedjax.backends.common.attention_metadata import AttentionMetadata
+from pagedjax.backends.common.weights import layer_norm_names
 from pagedjax.backends.torch.parallel import Shard
-from pagedjax.backends.weights import layer_norm_names, load_weights, repeat_kv_heads
 from pagedjax.config import ModelConfig
 from pagedjax.kernels_cuda import (
     fused_add_rms_norm,
@@ -48,18 +46,6 @@ class LayerOps:
     attention: AttentionFn
     write_kv: WriteKVFn
     rotary: RotaryFn
-
-
-@dataclass
-class AttentionMetadata:
-    positions: torch.Tensor  # [T] int32
-    slot_mapping: torch.Tensor  # [T] int32, -1 = padding
-    query_start_loc: torch.Tensor  # [S+1] int32
-    kv_lens: torch.Tensor  # [S] int32
-    block_tables: torch.Tensor  # [S, M] int32
-    rope_cos: torch.Tensor  # [max_model_len, D] float32
-    rope_sin: torch.Tensor  # [max_model_len, D] float32
-    max_query_len: int | None  # host-known bound on q_len: the CUDA launch needs no device read
 
 
 class RMSNorm(nn.Module):
@@ -324,62 +310,3 @@ class LlamaForCausalLM(nn.Module):
         if self.shard.size == 1 and self.config.plain_decoder_layer:
             for layer in self.layers:
                 layer.fuse()
-
-
-def load_model(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
-               device: torch.device, ops: LayerOps, shard: Shard) -> LlamaForCausalLM:
-    """This shard of the checkpoint's weights in `dtype` on `device` (modules built on meta: no
-    random init). config: the model as the devices hold it (KV heads repeated, see
-    pagedjax.parallel)."""
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config, ops, shard)
-    weights = load_weights(model_dir, config)
-    state = {name: _to_tensor(array, dtype, device)
-             for name, array in _fused_state_dict(weights, config, shard).items()}
-    model.load_state_dict(state, strict=True, assign=True)
-    return model.eval().requires_grad_(False)
-
-
-def _fused_state_dict(weights: dict[str, np.ndarray], config: ModelConfig,
-                      shard: Shard) -> dict[str, np.ndarray]:
-    """Canonical names (backends/weights.py) → this module tree: q/k/v and gate/up fused, linear
-    weights transposed to [in, out], each cut to this shard's heads, columns and vocabulary."""
-    d, replicas = config.head_dim, shard.plan.kv_replicas
-    q_rows, kv_rows = shard.part(config.num_q_heads) * d, shard.part(config.num_kv_heads) * d
-    inter = shard.part(config.intermediate_size)
-    vocab = slice(*shard.vocab_range(config.vocab_size))
-    state = {"embed_tokens.weight": weights["embed_tokens"][vocab], "norm.weight": weights["norm"]}
-    if not config.tie_word_embeddings:
-        state["lm_head.weight"] = weights["lm_head"][vocab].T  # [H, V / shards]
-
-    def kv(name: str):  # the k/v rows of this shard, heads repeated past their count first
-        return shard.slice(repeat_kv_heads(weights[name], replicas, d), kv_rows)
-
-    for i in range(config.num_layers):
-        layer = f"layers.{i}"  # the same prefix in both trees
-        q, k, v = (f"{layer}.{p}_proj" for p in "qkv")
-        state[f"{layer}.self_attn.qkv_proj.weight"] = np.concatenate(
-            [shard.slice(weights[f"{q}.weight"], q_rows), kv(f"{k}.weight"),
-             kv(f"{v}.weight")]).T  # [H, (Hq + 2 Hkv) D / shards]
-        if config.attention_bias:
-            state[f"{layer}.self_attn.qkv_proj.bias"] = np.concatenate(
-                [shard.slice(weights[f"{q}.bias"], q_rows), kv(f"{k}.bias"), kv(f"{v}.bias")])
-        state[f"{layer}.self_attn.o_proj.weight"] = shard.slice(
-            weights[f"{layer}.o_proj.weight"], q_rows, axis=1).T
-        state[f"{layer}.mlp.gate_up_proj.weight"] = np.concatenate(
-            [shard.slice(weights[f"{layer}.{p}_proj.weight"], inter) for p in ("gate", "up")]
-        ).T  # [H, 2I / shards]
-        state[f"{layer}.mlp.down_proj.weight"] = shard.slice(
-            weights[f"{layer}.down_proj.weight"], inter, axis=1).T
-        for norm in layer_norm_names(config):
-            module = f"self_attn.{norm}" if norm in ("q_norm", "k_norm") else norm
-            state[f"{layer}.{module}.weight"] = weights[f"{layer}.{norm}"]
-    return state
-
-
-def _to_tensor(array: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A (possibly memory-mapped, possibly ml_dtypes bfloat16) array → an owned device tensor."""
-    array = np.array(array, order="C")  # own, writable, C-contiguous (transposes laid out)
-    if array.dtype == ml_dtypes.bfloat16:
-        return torch.from_numpy(array.view(np.uint16)).view(torch.bfloat16).to(device, dtype)
-    return torch.from_numpy(array).to(device, dtype)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pagedjax.parallel import TensorParallelPlan
+from pagedjax.distributed.tensor_parallel import LINEAR_SPLITS, TensorParallelPlan
 
 _WORKER_MODULE = "pagedjax.backends.torch.worker"  # what a rank > 0 runs
 
@@ -46,8 +46,10 @@ class Shard:
         part = vocab_size // self.size
         return self.rank * part, (self.rank + 1) * part
 
-    def slice(self, array, n_per_rank: int, axis: int = 0):
-        """This rank's n_per_rank rows (axis 0) or columns (axis 1) of a canonical weight."""
+    def cut(self, array, layer: str, n_per_rank: int):
+        """This rank's n_per_rank outputs or inputs of a canonical weight [out, in] (or bias
+        [out]) of a linear layer, as LINEAR_SPLITS splits it (q_proj, o_proj, ...)."""
+        axis = LINEAR_SPLITS[layer]
         start = self.rank * n_per_rank if self.size > 1 else 0
         index = [slice(None)] * array.ndim
         index[axis] = slice(start, start + n_per_rank)

@@ -1,8 +1,9 @@
 """Torch model runner: owns the models and KV caches (target and draft); one step per call.
 
 Each step uploads the two packed buffers of ModelInput and runs the whole step on the device:
-with drafts, the draft catch-up and k - 1 draft steps (spec_step.py), the target's verification
-pass and rejection sampling, with no host synchronisation until the sampled tokens come back.
+with drafts, the draft catch-up and k - 1 draft steps, the target's verification pass and
+rejection sampling (the step body: step.py), with no host synchronisation until the sampled
+tokens come back. The runner holds the models, caches and graphs (lifecycle only).
 CPU: eager, on the C++ CPU ops. CUDA: decode and speculative-decode steps replay CUDA graphs of
 the whole step (cuda_graphs.py), all captured by `compile` before the first request (the closed
 set of step_shapes.py); other steps run eagerly. On CUDA a step is launched and the copies of
@@ -18,120 +19,34 @@ import functools
 import os
 import platform
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
-from pagedjax.backends.rope import rope_cos_sin
 from pagedjax.backends.torch.cuda_graphs import HostToDevice, StepGraphs
-from pagedjax.backends.torch.model import (
-    AttentionMetadata,
-    KVCache,
-    LayerOps,
-    LlamaForCausalLM,
-    load_model,
-)
 from pagedjax.backends.torch.parallel import Shard, Workers
-from pagedjax.backends.torch.rejection_sampler import rejection_sample
-from pagedjax.backends.torch.sampler import gather_logprobs, sample, score_prompt_tokens
-from pagedjax.backends.torch.spec_step import propose_drafts
+from pagedjax.backends.torch.params import DeviceModel
+from pagedjax.backends.torch.step import StepBody, copy_blocks
 from pagedjax.cache import source_digest
 from pagedjax.config import EngineConfig, ModelConfig
 from pagedjax.core.batch import (
-    SAMPLING_FIELDS,
     ModelInput,
     ModelOutput,
     StepFlags,
     StepOutput,
     padding_input,
-    unpack,
 )
 from pagedjax.core.kv_cache import num_kv_blocks_for_budget, warm_up_input
 from pagedjax.core.model_runner import auto_dtype
 from pagedjax.core.step_shapes import BatchLayout, StepShapes
-from pagedjax.kernels_cuda import (
-    ops_backend,
-    ragged_paged_attention,
-    reference,
-    rotary_embedding_,
-    write_kv,
-)
-from pagedjax.parallel import TensorParallelPlan
-from pagedjax.sampling_params import MAX_LOGPROBS
+from pagedjax.distributed.tensor_parallel import TensorParallelPlan
+from pagedjax.kernels_cuda import ops_backend
 
-ATTENTION_IMPLS = ("auto", "reference")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # The two CUDA graphs of a decode-shaped step: greedy rows with nothing else ("plain"), or the
 # whole sampler (random rows, filters, top logprobs: "full", correct for any such step because
 # rows that do not use a feature are left as they are). Steps with prompt logprobs or logit
 # entries run eagerly.
 GRAPH_FLAGS = {"plain": StepFlags(), "full": StepFlags(sampled=True, filters=True,
                                                        logprobs=True)}
-
-
-def resolve_attention(attention_impl: str) -> LayerOps:
-    """"auto": the pagedjax custom ops (CUDA, C++ CPU); "reference": their pure-torch reference."""
-    if attention_impl == "auto":
-        return LayerOps(ragged_paged_attention, write_kv, rotary_embedding_)
-    if attention_impl == "reference":
-        return LayerOps(_reference_attention, reference.write_kv, reference.rotary_embedding_)
-    raise ValueError(f"attention_impl={attention_impl!r} is not available on the torch backend; "
-                     f"use one of {ATTENTION_IMPLS}.")
-
-
-def uses_cpu_linear(attention_impl: str, device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the projections run on the packed C++ `pagedjax::linear` op: CPU, float32, the
-    custom ops built and chosen (attention_impl "auto")."""
-    return (attention_impl == "auto" and device.type == "cpu" and dtype == torch.float32
-            and ops_backend() != "reference")
-
-
-def _reference_attention(*args, max_query_len: int | None = None, **kwargs) -> torch.Tensor:
-    """The reference reads the metadata on the host: it needs no launch hint."""
-    del max_query_len
-    return reference.ragged_paged_attention(*args, **kwargs)
-
-
-@dataclass
-class _Model:
-    """One model on this rank's device: its shard, rope tables and KV caches."""
-
-    module: LlamaForCausalLM
-    rope: tuple[torch.Tensor, torch.Tensor]  # cos, sin: [max_model_len, D]
-    config: ModelConfig  # as the devices hold it (KV heads repeated under tensor parallelism)
-    shard: Shard
-    kv_caches: list[KVCache]  # views of kv_pool: (K, V) per layer, [N, Hkv, bs, D] each
-    kv_pool: torch.Tensor | None = None  # [num_layers, 2, N, Hkv, bs, D]
-
-    @classmethod
-    def load(cls, model_dir: str, model_config: ModelConfig, config: EngineConfig,
-             device: torch.device, shard: Shard) -> _Model:
-        shard_config = shard.plan.shard_config(model_config)
-        dtype = _DTYPES[config.dtype]
-        module = load_model(model_dir, shard_config, dtype, device,
-                            resolve_attention(config.attention_impl), shard=shard)
-        if uses_cpu_linear(config.attention_impl, device, dtype):
-            module.pack_linears()
-        cos, sin = rope_cos_sin(model_config, config.max_model_len)  # [max_model_len, D] each
-        rope = (torch.from_numpy(cos).to(device), torch.from_numpy(sin).to(device))
-        return cls(module, rope, shard_config, shard, [])
-
-    def allocate_kv_caches(self, num_blocks: int, block_size: int) -> None:
-        """Zeroed caches for this rank's KV heads: one pool, so that a copy-on-write is one
-        gather and one scatter for every layer at once."""
-        cfg, weight = self.config, self.module.norm.weight
-        shape = (num_blocks, self.shard.part(cfg.num_kv_heads), block_size, cfg.head_dim)
-        self.kv_pool = torch.zeros((cfg.num_layers, 2, *shape), dtype=weight.dtype,
-                                   device=weight.device)
-        self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_pool]  # contiguous views
-
-    def kv_bytes_per_block(self, block_size: int, dtype_bytes: int) -> int:
-        """KV bytes of one block on this rank."""
-        return self.config.kv_bytes_per_block(block_size, dtype_bytes) // self.shard.size
-
-    def forward(self, input_ids: torch.Tensor, kv_caches: list[KVCache],
-                meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
-        return self.module(input_ids, kv_caches, meta, logits_indices)
 
 
 class TorchModelRunner:
@@ -157,12 +72,12 @@ class TorchModelRunner:
         self._memory_before = (torch.cuda.mem_get_info(self.device)
                                if self.device.type == "cuda" else None)
         target = Shard(rank, TensorParallelPlan.for_model(model_config, size))
-        self.models = [_Model.load(config.model, model_config, config, self.device, target)]
+        self.models = [DeviceModel.load(config.model, model_config, config, self.device, target)]
         if draft_model_config is not None:
             draft = Shard(rank, TensorParallelPlan.for_draft(
                 draft_model_config, size,
                 config.speculative_config.draft_tensor_parallel_size))
-            self.models.append(_Model.load(config.speculative_config.model,
+            self.models.append(DeviceModel.load(config.speculative_config.model,
                                            draft_model_config, config, self.device, draft))
         self.upload = HostToDevice(self.device)
         # each row's first sampled token of the last step [max_num_seqs]: the inputs of the
@@ -173,6 +88,7 @@ class TorchModelRunner:
         # the host are queued, and only the function execute_async returns waits for them).
         # On a CPU torch computes as it is called: nothing to overlap.
         self.async_launch = self.device.type == "cuda"
+        self.step = StepBody(self.models, self.last_tokens, self.async_launch)
         self.graphs: StepGraphs | None = None  # none while the pool is sized
         self.num_kv_blocks = 0
         if rank == 0:  # rank 0 sizes the pool; the others allocate when told to
@@ -270,7 +186,7 @@ class TorchModelRunner:
         if self.workers is not None:
             self.workers.shutdown()
             self.workers = None
-        self.models, self.graphs, self.upload = [], None, None
+        self.models, self.graphs, self.upload, self.step = [], None, None, None
         if self.device.type == "cuda":
             import gc
 
@@ -311,14 +227,14 @@ class TorchModelRunner:
         yet valid on CUDA) and the event after them."""
         self.upload.begin_step()
         if len(model_input.block_copies):
-            self._copy_blocks(self.upload("block_copies", model_input.block_copies))
+            copy_blocks(self.models, self.upload("block_copies", model_input.block_copies))
         variant = self._graph_variant(model_input)
         if variant is not None:
             out = self.graphs.run((model_input.layout, variant),
                                   self._graph_step(model_input.layout, variant),
                                   model_input.ints, model_input.floats, self.upload)
         else:  # eager: the padding tokens need not run (a graph replays the padded shapes)
-            out = self._step(self.upload("ints", model_input.ints),
+            out = self.step(self.upload("ints", model_input.ints),
                              self.upload("floats", model_input.floats),
                              self._entries(model_input), self._token_bitmask(model_input),
                              layout=model_input.layout,
@@ -360,7 +276,7 @@ class TorchModelRunner:
         """The step a graph captures: launch bounds from the shape (a query of K + 1 tokens at
         most, and a draft catch-up as long: Scheduler._fit_drafts)."""
         k = layout.num_spec_tokens
-        return functools.partial(self._step, entries=None, layout=layout,
+        return functools.partial(self.step, entries=None, layout=layout,
                                  flags=GRAPH_FLAGS[variant], max_query_len=k + 1,
                                  max_draft_query_len=k + 1)
 
@@ -377,84 +293,4 @@ class TorchModelRunner:
         """The step's token bitmask [S, W] on the device, if a row has structured outputs."""
         bitmask = model_input.token_bitmask
         return None if bitmask is None else self.upload("token_bitmask", bitmask)
-
-    def _step(self, ints: torch.Tensor, floats: torch.Tensor,
-              entries: tuple[torch.Tensor, torch.Tensor] | None,
-              token_bitmask: torch.Tensor | None = None, *, layout: BatchLayout,
-              flags: StepFlags, max_query_len: int, max_draft_query_len: int,
-              num_tokens: int | None = None, num_draft_tokens: int | None = None,
-              num_samples: int | None = None) -> StepOutput:
-        """The whole step on the device → StepOutput: tokens and logprobs [L, K+1], and what the
-        flags ask for besides. num_tokens, num_draft_tokens and num_samples: the real tokens of
-        the target and of the draft's catch-up, and the real logits rows, when only those run
-        (the padding rows are skipped: a speculative step of one sequence pads 5 tokens to 8;
-        the padding rows' logits are zeros)."""
-        num_tokens = layout.num_tokens if num_tokens is None else num_tokens
-        b = unpack(layout, ints, floats)
-        sampling = {name: b[name] for name in SAMPLING_FIELDS}
-        for name in ("rng_seed", "rng_step"):  # uint32 counters, emulated in int64
-            sampling[name] = b[name].to(torch.int64) & 0xFFFFFFFF
-        if entries is not None:
-            sampling["entries"] = entries
-        if token_bitmask is not None:
-            sampling["token_bitmask"] = token_bitmask  # [S, W]
-        target, k = self.models[0], layout.num_spec_tokens
-        input_ids = b["input_ids"]
-        if self.async_launch:  # only then may a step be scheduled before the last one's tokens
-            rows = b["input_rows"]  # [T]: 1 + a row of last_tokens, or 0 (input_ids)
-            input_ids = torch.where(rows > 0, self.last_tokens[(rows - 1).clamp(min=0).long()],
-                                    input_ids)
-        if layout.draft:
-            draft = self.models[1]
-            drafts = propose_drafts(draft.forward, draft.kv_caches, b, draft.rope,
-                                    layout=layout, max_query_len=max_draft_query_len,
-                                    num_tokens=num_draft_tokens)
-        if k:
-            # Draft slots get their drafts; index T (no draft) lands in a discarded extra row.
-            input_ids = torch.cat([input_ids, input_ids.new_zeros(1)])
-            input_ids[b["draft_token_index"].reshape(-1).long()] = drafts.reshape(-1)
-        input_ids = input_ids[:num_tokens]
-        meta = AttentionMetadata(b["positions"][:num_tokens], b["slot_mapping"][:num_tokens],
-                                 b["query_start_loc"], b["kv_lens"], b["block_tables"],
-                                 *target.rope, max_query_len=max_query_len)
-        indices = b["logits_indices"]  # [L, K+1]
-        rows = indices[: indices.shape[0] if num_samples is None else num_samples].reshape(-1)
-        num_rows = rows.numel()
-        if flags.prompt_logprobs:  # the prompt positions scored, after the sampled rows
-            rows = torch.cat([rows, b["prompt_logprobs_indices"]])
-        logits = target.forward(input_ids, target.kv_caches, meta, rows)
-        prompt = ()
-        if flags.prompt_logprobs:
-            logits, prompt_logits = logits[:num_rows], logits[num_rows:]
-            prompt = score_prompt_tokens(prompt_logits, b["prompt_logprobs_token_ids"])
-        if num_rows < indices.numel():  # the padding rows: zeros
-            logits = torch.nn.functional.pad(logits, (0, 0, 0, indices.numel() - num_rows))
-        if not k:
-            out = sample(logits, sampling, flags)
-            self._keep_first_tokens(out[0][:, None])
-            return StepOutput(*(None if x is None else x[:, None] for x in out), *prompt)
-        logits = logits.view(*indices.shape, -1)  # [L, K+1, V]
-        seqs = b["sample_seq"].long()  # [L]: the sequence whose drafts row l verifies
-        tokens, _ = rejection_sample(logits, drafts[seqs], None, b["num_draft_tokens"],
-                                     sampling, all_greedy=not flags.sampled,
-                                     use_filters=flags.filters)
-        self._keep_first_tokens(tokens)
-        lse = torch.logsumexp(logits, dim=-1)  # [L, K+1]
-        return StepOutput(tokens, *gather_logprobs(
-            logits, lse, tokens, MAX_LOGPROBS if flags.logprobs else 0), *prompt)
-
-    def _keep_first_tokens(self, tokens: torch.Tensor) -> None:
-        """[L, K+1] → each row's first token into last_tokens (the next step's inputs, read
-        on the device when it is launched before these reach the host; a CPU never is)."""
-        if not self.async_launch:
-            return
-        n = min(tokens.shape[0], self.last_tokens.shape[0])
-        self.last_tokens[:n] = tokens[:n, 0]
-
-    def _copy_blocks(self, copies: torch.Tensor) -> None:
-        """Copy-on-write: block copies[:, 1] becomes a copy of block copies[:, 0] in every layer
-        of every model (target and draft)."""
-        src, dst = copies[:, 0].long(), copies[:, 1].long()  # [C] each
-        for model in self.models:  # the gather copies first, as the JAX .at[].set
-            model.kv_pool.index_copy_(2, dst, model.kv_pool.index_select(2, src))
 

@@ -15,7 +15,8 @@ from collections.abc import Callable
 
 import torch
 
-from pagedjax.backends.torch.model import AttentionMetadata, KVCache
+from pagedjax.backends.common.attention_metadata import AttentionMetadata
+from pagedjax.backends.torch.model import KVCache
 from pagedjax.core.step_shapes import BatchLayout
 
 # (input_ids [T], kv_caches, metadata, logits_indices [L]) -> logits [L, V] (caches written)

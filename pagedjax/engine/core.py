@@ -40,7 +40,8 @@ from pagedjax.core.sequence import Sequence
 from pagedjax.core.spec_decode import AdaptiveSpeculation, SpeculativeConfig
 from pagedjax.core.step_shapes import StepShapes
 from pagedjax.core.stopping import StopChecker
-from pagedjax.distributed import freeze_gc_heap, register_engine, unfreeze_gc_heap
+from pagedjax.distributed.parallel_state import register_engine
+from pagedjax.distributed.tensor_parallel import TensorParallelPlan
 from pagedjax.engine.core_messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -54,10 +55,10 @@ from pagedjax.engine.stats import StepTimings
 from pagedjax.engine.step_costs import step_costs
 from pagedjax.model_loader.gguf import resolve_model_source
 from pagedjax.model_loader.tokenizer import load_eos_token_ids, load_tokenizer
-from pagedjax.parallel import TensorParallelPlan
 from pagedjax.rng import derive_seed
 from pagedjax.sampling_params import RequestOutputKind
 from pagedjax.structured_output import StructuredOutputManager
+from pagedjax.utils.gc_utils import freeze_gc_heap, unfreeze_gc_heap
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +120,7 @@ class EngineCore:
         # what arrived since the last step: applied at its top, after a step in flight
         self._pending: list[EngineCoreRequest | str] = []
         register_engine(self)
-        freeze_gc_heap()  # startup's objects leave the collector's full passes (distributed.py)
+        freeze_gc_heap()  # startup's objects leave the collector's full passes (gc_utils.py)
 
     def _compile(self) -> float:
         """Compile (JAX) or capture (CUDA graphs) every step shape before the first request,

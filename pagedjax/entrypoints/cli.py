@@ -11,8 +11,9 @@ import time
 
 
 def _parser() -> argparse.ArgumentParser:
-    from pagedjax.engine_args import EngineArgs, FlexibleArgumentParser
+    from pagedjax.engine_args import EngineArgs
     from pagedjax.model_loader.demo import SMOLLM2_INSTRUCT
+    from pagedjax.utils import FlexibleArgumentParser
 
     parser = FlexibleArgumentParser(prog="pagedjax", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)

@@ -76,7 +76,7 @@ def test_longrope_tables_are_transformers(tiny_model) -> None:
     from transformers import AutoConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from pagedjax.backends.rope import rope_cos_sin
+    from pagedjax.backends.common.rope import rope_cos_sin
 
     model_dir = tiny_model("phi3")
     config = ModelConfig.from_pretrained(model_dir)

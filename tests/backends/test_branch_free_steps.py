@@ -14,6 +14,7 @@ import pytest
 
 from pagedjax import LLMEngine, SamplingParams, StructuredOutputsParams
 from pagedjax.backends.jax import runner as jax_runner
+from pagedjax.backends.jax import step as jax_step
 from pagedjax.engine_args import EngineArgs
 from tests.kernels.test_pallas_lowering import _gpu_target
 
@@ -35,8 +36,8 @@ def test_every_decode_variant_lowers_for_cuda_without_conditionals(tiny_model,
     runner = llm.runner
     keys = [key for key in runner.compile_plan(llm.shapes.layouts()) if isinstance(key, tuple)]
     variants = {(variant, layout.num_spec_tokens > 0) for layout, variant in keys}
-    assert variants == {(jax_runner.PLAIN, False), (jax_runner.FULL, False),
-                        (jax_runner.FULL, True)}
+    assert variants == {(jax_step.PLAIN, False), (jax_step.FULL, False),
+                        (jax_step.FULL, True)}
     # the GPU's choices where the trace asks the backend: Pallas compiled (not interpreted),
     # XLA's top-k, filter and argmax instead of the C++ CPU kernels
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
@@ -51,7 +52,7 @@ def test_every_decode_variant_lowers_for_cuda_without_conditionals(tiny_model,
     for key in keys:
         assert not _HOST_SYNCING_OPS.findall(lowered(key)), key
     # the branched step a CPU runs keeps its conditionals: the check sees them
-    decode = next(layout for layout, variant in keys if variant == jax_runner.FULL)
+    decode = next(layout for layout, variant in keys if variant == jax_step.FULL)
     assert _HOST_SYNCING_OPS.search(lowered(decode))
     llm.shutdown()
 
@@ -108,6 +109,6 @@ def test_branch_free_steps_give_the_branched_steps_outputs(tiny_model, monkeypat
     assert results[True] == results[False]
     variants = {key[1] for key in launched if isinstance(key, tuple)}
     # greedy steps with no feature ran PLAIN (a speculative engine's run speculative ones)
-    assert variants == ({jax_runner.FULL} if speculative else {jax_runner.PLAIN, jax_runner.FULL})
+    assert variants == ({jax_step.FULL} if speculative else {jax_step.PLAIN, jax_step.FULL})
     layouts = [key[0] if isinstance(key, tuple) else key for key in launched]
     assert any(layout.num_spec_tokens for layout in layouts) == speculative

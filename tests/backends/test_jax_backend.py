@@ -166,6 +166,7 @@ def test_branch_free_decode_steps(tiny_model, monkeypatch) -> None:
     at startup for each decode layout, neither with a conditional; greedy steps run PLAIN and
     give HF's tokens, a step asking for logprobs runs FULL, and nothing compiles late."""
     from pagedjax.backends.jax import runner as jax_runner
+    from pagedjax.backends.jax import step as jax_step
 
     monkeypatch.setattr(jax_runner, "_branch_free_decode", lambda platform: True)
     monkeypatch.setenv("PAGEDJAX_COMPILE_AT_STARTUP", "1")
@@ -173,9 +174,9 @@ def test_branch_free_decode_steps(tiny_model, monkeypatch) -> None:
     llm = make_llm(model_dir, max_num_seqs=4, max_num_batched_tokens=64)
     runner = llm.engine.runner
     decode = [key[0] for key in runner._executables
-              if isinstance(key, tuple) and key[1] == jax_runner.PLAIN]
-    plain = {key: runner._executables[(key, jax_runner.PLAIN)] for key in decode}
-    full = {key: runner._executables[(key, jax_runner.FULL)] for key in decode}
+              if isinstance(key, tuple) and key[1] == jax_step.PLAIN]
+    plain = {key: runner._executables[(key, jax_step.PLAIN)] for key in decode}
+    full = {key: runner._executables[(key, jax_step.FULL)] for key in decode}
     assert decode and not any(key in runner._executables for key in decode)  # no branched one
     assert all("conditional" not in e.as_text() for e in [*plain.values(), *full.values()])
     used = []

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from pagedjax.backends.weights import canonical_name, checkpoint_files, load_weights
+from pagedjax.backends.common.weights import canonical_name, checkpoint_files, load_weights
 from pagedjax.config import ModelConfig
 
 
@@ -45,7 +45,7 @@ def test_missing_weights_name_the_checkpoint(tiny_model, tmp_path) -> None:
 
     from safetensors.numpy import save_file
 
-    from pagedjax.backends.weights import iter_safetensors
+    from pagedjax.backends.common.weights import iter_safetensors
 
     model_dir = shutil.copytree(tiny_model("llama"), tmp_path / "broken")
     kept = {name: np.array(array) for name, array in

@@ -56,7 +56,7 @@ def comm(model: str, size: int) -> dict:
     """All-reduce bytes of the sharded step's HLO beside TensorParallelPlan's count."""
 
     from pagedjax import LLM, SamplingParams
-    from pagedjax.backends.jax.sharding import all_reduce_operands
+    from pagedjax.backends.jax.parallel import all_reduce_operands
 
     llm = LLM(model, tensor_parallel_size=size, max_model_len=128, num_gpu_blocks_override=40)
     engine, runner = llm.engine, llm.engine.runner

@@ -10,7 +10,8 @@ import pytest
 
 from pagedjax import LLM
 from pagedjax.engine.llm_engine import LLMEngine
-from pagedjax.engine_args import EngineArgs, FlexibleArgumentParser
+from pagedjax.engine_args import EngineArgs
+from pagedjax.utils import FlexibleArgumentParser
 
 
 def parse(argv: list[str]) -> EngineArgs:

@@ -186,7 +186,7 @@ def test_linear_rejects_other_dtypes() -> None:
 def test_the_jax_model_packs_its_linears_only_on_the_cpu_path() -> None:
     """float32 with the C++ attention on one device: packed; the jnp reference, bf16 or a
     tensor-parallel mesh keep XLA's dots (and Flax Dense's [in, out] kernels)."""
-    from pagedjax.backends.jax.runner import uses_cpu_linear
+    from pagedjax.backends.jax.attention import uses_cpu_linear
 
     assert uses_cpu_linear("cpu", jnp.float32, None)
     assert not uses_cpu_linear("reference", jnp.float32, None)

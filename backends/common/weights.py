@@ -150,7 +150,8 @@ def expected_names(config: ModelConfig) -> list[str]:
 def repeat_kv_heads(array, replicas: int, head_dim: int, axis: int = 0):
     """Each KV head of a k/v projection repeated `replicas` times along `axis` (the heads axis:
     0 for HF's [Hkv * D, H] weights and [Hkv * D] biases, -1 for [H, Hkv * D] kernels), for
-    tensor parallelism past the KV head count (pagedjax.parallel). NumPy, jax or torch arrays."""
+    tensor parallelism past the KV head count (pagedjax.distributed.tensor_parallel). NumPy,
+    jax or torch arrays."""
     if replicas == 1:
         return array
     axis = axis % array.ndim

@@ -6,6 +6,10 @@ vocabulary when it divides. KV heads split too; when there are fewer KV heads th
 is stored N / num_kv_heads times so every device holds the KV heads its query heads read (vLLM's
 rule): KV memory per device then stays that of one KV head, at N / num_kv_heads times the total.
 The scheduler and block manager are unchanged: every device holds every block, for its heads.
+
+This is the one place that says which weight splits how (LINEAR_SPLITS); each backend lays it
+out its own way: JAX as partition specs (backends/jax/parallel.py), torch by cutting each rank's
+share of the checkpoint (backends/torch/params.py).
 """
 
 from __future__ import annotations
@@ -14,6 +18,16 @@ import dataclasses
 from dataclasses import dataclass
 
 from pagedjax.config import ModelConfig
+
+# Which axis of a canonical linear weight ([out, in], backends/common/weights.py) a plan splits:
+# COLUMN-parallel layers split their outputs (heads, MLP columns; their bias too), ROW-parallel
+# ones their inputs, and an all-reduce sums the partial outputs of the latter. The LM head
+# splits by vocabulary (its outputs) where plan.split_vocab says.
+COLUMN, ROW = 0, 1
+LINEAR_SPLITS: dict[str, int] = {
+    "q_proj": COLUMN, "k_proj": COLUMN, "v_proj": COLUMN, "o_proj": ROW,
+    "gate_proj": COLUMN, "up_proj": COLUMN, "down_proj": ROW, "lm_head": COLUMN,
+}
 
 
 @dataclass(frozen=True)

@@ -17,19 +17,24 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from pagedjax.parallel import TensorParallelPlan
+from pagedjax.distributed.tensor_parallel import COLUMN, LINEAR_SPLITS, TensorParallelPlan
 
 AXIS = "tp"
-# Parameter path (".../self_attn/q_proj/kernel") → partition spec, first match wins. Kernels
-# are [in, out]: column-parallel layers split `out`, row-parallel layers split `in`.
-RULES: tuple[tuple[str, P], ...] = (
-    (r"(q_proj|k_proj|v_proj)/kernel$", P(None, AXIS)),
-    (r"(q_proj|k_proj|v_proj)/bias$", P(AXIS)),
-    (r"o_proj/kernel$", P(AXIS, None)),
-    (r"(gate_proj|up_proj)/kernel$", P(None, AXIS)),
-    (r"down_proj/kernel$", P(AXIS, None)),
-    (r"lm_head/kernel$", P(None, AXIS)),
-)
+
+
+def _rules() -> tuple[tuple[str, P], ...]:
+    """Parameter path (".../self_attn/q_proj/kernel") → partition spec, from LINEAR_SPLITS. Flax
+    kernels are [in, out]: column-parallel layers split `out` (and their bias), row-parallel
+    layers split `in`."""
+    rules = []
+    for name, split in LINEAR_SPLITS.items():
+        rules.append((rf"{name}/kernel$", P(None, AXIS) if split == COLUMN else P(AXIS, None)))
+        if split == COLUMN:
+            rules.append((rf"{name}/bias$", P(AXIS)))
+    return tuple(rules)
+
+
+RULES = _rules()  # first match wins
 HEADS = P(None, AXIS, None)  # [T, H, D]: split by head
 KV_CACHE = P(None, AXIS, None, None)  # [num_blocks, Hkv, block_size, D]
 REPLICATED = P()

@@ -1,0 +1,115 @@
+"""The torch step body: the whole step on the device, run eagerly or captured into a CUDA graph
+per (layout, variant) by the runner (runner.py, cuda_graphs.py).
+
+Drafts first when the step speculates (spec_step.py: the draft's catch-up and its k - 1
+autoregressive steps), then the target's forward over the flattened batch, sampling or the
+rejection sampler, and each row's first token kept on the device for the next step's inputs
+(async scheduling), with no host synchronisation until the sampled tokens come back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedjax.backends.common.attention_metadata import AttentionMetadata
+from pagedjax.backends.torch.params import DeviceModel
+from pagedjax.backends.torch.rejection_sampler import rejection_sample
+from pagedjax.backends.torch.sampler import gather_logprobs, sample, score_prompt_tokens
+from pagedjax.backends.torch.spec_step import propose_drafts
+from pagedjax.core.batch import SAMPLING_FIELDS, StepFlags, StepOutput, unpack
+from pagedjax.core.step_shapes import BatchLayout
+from pagedjax.sampling_params import MAX_LOGPROBS
+
+
+@dataclass(eq=False)
+class StepBody:
+    """A runner's step function: its models (target, then the draft) and the device buffer of
+    the last step's first tokens."""
+
+    models: list[DeviceModel]
+    last_tokens: torch.Tensor  # [max_num_seqs] int32: one buffer, so graphs capture it
+    async_launch: bool  # steps may be launched before the last one's tokens reach the host
+
+    def __call__(self, ints: torch.Tensor, floats: torch.Tensor,
+              entries: tuple[torch.Tensor, torch.Tensor] | None,
+              token_bitmask: torch.Tensor | None = None, *, layout: BatchLayout,
+              flags: StepFlags, max_query_len: int, max_draft_query_len: int,
+              num_tokens: int | None = None, num_draft_tokens: int | None = None,
+              num_samples: int | None = None) -> StepOutput:
+        """The whole step on the device → StepOutput: tokens and logprobs [L, K+1], and what the
+        flags ask for besides. num_tokens, num_draft_tokens and num_samples: the real tokens of
+        the target and of the draft's catch-up, and the real logits rows, when only those run
+        (the padding rows are skipped: a speculative step of one sequence pads 5 tokens to 8;
+        the padding rows' logits are zeros)."""
+        num_tokens = layout.num_tokens if num_tokens is None else num_tokens
+        b = unpack(layout, ints, floats)
+        sampling = {name: b[name] for name in SAMPLING_FIELDS}
+        for name in ("rng_seed", "rng_step"):  # uint32 counters, emulated in int64
+            sampling[name] = b[name].to(torch.int64) & 0xFFFFFFFF
+        if entries is not None:
+            sampling["entries"] = entries
+        if token_bitmask is not None:
+            sampling["token_bitmask"] = token_bitmask  # [S, W]
+        target, k = self.models[0], layout.num_spec_tokens
+        input_ids = b["input_ids"]
+        if self.async_launch:  # only then may a step be scheduled before the last one's tokens
+            rows = b["input_rows"]  # [T]: 1 + a row of last_tokens, or 0 (input_ids)
+            input_ids = torch.where(rows > 0, self.last_tokens[(rows - 1).clamp(min=0).long()],
+                                    input_ids)
+        if layout.draft:
+            draft = self.models[1]
+            drafts = propose_drafts(draft.forward, draft.kv_caches, b, draft.rope,
+                                    layout=layout, max_query_len=max_draft_query_len,
+                                    num_tokens=num_draft_tokens)
+        if k:
+            # Draft slots get their drafts; index T (no draft) lands in a discarded extra row.
+            input_ids = torch.cat([input_ids, input_ids.new_zeros(1)])
+            input_ids[b["draft_token_index"].reshape(-1).long()] = drafts.reshape(-1)
+        input_ids = input_ids[:num_tokens]
+        meta = AttentionMetadata(b["positions"][:num_tokens], b["slot_mapping"][:num_tokens],
+                                 b["query_start_loc"], b["kv_lens"], b["block_tables"],
+                                 *target.rope, max_query_len=max_query_len)
+        indices = b["logits_indices"]  # [L, K+1]
+        rows = indices[: indices.shape[0] if num_samples is None else num_samples].reshape(-1)
+        num_rows = rows.numel()
+        if flags.prompt_logprobs:  # the prompt positions scored, after the sampled rows
+            rows = torch.cat([rows, b["prompt_logprobs_indices"]])
+        logits = target.forward(input_ids, target.kv_caches, meta, rows)
+        prompt = ()
+        if flags.prompt_logprobs:
+            logits, prompt_logits = logits[:num_rows], logits[num_rows:]
+            prompt = score_prompt_tokens(prompt_logits, b["prompt_logprobs_token_ids"])
+        if num_rows < indices.numel():  # the padding rows: zeros
+            logits = torch.nn.functional.pad(logits, (0, 0, 0, indices.numel() - num_rows))
+        if not k:
+            out = sample(logits, sampling, flags)
+            self.keep_first_tokens(out[0][:, None])
+            return StepOutput(*(None if x is None else x[:, None] for x in out), *prompt)
+        logits = logits.view(*indices.shape, -1)  # [L, K+1, V]
+        seqs = b["sample_seq"].long()  # [L]: the sequence whose drafts row l verifies
+        tokens, _ = rejection_sample(logits, drafts[seqs], None, b["num_draft_tokens"],
+                                     sampling, all_greedy=not flags.sampled,
+                                     use_filters=flags.filters)
+        self.keep_first_tokens(tokens)
+        lse = torch.logsumexp(logits, dim=-1)  # [L, K+1]
+        return StepOutput(tokens, *gather_logprobs(
+            logits, lse, tokens, MAX_LOGPROBS if flags.logprobs else 0), *prompt)
+
+    def keep_first_tokens(self, tokens: torch.Tensor) -> None:
+        """[L, K+1] → each row's first token into last_tokens (the next step's inputs, read
+        on the device when it is launched before these reach the host; a CPU never is)."""
+        if not self.async_launch:
+            return
+        n = min(tokens.shape[0], self.last_tokens.shape[0])
+        self.last_tokens[:n] = tokens[:n, 0]
+
+
+def copy_blocks(models: list[DeviceModel], copies: torch.Tensor) -> None:
+    """Copy-on-write: block copies[:, 1] becomes a copy of block copies[:, 0] in every layer
+    of every model (target and draft)."""
+    src, dst = copies[:, 0].long(), copies[:, 1].long()  # [C] each
+    for model in models:  # the gather copies first, as the JAX .at[].set
+        model.kv_pool.index_copy_(2, dst, model.kv_pool.index_select(2, src))
+

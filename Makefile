@@ -82,4 +82,4 @@ gpu-check:
 	$(PYTHON) -m pip install -q --no-deps --no-index $(GPU_WHEELS)/*.whl
 	$(PYTHON) -m pip install -q --no-deps --no-build-isolation --no-index -e .
 	XLA_PYTHON_CLIENT_PREALLOCATE=false $(PYTHON) -m pagedjax.entrypoints.cli doctor
-	XLA_PYTHON_CLIENT_PREALLOCATE=false $(PYTHON) -m pytest -m "gpu or not gpu" tests/kernels tests/test_gpu_parity.py
+	XLA_PYTHON_CLIENT_PREALLOCATE=false $(PYTHON) -m pytest -m "gpu or not gpu" tests/kernels tests/e2e/test_gpu_parity.py

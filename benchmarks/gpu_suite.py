@@ -112,10 +112,10 @@ def correctness_steps(ctx: Context) -> list[Step]:
     if ctx.dry_run:  # a sample of the same files
         kernels = ("tests/kernels/test_pallas_lowering.py", "tests/kernels/test_cuda_ops.py",
                    "-k", "1b or (attention_float32 and decode)")
-        parity = ("tests/test_gpu_parity.py", "-k", "float32")
+        parity = ("tests/e2e/test_gpu_parity.py", "-k", "float32")
     else:  # everything, the gpu-marked tests included (nvcc: the environment part built it)
         kernels = ("-m", "(gpu or not gpu) and not nvcc", "tests/kernels")
-        parity = ("-m", "gpu or not gpu", "tests/test_gpu_parity.py",
+        parity = ("-m", "gpu or not gpu", "tests/e2e/test_gpu_parity.py",
                   "tests/backends/test_jax_backend.py", "tests/backends/test_torch_backend.py")
     return [Step("kernel_tests", _pytest(part / "kernel_tests.xml", *kernels), 300),
             Step("parity_tests", _pytest(part / "parity_tests.xml", *parity), 230)]
@@ -191,7 +191,7 @@ def decode_step_steps(ctx: Context) -> list[Step]:
 def all_steps(ctx: Context) -> list[Step]:
     """`all`, in priority order (see the module docstring); run_parts holds it to ALL_BUDGET_S."""
     part, dry = ctx.out / "all", ctx.dry_run
-    tests = ("tests/test_gpu_parity.py", "tests/engine/test_async_scheduling.py",
+    tests = ("tests/e2e/test_gpu_parity.py", "tests/engine/test_async_scheduling.py",
              "tests/backends/test_donated_outputs.py", "tests/backends/test_branch_free_steps.py")
     engine_tests = (*tests, "-k", "float32 or outputs or match or buffers or places")
     kernel_tests = ("-m", "gpu and not nvcc", "tests/kernels")

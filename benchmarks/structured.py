@@ -16,7 +16,7 @@ constrained decoding compiles no new step after startup.
     (schedule, prepare, execute, update, output) of one more pass of each mode: llguidance fills
     the mask in "schedule", the matchers consume the sampled tokens in "update", and the device
     applies the mask in "execute".
-(b) Grammar compile time for the test corpus (tests/structured_cases.py: 25 JSON schemas,
+(b) Grammar compile time for the test corpus (tests/support/structured_cases.py: 25 JSON schemas,
     regexes, choices, grammars) through the engine's compiler (grammar_key + GrammarCompiler,
     one worker thread, a fresh compiler per repeat), with and without the first token mask
     (llguidance builds masks lazily), beside xgrammar (the peer; its compile precomputes its
@@ -46,7 +46,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # tests.structured_cases
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # tests.support.structured_cases
 from common import (  # noqa: E402
     add_dtype_argument,
     add_out_argument,
@@ -84,7 +84,7 @@ def corpus_compile_times(tokenizer, vocab_size: int, eos: tuple[int, ...], repea
 
     from pagedjax.sampling_params import StructuredOutputsParams
     from pagedjax.structured_output import GrammarCompiler, grammar_key
-    from tests.structured_cases import CASES
+    from tests.support.structured_cases import CASES
 
     cases = [(c.name, c.kind, c.params) for c in CASES]
     cases.append(("workload_100_records", "json",
@@ -125,7 +125,7 @@ def xgrammar_compile_times(xgr, tokenizer, vocab_size: int, eos: tuple[int, ...]
     JSON schemas (any_whitespace off where the case disables whitespace; a whitespace_pattern
     becomes xgrammar's default flexible whitespace), regexes, choices (as an EBNF alternation)
     and GBNF grammars (not Lark)."""
-    from tests.structured_cases import CASES_BY_NAME
+    from tests.support.structured_cases import CASES_BY_NAME
 
     info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                               stop_token_ids=list(eos))
@@ -328,7 +328,7 @@ def decode_corpus(llm) -> dict:
     """Every corpus case once, in one batch, sampled (temperature 1, seeded); each output
     checked against its language, and counted as stopped by its grammar or cut at max_tokens."""
     from pagedjax import SamplingParams
-    from tests.structured_cases import CASES, max_tokens_for
+    from tests.support.structured_cases import CASES, max_tokens_for
 
     prompts = ["Answer in the requested format:\n"] * len(CASES)
     params = [SamplingParams(temperature=1.0, seed=i, max_tokens=max_tokens_for(case),

@@ -34,7 +34,7 @@ from pagedjax.testing.checkpoints import (
     stdlib_corpus,
     train_tokenizer,
 )
-from tests import background
+from tests.support import background
 
 
 @pytest.hookimpl(trylast=True)  # after -m and -k have deselected

@@ -162,7 +162,7 @@ def test_a_sharded_random_checkpoint_reads_the_same_in_hf_and_pagedjax(tmp_path,
     """make_model's own safetensors writer (the 8B checkpoint's: several shards and an index):
     HF transformers and pagedjax read the same model, greedy tokens equal."""
     from pagedjax import LLM, SamplingParams
-    from tests.hf_reference import hf_greedy
+    from tests.support.hf_reference import hf_greedy
 
     monkeypatch.setattr(gpu_suite, "SHARD_BYTES", 64 << 10)
     model = gpu_suite.make_model(tmp_path / "toy", dry_run=True)

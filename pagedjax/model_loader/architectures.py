@@ -3,7 +3,7 @@
 Both backends hold one decoder definition (Llama's) whose variations are switched by the fields
 of `ModelConfig`; a row says which variation an architecture uses and how its checkpoint names
 its weights. Adding a Llama-like family is a row here, a `make_tiny_checkpoint` entry and a
-greedy-parity test (tests/backends/test_architectures.py).
+greedy-parity test (tests/model_loader/test_architectures.py).
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ import jax
 import pytest
 
 from pagedjax import LLM, SamplingParams
-from tests.backends.test_jax_backend import hf_greedy, make_prompts
+from tests.support.hf_reference import hf_greedy
+from tests.support.prompts import make_prompts
 
 
 @pytest.mark.parametrize("speculative", [False, True])

@@ -10,7 +10,7 @@ import pytest
 
 from pagedjax import LLM, SamplingParams
 from pagedjax.core.batch import ModelInput, ModelOutput
-from tests.backends.test_jax_backend import make_prompts
+from tests.support.prompts import make_prompts
 
 BACKENDS = ["jax", "torch"]
 

@@ -1,70 +1,21 @@
-"""JAX backend end to end: greedy float32 tokens identical to HF transformers' generate."""
+"""The JAX backend's own paths: forks, seeds, logprobs, the Pallas kernel end to end, the pool's
+sizing, padding to min_decode_rows, branch-free decode steps and executable copies (HF greedy
+parity over every architecture: tests/e2e/test_hf_parity.py)."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from pagedjax import LLM, SamplingParams
-from tests.hf_reference import hf_greedy
+from tests.support.hf_reference import hf_greedy
+from tests.support.prompts import make_prompts
 
-PROMPT_LENS = [1, 15, 16, 17, 120, 7, 33, 64]  # around block_size 16, and a long one
 MAX_TOKENS = 24
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-
-# name -> LLM kwargs. "roomy" runs everything in one step, so its first pass computes every block
-# and its second pass is served from the prefix cache. "stress" forces chunked prefill (32-token
-# budget) and preemption (24 blocks for ~40 blocks of demand); preempted sequences then re-find
-# their own blocks in the prefix cache.
-SCENARIOS = {
-    "roomy": dict(max_num_batched_tokens=512, num_gpu_blocks_override=128,
-                  enable_prefix_caching=True),
-    "stress": dict(max_num_batched_tokens=32, num_gpu_blocks_override=24,
-                   enable_prefix_caching=True),
-}
-
-
-def make_prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    prompts = [rng.integers(1, vocab_size, n).tolist() for n in PROMPT_LENS]
-    shared = rng.integers(1, vocab_size, 48).tolist()
-    prompts += [shared + rng.integers(1, vocab_size, n).tolist() for n in (5, 20)]
-    return prompts
 
 
 def make_llm(model_dir: str, **kwargs) -> LLM:
     return LLM(model_dir, backend="jax", max_model_len=256, **kwargs)
-
-
-@pytest.mark.parametrize("scenario", SCENARIOS)
-@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2"])
-def test_greedy_matches_hf(tiny_model, name: str, scenario: str) -> None:
-    model_dir = tiny_model(name)
-    llm = make_llm(model_dir, **SCENARIOS[scenario])
-    on_cpu = llm.engine.runner._on_cpu
-    assert llm.engine.runner.target.module.packed == on_cpu  # linears on the C++ kernel
-    prompts = make_prompts(llm.engine.model_config.vocab_size)
-    expected = hf_greedy(model_dir, prompts, MAX_TOKENS)
-    inputs = [{"prompt_token_ids": p} for p in prompts]
-
-    outputs = llm.generate(inputs, GREEDY, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outputs] == expected
-    assert all(o.outputs[0].finish_reason == "length" for o in outputs)
-
-    again = llm.generate(inputs, GREEDY, use_tqdm=False)  # served partly from the prefix cache
-    assert [o.outputs[0].token_ids for o in again] == expected
-    compiles = llm.engine.runner.num_compiles
-    llm.generate(inputs, GREEDY, use_tqdm=False)  # the same shapes as the pass before
-    assert llm.engine.runner.num_compiles == compiles, "a repeated workload must not recompile"
-
-    metrics = llm.get_metrics()
-    assert metrics["kv_blocks_free"] == metrics["kv_blocks_total"]
-    assert metrics["prefix_cache_hits"] > 0
-    if scenario == "roomy":
-        assert [o.num_cached_tokens for o in outputs] == [0] * len(prompts)
-        assert [o.num_cached_tokens for o in again] == [(len(p) - 1) // 16 * 16 for p in prompts]
-    else:
-        assert metrics["num_preemptions_total"] > 0
 
 
 def test_parallel_sampling_forks_share_the_prompt(tiny_model) -> None:

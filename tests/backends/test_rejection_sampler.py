@@ -1,5 +1,5 @@
 """The batched rejection samplers (JAX and torch) against hand-built greedy cases, the batch-1
-NumPy oracle (tests/spec_oracle.py) fed the same uniforms, each other, and the target
+NumPy oracle (tests/support/spec_oracle.py) fed the same uniforms, each other, and the target
 distribution itself."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pagedjax.backends.torch import rejection_sampler as torch_rs
 from pagedjax.backends.torch import sampler as torch_sampler
 from pagedjax.core.batch import StepFlags
 from pagedjax.core.logit_entries import EntryFlag
-from tests.spec_oracle import speculative_step_reference
+from tests.support.spec_oracle import speculative_step_reference
 
 KNOBS = ("temperature", "top_k", "top_p", "min_p")
 # One row per knob mix (temperature, top_k, top_p, min_p); temperature 0 = greedy.

@@ -1,5 +1,5 @@
-"""Torch backend parity: the same tokens as the JAX backend and HF transformers (greedy, float32),
-the same logprobs, and the same scheduler decisions, through chunked prefill, preemption,
+"""Torch backend parity with the JAX backend: the same tokens (greedy, float32, and seeded
+sampling), the same logprobs, and the same scheduler decisions, through chunked prefill, preemption,
 prefix-cache hits and n > 1 forks (copy-on-write)."""
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from pagedjax.core.scheduler_output import ScheduledBatch
 from pagedjax.core.step_shapes import StepShapes
 from pagedjax.entrypoints.llm import LLM
 from pagedjax.sampling_params import SamplingParams
-from tests import hf_reference
 from tests.backends.test_engine_step import record_steps
 
 BLOCK_SIZE = 16
@@ -108,13 +107,6 @@ def checkpoints(tiny_model) -> dict[str, Path]:
     return {name: Path(tiny_model(name)) for name in ARCHS}
 
 
-@pytest.fixture(scope="module")
-def hf_greedy(checkpoints: dict[str, Path]):
-    """(arch, prompt) → HF transformers' greedy continuation (EOS ignored), cached."""
-    return lambda arch, prompt: hf_reference.hf_greedy(str(checkpoints[arch]), [prompt],
-                                                       MAX_TOKENS)[0]
-
-
 def _seeded(seed: int) -> SamplingParams:
     return SamplingParams(n=2, temperature=0.8, top_k=40, top_p=0.9, min_p=0.02, seed=seed,
                           max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
@@ -152,11 +144,10 @@ def _assert_logprobs_close(torch_run: Run, jax_run: Run) -> None:
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
-def test_greedy_matches_jax_and_hf(arch: str, runs, hf_greedy) -> None:
+def test_greedy_matches_jax(arch: str, runs) -> None:
+    """(and both HF's: tests/e2e/test_hf_parity.py)"""
     torch_run, jax_run = runs(arch, "torch", "basic"), runs(arch, "jax", "basic")
     assert torch_run.token_ids == jax_run.token_ids
-    for prompt, completions in zip(BASIC_PROMPTS, torch_run.token_ids):  # the greedy requests
-        assert completions == [hf_greedy(arch, prompt)]
     _assert_logprobs_close(torch_run, jax_run)
 
 
@@ -169,13 +160,13 @@ def test_seeded_sampling_matches_jax(arch: str, runs) -> None:
     assert any(len(set(map(tuple, cs))) == 2 for cs in torch_run.token_ids[sampled])  # it sampled
 
 
-def test_greedy_parity_under_chunking_preemption_prefix_hits(runs, hf_greedy) -> None:
-    """Mistral: its sliding window crosses chunk, block and cached-prefix boundaries."""
+def test_greedy_parity_under_chunking_preemption_prefix_hits(runs) -> None:
+    """Mistral: its sliding window crosses chunk, block and cached-prefix boundaries; n = 2
+    forks of a greedy request give the same tokens twice."""
     arch = "mistral"
     torch_run, jax_run = runs(arch, "torch", "stress"), runs(arch, "jax", "stress")
     assert torch_run.token_ids == jax_run.token_ids
-    for prompt, completions in zip(STRESS_PROMPTS, torch_run.token_ids, strict=True):
-        assert all(c == hf_greedy(arch, prompt) for c in completions)
+    assert all(len(set(map(tuple, completions))) == 1 for completions in torch_run.token_ids)
     _assert_logprobs_close(torch_run, jax_run)
     metrics = torch_run.metrics
     assert metrics["num_preemptions_total"] > 0

@@ -9,7 +9,7 @@ import pytest
 
 from pagedjax import LLM, RequestOutputKind, SamplingParams
 from pagedjax.engine.async_llm import AsyncEngineArgs, AsyncLLM, EngineDeadError
-from tests.recorders import FinishedRecorder, wait_until
+from tests.support.recorders import FinishedRecorder, wait_until
 
 SMALL = dict(max_model_len=128, num_gpu_blocks_override=32)
 PROMPTS = ["def fibonacci(n):", "import os\n", "class Config(object):"]

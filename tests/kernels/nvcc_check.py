@@ -2,8 +2,8 @@
 session collects the `nvcc` test and collected by that test.
 
 The compiles are single-threaded and take ~4 min of CPU: they run beside the suite (see
-tests/background.py), and the test, ordered last (tests/kernels/conftest.py), mostly finds them
-done.
+tests/support/background.py), and the test, ordered last (tests/kernels/conftest.py), mostly
+finds them done.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import pytest
 from torch.utils import cpp_extension
 
 from pagedjax.kernels_cuda import ops
-from tests import background
+from tests.support import background
 
 COMPILES = pytest.StashKey[list["Compile"]]()  # the session's background compiles
 

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pagedjax.engine.async_llm import AsyncEngineArgs, AsyncLLM
 from pagedjax.engine.stat_loggers import PrometheusStatLogger
 from pagedjax.entrypoints.openai.api_server import ServerConfig, build_app
-from tests.recorders import FinishedRecorder
+from tests.support.recorders import FinishedRecorder
 
 CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'bad' %}"
                  "{{ raise_exception('roles must be system, user or assistant') }}{% endif %}"

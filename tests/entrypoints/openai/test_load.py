@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from tests.entrypoints.openai.conftest import MODEL_NAME, start_server
-from tests.recorders import wait_until
+from tests.support.recorders import wait_until
 
 K = 8  # tokens per request under load
 LONG = 400  # max_tokens of the requests that clients drop: far from finished when dropped

@@ -14,8 +14,8 @@ from pagedjax.engine.async_llm import AsyncEngineArgs
 from pagedjax.entrypoints.cli import _parser, main
 from pagedjax.entrypoints.openai.api_server import engine_args_from_cli
 from tests.entrypoints.openai.conftest import CHAT_TEMPLATE
-from tests.recorders import wait_until
-from tests.serve_process import serve_process
+from tests.support.recorders import wait_until
+from tests.support.serve_process import serve_process
 
 API_KEY = "sk-cli"
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from pagedjax import LLM, SamplingParams
-from tests.hf_reference import hf_greedy
+from tests.support.hf_reference import hf_greedy
 
 MAX_TOKENS = 12
 PROMPT_LENS = (1, 17, 40)

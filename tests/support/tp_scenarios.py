@@ -1,5 +1,5 @@
 """Tensor-parallel scenarios run in a fresh process with 4 fake CPU devices (see
-test_tensor_parallel.py): `python -m tests.backends.tp_scenarios NAME JSON_ARGS` prints one JSON
+test_tensor_parallel.py): `python -m tests.support.tp_scenarios NAME JSON_ARGS` prints one JSON
 line with the result."""
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 with a checker of its language and a max_tokens that the output provably fits in.
 
 No tests here: the engine's, the server's and the benchmark's tests import it
-(tests/test_structured_cases.py checks the corpus itself, with llguidance and no engine).
+(tests/support/test_structured_cases.py checks the corpus itself, with llguidance and no engine).
 
-    from tests.structured_cases import CASES, max_tokens_for
+    from tests.support.structured_cases import CASES, max_tokens_for
     for case in CASES:
         params = SamplingParams(max_tokens=max_tokens_for(case),
                                 structured_outputs=case.params)

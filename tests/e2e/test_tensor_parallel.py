@@ -21,9 +21,9 @@ PROMPTS = [np.random.default_rng(0).integers(1, 500, n).tolist() for n in (3, 17
 
 
 def on_cpu_devices(scenario: str, **kwargs) -> dict:
-    """Run tests/backends/tp_scenarios.py's `scenario` in a process with 4 CPU devices."""
+    """Run tests/support/tp_scenarios.py's `scenario` in a process with 4 CPU devices."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FAKE_DEVICES)
-    done = subprocess.run([sys.executable, "-m", "tests.backends.tp_scenarios", scenario,
+    done = subprocess.run([sys.executable, "-m", "tests.support.tp_scenarios", scenario,
                            json.dumps(kwargs)], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -94,7 +94,7 @@ def test_bad_tensor_parallel_sizes(tiny_model, tmp_path) -> None:
 def test_torch_tp_2_gives_the_same_tokens_and_its_workers_exit(tiny_model) -> None:
     """TP=2 through the public LLM: rank 0 here, rank 1 a process the engine starts (gloo); with
     and without a draft (split like the target); the worker exits when the engine is closed."""
-    from tests.backends.tp_scenarios import greedy
+    from tests.support.tp_scenarios import greedy
 
     for arch, draft in (("qwen2", None), ("llama", tiny_model("draft"))):
         out = greedy(tiny_model(arch), [1, 2], PROMPTS, draft=draft, backend="torch",

@@ -1,7 +1,6 @@
-"""Every architecture row of pagedjax/model_loader/architectures.py beyond Llama/Mistral/Qwen2,
-on both backends: float32 greedy tokens identical to HF transformers' on a tiny random
-checkpoint, with default settings and under chunked prefill with a pool small enough to
-preempt."""
+"""The architecture rows of pagedjax/model_loader/architectures.py: what each reads from a
+checkpoint, and the knobs that set them apart (their greedy tokens against HF transformers':
+tests/e2e/test_hf_parity.py)."""
 
 from __future__ import annotations
 
@@ -10,37 +9,11 @@ import json
 import numpy as np
 import pytest
 
-from pagedjax import LLM, SamplingParams
 from pagedjax.config import ModelConfig
-from tests.hf_reference import hf_greedy
+from tests.support.hf_reference import hf_greedy
 
-ARCHITECTURES = ["qwen3", "olmo2", "granite", "phi3", "gemma2", "gemma3"]
 PROMPT_LENS = (1, 17, 40)
 MAX_TOKENS = 8
-SCENARIOS = {
-    "default": dict(num_gpu_blocks_override=64),
-    # 16-token prefill chunks; 4 blocks of 16 for 6 blocks of demand: sequences are preempted
-    "stress": dict(max_num_batched_tokens=16, num_gpu_blocks_override=4),
-}
-
-
-@pytest.mark.parametrize("scenario", SCENARIOS)
-@pytest.mark.parametrize("backend", ["jax", "torch"])
-@pytest.mark.parametrize("name", ARCHITECTURES)
-def test_greedy_matches_hf(tiny_model, name: str, backend: str, scenario: str) -> None:
-    model_dir = tiny_model(name)
-    vocab = json.loads(open(f"{model_dir}/config.json").read())["vocab_size"]
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(1, vocab, n).tolist() for n in PROMPT_LENS]
-    llm = LLM(model_dir, backend=backend, max_model_len=64, **SCENARIOS[scenario])
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    expected = hf_greedy(model_dir, prompts, MAX_TOKENS)
-    assert [o.outputs[0].token_ids for o in outputs] == expected
-    assert len({t for tokens in expected for t in tokens}) > 3, "a degenerate tiny model"
-    if scenario == "stress":
-        assert llm.engine.scheduler.num_preemptions_total > 0
-    llm.shutdown()
 
 
 def test_rows_read_what_sets_them_apart(tiny_model) -> None:

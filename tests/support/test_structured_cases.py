@@ -1,7 +1,7 @@
-"""The structured-output corpus (tests/structured_cases.py) checks itself, with llguidance and
-no engine: random walks through each case's grammar (a uniformly random allowed token each step,
-the demo target's tokenizer) all finish within the case's max_tokens and pass its checker, and
-the checkers reject what is not in their language."""
+"""The structured-output corpus (tests/support/structured_cases.py) checks itself, with
+llguidance and no engine: random walks through each case's grammar (a uniformly random allowed
+token each step, the demo target's tokenizer) all finish within the case's max_tokens and pass
+its checker, and the checkers reject what is not in their language."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 
 from pagedjax.model_loader.demo import DEMO_DIR
 from pagedjax.sampling_params import StructuredOutputsParams
-from tests.structured_cases import (
+from tests.support.structured_cases import (
     CASES,
     CHOICE_CASES,
     GRAMMAR_CASES,
@@ -115,7 +115,7 @@ def test_random_walks_finish_within_max_tokens_and_pass_their_checks(demo_tokeni
 
 
 def test_checkers_reject_near_misses() -> None:
-    from tests.structured_cases import CASES_BY_NAME as C
+    from tests.support.structured_cases import CASES_BY_NAME as C
 
     misses = {
         "json_person": ['{"name":"Al","age":121}', '{"name":"Al"}', '{"name": "Al","age":3}',

@@ -1,5 +1,5 @@
 """Penalties and logit_bias on fixed logits: each backend's sampler against the NumPy reference
-(tests/sampling_reference.py), fed through the packed batch exactly as the engine builds it
+(tests/support/sampling_reference.py), fed through the packed batch exactly as the engine builds it
 (Sequence → SampleSpec → build_model_input), with the sampled tokens' logprobs and ranks.
 
 Tolerances: processed logits within 1e-5 (float32 ops in the same order; only division and
@@ -26,7 +26,7 @@ from pagedjax.core.scheduler_output import SampleSpec, ScheduledBatch, Scheduled
 from pagedjax.core.sequence import Sequence
 from pagedjax.core.step_shapes import StepShapes
 from pagedjax.sampling_params import SamplingParams
-from tests.sampling_reference import log_softmax, reference_logits, reference_rank
+from tests.support.sampling_reference import log_softmax, reference_logits, reference_rank
 
 VOCAB = 300
 BLOCK_SIZE = 16

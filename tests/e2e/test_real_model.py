@@ -11,9 +11,9 @@ import pytest
 from pagedjax import LLM, SamplingParams
 from pagedjax.entrypoints.cli import main
 from pagedjax.model_loader.demo import smollm2_instruct_dir, smollm2_instruct_gguf
-from tests.background import SMOLLM2_CONVERSION
-from tests.hf_reference import hf_greedy
-from tests.serve_process import serve_process
+from tests.support.background import SMOLLM2_CONVERSION
+from tests.support.hf_reference import hf_greedy
+from tests.support.serve_process import serve_process
 
 pytestmark = pytest.mark.real_model
 
@@ -109,13 +109,13 @@ def test_serve_answers_a_chat_completion(smollm2_dir, tmp_path) -> None:
 
 @pytest.mark.parametrize("backend", ["jax", "torch"])
 def test_structured_chat_answers_are_valid(smollm2_dir, backend: str) -> None:
-    """LLM.chat under each JSON schema of the corpus (tests/structured_cases.py), greedy and
+    """LLM.chat under each JSON schema of the corpus (tests/support/structured_cases.py), greedy and
     sampled at temperature 0.8, every answer parsed and validated; on torch then speculatively
     too (the model as its own draft, k = 2 fixed: the adaptive policy would rightly never draft
     with a draft as costly as the target), its greedy answers equal to the plain ones. (JAX's
     speculative steps with constraints run on the demo pair, tests/backends: here their
     compiles for this model would take minutes.)"""
-    from tests.structured_cases import CASES, max_tokens_for
+    from tests.support.structured_cases import CASES, max_tokens_for
 
     cases = [c for c in CASES if c.kind == "json"]
     messages = [[{"role": "user", "content": f"Reply with a JSON object ({c.name[5:]})."}]

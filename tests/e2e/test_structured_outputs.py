@@ -1,5 +1,5 @@
 """Structured outputs on both backends (the demo pair: a trained target and its draft): every
-output of the corpus (tests/structured_cases.py) is valid, greedy and sampled, plain and
+output of the corpus (tests/support/structured_cases.py) is valid, greedy and sampled, plain and
 speculative; speculation keeps greedy output and the sampled distribution; preemption,
 n > 1 and unconstrained neighbours; the device mask against llguidance's reference."""
 
@@ -10,7 +10,7 @@ import pytest
 
 from pagedjax import LLM, SamplingParams, StructuredOutputsParams
 from pagedjax.model_loader.demo import demo_model_dirs
-from tests.structured_cases import CASES, max_tokens_for
+from tests.support.structured_cases import CASES, max_tokens_for
 
 BACKENDS = ["jax", "torch"]
 TARGET, DRAFT = demo_model_dirs()
@@ -270,7 +270,7 @@ def test_masks_filled_ahead_equal_masks_filled_in_the_step(monkeypatch, caplog) 
     from pagedjax.model_loader.tokenizer import load_tokenizer
     from pagedjax.structured_output import StructuredOutputManager, mask_filler
     from pagedjax.structured_output.manager import AHEAD_MIN_ROWS
-    from tests.structured_cases import CASES_BY_NAME
+    from tests.support.structured_cases import CASES_BY_NAME
 
     tokenizer = load_tokenizer(TARGET)
     constraints = [CASES_BY_NAME[name].params for name in

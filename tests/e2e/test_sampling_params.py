@@ -14,7 +14,7 @@ import pytest
 
 from pagedjax import LLM, RequestOutputKind, SamplingParams
 from pagedjax.outputs import Logprob
-from tests.sampling_reference import hf_generate_with_reference, hf_logprobs, reference_rank
+from tests.support.sampling_reference import hf_generate_with_reference, hf_logprobs, reference_rank
 
 BACKENDS = ["jax", "torch"]
 CHUNKED = dict(max_model_len=256, num_gpu_blocks_override=64, max_num_batched_tokens=16)

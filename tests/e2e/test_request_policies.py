@@ -11,7 +11,7 @@ from pagedjax import LLM, BeamSearchParams, SamplingParams
 from pagedjax.core.block_manager import BlockManager, CopyingBlockManager
 from pagedjax.core.scheduler_output import SchedulerOutput
 from pagedjax.rng import derive_seed
-from tests.hf_reference import hf_beam_search, hf_greedy
+from tests.support.hf_reference import hf_beam_search, hf_greedy
 
 BACKENDS = ["jax", "torch"]
 PROMPT_40 = list(range(1, 41))  # two full blocks of 16, and 8 tokens in a third

@@ -66,7 +66,7 @@ def hf_generate_with_reference(model_dir: str, prompt: list[int], params: Sampli
     import torch
     from transformers import LogitsProcessorList
 
-    from tests.hf_reference import _hf_model
+    from tests.support.hf_reference import _hf_model
 
     processor = LogitsProcessorList([ReferenceLogitsProcessor(params, len(prompt))])
     with torch.no_grad():
@@ -82,7 +82,7 @@ def hf_logprobs(model_dir: str, token_ids: list[int]) -> np.ndarray:
     from one full forward of the HF model."""
     import torch
 
-    from tests.hf_reference import _hf_model
+    from tests.support.hf_reference import _hf_model
 
     with torch.no_grad():
         logits = _hf_model(model_dir)(torch.tensor([token_ids])).logits[0]

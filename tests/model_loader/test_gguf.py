@@ -17,7 +17,7 @@ from pagedjax.config import ModelConfig
 from pagedjax.entrypoints.cli import main
 from pagedjax.model_loader.gguf import convert_gguf, resolve_model_source
 from pagedjax.testing.checkpoints import make_tiny_checkpoint
-from tests.gguf_files import write_llama_gguf
+from tests.support.gguf_files import write_llama_gguf
 
 MAX_TOKENS = 8
 TEXT = "def main(argv):\n    return 0  # héllo"

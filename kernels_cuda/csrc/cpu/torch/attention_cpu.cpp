@@ -9,8 +9,8 @@
 #include <algorithm>
 #include <vector>
 
-#include "../attention.h"
-#include "attention_cpu_kernel.h"
+#include "../../attention.h"
+#include "../kernels/attention_cpu_kernel.h"
 
 namespace pagedjax {
 namespace {

@@ -14,7 +14,7 @@
 #include <algorithm>
 #include <tuple>
 
-#include "norm_act_cpu_kernel.h"
+#include "../kernels/norm_act_cpu_kernel.h"
 
 namespace pagedjax {
 namespace {

@@ -19,7 +19,7 @@
 #include <immintrin.h>
 #endif
 
-#include "../attention_shape.h"
+#include "../../attention_shape.h"
 #include "cpu_features.h"
 #include "simd_math.h"
 

@@ -14,11 +14,11 @@
 #include <string>
 #include <vector>
 
-#include "attention_cpu_kernel.h"
-#include "filter_cpu_kernel.h"
-#include "logits_cpu_kernel.h"
-#include "linear_cpu_kernel.h"
-#include "norm_act_cpu_kernel.h"
+#include "../kernels/attention_cpu_kernel.h"
+#include "../kernels/filter_cpu_kernel.h"
+#include "../kernels/logits_cpu_kernel.h"
+#include "../kernels/linear_cpu_kernel.h"
+#include "../kernels/norm_act_cpu_kernel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -256,7 +256,7 @@ void for_rows(ffi::ThreadPool& pool, int64_t n, int64_t width, const RowFn& fn) 
 }
 
 // One Llama decoder layer (ModelConfig.plain_decoder_layer) as one call, the torch op
-// pagedjax::decoder_layer's steps in its order with the same kernels (decoder_layer_cpu.cpp):
+// pagedjax::decoder_layer's steps in its order with the same kernels (../torch/decoder_layer_cpu.cpp):
 //   stream = x + residual (x alone in the first layer); h = rms_norm(stream)
 //   q, k, v = h @ qkv (+ bias); q, k rotated; k, v written to the caches at slot_mapping
 //   stream += attention(q, caches) @ o; out = (silu(gate) * up)(rms_norm(stream) @ gate_up) @ down

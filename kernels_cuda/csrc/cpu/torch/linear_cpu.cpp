@@ -21,7 +21,7 @@
 
 #include <algorithm>
 
-#include "linear_cpu_kernel.h"
+#include "../kernels/linear_cpu_kernel.h"
 
 namespace pagedjax {
 namespace {

@@ -37,7 +37,7 @@ _NAME = "pagedjax_ops"
 _CSRC = Path(__file__).parent / "csrc"
 # Paths under csrc/: the op schemas (ops.cpp) and the shared headers at the top; what runs on the
 # CPU under cpu/: framework-free kernels (cpu/kernels/*.h), their torch ops (cpu/torch/) and their
-# XLA FFI handlers (cpu/xla_ffi/, built by kernels_pallas/cpu_ffi.py, not here); the CUDA kernels
+# XLA FFI handlers (cpu/xla_ffi/, built by backends/jax/cpu_ffi.py, not here); the CUDA kernels
 # under cuda/.
 _CPU_SOURCES = ("ops.cpp", *(f"cpu/torch/{name}.cpp" for name in (
     "attention_cpu", "linear_cpu", "rotary_cpu", "norm_act_cpu", "decoder_layer_cpu",

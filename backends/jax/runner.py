@@ -67,7 +67,7 @@ def uses_cpu_linear(attention_impl: str, dtype: jnp.dtype, mesh: Mesh | None) ->
     ("cpu"), in float32, on one device (packed kernels have no tensor-parallel layout)."""
     if attention_impl != "cpu" or dtype != jnp.float32 or mesh is not None:
         return False
-    from pagedjax.kernels_pallas import cpu_ffi
+    from pagedjax.backends.jax import cpu_ffi
 
     return cpu_ffi.available()
 

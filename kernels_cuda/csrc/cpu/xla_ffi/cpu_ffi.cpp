@@ -1,6 +1,6 @@
 // The C++ CPU kernels of the torch ops as XLA FFI handlers, in float32 (no torch headers): the
 // JAX backend's attention (attention_cpu_kernel.h) and packed linear (linear_cpu_kernel.h) on
-// CPU. Built and registered by kernels_pallas/cpu_ffi.py. Parallel on XLA's own intra-op thread
+// CPU. Built and registered by backends/jax/cpu_ffi.py. Parallel on XLA's own intra-op thread
 // pool: an OpenMP team of its own, started from an XLA thread, made libgomp count more threads
 // than cores and stop spinning, which slowed every torch op in the process (RESULTS.md).
 #include <algorithm>

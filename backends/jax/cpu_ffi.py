@@ -2,8 +2,9 @@
 framework-free kernels the torch backend runs on CPU (`kernels_cuda/csrc/cpu/kernels/`:
 `attention_cpu_kernel.h`, `linear_cpu_kernel.h`, ...), in float32, as CPU custom calls whose
 handlers are `kernels_cuda/csrc/cpu/xla_ffi/cpu_ffi.cpp`; a top-k for the logprobs (XLA's CPU
-TopK sorts every row); and a whole Llama decoder layer in one call (`decoder_layer`, the torch
-op `pagedjax::decoder_layer`'s steps over the same kernels).
+TopK sorts every row); and a whole Llama decoder layer in one call (`decoder_layer`: the layer
+`cpu/kernels/decoder_layer_kernel.h` composes, which the torch op `pagedjax::decoder_layer` runs
+too).
 
 The library is compiled on first use with the system's C++ compiler (`$CXX`, else `c++`) and
 cached per source, compiler and jaxlib version in pagedjax's cache folder (pagedjax/cache.py:

@@ -79,12 +79,10 @@ def main() -> None:
 
     import jax
 
-    from pagedjax.kernels_pallas import cpu_ffi
+    from pagedjax.backends.jax import cpu_ffi
+    from pagedjax.backends.jax.attention import ragged_paged_attention_cpu
     from pagedjax.kernels_pallas.reference import ragged_paged_attention_reference
-    from pagedjax.kernels_pallas.tiled_attention import (
-        ragged_paged_attention_cpu,
-        ragged_paged_attention_tiled,
-    )
+    from pagedjax.kernels_pallas.tiled_attention import ragged_paged_attention_tiled
 
     rng, rows = np.random.default_rng(0), []
     for name, (q_lens, kv_lens) in CASES.items():

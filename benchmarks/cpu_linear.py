@@ -83,7 +83,7 @@ def jax_candidates(weights: list[np.ndarray], m: int) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from pagedjax.kernels_pallas import cpu_ffi
+    from pagedjax.backends.jax import cpu_ffi
 
     assert cpu_ffi.available(), "the FFI library did not build"
     fan_in, out = weights[0].shape

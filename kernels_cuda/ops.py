@@ -35,11 +35,13 @@ Backend = Literal["cpp", "cuda", "reference"]
 
 _NAME = "pagedjax_ops"
 _CSRC = Path(__file__).parent / "csrc"
-# Paths under csrc/: the op schemas (ops.cpp) and the shared headers at the top, what runs on the
-# CPU under cpu/, the CUDA kernels under cuda/.
-_CPU_SOURCES = ("ops.cpp", "cpu/attention_cpu.cpp", "cpu/linear_cpu.cpp", "cpu/rotary_cpu.cpp",
-                "cpu/norm_act_cpu.cpp", "cpu/decoder_layer_cpu.cpp", "cpu/filter_cpu.cpp",
-                "cpu/logits_cpu.cpp", "cpu/token_mask_cpu.cpp")
+# Paths under csrc/: the op schemas (ops.cpp) and the shared headers at the top; what runs on the
+# CPU under cpu/: framework-free kernels (cpu/kernels/*.h), their torch ops (cpu/torch/) and their
+# XLA FFI handlers (cpu/xla_ffi/, built by backends/jax/cpu_ffi.py, not here); the CUDA kernels
+# under cuda/.
+_CPU_SOURCES = ("ops.cpp", *(f"cpu/torch/{name}.cpp" for name in (
+    "attention_cpu", "linear_cpu", "rotary_cpu", "norm_act_cpu", "decoder_layer_cpu",
+    "filter_cpu", "logits_cpu", "token_mask_cpu")))
 _CUDA_SOURCES = ("cuda/attention_cuda.cu", "cuda/write_kv_cuda.cu", "cuda/norm_act_cuda.cu")
 DEFAULT_CUDA_ARCHS = "8.0;9.0+PTX"  # A100 and H100 SASS; PTX that newer GPUs JIT-compile
 _MIN_CAPABILITY = (8, 0)  # cp.async and bf16 paths

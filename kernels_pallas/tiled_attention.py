@@ -11,12 +11,8 @@ query rows of one sequence, `chunk_blocks` blocks per loop iteration:
 The loop runs to the longest context in the batch with an online softmax in float32; rows past
 each sequence's queries and padding rows come out as zeros.
 
-`ragged_paged_attention_cpu`, the JAX backend's attention on CPU, keeps the fastest correct one
-per shape, as `benchmarks/cpu_attention.py` measured (RESULTS.md): in float32 the C++ kernel
-of the torch backend through XLA's FFI (`cpu_ffi.py`; 2.2-5.3x faster than the jnp choice);
-otherwise, or where it cannot be built, the reference's loop for decode and short queries
-(T < 128), where its per-row gathers are small, and the tiled version (16 rows, 4 blocks per
-chunk) for prefill and mixed batches, where it is ~1.8x faster.
+Which implementation serves which shape is the JAX backend's choice, not this file's:
+`pagedjax.backends.jax.attention.ragged_paged_attention_cpu`.
 """
 
 from __future__ import annotations
@@ -24,15 +20,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pagedjax.kernels_pallas import cpu_ffi
-from pagedjax.kernels_pallas.reference import ragged_paged_attention_reference
-
 # The products accumulate in float32 or wider: full precision, never TF32 on an NVIDIA GPU (a GPU
 # runs this path only where a caller asks for it; the first H100 run read 1e-3 errors with TF32).
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 _MASK_VALUE = -1e30  # finite, so a fully masked chunk never produces NaN
-_MIN_TILED_TOKENS = 128  # below this many query rows the reference's loop is faster on CPU
 
 
 def _tile_map(query_start_loc: jax.Array, num_tokens: int, num_seqs: int, rows: int,
@@ -130,24 +122,3 @@ def ragged_paged_attention_tiled(
     result = jnp.zeros((num_tokens, num_q_heads, head_dim), acc_dtype)
     return result.at[target].set(out, mode="drop").astype(q.dtype)
 
-
-def ragged_paged_attention_cpu(
-    q: jax.Array,  # [T, Hq, D]
-    k_cache: jax.Array,  # [N, Hkv, bs, D]
-    v_cache: jax.Array,  # [N, Hkv, bs, D]
-    kv_lens: jax.Array,  # [S] int32
-    block_tables: jax.Array,  # [S, M] int32
-    query_start_loc: jax.Array,  # [S+1] int32
-    *,
-    decode: bool = False,
-    **kwargs,  # sm_scale, sliding_window, soft_cap
-) -> jax.Array:  # [T, Hq, D]
-    """The fastest correct attention for this (static) shape on CPU: the C++ kernel through
-    XLA's FFI in float32 (where it builds), else the faster of the reference and the tiled
-    version."""
-    args = (k_cache, v_cache, kv_lens, block_tables, query_start_loc)
-    if q.dtype == jnp.float32 and k_cache.dtype == jnp.float32 and cpu_ffi.available():
-        return cpu_ffi.ragged_paged_attention(q, *args, **kwargs)
-    if decode or q.shape[0] < _MIN_TILED_TOKENS:
-        return ragged_paged_attention_reference(q, *args, **kwargs)
-    return ragged_paged_attention_tiled(q, *args, rows_per_tile=16, chunk_blocks=4, **kwargs)

@@ -153,3 +153,48 @@ def test_the_backends_have_the_same_files_for_the_same_jobs() -> None:
     for path in common.glob("*.py"):
         text = path.read_text()
         assert "import jax" not in text and "import torch" not in text, path.name
+
+
+CSRC_CPU = ROOT / "kernels_cuda" / "csrc" / "cpu"
+_INCLUDE = re.compile(r'^#include [<"]([^>"]+)[>"]', re.M)
+_FRAMEWORKS = {"torch": ("ATen/", "c10/", "torch/"), "xla": ("xla/",)}
+
+
+def includes(path: Path) -> list[str]:
+    return _INCLUDE.findall(path.read_text())
+
+
+def test_cpu_kernel_folders_say_what_runs_where() -> None:
+    """csrc/cpu/: framework-free kernels (kernels/*.h), their torch bindings (torch/) and their
+    XLA FFI handlers (xla_ffi/), nothing else; each includes no other framework's headers."""
+    assert sorted(p.name for p in CSRC_CPU.iterdir()) == ["kernels", "torch", "xla_ffi"]
+    assert {p.suffix for p in (CSRC_CPU / "kernels").iterdir()} == {".h"}
+    others = {"kernels": ("torch", "xla"), "torch": ("xla",), "xla_ffi": ("torch",)}
+    for folder, frameworks in others.items():
+        for path in sorted((CSRC_CPU / folder).iterdir()):
+            found = [name for name in includes(path)
+                     for framework in frameworks if name.startswith(_FRAMEWORKS[framework])]
+            assert found == [], f"{folder}/{path.name} includes {found}"
+
+
+def test_the_builds_compile_the_bindings_they_own() -> None:
+    """The torch extension compiles every torch binding (and no FFI handler); the FFI library is
+    the one handler file."""
+    from pagedjax.backends.jax import cpu_ffi
+    from pagedjax.kernels_cuda import ops
+
+    torch_sources = {f"cpu/torch/{p.name}" for p in (CSRC_CPU / "torch").glob("*.cpp")}
+    assert {s for s in ops._CPU_SOURCES if s.startswith("cpu/")} == torch_sources
+    assert cpu_ffi._HANDLERS == "cpu/xla_ffi/cpu_ffi.cpp"
+    assert [p.name for p in (CSRC_CPU / "xla_ffi").iterdir()] == ["cpu_ffi.cpp"]
+
+
+def test_the_decoder_layer_is_composed_once() -> None:
+    """Both bindings of the fused decoder layer call the one framework-free composition
+    (kernels/decoder_layer_kernel.h) and run none of its steps themselves."""
+    bindings = [CSRC_CPU / "torch" / "decoder_layer_cpu.cpp", CSRC_CPU / "xla_ffi" / "cpu_ffi.cpp"]
+    steps = re.compile(r"\b(normalize_row|rotate_heads|silu_and_mul\w*|run_tiles|find_op)\b")
+    for path in bindings:
+        assert "../kernels/decoder_layer_kernel.h" in includes(path), path.name
+        assert "cpu_layer::DecoderLayer" in path.read_text(), path.name
+        assert steps.findall(path.read_text()) == [], path.name

@@ -1,4 +1,6 @@
-"""Which attention, KV-write and linear implementations the JAX model uses, decided once."""
+"""Which attention, KV-write and linear implementations the JAX model uses, decided once: the
+choice between the kernels (kernels_pallas/ holds them, this file picks one per device, dtype
+and shape)."""
 
 from __future__ import annotations
 
@@ -6,24 +8,48 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from pagedjax.backends.jax import cpu_ffi
 from pagedjax.backends.jax.model import AttentionFn, WriteKVFn
 from pagedjax.kernels_pallas.reference import (
     ragged_paged_attention_reference,
     write_kv_reference,
 )
-from pagedjax.kernels_pallas.tiled_attention import (
-    ragged_paged_attention_cpu,
-    ragged_paged_attention_tiled,
-)
+from pagedjax.kernels_pallas.tiled_attention import ragged_paged_attention_tiled
 
 ATTENTION_IMPLS = ("auto", "pallas", "cpu", "tiled", "reference")
+_MIN_TILED_TOKENS = 128  # below this many query rows the reference's loop is faster on CPU
+
+
+def ragged_paged_attention_cpu(
+    q: jax.Array,  # [T, Hq, D]
+    k_cache: jax.Array,  # [N, Hkv, bs, D]
+    v_cache: jax.Array,  # [N, Hkv, bs, D]
+    kv_lens: jax.Array,  # [S] int32
+    block_tables: jax.Array,  # [S, M] int32
+    query_start_loc: jax.Array,  # [S+1] int32
+    *,
+    decode: bool = False,
+    **kwargs,  # sm_scale, sliding_window, soft_cap
+) -> jax.Array:  # [T, Hq, D]
+    """The JAX backend's attention on CPU: the fastest correct one for this (static) shape, as
+    `benchmarks/cpu_attention.py` measured (RESULTS.md). In float32 the torch backend's C++
+    kernel through XLA's FFI (`cpu_ffi`; 2.2-5.3x faster than the jnp choice); otherwise, or
+    where it cannot be built, the reference's loop for decode and short queries (T < 128), where
+    its per-row gathers are small, and the tiled version (16 rows, 4 blocks per chunk) for
+    prefill and mixed batches, where it is ~1.8x faster."""
+    args = (k_cache, v_cache, kv_lens, block_tables, query_start_loc)
+    if q.dtype == jnp.float32 and k_cache.dtype == jnp.float32 and cpu_ffi.available():
+        return cpu_ffi.ragged_paged_attention(q, *args, **kwargs)
+    if decode or q.shape[0] < _MIN_TILED_TOKENS:
+        return ragged_paged_attention_reference(q, *args, **kwargs)
+    return ragged_paged_attention_tiled(q, *args, rows_per_tile=16, chunk_blocks=4, **kwargs)
 
 
 def resolve_attention(attention_impl: str) -> tuple[AttentionFn, WriteKVFn, str]:
     """"auto" is the Pallas kernel on GPU and "cpu" on CPU (interpret mode is slow): the C++
     kernel through XLA's FFI in float32; otherwise the jnp reference for decode and short
     queries, the tiled jnp version for long ones, whichever benchmarks/cpu_attention.py
-    measured faster.
+    measured faster (`ragged_paged_attention_cpu`).
 
     Returns (attention_fn, write_kv_fn, resolved name).
     """
@@ -48,6 +74,4 @@ def uses_cpu_linear(attention_impl: str, dtype: jnp.dtype, mesh: Mesh | None) ->
     ("cpu"), in float32, on one device (packed kernels have no tensor-parallel layout)."""
     if attention_impl != "cpu" or dtype != jnp.float32 or mesh is not None:
         return False
-    from pagedjax.kernels_pallas import cpu_ffi
-
     return cpu_ffi.available()

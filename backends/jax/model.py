@@ -53,7 +53,7 @@ def matmul_precision(dtype: jnp.dtype) -> jax.lax.Precision | None:
 class PackedLinear(nn.Module):
     """Dense's y = x @ kernel (+ bias) with the kernel held in the C++ kernel's tile-major layout
     [ceil(out / 16), in, 16] (`pack_params`), through XLA's FFI: CPU, float32. XLA's own dots
-    ran the decode step's few-row products at ~half the FMA peak (kernels_pallas/cpu_ffi.py)."""
+    ran the decode step's few-row products at ~half the FMA peak (backends/jax/cpu_ffi.py)."""
 
     features: int
     dtype: jnp.dtype
@@ -62,7 +62,7 @@ class PackedLinear(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, num_rows: jax.Array | None = None) -> jax.Array:
         """num_rows: compute only the first rows of x, the rest zeros (cpu_ffi.linear)."""
-        from pagedjax.kernels_pallas import cpu_ffi
+        from pagedjax.backends.jax import cpu_ffi
 
         tiles = -(-self.features // cpu_ffi.LINEAR_TILE)
         kernel = self.param("kernel", nn.initializers.zeros,
@@ -89,7 +89,7 @@ def pack_params(params: dict, tie_word_embeddings: bool) -> dict:
     """{"params": ...} for the packed model: every linear kernel [in, out] packed for
     PackedLinear, q/k/v and gate/up fused into one product each (qkv_proj, gate_up_proj), and a
     tied LM head given its own packed copy of the embedding (as "lm_head")."""
-    from pagedjax.kernels_pallas import cpu_ffi
+    from pagedjax.backends.jax import cpu_ffi
 
     def packed(layer: dict) -> dict:
         out = {"kernel": cpu_ffi.pack_linear_weight(layer["kernel"])}
@@ -274,7 +274,7 @@ class LlamaForCausalLM(nn.Module):
                       meta: AttentionMetadata) -> tuple[jax.Array, list[KVCache]]:
         """The decoder over x [T, H] (the embedding) with the layers' own parameters, each layer
         one `cpu_ffi.decoder_layer` call → (hidden states [T, H], the updated KV caches)."""
-        from pagedjax.kernels_pallas import cpu_ffi
+        from pagedjax.backends.jax import cpu_ffi
 
         cfg, params = self.config, self.variables["params"]
         cos, sin = meta.rope_cos[meta.positions], meta.rope_sin[meta.positions]  # [T, D]

@@ -37,7 +37,7 @@ def branch(pred, true_fn: Callable, false_fn: Callable, *operands):
 
 def cpu_kernels(x: jax.Array) -> bool:
     """Whether a trace over x uses the C++ CPU kernels (XLA's FFI): on a CPU, in float32."""
-    from pagedjax.kernels_pallas import cpu_ffi
+    from pagedjax.backends.jax import cpu_ffi
 
     return jax.default_backend() == "cpu" and x.dtype == jnp.float32 and cpu_ffi.available()
 
@@ -76,7 +76,7 @@ def argmax(x: jax.Array) -> jax.Array:
 def _top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     """jax.lax.top_k; on CPU in float32 the C++ one (XLA's CPU TopK sorts each row: ~9x as slow
     for 20 of 4096)."""
-    from pagedjax.kernels_pallas import cpu_ffi
+    from pagedjax.backends.jax import cpu_ffi
 
     if cpu_kernels(x):
         return cpu_ffi.top_k(x, k)
@@ -87,7 +87,7 @@ def filter_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array,
                   min_p: jax.Array) -> jax.Array:
     """Mask to -inf what top-k, then top-p, then min-p drop. logits [L, V]; knobs [L]. On CPU in
     float32 the C++ filter (the sort-based version below took 70 ms for 64 rows of 4,096)."""
-    from pagedjax.kernels_pallas import cpu_ffi
+    from pagedjax.backends.jax import cpu_ffi
 
     if cpu_kernels(logits):
         return cpu_ffi.filter_logits(logits, top_k, top_p, min_p)
@@ -158,7 +158,7 @@ def logits_stats(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
     """logits [L, V] → (argmax [L] int32, log-sum-exp [L]): the greedy token, and what turns
     any logit into its logprob (logprob = logit - lse), without writing out [L, V] logprobs. On
     CPU in float32 one C++ pass per row (logits_cpu_kernel.h; the torch backend's op too)."""
-    from pagedjax.kernels_pallas import cpu_ffi
+    from pagedjax.backends.jax import cpu_ffi
 
     if cpu_kernels(logits) and logits.ndim == 2:
         return cpu_ffi.logits_stats(logits)

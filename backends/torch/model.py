@@ -80,8 +80,8 @@ class Linear(nn.Module):
     the weight row by row into the output, ~1.6x faster on CPU than nn.Linear's [out, in].
 
     On the CPU in float32, `pack()` moves the weight to the tile-major layout of the
-    `pagedjax::linear` op (kernels_cuda/csrc/cpu/linear_cpu.cpp), which runs the few-row products of
-    decode steps at close to memory bandwidth.
+    `pagedjax::linear` op (kernels_cuda/csrc/cpu/torch/linear_cpu.cpp), which runs the few-row
+    products of decode steps at close to memory bandwidth.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:

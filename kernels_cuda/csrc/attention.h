@@ -1,5 +1,5 @@
 // Shared declarations of the pagedjax custom ops: argument checks (ops.cpp) and the CPU and
-// CUDA implementations (attention_cpu.cpp, attention_cuda.cu).
+// CUDA implementations (cpu/torch/attention_cpu.cpp, cuda/attention_cuda.cu).
 //
 // Layout (per layer): k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim].
 // Sequence s owns query rows [query_start_loc[s], query_start_loc[s+1]), its last q_len tokens;
@@ -51,7 +51,7 @@ using AttentionOutFn = void(
 using WriteKvFn = void(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
                        const at::Tensor& v_cache, const at::Tensor& slot_mapping);
 
-// CPU kernels (attention_cpu.cpp); they check their arguments themselves.
+// CPU kernels (cpu/torch/attention_cpu.cpp); they check their arguments themselves.
 AttentionOutFn ragged_paged_attention_out_cpu;
 WriteKvFn write_kv_cpu;
 

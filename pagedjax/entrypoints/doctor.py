@@ -68,7 +68,7 @@ def _jax_info() -> dict:
     if impl == "pallas":
         impl += " (compiled with Triton)" if backend == "gpu" else " (interpreted)"
     elif impl == "cpu":
-        from pagedjax.kernels_pallas import cpu_ffi
+        from pagedjax.backends.jax import cpu_ffi
 
         impl += (" (C++ kernel through XLA's FFI in float32)" if cpu_ffi.available()
                  else " (jnp: the C++ kernel did not build)")

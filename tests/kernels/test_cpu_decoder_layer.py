@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pagedjax.kernels_pallas import cpu_ffi
+from pagedjax.backends.jax import cpu_ffi
 from tests.kernels.naive import make_ragged_case, naive_ragged_paged_attention
 
 EPS = 1e-5

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pagedjax.kernels_pallas import cpu_ffi
-from pagedjax.kernels_pallas.tiled_attention import ragged_paged_attention_cpu
+from pagedjax.backends.jax import cpu_ffi
+from pagedjax.backends.jax.attention import ragged_paged_attention_cpu
 from tests.kernels.naive import (
     logits_stats_cases,
     logits_stats_reference,

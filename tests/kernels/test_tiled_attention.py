@@ -10,12 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pagedjax.kernels_pallas import cpu_ffi
+from pagedjax.backends.jax import cpu_ffi
+from pagedjax.backends.jax.attention import ragged_paged_attention_cpu
 from pagedjax.kernels_pallas.reference import ragged_paged_attention_reference
-from pagedjax.kernels_pallas.tiled_attention import (
-    ragged_paged_attention_cpu,
-    ragged_paged_attention_tiled,
-)
+from pagedjax.kernels_pallas.tiled_attention import ragged_paged_attention_tiled
 from tests.kernels.naive import (
     make_ragged_case,
     naive_ragged_paged_attention,

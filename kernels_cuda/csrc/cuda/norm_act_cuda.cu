@@ -1,5 +1,5 @@
 // CUDA kernels of a decoder layer's elementwise glue, one kernel each where eager PyTorch runs
-// 3-10 (the CPU versions and their rounding: cpu/norm_act_cpu.cpp, cpu/rotary_cpu.cpp):
+// 3-10 (the CPU versions and their rounding: cpu/torch/norm_act_cpu.cpp, cpu/torch/rotary_cpu.cpp):
 //   rms_norm(x, weight, eps)                     HF's LlamaRMSNorm
 //   fused_add_rms_norm(x, residual, weight, eps) (rms_norm(x + residual), x + residual)
 //   silu_and_mul(x [T, 2I])                      silu(x[:, :I]) * x[:, I:]

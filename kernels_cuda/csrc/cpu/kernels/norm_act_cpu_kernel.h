@@ -1,6 +1,7 @@
 // The torch-free cores of the decoder layer's elementwise glue, shared by the torch ops
-// (norm_act_cpu.cpp, rotary_cpu.cpp) and the JAX FFI's fused decoder layer (cpu_ffi.cpp): one row
-// at a time, float32 math with HF's roundings (see norm_act_cpu.cpp); float32 rows take AVX2
+// (../torch/norm_act_cpu.cpp, ../torch/rotary_cpu.cpp) and the fused decoder layer
+// (decoder_layer_kernel.h): one row at a time, float32 math with HF's roundings (see
+// ../torch/norm_act_cpu.cpp); float32 rows take AVX2
 // paths where the CPU has them (a row's sum of squares in a fixed order, so a row's result does
 // not depend on the batch).
 #pragma once

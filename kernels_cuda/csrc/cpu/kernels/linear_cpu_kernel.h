@@ -1,7 +1,8 @@
-// The torch-free core of the packed float32 linear, shared by the torch op (linear_cpu.cpp) and
-// the JAX FFI handler (cpu_ffi.cpp): y[M, N] = x[M, K] @ W[K, N] (+ bias) with W packed into
-// column tiles, packed[t, k, j] = W[k, 16 t + j], zero-padded to a whole tile. See linear_cpu.cpp
-// for why this layout. Callers split the tiles [0, num_tiles) across threads (run_tiles).
+// The torch-free core of the packed float32 linear, shared by the torch op
+// (../torch/linear_cpu.cpp), the JAX FFI handler (../xla_ffi/cpu_ffi.cpp) and the decoder layer
+// (decoder_layer_kernel.h): y[M, N] = x[M, K] @ W[K, N] (+ bias) with W packed into column
+// tiles, packed[t, k, j] = W[k, 16 t + j], zero-padded to a whole tile. See ../torch/linear_cpu.cpp
+// for why this layout. `linear` splits the tiles [0, num_tiles) across threads (run_tiles).
 #pragma once
 
 #include <algorithm>
@@ -251,6 +252,17 @@ inline void run_tiles(const float* x, int64_t ldx, int64_t M, const float* packe
     }
     t += n;
   }
+}
+
+// y [M, num_tiles * 16] (ldy floats a row) = x [M, K] (ldx) @ packed (+ bias, as run_tiles),
+// the tiles split across the threads of `par` (parallel.h).
+template <typename Parallel>
+void linear(const Parallel& par, const float* x, int64_t ldx, int64_t M, const float* packed,
+            int64_t K, int64_t num_tiles, const float* bias, float* y, int64_t ldy) {
+  if (M == 0) return;
+  par.for_range(num_tiles, tile_grain(M, K), [&](int64_t t0, int64_t t1) {
+    run_tiles(x, ldx, M, packed, K, bias, y, ldy, t0, t1);
+  });
 }
 
 }  // namespace pagedjax::cpu_linear

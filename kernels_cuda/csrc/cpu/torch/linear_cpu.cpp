@@ -16,12 +16,12 @@
 // Each output element is one FMA chain over k in order, whatever M and the row grouping: a row's
 // result does not depend on the other rows of the batch.
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
 
-#include "linear_cpu_kernel.h"
+#include "../kernels/linear_cpu_kernel.h"
+#include "torch_parallel.h"
 
 namespace pagedjax {
 namespace {
@@ -71,9 +71,7 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& packed_weight,
   const float* wp = packed_weight.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t ldx = x.stride(0);
-  at::parallel_for(0, num_tiles, cpu_linear::tile_grain(M, K), [&](int64_t t0, int64_t t1) {
-    cpu_linear::run_tiles(xp, ldx, M, wp, K, b, yp, padded, t0, t1);
-  });
+  cpu_linear::linear(TorchParallel{}, xp, ldx, M, wp, K, num_tiles, b, yp, padded);
   return padded == out_features ? y : y.narrow(1, 0, out_features).contiguous();
 }
 

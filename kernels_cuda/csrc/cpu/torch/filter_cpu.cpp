@@ -1,11 +1,11 @@
 // The top-k / top-p / min-p filter of the samplers as a torch CPU op: logits [R, V] float32
 // (already divided by the temperature) and knobs [R] → the logits with what the filter drops at
-// -inf. The kernel and why it is hand-written: filter_cpu_kernel.h.
+// -inf. The kernel and why it is hand-written: ../kernels/filter_cpu_kernel.h.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include "filter_cpu_kernel.h"
+#include "../kernels/filter_cpu_kernel.h"
 
 namespace pagedjax {
 namespace {

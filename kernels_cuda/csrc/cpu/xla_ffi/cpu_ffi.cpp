@@ -1,8 +1,9 @@
-// The C++ CPU kernels of the torch ops as XLA FFI handlers, in float32 (no torch headers): the
-// JAX backend's attention (attention_cpu_kernel.h) and packed linear (linear_cpu_kernel.h) on
-// CPU. Built and registered by kernels_pallas/cpu_ffi.py. Parallel on XLA's own intra-op thread
-// pool: an OpenMP team of its own, started from an XLA thread, made libgomp count more threads
-// than cores and stop spinning, which slowed every torch op in the process (RESULTS.md).
+// The XLA FFI handlers of the C++ CPU kernels (../kernels/, no torch headers), in float32: the
+// JAX backend's attention (attention_cpu_kernel.h), packed linear (linear_cpu_kernel.h), top-k,
+// samplers' passes and whole decoder layer (decoder_layer_kernel.h) on CPU. Built and registered
+// by backends/jax/cpu_ffi.py. Parallel on XLA's own intra-op thread pool: an OpenMP team of its
+// own, started from an XLA thread, made libgomp count more threads than cores and stop spinning,
+// which slowed every torch op in the process (RESULTS.md).
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -14,11 +15,11 @@
 #include <string>
 #include <vector>
 
-#include "attention_cpu_kernel.h"
-#include "filter_cpu_kernel.h"
-#include "logits_cpu_kernel.h"
-#include "linear_cpu_kernel.h"
-#include "norm_act_cpu_kernel.h"
+#include "../kernels/attention_cpu_kernel.h"
+#include "../kernels/decoder_layer_kernel.h"
+#include "../kernels/filter_cpu_kernel.h"
+#include "../kernels/linear_cpu_kernel.h"
+#include "../kernels/logits_cpu_kernel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -71,49 +72,18 @@ int64_t num_parts(ffi::ThreadPool& pool, int64_t n) {
   return std::clamp<int64_t>(pool.num_threads(), 1, std::max<int64_t>(n, 1));
 }
 
-// y [M, num_tiles * 16] (ldy floats a row) = x [M, K] (ldx) @ packed, tiles across the pool.
-void run_linear(ffi::ThreadPool& pool, const float* x, int64_t ldx, int64_t M, const float* packed,
-                int64_t K, int64_t num_tiles, float* y, int64_t ldy) {
-  if (M == 0) return;
-  const int64_t parts = num_parts(pool, num_tiles / cpu_linear::tile_grain(M, K));
-  run_parts(pool, parts, [&](int64_t p) {
-    cpu_linear::run_tiles(x, ldx, M, packed, K, nullptr, y, ldy, num_tiles * p / parts,
-                          num_tiles * (p + 1) / parts);
-  });
-}
+// The kernels' parallel policy (../kernels/parallel.h) on XLA's pool.
+struct PoolParallel {
+  ffi::ThreadPool& pool;
 
-// The attention's shape from T query rows of num_q_heads heads, the caches' [N, Hkv, bs, D]
-// dimensions and the block tables' [S, M].
-template <typename Dims>
-AttentionShape attention_shape(int64_t num_tokens, int64_t num_q_heads, const Dims& cache,
-                               const Dims& tables) {
-  AttentionShape shape{};
-  shape.num_tokens = num_tokens;
-  shape.num_q_heads = num_q_heads;
-  shape.head_dim = cache[3];
-  shape.num_blocks = cache[0];
-  shape.num_kv_heads = cache[1];
-  shape.block_size = cache[2];
-  shape.group = num_q_heads / shape.num_kv_heads;
-  shape.num_seqs = tables[0];
-  shape.max_blocks = tables[1];
-  return shape;
-}
+  int64_t num_threads() const { return pool.num_threads(); }
 
-// The attention of every (query row, KV head) item, in contiguous ranges of equal cost per part.
-void run_attention(ffi::ThreadPool& pool,
-                   const cpu_attention::CpuAttention<float, float>& attention,
-                   const AttentionShape& shape) {
-  const int64_t parts = num_parts(pool, shape.num_tokens * shape.num_kv_heads);
-  const std::vector<int64_t> bounds = attention.split_items(parts);
-  run_parts(pool, parts, [&](int64_t p) {
-    cpu_attention::Scratch<float> scratch(shape.group, shape.block_size, shape.head_dim,
-                                          shape.max_blocks * shape.block_size);
-    for (int64_t item = bounds[p]; item < bounds[p + 1]; ++item) {
-      attention.run(item / shape.num_kv_heads, item % shape.num_kv_heads, scratch);
-    }
-  });
-}
+  template <typename Fn>
+  void for_range(int64_t n, int64_t grain, const Fn& fn) const {
+    const int64_t parts = num_parts(pool, n / std::max<int64_t>(grain, 1));
+    run_parts(pool, parts, [&](int64_t p) { fn(n * p / parts, n * (p + 1) / parts); });
+  }
+};
 
 ffi::Error ragged_paged_attention_f32(
     ffi::ThreadPool pool,
@@ -138,7 +108,7 @@ ffi::Error ragged_paged_attention_f32(
         "ragged_paged_attention (FFI): expected q [T, Hq, D], caches [N, Hkv, bs, D] with Hkv "
         "dividing Hq, kv_lens [S], block_tables [S, M], query_start_loc [S+1]");
   }
-  const AttentionShape shape = attention_shape(qd[0], qd[1], cd, td);
+  const AttentionShape shape = cpu_attention::attention_shape(qd[0], qd[1], cd, td);
   const cpu_attention::RaggedBatch batch{kv_lens.typed_data(), block_tables.typed_data(),
                                          query_start_loc.typed_data()};
   if (const std::string error = cpu_attention::metadata_error(shape, batch); !error.empty()) {
@@ -148,7 +118,7 @@ ffi::Error ragged_paged_attention_f32(
       shape, batch, q.typed_data(), shape.num_q_heads * shape.head_dim, shape.head_dim,
       k_cache.typed_data(), v_cache.typed_data(), out->typed_data(), sm_scale,
       std::max<int64_t>(sliding_window, 0), std::max(soft_cap, 0.f)};
-  run_attention(pool, attention, shape);
+  cpu_attention::run_items(PoolParallel{pool}, attention);
   return ffi::Error::Success();
 }
 
@@ -166,7 +136,8 @@ ffi::Error linear_f32(ffi::ThreadPool pool,
   }
   const int64_t K = xd[1], num_tiles = wd[0], ldy = num_tiles * cpu_linear::kTile;
   const int64_t M = std::clamp<int64_t>(num_rows.typed_data()[0], 0, xd[0]);
-  run_linear(pool, x.typed_data(), K, M, packed.typed_data(), K, num_tiles, y->typed_data(), ldy);
+  cpu_linear::linear(PoolParallel{pool}, x.typed_data(), K, M, packed.typed_data(), K, num_tiles,
+                     nullptr, y->typed_data(), ldy);
   std::fill(y->typed_data() + M * ldy, y->typed_data() + xd[0] * ldy, 0.f);
   return ffi::Error::Success();
 }
@@ -246,24 +217,12 @@ ffi::Error filter_logits_f32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 }
 
 
-// fn(r) for each of n rows, in contiguous ranges of at least ~16K elements (of width) a part.
-template <typename RowFn>
-void for_rows(ffi::ThreadPool& pool, int64_t n, int64_t width, const RowFn& fn) {
-  const int64_t parts = num_parts(pool, n * width / 16384);
-  run_parts(pool, parts, [&](int64_t p) {
-    for (int64_t r = n * p / parts; r < n * (p + 1) / parts; ++r) fn(r);
-  });
-}
-
-// One Llama decoder layer (ModelConfig.plain_decoder_layer) as one call, the torch op
-// pagedjax::decoder_layer's steps in its order with the same kernels (decoder_layer_cpu.cpp):
-//   stream = x + residual (x alone in the first layer); h = rms_norm(stream)
-//   q, k, v = h @ qkv (+ bias); q, k rotated; k, v written to the caches at slot_mapping
-//   stream += attention(q, caches) @ o; out = (silu(gate) * up)(rms_norm(stream) @ gate_up) @ down
-// → (out [T, H], stream [T, H], k_cache, v_cache): the caches are updated in place (the
-// outputs alias them; copied first where XLA gave fresh buffers). The rows after the last
-// sequence's (query_start_loc[S], padding up to the step's bucket) are not computed: zeros in
-// out and stream, as the torch op's eager step never runs them.
+// One Llama decoder layer as one call (decoder_layer_kernel.h composes it; the torch op
+// pagedjax::decoder_layer runs the same) → (out [T, H], stream [T, H], k_cache, v_cache): the
+// caches are updated in place (the outputs alias them; copied first where XLA gave fresh
+// buffers). The rows after the last sequence's (query_start_loc[S], padding up to the step's
+// bucket) are not computed: zeros in out and stream, as the torch op's eager step never runs
+// them.
 ffi::Error decoder_layer_f32(
     ffi::ThreadPool pool,
     ffi::Buffer<ffi::F32> x,                // [T, H]
@@ -291,8 +250,8 @@ ffi::Error decoder_layer_f32(
     int64_t sliding_window,  // 0: none
     int64_t has_residual) {  // 0: the first layer (x is the embedding)
   const auto xd = x.dimensions(), cd = k_cache.dimensions(), td = block_tables.dimensions();
-  if (xd.size() != 2 || cd.size() != 4 || td.size() != 2 || num_q_heads % cd[1] != 0 ||
-      cos.dimensions()[0] != xd[0] || cos.dimensions()[1] != cd[3] ||
+  if (xd.size() != 2 || cd.size() != 4 || td.size() != 2 || cd[1] <= 0 ||
+      num_q_heads % cd[1] != 0 || cos.dimensions()[0] != xd[0] || cos.dimensions()[1] != cd[3] ||
       static_cast<int64_t>(slot_mapping.element_count()) != xd[0] ||
       static_cast<int64_t>(kv_lens.element_count()) != td[0] ||
       static_cast<int64_t>(query_start_loc.element_count()) != td[0] + 1) {
@@ -301,33 +260,32 @@ ffi::Error decoder_layer_f32(
         "cos/sin [T, D], slot_mapping [T], kv_lens [S], block_tables [S, M], "
         "query_start_loc [S+1]");
   }
-  const int64_t T = xd[0], H = xd[1], D = cd[3], Hkv = cd[1], I = intermediate_size;
-  const int64_t q_size = num_q_heads * D, kv_size = Hkv * D;
-  const int64_t qkv_tiles = qkv_weight.dimensions()[0], o_tiles = o_weight.dimensions()[0];
-  const int64_t gate_up_tiles = gate_up_weight.dimensions()[0];
-  const int64_t down_tiles = down_weight.dimensions()[0];
-  if (qkv_tiles * cpu_linear::kTile < q_size + 2 * kv_size || o_tiles * cpu_linear::kTile < H ||
-      gate_up_tiles * cpu_linear::kTile < 2 * I || down_tiles * cpu_linear::kTile < H ||
-      qkv_weight.dimensions()[1] != H || o_weight.dimensions()[1] != q_size ||
+  const int64_t H = xd[1], I = intermediate_size, q_size = num_q_heads * cd[3];
+  if (qkv_weight.dimensions()[1] != H || o_weight.dimensions()[1] != q_size ||
       gate_up_weight.dimensions()[1] != H || down_weight.dimensions()[1] != I) {
     return ffi::Error::InvalidArgument("decoder_layer (FFI): packed weights of the wrong shape");
   }
-  const AttentionShape shape = attention_shape(T, num_q_heads, cd, td);
-  const cpu_attention::RaggedBatch batch{kv_lens.typed_data(), block_tables.typed_data(),
-                                         query_start_loc.typed_data()};
-  if (const std::string error = cpu_attention::metadata_error(shape, batch); !error.empty()) {
-    return ffi::Error::InvalidArgument(error);
+  const AttentionShape shape = cpu_attention::attention_shape(xd[0], num_q_heads, cd, td);
+  const cpu_layer::DecoderLayer<int32_t> layer{
+      shape, H, I, eps, sm_scale, sliding_window, x.typed_data(),
+      has_residual ? residual.typed_data() : nullptr,
+      cpu_layer::Weights{input_norm.typed_data(), qkv_weight.typed_data(),
+                         qkv_weight.dimensions()[0],
+                         qkv_bias.element_count() > 0 ? qkv_bias.typed_data() : nullptr,
+                         o_weight.typed_data(), o_weight.dimensions()[0], post_norm.typed_data(),
+                         gate_up_weight.typed_data(), gate_up_weight.dimensions()[0],
+                         down_weight.typed_data(), down_weight.dimensions()[0]},
+      cos.typed_data(), sin.typed_data(), slot_mapping.typed_data(),
+      cpu_attention::RaggedBatch{kv_lens.typed_data(), block_tables.typed_data(),
+                                 query_start_loc.typed_data()}};
+  // a bias of another length than Nqkv would be read past its end
+  if (qkv_bias.element_count() > 0 &&
+      static_cast<int64_t>(qkv_bias.element_count()) != layer.q_size() + 2 * layer.kv_size()) {
+    return ffi::Error::InvalidArgument("decoder_layer (FFI): qkv_bias must be [(Hq + 2 Hkv) D]");
   }
-  const int64_t num_slots = shape.num_blocks * shape.block_size;
-  const int32_t* slots = slot_mapping.typed_data();
-  const int64_t R = query_start_loc.typed_data()[td[0]];  // rows computed: the sequences'
-  for (int64_t t = 0; t < R; ++t) {
-    if (slots[t] >= num_slots) {
-      return ffi::Error::InvalidArgument("decoder_layer (FFI): slot_mapping[" +
-                                         std::to_string(t) + "]=" + std::to_string(slots[t]) +
-                                         " is past the cache's " + std::to_string(num_slots) +
-                                         " slots");
-    }
+  const int64_t rows = query_start_loc.typed_data()[td[0]];  // the sequences' rows
+  if (const std::string error = layer.error(rows); !error.empty()) {
+    return ffi::Error::InvalidArgument(error);
   }
   const size_t cache_bytes = k_cache.size_bytes();
   if (k_out->typed_data() != k_cache.typed_data()) {
@@ -336,101 +294,8 @@ ffi::Error decoder_layer_f32(
   if (v_out->typed_data() != v_cache.typed_data()) {
     std::memcpy(v_out->typed_data(), v_cache.typed_data(), cache_bytes);
   }
-  float* const kc = k_out->typed_data();
-  float* const vc = v_out->typed_data();
-  float* const s = stream->typed_data();
-  const float* const xs = x.typed_data();
-  const float* const rs = residual.typed_data();
-
-  // Scratch rows, each product's output as wide as its padded tiles, in one buffer kept by the
-  // calling thread and grown as needed: fresh allocations of a prefill's megabytes in every
-  // layer (page faults, zeroing) cost more than the glue itself.
-  const int64_t ld_qkv = qkv_tiles * cpu_linear::kTile, ld_o = o_tiles * cpu_linear::kTile;
-  const int64_t ld_gu = gate_up_tiles * cpu_linear::kTile;
-  const int64_t ld_down = down_tiles * cpu_linear::kTile;
-  const int64_t widths[] = {H, ld_qkv, q_size, ld_o, ld_gu, I, ld_down};
-  static thread_local std::vector<float> scratch;
-  int64_t total = 0;
-  for (const int64_t width : widths) total += R * width;
-  if (static_cast<int64_t>(scratch.size()) < total) scratch.resize(total);
-  float* next = scratch.data();
-  auto take = [&](int64_t width) {
-    float* part = next;
-    next += R * width;
-    return part;
-  };
-  float* const h = take(H);
-  float* const qkv = take(ld_qkv);
-  float* const attn = take(q_size);
-  float* const o = take(ld_o);
-  float* const gate_up = take(ld_gu);
-  float* const act = take(I);
-  float* const down = take(ld_down);
-
-  // stream = x + residual; h = rms_norm(stream)
-  const float* in_norm = input_norm.typed_data();
-  for_rows(pool, R, H, [&](int64_t r) {
-    float* sr = s + r * H;
-    if (has_residual) {
-      for (int64_t i = 0; i < H; ++i) sr[i] = xs[r * H + i] + rs[r * H + i];
-    } else {
-      std::copy(xs + r * H, xs + (r + 1) * H, sr);
-    }
-    cpu_norm::normalize_row(sr, in_norm, h + r * H, H, eps);
-  });
-  run_linear(pool, h, H, R, qkv_weight.typed_data(), H, qkv_tiles, qkv, ld_qkv);
-  // bias, rope of q and k, then k and v into the caches
-  const bool has_bias = qkv_bias.element_count() > 0;
-  const float* bias = qkv_bias.typed_data();
-  const int64_t block_size = shape.block_size;
-  for_rows(pool, R, ld_qkv, [&](int64_t t) {
-    float* row = qkv + t * ld_qkv;
-    if (has_bias) {
-      for (int64_t i = 0; i < q_size + 2 * kv_size; ++i) row[i] += bias[i];
-    }
-    cpu_norm::rotate_heads(row, num_q_heads + Hkv, D, D, cos.typed_data() + t * D,
-                           sin.typed_data() + t * D);
-    const int64_t slot = slots[t];
-    if (slot < 0) return;  // a padding row
-    const int64_t block = slot / block_size, offset = slot % block_size;
-    for (int64_t head = 0; head < Hkv; ++head) {
-      const int64_t dst = ((block * Hkv + head) * block_size + offset) * D;
-      const float* k_row = row + q_size + head * D;
-      std::copy(k_row, k_row + D, kc + dst);
-      std::copy(k_row + kv_size, k_row + kv_size + D, vc + dst);
-    }
-  });
-  AttentionShape computed = shape;  // the query rows [0, R)
-  computed.num_tokens = R;
-  const cpu_attention::CpuAttention<float, float> attention{
-      computed, batch, qkv, ld_qkv, D, kc, vc, attn, sm_scale,
-      std::max<int64_t>(sliding_window, 0), 0.f};
-  run_attention(pool, attention, computed);
-  run_linear(pool, attn, q_size, R, o_weight.typed_data(), q_size, o_tiles, o, ld_o);
-  // stream += o; h = rms_norm(stream)
-  const float* p_norm = post_norm.typed_data();
-  for_rows(pool, R, H, [&](int64_t r) {
-    float* sr = s + r * H;
-    const float* orow = o + r * ld_o;
-    for (int64_t i = 0; i < H; ++i) sr[i] = orow[i] + sr[i];
-    cpu_norm::normalize_row(sr, p_norm, h + r * H, H, eps);
-  });
-  run_linear(pool, h, H, R, gate_up_weight.typed_data(), H, gate_up_tiles, gate_up,
-             ld_gu);
-  for_rows(pool, R, I, [&](int64_t r) {
-    const float* row = gate_up + r * ld_gu;
-    cpu_norm::silu_and_mul_row(row, row + I, act + r * I, I);
-  });
-  if (ld_down == H) {  // straight into out
-    run_linear(pool, act, I, R, down_weight.typed_data(), I, down_tiles, out->typed_data(), H);
-  } else {
-    run_linear(pool, act, I, R, down_weight.typed_data(), I, down_tiles, down, ld_down);
-    for (int64_t r = 0; r < R; ++r) {
-      std::copy(down + r * ld_down, down + r * ld_down + H, out->typed_data() + r * H);
-    }
-  }
-  std::fill(out->typed_data() + R * H, out->typed_data() + T * H, 0.f);
-  std::fill(s + R * H, s + T * H, 0.f);
+  layer.run(PoolParallel{pool}, rows, out->typed_data(), stream->typed_data(),
+            k_out->typed_data(), v_out->typed_data());
   return ffi::Error::Success();
 }
 

@@ -1,8 +1,10 @@
-"""The JAX backend's attention and linear layers on CPU through XLA's FFI: the C++ kernels the
-torch backend runs on CPU (`kernels_cuda/csrc/cpu/attention_cpu_kernel.h`, `linear_cpu_kernel.h`),
-in float32, as CPU custom calls; a top-k for the logprobs (XLA's CPU TopK sorts every row); and
-a whole Llama decoder layer in one call (`decoder_layer`, the torch op `pagedjax::decoder_layer`'s
-steps over the same kernels).
+"""The JAX backend's glue to the C++ CPU kernels through XLA's FFI (no Pallas here): the
+framework-free kernels the torch backend runs on CPU (`kernels_cuda/csrc/cpu/kernels/`:
+`attention_cpu_kernel.h`, `linear_cpu_kernel.h`, ...), in float32, as CPU custom calls whose
+handlers are `kernels_cuda/csrc/cpu/xla_ffi/cpu_ffi.cpp`; a top-k for the logprobs (XLA's CPU
+TopK sorts every row); and a whole Llama decoder layer in one call (`decoder_layer`: the layer
+`cpu/kernels/decoder_layer_kernel.h` composes, which the torch op `pagedjax::decoder_layer` runs
+too).
 
 The library is compiled on first use with the system's C++ compiler (`$CXX`, else `c++`) and
 cached per source, compiler and jaxlib version in pagedjax's cache folder (pagedjax/cache.py:
@@ -42,10 +44,8 @@ _SYMBOLS = {TARGET: "PagedjaxRaggedPagedAttentionF32", LINEAR_TARGET: "PagedjaxL
             TOP_K_TARGET: "PagedjaxTopKF32", FILTER_TARGET: "PagedjaxFilterLogitsF32",
             DECODER_LAYER_TARGET: "PagedjaxDecoderLayerF32",
             LOGITS_STATS_TARGET: "PagedjaxLogitsStatsF32"}
-_SOURCES = ("cpu/cpu_ffi.cpp", "cpu/attention_cpu_kernel.h", "attention_shape.h",
-            "cpu/cpu_features.h", "cpu/simd_math.h", "cpu/linear_cpu_kernel.h",
-            "cpu/filter_cpu_kernel.h", "cpu/norm_act_cpu_kernel.h",
-            "cpu/logits_cpu_kernel.h")  # under csrc/
+_HANDLERS = "cpu/xla_ffi/cpu_ffi.cpp"  # under csrc/: the one source compiled
+_HEADERS = ("attention_shape.h", "cpu/kernels/*.h")  # under csrc/: what it includes
 LINEAR_TILE = 16  # columns per packed tile (linear_cpu_kernel.h)
 
 
@@ -62,8 +62,10 @@ def _compiler() -> str:
 def library_path() -> Path:
     """Where the build for these sources, this compiler and this jaxlib lives."""
     digest = hashlib.sha256(f"{_compiler()}|{jax.__version__}".encode())
-    for name in _SOURCES:
-        digest.update((_csrc() / name).read_bytes())
+    csrc = _csrc()
+    sources = {csrc / _HANDLERS, *(path for pattern in _HEADERS for path in csrc.glob(pattern))}
+    for path in sorted(sources):
+        digest.update(path.relative_to(csrc).as_posix().encode() + path.read_bytes())
     return cache_dir() / f"jax_ffi_attention_{digest.hexdigest()[:16]}.so"
 
 
@@ -75,7 +77,7 @@ def _build(path: Path) -> None:
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         partial = Path(tmp) / path.name
         command = [_compiler(), "-O3", "-std=c++17", "-fPIC", "-shared",
-                   f"-I{jax.ffi.include_dir()}", str(_csrc() / _SOURCES[0]), "-o", str(partial),
+                   f"-I{jax.ffi.include_dir()}", str(_csrc() / _HANDLERS), "-o", str(partial),
                    *loaded_libstdcxx_ldflags()]
         result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode != 0:

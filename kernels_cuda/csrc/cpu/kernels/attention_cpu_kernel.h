@@ -1,5 +1,6 @@
-// The torch-free core of the C++ CPU attention, shared by the torch op (attention_cpu.cpp) and
-// the JAX FFI handler (cpu_ffi.cpp). Parallel over (query row, KV head): one work item
+// The torch-free core of the C++ CPU attention, shared by the torch op
+// (../torch/attention_cpu.cpp), the JAX FFI handler (../xla_ffi/cpu_ffi.cpp) and the decoder
+// layer (decoder_layer_kernel.h). Parallel over (query row, KV head): one work item
 // serves the G query heads of a KV head, reading each K/V tile once per pass for all G
 // (converted once per pass for bf16/fp16). The softmax takes two passes over the visible
 // context (logits, then values); float32 has AVX2 paths for the dot products, the exp and the
@@ -19,11 +20,29 @@
 #include <immintrin.h>
 #endif
 
-#include "../attention_shape.h"
+#include "../../attention_shape.h"
 #include "cpu_features.h"
 #include "simd_math.h"
 
 namespace pagedjax::cpu_attention {
+
+// The shape of T query rows of num_q_heads heads over caches of dimensions [N, Hkv, bs, D] and
+// block tables of [S, M] (any indexable dimensions: torch sizes, XLA FFI dimensions).
+template <typename Dims>
+AttentionShape attention_shape(int64_t num_tokens, int64_t num_q_heads, const Dims& cache,
+                               const Dims& tables) {
+  AttentionShape shape{};
+  shape.num_tokens = num_tokens;
+  shape.num_q_heads = num_q_heads;
+  shape.head_dim = cache[3];
+  shape.num_blocks = cache[0];
+  shape.num_kv_heads = cache[1];
+  shape.block_size = cache[2];
+  shape.group = num_q_heads / shape.num_kv_heads;
+  shape.num_seqs = tables[0];
+  shape.max_blocks = tables[1];
+  return shape;
+}
 
 // Raw views of the int32 batch metadata.
 struct RaggedBatch {
@@ -390,5 +409,23 @@ struct CpuAttention {
     }
   }
 };
+
+// Every (query row, KV head) item of `attention`, in one contiguous range of about equal cost per
+// thread of `par` (parallel.h), each range with its own scratch.
+template <typename Parallel, typename scalar_t, typename acc_t>
+void run_items(const Parallel& par, const CpuAttention<scalar_t, acc_t>& attention) {
+  const AttentionShape& shape = attention.shape;
+  const int64_t num_items = shape.num_tokens * shape.num_kv_heads;
+  const int64_t parts =
+      std::clamp<int64_t>(par.num_threads(), 1, std::max<int64_t>(num_items, 1));
+  const std::vector<int64_t> bounds = attention.split_items(parts);
+  par.for_range(parts, 1, [&](int64_t p0, int64_t p1) {
+    Scratch<acc_t> scratch(shape.group, shape.block_size, shape.head_dim,
+                           shape.max_blocks * shape.block_size);
+    for (int64_t item = bounds[p0]; item < bounds[p1]; ++item) {
+      attention.run(item / shape.num_kv_heads, item % shape.num_kv_heads, scratch);
+    }
+  });
+}
 
 }  // namespace pagedjax::cpu_attention

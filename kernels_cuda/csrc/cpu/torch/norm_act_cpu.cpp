@@ -14,12 +14,14 @@
 #include <algorithm>
 #include <tuple>
 
-#include "norm_act_cpu_kernel.h"
+#include "../kernels/norm_act_cpu_kernel.h"
+#include "../kernels/parallel.h"
 
 namespace pagedjax {
 namespace {
 
 using cpu_norm::normalize_row;
+using cpu_parallel::row_grain;
 
 void check_rows(const char* op, const char* name, const at::Tensor& t, const at::Tensor& ref) {
   TORCH_CHECK(t.dim() == 2 && t.is_contiguous(), op, ": ", name,
@@ -35,12 +37,6 @@ void check_norm_args(const char* op, const at::Tensor& x, const at::Tensor& weig
                   weight.scalar_type() == x.scalar_type(),
               op, ": weight must be a contiguous ", x.scalar_type(), " [", x.size(1), "], got ",
               weight.scalar_type(), " ", weight.sizes());
-}
-
-constexpr int64_t kRowElements = 16384;  // elements per thread's share, at least
-
-int64_t row_grain(int64_t width) {
-  return std::max<int64_t>(1, kRowElements / std::max<int64_t>(1, width));
 }
 
 at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double eps) {

@@ -1,13 +1,13 @@
 // The grammar's token mask as a torch CPU op: logits [R, V] float32 and bitmask [R, W] int32 →
 // (the masked logits [R, V], their argmax [R] int32) in one pass. The kernel and why it is
-// hand-written: token_mask_cpu_kernel.h.
+// hand-written: ../kernels/token_mask_cpu_kernel.h.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <tuple>
 
-#include "token_mask_cpu_kernel.h"
+#include "../kernels/token_mask_cpu_kernel.h"
 
 namespace pagedjax {
 namespace {

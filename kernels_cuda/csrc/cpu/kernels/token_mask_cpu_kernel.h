@@ -1,7 +1,7 @@
 // The torch-free core of the grammar's token mask on the CPU (structured outputs), the torch
-// op's (token_mask_cpu.cpp): per row of logits x [R, V] float32 and its bitmask [R, W] int32
-// (bit t % 32 of word t / 32 set: token t allowed; 32 W >= V), the masked row (x where allowed,
-// -inf elsewhere) and its argmax, the greedy token under the grammar, in the same pass.
+// op's (../torch/token_mask_cpu.cpp): per row of logits x [R, V] float32 and its bitmask [R, W]
+// int32 (bit t % 32 of word t / 32 set: token t allowed; 32 W >= V), the masked row (x where
+// allowed, -inf elsewhere) and its argmax, the greedy token under the grammar, in the same pass.
 // backends/torch/sampler.py's apply_token_bitmask (torch ops) is the reference.
 //
 // Why hand-written: torch's branch-free form (each bit turned into a 0.0 or -inf bias, added)

@@ -1,6 +1,6 @@
-// C++ CPU kernels of the pagedjax torch ops: attention (its core in attention_cpu_kernel.h,
-// accumulating in at::opmath_type: fp32, or fp64 for fp64 inputs) and write_kv. Inputs
-// fp32/fp64/bf16/fp16.
+// C++ CPU kernels of the pagedjax torch ops: attention (its core in
+// ../kernels/attention_cpu_kernel.h, accumulating in at::opmath_type: fp32, or fp64 for fp64
+// inputs) and write_kv. Inputs fp32/fp64/bf16/fp16.
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
@@ -9,15 +9,15 @@
 #include <algorithm>
 #include <vector>
 
-#include "../attention.h"
-#include "attention_cpu_kernel.h"
+#include "../../attention.h"
+#include "../kernels/attention_cpu_kernel.h"
+#include "torch_parallel.h"
 
 namespace pagedjax {
 namespace {
 
 using cpu_attention::CpuAttention;
 using cpu_attention::RaggedBatch;
-using cpu_attention::Scratch;
 
 template <typename scalar_t, typename index_t>
 void write_kv_kernel(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
@@ -73,17 +73,7 @@ void ragged_paged_attention_out_cpu(const at::Tensor& out, const at::Tensor& q,
             out.mutable_data_ptr<scalar_t>(), static_cast<acc_t>(sm_scale),
             sliding_window.value_or(0), static_cast<acc_t>(soft_cap.value_or(0.0))};
         // One item per (query row, KV head), in one contiguous range of equal cost per thread.
-        const int64_t num_items = shape.num_tokens * shape.num_kv_heads;
-        const int64_t parts =
-            std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
-        const std::vector<int64_t> bounds = attention.split_items(parts);
-        at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
-          Scratch<acc_t> scratch(shape.group, shape.block_size, shape.head_dim,
-                                 shape.max_blocks * shape.block_size);
-          for (int64_t item = bounds[p0]; item < bounds[p1]; ++item) {
-            attention.run(item / shape.num_kv_heads, item % shape.num_kv_heads, scratch);
-          }
-        });
+        cpu_attention::run_items(TorchParallel{}, attention);
       });
 }
 

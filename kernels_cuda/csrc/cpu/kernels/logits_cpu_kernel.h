@@ -1,7 +1,8 @@
 // The torch-free core of the samplers' one pass over the logits on the CPU, shared by the torch
-// op (logits_cpu.cpp) and the JAX FFI handler (cpu_ffi.cpp): per row of logits [R, V] float32,
-// the greedy token (argmax) and the log-sum-exp that turns any logit into its logprob
-// (logprob = logit - lse). jnp / torch reductions are the reference (backends/*/sampler.py).
+// op (../torch/logits_cpu.cpp) and the JAX FFI handler (../xla_ffi/cpu_ffi.cpp): per row of
+// logits [R, V] float32, the greedy token (argmax) and the log-sum-exp that turns any logit into
+// its logprob (logprob = logit - lse). jnp / torch reductions are the reference
+// (backends/*/sampler.py).
 //
 // Why hand-written: a step's sampler read the logits four to six times (XLA: log_softmax's max,
 // sum of exps and subtraction, written out whole, then argmax's max and first-hit; torch:

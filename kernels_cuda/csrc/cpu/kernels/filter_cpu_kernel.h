@@ -1,6 +1,7 @@
 // The torch-free core of the top-k / top-p / min-p filter on the CPU, shared by the torch op
-// (filter_cpu.cpp) and the JAX FFI handler (cpu_ffi.cpp). The samplers' sort-based version
-// (backends/*/sampler.py, filter_logits) is the reference; this one sorts only what top-p needs.
+// (../torch/filter_cpu.cpp) and the JAX FFI handler (../xla_ffi/cpu_ffi.cpp). The samplers'
+// sort-based version (backends/*/sampler.py, filter_logits) is the reference; this one sorts only
+// what top-p needs.
 //
 // Why hand-written: XLA's CPU sort and cumulative sum make the sort-based filter take 70 ms for
 // 64 rows of 4,096 logits (torch's CPU sort 13 ms) where this takes well under one, and the

@@ -9,7 +9,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include "norm_act_cpu_kernel.h"
+#include "../kernels/norm_act_cpu_kernel.h"
 
 namespace pagedjax {
 namespace {

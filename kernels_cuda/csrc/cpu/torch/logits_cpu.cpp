@@ -1,12 +1,12 @@
 // The samplers' one pass over the logits as a torch CPU op: logits [R, V] float32 → (argmax [R]
-// int32, lse [R] float32). The kernel and why it is hand-written: logits_cpu_kernel.h.
+// int32, lse [R] float32). The kernel and why it is hand-written: ../kernels/logits_cpu_kernel.h.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <tuple>
 
-#include "logits_cpu_kernel.h"
+#include "../kernels/logits_cpu_kernel.h"
 
 namespace pagedjax {
 namespace {

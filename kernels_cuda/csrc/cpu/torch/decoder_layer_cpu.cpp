@@ -1,0 +1,132 @@
+// One Llama decoder layer of the CPU float32 path as a single torch op: the layer that
+// ../kernels/decoder_layer_kernel.h composes (the JAX FFI handler runs the same), which is
+// backends/torch/model.py's DecoderLayer op by op (so the same bits) without one Python call per
+// op. This file checks the tensors and hands their pointers over.
+//
+// Why: at a few rows the ops' kernels are the smaller part of a layer; most of a 1-token forward
+// was the per-op path from Python (argument parsing, boxing, the nn.Module calls and views around
+// ~12 ops a layer). One op cuts the draft's forward by about a third (RESULTS.md).
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <string>
+#include <tuple>
+
+#include "../kernels/decoder_layer_kernel.h"
+#include "torch_parallel.h"
+
+namespace pagedjax {
+namespace {
+
+using OptTensor = std::optional<at::Tensor>;
+constexpr const char* kOp = "pagedjax::decoder_layer";
+
+// A contiguous float32 tensor of exactly `sizes`.
+void check_float(const char* name, const at::Tensor& t, at::IntArrayRef sizes) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.sizes() == sizes, kOp,
+              ": ", name, " must be a contiguous float32 ", sizes, ", got ", t.scalar_type(),
+              " ", t.sizes(), (t.is_contiguous() ? "" : " (not contiguous)"));
+}
+
+// A weight packed for pagedjax::linear: [ceil(out / 16), in, 16] (pack_linear_weight).
+void check_packed(const char* name, const at::Tensor& t, int64_t in, int64_t out) {
+  check_float(name, t, {(out + cpu_linear::kTile - 1) / cpu_linear::kTile, in, cpu_linear::kTile});
+}
+
+// An int32 metadata tensor of `dim` dims, contiguous.
+void check_int32(const char* name, const at::Tensor& t, int64_t dim) {
+  TORCH_CHECK(t.scalar_type() == at::kInt && t.dim() == dim && t.is_contiguous(), kOp, ": ",
+              name, " must be a contiguous int32 tensor of ", dim, " dims, got ",
+              t.scalar_type(), " ", t.sizes());
+}
+
+// x [T, H]: the previous layer's output (the embedding in the first layer, residual None)
+// → (this layer's output [T, H], the residual stream [T, H]). Weights packed for
+// pagedjax::linear; norms' weights [H]; k_cache/v_cache [N, Hkv, bs, D] written at slot_mapping.
+// Every row is computed, padding rows (past query_start_loc[S]) included, as the ops would.
+std::tuple<at::Tensor, at::Tensor> decoder_layer_cpu(
+    const at::Tensor& x, const OptTensor& residual, const at::Tensor& input_norm,
+    const at::Tensor& qkv_weight, const OptTensor& qkv_bias, const at::Tensor& o_weight,
+    const at::Tensor& post_norm, const at::Tensor& gate_up_weight, const at::Tensor& down_weight,
+    const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& cos,
+    const at::Tensor& sin, const at::Tensor& slot_mapping, const at::Tensor& kv_lens,
+    const at::Tensor& block_tables, const at::Tensor& query_start_loc, int64_t num_q_heads,
+    int64_t num_kv_heads, int64_t intermediate_size, double eps, double sm_scale,
+    std::optional<int64_t> sliding_window, std::optional<int64_t> /*max_query_len: CUDA-only*/) {
+  TORCH_CHECK(x.dim() == 2, kOp, ": x must be [num_tokens, hidden], got ", x.sizes());
+  TORCH_CHECK(k_cache.dim() == 4, kOp, ": k_cache must be [N, Hkv, bs, D], got ",
+              k_cache.sizes());
+  const int64_t T = x.size(0), H = x.size(1), D = k_cache.size(3), I = intermediate_size;
+  TORCH_CHECK(num_kv_heads > 0 && k_cache.size(1) == num_kv_heads &&
+                  num_q_heads % num_kv_heads == 0 && D % 2 == 0,
+              kOp, ": num_kv_heads=", num_kv_heads, " must divide num_q_heads=", num_q_heads,
+              " and be k_cache's dim 1, with an even head_dim, got k_cache ", k_cache.sizes());
+  const int64_t q_size = num_q_heads * D, qkv_size = q_size + 2 * num_kv_heads * D;
+  check_float("x", x, {T, H});
+  if (residual) check_float("residual", *residual, {T, H});
+  check_float("input_norm", input_norm, {H});
+  check_float("post_norm", post_norm, {H});
+  check_packed("qkv_weight", qkv_weight, H, qkv_size);
+  if (qkv_bias) check_float("qkv_bias", *qkv_bias, {qkv_size});
+  check_packed("o_weight", o_weight, q_size, H);
+  check_packed("gate_up_weight", gate_up_weight, H, 2 * I);
+  check_packed("down_weight", down_weight, I, H);
+  check_float("k_cache", k_cache, k_cache.sizes());
+  check_float("v_cache", v_cache, k_cache.sizes());
+  check_float("cos", cos, {T, D});
+  check_float("sin", sin, {T, D});
+  TORCH_CHECK((slot_mapping.scalar_type() == at::kInt || slot_mapping.scalar_type() == at::kLong) &&
+                  slot_mapping.dim() == 1 && slot_mapping.size(0) == T &&
+                  slot_mapping.is_contiguous(),
+              kOp, ": slot_mapping must be a contiguous int32 or int64 [", T, "], got ",
+              slot_mapping.scalar_type(), " ", slot_mapping.sizes());
+  check_int32("kv_lens", kv_lens, 1);
+  check_int32("block_tables", block_tables, 2);
+  check_int32("query_start_loc", query_start_loc, 1);
+  TORCH_CHECK(block_tables.size(0) == kv_lens.size(0) &&
+                  query_start_loc.size(0) == kv_lens.size(0) + 1,
+              kOp, ": expected kv_lens [S], block_tables [S, M], query_start_loc [S+1], got ",
+              kv_lens.sizes(), ", ", block_tables.sizes(), ", ", query_start_loc.sizes());
+  TORCH_CHECK(!sliding_window || *sliding_window > 0, kOp, ": sliding_window must be >= 1, got ",
+              sliding_window.value_or(0));
+
+  const AttentionShape shape = cpu_attention::attention_shape(T, num_q_heads, k_cache.sizes(),
+                                                              block_tables.sizes());
+  const cpu_layer::Weights weights{
+      input_norm.data_ptr<float>(), qkv_weight.data_ptr<float>(), qkv_weight.size(0),
+      qkv_bias ? qkv_bias->data_ptr<float>() : nullptr, o_weight.data_ptr<float>(),
+      o_weight.size(0), post_norm.data_ptr<float>(), gate_up_weight.data_ptr<float>(),
+      gate_up_weight.size(0), down_weight.data_ptr<float>(), down_weight.size(0)};
+  const cpu_attention::RaggedBatch batch{kv_lens.data_ptr<int32_t>(),
+                                         block_tables.data_ptr<int32_t>(),
+                                         query_start_loc.data_ptr<int32_t>()};
+  at::Tensor out = at::empty({T, H}, x.options()), stream = at::empty({T, H}, x.options());
+  AT_DISPATCH_INDEX_TYPES(slot_mapping.scalar_type(), "decoder_layer_cpu", [&] {
+    const cpu_layer::DecoderLayer<index_t> layer{
+        shape, H, I, eps, static_cast<float>(sm_scale), sliding_window.value_or(0),
+        x.data_ptr<float>(), residual ? residual->data_ptr<float>() : nullptr, weights,
+        cos.data_ptr<float>(), sin.data_ptr<float>(), slot_mapping.data_ptr<index_t>(), batch};
+    const std::string error = layer.error(T);
+    TORCH_CHECK(error.empty(), kOp, ": ", error);
+    layer.run(TorchParallel{}, T, out.data_ptr<float>(), stream.data_ptr<float>(),
+              k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
+  });
+  return {out, stream};
+}
+
+}  // namespace
+}  // namespace pagedjax
+
+TORCH_LIBRARY_FRAGMENT(pagedjax, m) {
+  m.def(
+      "decoder_layer(Tensor x, Tensor? residual, Tensor input_norm, Tensor qkv_weight, "
+      "Tensor? qkv_bias, Tensor o_weight, Tensor post_norm, Tensor gate_up_weight, "
+      "Tensor down_weight, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cos, Tensor sin, "
+      "Tensor slot_mapping, Tensor kv_lens, Tensor block_tables, Tensor query_start_loc, "
+      "int num_q_heads, int num_kv_heads, int intermediate_size, float eps, float sm_scale, "
+      "int? sliding_window, int? max_query_len) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(pagedjax, CPU, m) { m.impl("decoder_layer", &pagedjax::decoder_layer_cpu); }

@@ -47,8 +47,8 @@ test-fast: lint
 
 bench: install
 	$(PY) -m pip install -q -e ".[bench]"
-	$(PY) benchmarks/throughput.py --backend jax
-	$(PY) benchmarks/throughput.py --backend torch
+	$(VENV)/bin/pagedjax bench throughput --backend jax
+	$(VENV)/bin/pagedjax bench throughput --backend torch
 	$(PY) benchmarks/spec_decode.py
 	$(PY) benchmarks/kernels.py
 

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode_step import start_decoding  # noqa: E402
+from common import start_decoding  # noqa: E402
 
 
 def dispatch_us(arguments, repeats: int = 200) -> float:
@@ -63,7 +63,7 @@ def host_trace(model: str, batch: int, steps: int, top: int = 40) -> None:
 
     llm = LLM(model, backend="jax", max_model_len=1024, max_num_seqs=max(batch, 16),
               enable_prefix_caching=False)
-    start_decoding(llm, batch, 512, 400, seed=0)
+    start_decoding(llm, batch, 512, max_tokens=400, seed=0)
     for _ in range(10):
         llm.engine.step()
     options = jax.profiler.ProfileOptions()

@@ -26,7 +26,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import add_out_argument, environment, print_table, write_json  # noqa: E402
-from hf_baseline import load_hf  # noqa: E402
+
+from pagedjax.benchmarks.hf_baseline import load_hf  # noqa: E402
 
 # ShareGPT as the PagedAttention paper measures it: 161 prompt and 338 output tokens on average.
 SHAREGPT_MEAN_INPUT, SHAREGPT_MEAN_OUTPUT = 161, 338

@@ -85,8 +85,7 @@ def run_worker(system: str, spec: dict) -> dict:
 
 
 def make_spec(args, vocab_size: int) -> dict:
-    sys.path.insert(0, str(HERE))
-    from throughput import synthetic_workload
+    from pagedjax.benchmarks.throughput import synthetic_workload
 
     workload = synthetic_workload(args.num_requests, vocab_size, seed=args.seed,
                                   max_input=args.max_input, max_output=args.max_output)

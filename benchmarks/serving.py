@@ -24,8 +24,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import add_out_argument, environment, print_table, write_json  # noqa: E402
 
-from pagedjax.entrypoints.bench_serve import add_bench_serve_args  # noqa: E402
-from pagedjax.entrypoints.bench_serve import main as bench_serve  # noqa: E402
+from pagedjax.benchmarks.serve import add_cli_args as add_bench_serve_args  # noqa: E402
+from pagedjax.benchmarks.serve import main as bench_serve  # noqa: E402
 from pagedjax.model_loader.demo import demo_model_dirs  # noqa: E402
 
 

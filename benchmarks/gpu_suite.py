@@ -169,7 +169,7 @@ def spec_decode_steps(ctx: Context) -> list[Step]:
 def core_process_steps(ctx: Context) -> list[Step]:
     size = (("--batch-sizes", "1", "2", "--context", "16", "--steps", "4", "--rounds", "1")
             if ctx.dry_run else ("--batch-sizes", "1", "16", "64", "--context", "512"))
-    script, out = str(BENCHMARKS / "core_process.py"), str(ctx.out / "core_process")
+    script, out = str(BENCHMARKS / "probes" / "core_process.py"), str(ctx.out / "core_process")
     return [_make_model_step(ctx), *(
         Step(f"core_process_{backend}", (script, "--model", str(ctx.model_dir()), "--backend",
                                          backend, *size, "--out", out), timeout_s)

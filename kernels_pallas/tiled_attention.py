@@ -12,7 +12,7 @@ The loop runs to the longest context in the batch with an online softmax in floa
 each sequence's queries and padding rows come out as zeros.
 
 `ragged_paged_attention_cpu`, the JAX backend's attention on CPU, keeps the fastest correct one
-per shape, as `benchmarks/cpu_attention.py` measured (RESULTS.md): in float32 the C++ kernel
+per shape, as `benchmarks/probes/cpu_attention.py` measured (RESULTS.md): in float32 the C++ kernel
 of the torch backend through XLA's FFI (`cpu_ffi.py`; 2.2-5.3x faster than the jnp choice);
 otherwise, or where it cannot be built, the reference's loop for decode and short queries
 (T < 128), where its per-row gathers are small, and the tiled version (16 rows, 4 blocks per

@@ -20,7 +20,7 @@ ATTENTION_IMPLS = ("auto", "pallas", "cpu", "tiled", "reference")
 def resolve_attention(attention_impl: str) -> tuple[AttentionFn, WriteKVFn, str]:
     """"auto" is the Pallas kernel on GPU and "cpu" on CPU (interpret mode is slow): the C++
     kernel through XLA's FFI in float32; otherwise the jnp reference for decode and short
-    queries, the tiled jnp version for long ones, whichever benchmarks/cpu_attention.py
+    queries, the tiled jnp version for long ones, whichever benchmarks/probes/cpu_attention.py
     measured faster.
 
     Returns (attention_fn, write_kv_fn, resolved name).

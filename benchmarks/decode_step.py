@@ -29,21 +29,28 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
+    WARMUP_STEPS,
+    accelerator_tag,
     add_async_scheduling_argument,
     add_dtype_argument,
+    add_model_arguments,
     add_out_argument,
+    args_record,
     environment,
+    finish,
     median_seconds,
+    model_dir,
+    model_name,
     print_table,
+    start_decoding,
     stderr_fd_captured,
     step_phases_ms,
+    time_engine_steps,
     write_json,
 )
-from latency import RANDOM_LLAMA  # noqa: E402
 
 from pagedjax.entrypoints.doctor import nvidia_gpus  # noqa: E402
 
-WARMUP_STEPS = 3  # decode steps left untimed after the prefill (the decode shape compiles)
 PROFILE_STEPS = 8
 TOP_KERNELS = 15
 
@@ -87,49 +94,11 @@ def copy_bandwidth_gbs(backend: str) -> float:
     return gbs
 
 
-def start_decoding(llm, batch: int, context: int, max_tokens: int, seed: int) -> list[str]:
-    """Add `batch` requests of `context` random prompt tokens and step until every one of them
-    decodes (prompts computed) and the decode shape has run WARMUP_STEPS times."""
-    from pagedjax import SamplingParams
-
-    engine, scheduler = llm.engine, llm.engine.scheduler
-    rng = np.random.default_rng(seed)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    ids = [f"decode-{batch}-{i}" for i in range(batch)]
-    for request_id in ids:
-        prompt = rng.integers(1, engine.model_config.vocab_size, context).tolist()
-        engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
-
-    def decoding() -> bool:  # every prompt computed: each step decodes one token per sequence
-        return (len(scheduler.running) == batch and not scheduler.waiting
-                and all(s.num_computed_tokens == s.num_tokens - 1 for s in scheduler.running))
-
-    while engine.has_unfinished_requests() and not decoding():
-        engine.step()
-    for _ in range(WARMUP_STEPS):
-        engine.step()
-    if not decoding():
-        raise RuntimeError(f"{len(scheduler.running)} of {batch} sequences decode: the KV pool "
-                           "is too small for this batch and context; lower --context.")
-    return ids
-
-
 def time_decode_steps(llm, batch: int, num_steps: int) -> dict:
     """Median wall ms of num_steps engine steps, and the mean ms of each phase
     (`step_phases_ms`)."""
-    engine = llm.engine
-    preemptions = engine.scheduler.num_preemptions_total
-    engine.step_timings.__init__()
-    seconds = []
-    for _ in range(num_steps):
-        start = time.perf_counter()
-        engine.step()
-        seconds.append(time.perf_counter() - start)
-    if engine.scheduler.num_preemptions_total != preemptions or len(
-            engine.scheduler.running) != batch:
-        raise RuntimeError("a sequence was preempted or finished while timed: not a decode "
-                           "step of the whole batch; lower --context or --steps.")
-    phases = step_phases_ms(engine.step_timings)
+    seconds = time_engine_steps(llm, batch, num_steps)
+    phases = step_phases_ms(llm.engine.step_timings)
     return {"step ms": 1e3 * statistics.median(seconds), "phases ms": phases,
             "host share": phases["host share"]}
 
@@ -280,8 +249,8 @@ def _xplane_totals(path: str) -> dict[str, tuple[int, float]]:
 def measure_batch(llm, args, batch: int, weights: int, copy_gbs: float) -> dict:
     engine = llm.engine
     model_config, dtype_bytes = engine.model_config, engine.config.dtype_bytes
-    ids = start_decoding(llm, batch, args.context, engine.config.max_model_len - args.context,
-                         seed=batch)
+    ids = start_decoding(llm, batch, args.context,
+                         max_tokens=engine.config.max_model_len - args.context, seed=batch)
     # the KV the median timed step reads: the mean context (prompts that were computed first
     # have decoded while the others were), half the timed tokens on
     context = round(statistics.mean(s.num_tokens for s in engine.scheduler.running)
@@ -294,10 +263,7 @@ def measure_batch(llm, args, batch: int, weights: int, copy_gbs: float) -> dict:
         print(f"batch {batch}: the step's executable alone: {probe}", flush=True)
     profile, kernel_us = (profile_steps(llm, args.backend, PROFILE_STEPS) if args.profile
                           else (None, None))
-    for request_id in ids:
-        llm.engine.abort_request(request_id)
-    while llm.engine.has_unfinished_requests():
-        llm.engine.step()
+    finish(llm, ids)
     kv = kv_bytes_read(model_config, batch, context, dtype_bytes)
     floor_ms = 1e3 * (weights + kv) / (copy_gbs * 1e9)
     row = {"backend": args.backend, "batch": batch, "context": context,
@@ -314,9 +280,7 @@ def measure_batch(llm, args, batch: int, weights: int, copy_gbs: float) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="HF checkpoint dir (default: the demo target)")
-    parser.add_argument("--random-llama", action="store_true",
-                        help="latency.py's random 6-layer Llama, made in a temp dir")
+    add_model_arguments(parser, random_llama=True)
     parser.add_argument("--backend", choices=("jax", "torch"), default="jax")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--context", type=int, default=512, help="prompt tokens per sequence")
@@ -338,16 +302,9 @@ def main() -> None:
 
     from pagedjax import LLM
     from pagedjax.config import ModelConfig
-    from pagedjax.model_loader.demo import demo_model_dirs
 
     copy_gbs = args.copy_gbs or copy_bandwidth_gbs(args.backend)  # before the KV pool
-    with tempfile.TemporaryDirectory() as tmp:
-        if args.random_llama:
-            from pagedjax.testing.checkpoints import make_tiny_checkpoint
-
-            args.model = str(make_tiny_checkpoint(Path(tmp) / "random-llama", "llama",
-                                                  **RANDOM_LLAMA))
-        args.model = args.model or demo_model_dirs()[0]
+    with model_dir(args):
         model_config = ModelConfig.from_pretrained(args.model)
         # room for the tokens decoded while later prompts are computed, then every step here
         max_len = args.context + 256 + WARMUP_STEPS + args.steps + PROFILE_STEPS
@@ -384,12 +341,11 @@ def main() -> None:
             print(f"    {kernel['us/step']:9.1f} us/step  {kernel['calls/step']:6.1f} calls  "
                   f"{kernel['kernel']}")
     env = environment()
-    model_name = "random-llama" if args.random_llama else Path(args.model).name
     path = write_json(
-        f"decode_step_{args.backend}_{model_name}_{env['accelerator'].replace(' ', '_')}"
+        f"decode_step_{args.backend}_{model_name(args)}_{accelerator_tag(env)}"
         f"{'' if args.async_scheduling else '_sync'}"
         f"{f'_copies{args.executable_copies}' if args.executable_copies else ''}.json",
-        {"args": vars(args), "copy_bandwidth_gbs": copy_gbs, "dtype": dtype, **startup,
+        {"args": args_record(args), "copy_bandwidth_gbs": copy_gbs, "dtype": dtype, **startup,
          "results": rows, "environment": env}, args.out)
     print(f"wrote {path}")
 

@@ -18,7 +18,8 @@ The other parts (in the order a first run should take them):
   the CUDA op on device tensors with NaN-poisoned pools), then greedy parity jax/torch/HF in
   float32 (exact) and bf16 (top-5 rule) on tiny models, and the backend test files;
 - kernels: benchmarks/kernels.py, B 1/8/64 x context 512/2048/8192, JAX then torch;
-- throughput, latency: on a Llama-3.2-1B-shaped random bf16 checkpoint made here;
+- throughput, latency (`pagedjax bench throughput|latency`): on a Llama-3.2-1B-shaped random
+  bf16 checkpoint made here;
 - spec_decode: the demo pair, one backend per process;
 - decode_step, decode_step_8b: decode steps at batch 1/16/64 against the bandwidth floor, with
   the host share, a profile of the device time and (jax) the step's executable timed alone
@@ -48,6 +49,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 BENCHMARKS = REPO / "benchmarks"
+BENCH = ("-m", "pagedjax.entrypoints.cli", "bench")  # `pagedjax bench`: latency, throughput
 PART_BUDGET_S = 540  # 9 minutes: under the 10-minute limit of one command on the GPU machines
 ALL_BUDGET_S = 570  # `all`: its steps run until this deadline
 MIN_STEP_S = 15  # a step with less time than this left is skipped
@@ -138,19 +140,20 @@ def _make_model_step(ctx: Context, shape: str = "1b", timeout_s: int = 150) -> S
 def throughput_steps(ctx: Context) -> list[Step]:
     size = (("--num-requests", "4", "--max-input", "16", "--max-output", "8", "--max-num-seqs",
              "4", "--hf-batch-size", "2") if ctx.dry_run else ())
-    script, out = str(BENCHMARKS / "throughput.py"), str(ctx.out / "throughput")
+    out = str(ctx.out / "throughput")
     return [_make_model_step(ctx), *(
-        Step(f"throughput_{backend}", (script, "--model", str(ctx.model_dir()), "--backend",
-                                       backend, *size, "--out", out), 190)
+        Step(f"throughput_{backend}", (*BENCH, "throughput", "--model", str(ctx.model_dir()),
+                                       "--backend", backend, *size, "--out", out), 190)
         for backend in ("jax", "torch"))]
 
 
 def latency_steps(ctx: Context) -> list[Step]:
-    script, out = str(BENCHMARKS / "latency.py"), str(ctx.out / "latency")
+    out = str(ctx.out / "latency")
     max_tokens = "4" if ctx.dry_run else "128"
     return [_make_model_step(ctx), *(
-        Step(f"latency_{backend}", (script, "--model", str(ctx.model_dir()), "--backend", backend,
-                                    "--max-tokens", max_tokens, "--out", out), 190)
+        Step(f"latency_{backend}", (*BENCH, "latency", "--model", str(ctx.model_dir()),
+                                    "--backend", backend, "--max-tokens", max_tokens, "--out",
+                                    out), 190)
         for backend in ("jax", "torch"))]
 
 
@@ -166,7 +169,7 @@ def spec_decode_steps(ctx: Context) -> list[Step]:
 def core_process_steps(ctx: Context) -> list[Step]:
     size = (("--batch-sizes", "1", "2", "--context", "16", "--steps", "4", "--rounds", "1")
             if ctx.dry_run else ("--batch-sizes", "1", "16", "64", "--context", "512"))
-    script, out = str(BENCHMARKS / "core_process.py"), str(ctx.out / "core_process")
+    script, out = str(BENCHMARKS / "probes" / "core_process.py"), str(ctx.out / "core_process")
     return [_make_model_step(ctx), *(
         Step(f"core_process_{backend}", (script, "--model", str(ctx.model_dir()), "--backend",
                                          backend, *size, "--out", out), timeout_s)

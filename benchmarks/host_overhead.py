@@ -26,12 +26,21 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import add_out_argument, environment, print_table, write_json  # noqa: E402
+from common import (  # noqa: E402
+    WARMUP_STEPS,
+    accelerator_tag,
+    add_out_argument,
+    args_record,
+    environment,
+    finish,
+    in_turn,
+    print_table,
+    start_decoding,
+    time_engine_steps,
+    write_json,
+)
 
-WARMUP_STEPS = 3
 HOST_PHASES = ("schedule", "prepare", "update", "output", "detokenize")
 BACKEND_OF = {"host-only": "fixed-tokens", "jax": "jax", "torch": "torch"}
 
@@ -51,44 +60,10 @@ def make_llm(runner: str, batch: int, args):
                max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=False)
 
 
-def start_decoding(llm, batch: int, context: int, output_kind, seed: int) -> list[str]:
-    """Add `batch` requests and step until each decodes one token a step (WARMUP_STEPS more)."""
-    from pagedjax import SamplingParams
-
-    engine, scheduler = llm.engine, llm.engine.scheduler
-    rng = np.random.default_rng(seed)
-    params = SamplingParams(temperature=0.0, ignore_eos=True, output_kind=output_kind,
-                            max_tokens=engine.config.max_model_len - context)
-    ids = [f"host-{seed}-{i}" for i in range(batch)]
-    for request_id in ids:
-        prompt = rng.integers(1, engine.model_config.vocab_size, context).tolist()
-        engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
-
-    def decoding() -> bool:
-        return (len(scheduler.running) == batch and not scheduler.waiting
-                and all(s.num_computed_tokens == s.num_tokens - 1 for s in scheduler.running))
-
-    while not decoding():
-        engine.step()
-        if len(scheduler.running) + len(scheduler.waiting) < batch:
-            raise RuntimeError("a request finished before every prompt was computed")
-    for _ in range(WARMUP_STEPS):
-        engine.step()
-    return ids
-
-
 def time_steps(llm, batch: int, num_steps: int) -> dict:
     """Mean µs per step of each phase over num_steps steps, and the median step."""
-    engine = llm.engine
-    engine.step_timings.__init__()
-    seconds = []
-    for _ in range(num_steps):
-        start = time.perf_counter()
-        engine.step()
-        seconds.append(time.perf_counter() - start)
-    if len(engine.scheduler.running) != batch:
-        raise RuntimeError("a sequence finished or was preempted while timed")
-    timings = engine.step_timings
+    seconds = time_engine_steps(llm, batch, num_steps)
+    timings = llm.engine.step_timings
     us = {name: 1e6 * s / timings.num_steps for name, s in timings.seconds.items()}
     host = sum(us.get(p, 0.0) for p in HOST_PHASES)
     return {"phases us/step": us, "host us/step": host, "host us/seq": host / batch,
@@ -102,14 +77,12 @@ def measure(runner: str, args, round_index: int, output_kind) -> list[dict]:
     startup = time.perf_counter() - start
     rows = []
     for batch in args.batch_sizes:
-        ids = start_decoding(llm, batch, args.context, output_kind,
+        ids = start_decoding(llm, batch, args.context, output_kind=output_kind,
+                             max_tokens=llm.engine.config.max_model_len - args.context,
                              seed=1000 * round_index + batch)
         row = {"runner": runner, "round": round_index, "batch": batch, "startup s": startup,
                **time_steps(llm, batch, args.steps)}
-        for request_id in ids:
-            llm.engine.abort_request(request_id)
-        while llm.engine.has_unfinished_requests():
-            llm.engine.step()
+        finish(llm, ids)
         print(f"round {round_index} {runner:9} batch {batch:4}: host {row['host us/step']:8.1f}"
               f" us/step ({row['host us/seq']:.2f} us/seq), step {row['step us (median)']:.0f}"
               f" us, phases { {k: round(v, 1) for k, v in row['phases us/step'].items()} }",
@@ -160,8 +133,7 @@ def main() -> None:
                    else RequestOutputKind.DELTA)
     rows = []
     for r in range(args.rounds):  # each round starts one runner later: none always first
-        order = args.runners[r % len(args.runners):] + args.runners[: r % len(args.runners)]
-        for runner in order:
+        for runner in in_turn(args.runners, r):
             rows += measure(runner, args, r, output_kind)
     table = summary(rows, args.runners, args.batch_sizes)
     print(f"\nmedian of {args.rounds} rounds, {args.steps} steps each, context {args.context}, "
@@ -170,9 +142,9 @@ def main() -> None:
                         "prepare us", "launch us", "update us", "output us", "detokenize us",
                         "execute us", "step us"])
     env = environment()
-    path = write_json(f"host_overhead_{args.output_kind}_{env['accelerator'].replace(' ', '_')}"
-                      ".json", {"args": vars(args), "summary": table, "rounds": rows,
-                                "environment": env}, args.out)
+    path = write_json(f"host_overhead_{args.output_kind}_{accelerator_tag(env)}.json",
+                      {"args": args_record(args), "summary": table, "rounds": rows,
+                       "environment": env}, args.out)
     print(f"wrote {path}")
 
 

@@ -1,5 +1,6 @@
 """The kernel benchmark's cases, framework-neutral: shapes, sweeps and deterministic host inputs
-that `kernels_jax.py` and `kernels_torch.py` turn into device arrays the same way.
+that `kernels_jax.py` and `kernels_torch.py` turn into device arrays the same way, and the
+shapes both give their implementations (`Inputs`, `Implementation`, `NotApplicable`).
 
 Imports neither jax nor torch. The Pallas lowering test reads the GPU sweep from here, so every
 configuration the benchmark times is also lowered to Triton in CI.
@@ -8,6 +9,8 @@ configuration the benchmark times is also lowered to Triton in CI.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -107,6 +110,32 @@ class CaseSpec:
             block_tables=tables,
             query_start_loc=np.concatenate([[0], np.cumsum(self.q_lens)]).astype(np.int32),
         )
+
+
+class NotApplicable(Exception):
+    """An implementation cannot run this case (e.g. decode only)."""
+
+
+class Inputs(NamedTuple):
+    """One case on the device: jax arrays or torch tensors."""
+
+    q: Any  # [T, Hq, D]
+    k_cache: Any  # [N, Hkv, bs, D]
+    v_cache: Any  # [N, Hkv, bs, D]
+    kv_lens: Any  # [S] int32
+    block_tables: Any  # [S, M] int32
+    query_start_loc: Any  # [S+1] int32
+
+
+@dataclasses.dataclass(frozen=True)
+class Implementation:
+    """prepare(spec, inputs) does the setup outside the timing and returns (run, detail), where
+    detail names what actually runs; synchronize(out) waits for the device; extra_cache_copies
+    sizes its memory need."""
+
+    prepare: Callable[[CaseSpec, Inputs], tuple[Callable[[], Any], str]]
+    synchronize: Callable[[Any], Any]
+    extra_cache_copies: int = 0
 
 
 def gpu_sweep(batches: tuple[int, ...], contexts: tuple[int, ...], shape: Shape = GPU_SHAPE,

@@ -45,6 +45,7 @@ from kernel_cases import (  # noqa: E402
     GPU_CONTEXTS,
     GPU_SHAPE,
     CaseSpec,
+    NotApplicable,
     gpu_sweep,
 )
 
@@ -73,7 +74,7 @@ def measure_impl(fw: ModuleType, name: str, spec: CaseSpec, inputs: Any, expecte
         out = impl.synchronize(run())
         error = float(np.max(np.abs(fw.to_numpy(out) - expected)))
         seconds = median_seconds(run, impl.synchronize, repeats)
-    except fw.NotApplicable as reason:
+    except NotApplicable as reason:
         return dict(status=f"skipped: {reason}")
     except Exception as error:  # noqa: BLE001 - one failing case must not end the sweep
         return dict(status=_failure(error))

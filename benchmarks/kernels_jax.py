@@ -6,12 +6,11 @@ On a GPU each Pallas implementation proves it is the compiled Triton kernel befo
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import gc
 import os
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 # JAX allocates on demand instead of taking 75 % of the GPU up front.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -19,7 +18,13 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from common import median_seconds  # noqa: E402
-from kernel_cases import CaseSpec, pallas_options  # noqa: E402
+from kernel_cases import (  # noqa: E402
+    CaseSpec,
+    Implementation,
+    Inputs,
+    NotApplicable,
+    pallas_options,
+)
 
 from pagedjax.kernels_pallas import (  # noqa: E402
     ragged_paged_attention,
@@ -30,31 +35,6 @@ from pagedjax.kernels_pallas.ragged_paged_attention import TRITON_CALL_TARGETS  
 # L2 per GPU (the working set of a case below it is served from cache, not HBM).
 _L2_BYTES = {"H200": 60 * 2**20, "H100": 50 * 2**20, "A100": 40 * 2**20}
 _DEFAULT_L2_BYTES = 50 * 2**20
-
-
-class NotApplicable(Exception):
-    """An implementation cannot run this case (e.g. decode only)."""
-
-
-class Inputs(NamedTuple):
-    """One case on the device."""
-
-    q: jax.Array  # [T, Hq, D]
-    k_cache: jax.Array  # [N, Hkv, bs, D]
-    v_cache: jax.Array  # [N, Hkv, bs, D]
-    kv_lens: jax.Array  # [S] int32
-    block_tables: jax.Array  # [S, M] int32
-    query_start_loc: jax.Array  # [S+1] int32
-
-
-@dataclasses.dataclass(frozen=True)
-class Implementation:
-    """prepare(spec, inputs) does the setup outside the timing and returns (run, detail), where
-    detail names what actually runs; extra_cache_copies sizes its memory need."""
-
-    prepare: Callable[[CaseSpec, Inputs], tuple[Callable[[], Any], str]]
-    extra_cache_copies: int = 0
-    synchronize: Callable[[Any], Any] = jax.block_until_ready
 
 
 def device_info() -> dict:
@@ -148,10 +128,11 @@ def _prepare_jax_paged_attention(spec: CaseSpec,
     return _checked(fn, q, k_pages, v_pages, tables, inputs.kv_lens)
 
 
+_sync = jax.block_until_ready
 IMPLEMENTATIONS: dict[str, Implementation] = {
-    "jnp_reference": Implementation(_prepare_reference),
-    "pallas_ragged": Implementation(_prepare_pallas),
-    "jax_pallas_paged": Implementation(_prepare_jax_paged_attention, extra_cache_copies=1),
+    "jnp_reference": Implementation(_prepare_reference, _sync),
+    "pallas_ragged": Implementation(_prepare_pallas, _sync),
+    "jax_pallas_paged": Implementation(_prepare_jax_paged_attention, _sync, extra_cache_copies=1),
 }
 
 

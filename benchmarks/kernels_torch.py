@@ -8,50 +8,24 @@ on a GPU (never the pure-torch fallback), SDPA is pinned to one backend.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import gc
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
 from common import median_seconds
-from kernel_cases import CaseSpec
+from kernel_cases import CaseSpec, Implementation, Inputs, NotApplicable
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pagedjax.kernels_cuda import ops, reference
-
-
-class NotApplicable(Exception):
-    """An implementation cannot run this case (e.g. decode only)."""
-
-
-class Inputs(NamedTuple):
-    """One case on the device."""
-
-    q: torch.Tensor  # [T, Hq, D]
-    k_cache: torch.Tensor  # [N, Hkv, bs, D]
-    v_cache: torch.Tensor  # [N, Hkv, bs, D]
-    kv_lens: torch.Tensor  # [S] int32
-    block_tables: torch.Tensor  # [S, M] int32
-    query_start_loc: torch.Tensor  # [S+1] int32
 
 
 def _synchronize(out: torch.Tensor) -> torch.Tensor:
     if out.is_cuda:
         torch.cuda.synchronize()
     return out
-
-
-@dataclasses.dataclass(frozen=True)
-class Implementation:
-    """prepare(spec, inputs) does the setup outside the timing and returns (run, detail), where
-    detail names what actually runs; extra_cache_copies sizes its memory need."""
-
-    prepare: Callable[[CaseSpec, Inputs], tuple[Callable[[], Any], str]]
-    extra_cache_copies: int = 0
-    synchronize: Callable[[Any], Any] = _synchronize
 
 
 def _device() -> torch.device:
@@ -139,8 +113,9 @@ def _prepare_sdpa_gathered(spec: CaseSpec, inputs: Inputs) -> tuple[Callable[[],
 
 
 IMPLEMENTATIONS: dict[str, Implementation] = {
-    "torch_pagedjax_op": Implementation(_prepare_pagedjax_op),
-    "torch_sdpa_gathered": Implementation(_prepare_sdpa_gathered, extra_cache_copies=1),
+    "torch_pagedjax_op": Implementation(_prepare_pagedjax_op, _synchronize),
+    "torch_sdpa_gathered": Implementation(_prepare_sdpa_gathered, _synchronize,
+                                          extra_cache_copies=1),
 }
 
 

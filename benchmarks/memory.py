@@ -25,8 +25,15 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import add_out_argument, environment, print_table, write_json  # noqa: E402
-from hf_baseline import load_hf  # noqa: E402
+from common import (  # noqa: E402
+    accelerator_tag,
+    add_out_argument,
+    environment,
+    print_table,
+    write_json,
+)
+
+from pagedjax.benchmarks.hf_baseline import load_hf  # noqa: E402
 
 # ShareGPT as the PagedAttention paper measures it: 161 prompt and 338 output tokens on average.
 SHAREGPT_MEAN_INPUT, SHAREGPT_MEAN_OUTPUT = 161, 338
@@ -387,7 +394,7 @@ def main() -> None:
     print("beam search throughput ...")
     results["beam_throughput"] = beam_throughput(args, rng)
     print(results["beam_throughput"])
-    name = f"memory_{results['environment']['accelerator'].replace(' ', '_')}"
+    name = f"memory_{accelerator_tag(results['environment'])}"
     path = write_json(f"{name}.json", results, args.out)
     print(f"wrote {path} and {plot(results, Path(args.out) / f'{name}.png')}")
 

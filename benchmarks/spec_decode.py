@@ -22,7 +22,13 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import add_out_argument, environment, print_table, write_json  # noqa: E402
+from common import (  # noqa: E402
+    accelerator_tag,
+    add_out_argument,
+    environment,
+    print_table,
+    write_json,
+)
 
 _SOURCES = ("argparse.py", "dataclasses.py", "functools.py", "json/decoder.py", "pathlib.py",
             "textwrap.py", "typing.py", "inspect.py")
@@ -182,7 +188,7 @@ def main() -> None:
                        "alpha", "tokens/verify", "expected tokens/verify", "mean k",
                        "compiles after startup"])
     env = environment()
-    tag = "_".join([*args.backends, env["accelerator"].replace(" ", "_")])
+    tag = "_".join([*args.backends, accelerator_tag(env)])
     path = write_json(f"spec_decode_{tag}.json", {"args": vars(args), "results": rows,
                                                   "environment": env}, args.out)
     print(f"wrote {path}")

@@ -48,6 +48,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # tests.support.structured_cases
 from common import (  # noqa: E402
+    accelerator_tag,
     add_dtype_argument,
     add_out_argument,
     environment,
@@ -444,8 +445,7 @@ def main() -> None:
     env = environment()
     env["versions"]["llguidance"] = _version_of("llguidance")
     env["versions"]["xgrammar"] = _version_of("xgrammar") if "thread" in xgrammar_status else None
-    tag = "_".join([*([] if args.skip_steps else args.backends),
-                    env["accelerator"].replace(" ", "_")])
+    tag = "_".join([*([] if args.skip_steps else args.backends), accelerator_tag(env)])
     path = write_json(f"structured_{tag}.json", {
         "args": vars(args), "workload_schema": WORKLOAD_SCHEMA, "xgrammar": xgrammar_status,
         "load_average_start": load_before, "load_average_end": load_after,

@@ -32,7 +32,7 @@ def ragged_paged_attention_cpu(
     **kwargs,  # sm_scale, sliding_window, soft_cap
 ) -> jax.Array:  # [T, Hq, D]
     """The JAX backend's attention on CPU: the fastest correct one for this (static) shape, as
-    `benchmarks/cpu_attention.py` measured (RESULTS.md). In float32 the torch backend's C++
+    `benchmarks/probes/cpu_attention.py` measured (RESULTS.md). In float32 the torch backend's C++
     kernel through XLA's FFI (`cpu_ffi`; 2.2-5.3x faster than the jnp choice); otherwise, or
     where it cannot be built, the reference's loop for decode and short queries (T < 128), where
     its per-row gathers are small, and the tiled version (16 rows, 4 blocks per chunk) for
@@ -48,7 +48,7 @@ def ragged_paged_attention_cpu(
 def resolve_attention(attention_impl: str) -> tuple[AttentionFn, WriteKVFn, str]:
     """"auto" is the Pallas kernel on GPU and "cpu" on CPU (interpret mode is slow): the C++
     kernel through XLA's FFI in float32; otherwise the jnp reference for decode and short
-    queries, the tiled jnp version for long ones, whichever benchmarks/cpu_attention.py
+    queries, the tiled jnp version for long ones, whichever benchmarks/probes/cpu_attention.py
     measured faster (`ragged_paged_attention_cpu`).
 
     Returns (attention_fn, write_kv_fn, resolved name).

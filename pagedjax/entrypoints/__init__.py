@@ -1,2 +1,2 @@
-"""The ways in: the `LLM` class, the `pagedjax` command (generate, serve, convert, bench serve,
-doctor) and the OpenAI-compatible server (`entrypoints/openai/`)."""
+"""The ways in: the `LLM` class, the `pagedjax` command (generate, serve, convert, bench, doctor)
+and the OpenAI-compatible server (`entrypoints/openai/`)."""

@@ -1,5 +1,5 @@
 """pagedjax command line: `pagedjax generate --prompt TEXT [--model DIR] [--backend jax|torch]`,
-`pagedjax serve MODEL_DIR [--port 8000 ...]`, `pagedjax bench serve --url URL ...`,
+`pagedjax serve MODEL_DIR [--port 8000 ...]`, `pagedjax bench latency|throughput|serve ...`,
 `pagedjax convert --model DIR` or `--model FILE.gguf --out DIR`, `pagedjax doctor [--json]`."""
 
 from __future__ import annotations
@@ -54,16 +54,29 @@ def _parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server for a model")
     add_serve_args(serve)
     EngineArgs.add_cli_args(serve, skip=("model",))
-    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench",
-                                                                       required=True)
-    from pagedjax.entrypoints.bench_serve import add_bench_serve_args
-
-    add_bench_serve_args(bench.add_parser("serve", help="load a running server, report "
-                                                        "TTFT/TPOT/ITL/E2E and throughput"))
+    bench = sub.add_parser("bench", help="benchmarks: latency, throughput, serve"
+                           ).add_subparsers(dest="bench", required=True)
+    for name, help_text in _BENCHMARKS.items():
+        _benchmark(name).add_cli_args(bench.add_parser(
+            name, help=help_text, description=_benchmark(name).__doc__,
+            formatter_class=argparse.RawDescriptionHelpFormatter))
     doctor = sub.add_parser("doctor", help="device, versions, attention implementations and "
                                            "the ops build; exit status 1 on a problem")
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
     return parser
+
+
+_BENCHMARKS = {  # `pagedjax bench NAME`: pagedjax.benchmarks.NAME's add_cli_args and main
+    "latency": "batch-1 TTFT and decode ms/token beside HF generate, with the step breakdown",
+    "throughput": "offline throughput on a ShareGPT-like workload beside HF generate",
+    "serve": "load a running server, report TTFT/TPOT/ITL/E2E and throughput",
+}
+
+
+def _benchmark(name: str):
+    from pagedjax.benchmarks import latency, serve, throughput
+
+    return {"latency": latency, "throughput": throughput, "serve": serve}[name]
 
 
 def convert(args: argparse.Namespace) -> None:
@@ -147,9 +160,7 @@ def main(argv: list[str] | None = None) -> int:
 
             run_server(args)
         elif args.command == "bench":
-            from pagedjax.entrypoints.bench_serve import main as bench_serve
-
-            bench_serve(args)
+            _benchmark(args.bench).main(args)
         elif args.command == "convert":
             convert(args)
     except ValueError as e:  # user errors: one clear line, no traceback

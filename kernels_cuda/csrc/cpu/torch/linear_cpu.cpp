@@ -2,7 +2,7 @@
 // column tiles: packed[t, k, j] = W[k, 16 t + j], zero-padded to a whole tile.
 //
 // Why hand-written: a decode step multiplies a few rows by every weight of the model, where the
-// libraries run far below the memory bandwidth. Side by side (benchmarks/cpu_linear.py; figures
+// libraries run far below the memory bandwidth. Side by side (benchmarks/probes/cpu_linear.py; figures
 // in benchmarks/results/RESULTS.md, "CPU linear"), at 4 rows this kernel is 1.6-2.5x as fast as
 // oneDNN's prepacked linear, 3-5x MKL's sgemm (torch.nn.functional.linear) and 2.6-4.3x XLA's
 // dot; at 1 row 1.4-3.4x oneDNN's and 0.9-1.4x XLA's; at 16 rows 0.9-1.6x oneDNN's. With the

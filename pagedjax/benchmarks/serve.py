@@ -9,6 +9,10 @@ with vLLM's definitions (vllm bench serve):
 
 Prompts are random words (seeded); token counts come from the server's `usage`. Arrivals are a
 Poisson process at --request-rate (gamma with --burstiness), at most --max-concurrency in flight.
+
+    pagedjax bench serve [--url http://127.0.0.1:8000] [--endpoint /v1/completions]
+                         [--num-prompts 100] [--request-rate inf] [--max-concurrency N]
+                         [--input-len 64] [--output-len 64] [--ignore-eos] [--result-file FILE]
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ class RequestResult:
     error: str = ""
 
 
-def add_bench_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
     parser.add_argument("--endpoint", default="/v1/completions",
                         choices=("/v1/completions", "/v1/chat/completions"))
@@ -219,3 +223,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     if args.result_file:
         Path(args.result_file).write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+if __name__ == "__main__":
+    main(add_cli_args(argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)).parse_args())

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
 from common import add_out_argument, environment, median_seconds, print_table, write_json  # noqa: E402
 
 ROWS = (1, 4, 16, 64, 256)

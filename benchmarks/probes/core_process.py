@@ -7,7 +7,7 @@ round at batch B: B fresh prompts of --context random tokens generate 1 token, t
 generate 1 + --steps; the difference over --steps is one decode step (the prefills, each one
 step of B x --context tokens, cancel).
 
-    python benchmarks/core_process.py [--model DIR] [--backend jax|torch]
+    python benchmarks/probes/core_process.py [--model DIR] [--backend jax|torch]
         [--batch-sizes 1 16 64] [--context 512] [--steps 64] [--rounds 3]
 """
 
@@ -21,10 +21,13 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
 from common import (  # noqa: E402
+    accelerator_tag,
     add_dtype_argument,
+    add_model_arguments,
     add_out_argument,
+    args_record,
     environment,
     print_table,
     write_json,
@@ -51,7 +54,7 @@ def decode_ms(llm, rng: np.random.Generator, batch: int, context: int, steps: in
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="HF checkpoint dir (default: the demo target)")
+    add_model_arguments(parser)
     parser.add_argument("--backend", choices=("jax", "torch"), default="jax")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--context", type=int, default=512, help="prompt tokens per sequence")
@@ -106,10 +109,9 @@ def main() -> None:
           f"rounds of {args.steps} decode steps, on {env['accelerator']}")
     print_table(rows, ["backend", "batch", "in-process ms", "core process ms",
                        "core process speed"])
-    device = env["accelerator"].replace(" ", "_")
-    path = write_json(f"core_process_{args.backend}_{device}.json",
-                      {"env": env, "args": vars(args), "startup s": startup, "rows": rows},
-                      args.out)
+    path = write_json(f"core_process_{args.backend}_{accelerator_tag(env)}.json",
+                      {"env": env, "args": args_record(args), "startup s": startup,
+                       "rows": rows}, args.out)
     print(f"wrote {path}")
 
 

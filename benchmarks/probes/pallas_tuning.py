@@ -6,7 +6,7 @@ Levers: `num_splits` (KV splits merged by log-sum-exp), `num_kv_pages_per_chunk`
 inner-loop step: 4 pages = 64 keys, 8 = 128), `num_warps`, `num_stages` (Triton's software
 pipelining of the next chunk's loads with this chunk's compute). GPU only.
 
-    python benchmarks/pallas_tuning.py [--cases 1x2048 64x2048 ...] [--out DIR]
+    python benchmarks/probes/pallas_tuning.py [--cases 1x2048 64x2048 ...] [--out DIR]
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import jax
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
 from common import add_out_argument, environment, median_seconds, print_table, write_json  # noqa: E402,I001
 from kernel_cases import GPU_SHAPE, CaseSpec  # noqa: E402
 from kernels_jax import IMPLEMENTATIONS, copy_bandwidth_gbs, device_inputs  # noqa: E402

@@ -1,8 +1,8 @@
 """What launching a jax step costs on the host: a jitted call's dispatch against its number of
 array arguments, and a host-side trace of decode steps (where PJRT's launch spends its time).
 
-    python benchmarks/jax_dispatch.py --arguments            # dispatch µs at 2..200 arguments
-    python benchmarks/jax_dispatch.py --trace --model DIR [--batch 1] [--steps 16]
+    python benchmarks/probes/jax_dispatch.py --arguments     # dispatch µs at 2..200 arguments
+    python benchmarks/probes/jax_dispatch.py --trace --model DIR [--batch 1] [--steps 16]
 
 The trace keeps XLA's command buffers (CUDA graphs) on under the profiler only when the process
 runs with XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true (they are off otherwise,
@@ -21,8 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode_step import start_decoding  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+from common import start_decoding  # noqa: E402
 
 
 def dispatch_us(arguments, repeats: int = 200) -> float:
@@ -63,7 +63,7 @@ def host_trace(model: str, batch: int, steps: int, top: int = 40) -> None:
 
     llm = LLM(model, backend="jax", max_model_len=1024, max_num_seqs=max(batch, 16),
               enable_prefix_caching=False)
-    start_decoding(llm, batch, 512, 400, seed=0)
+    start_decoding(llm, batch, 512, max_tokens=400, seed=0)
     for _ in range(10):
         llm.engine.step()
     options = jax.profiler.ProfileOptions()

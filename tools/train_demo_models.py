@@ -13,14 +13,14 @@ that ships inside the package (no model hub): a target whose greedy text looks l
 draft that shares its tokenizer and agrees with it often. The draft can be partly distilled from
 the target's logits (`--distill-frac`), which raises that agreement (≈ the acceptance rate α).
 
-Run: `python benchmarks/train_demo_models.py` (CUDA if available, bf16 autocast). The shipped
+Run: `python tools/train_demo_models.py` (CUDA if available, bf16 autocast). The shipped
 pair was trained on 2 shared CPU cores with `--time-budget-min 21 --target-share 0.8
 --batch-size 8 --seq-len 256 --lr 3e-3 --warmup 15 --eval-every 25 --distill-frac 0.4`
 (see each `training_summary.json`). On that budget the target saw ~1.7M tokens and is still
 under-trained (the cheaper draft ends with a lower held-out loss); a GPU run with the defaults
 trains both much further. Training stops at the step count or at the time budget, whichever
 comes first; the cosine schedule follows whichever is nearer. The shipped draft was then
-distilled on the target's own continuations by `benchmarks/distill_draft.py` (its summary's
+distilled on the target's own continuations by `tools/distill_draft.py` (its summary's
 `sequence_distillation` entry).
 """
 

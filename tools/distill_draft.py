@@ -11,7 +11,7 @@ from the held-out files (k fixed, greedy and temperature 1), and the script prin
 per draft position of each. `--ship` replaces the shipped draft only if the distilled one accepts
 more at every position, greedy and sampled.
 
-    python benchmarks/distill_draft.py [--num-sequences 1536] [--epochs 3] [--ship]
+    python tools/distill_draft.py [--num-sequences 1536] [--epochs 3] [--ship]
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ tile and chunk sizes, on decode, verification, prefill and mixed batches.
 Each implementation runs jitted on the same inputs; the error column is the largest absolute
 difference from the reference. Writes cpu_attention.json to --out.
 
-    python benchmarks/cpu_attention.py [--out DIR] [--repeats 20]
+    python benchmarks/probes/cpu_attention.py [--out DIR] [--repeats 20]
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
 from common import add_out_argument, environment, print_table, write_json  # noqa: E402
 
 HEADS = dict(num_q_heads=8, num_kv_heads=2, head_dim=32)  # the demo target's attention

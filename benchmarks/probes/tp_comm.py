@@ -7,7 +7,7 @@ script computes the volume for Llama-3.2-1B and Llama-3-8B shapes at TP 2/4/8, a
 the sharded forward of each shape on fake CPU devices (abstract weights: nothing is allocated)
 to read the all-reduces XLA emits. Writes tp_comm.json to --out.
 
-    python benchmarks/tp_comm.py [--out DIR]
+    python benchmarks/probes/tp_comm.py [--out DIR]
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ if "jax" not in sys.modules:  # fake devices must be set before jax starts
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_force_host_platform_device_count=8")
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
 from common import add_out_argument, environment, print_table, write_json  # noqa: E402
 
 SHAPES = {  # name -> config.json fields

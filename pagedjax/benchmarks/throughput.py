@@ -4,29 +4,32 @@ A seeded synthetic workload with ShareGPT-like lognormal prompt and output lengt
 so every system generates exactly the same number of tokens). Baselines: HF `generate` one
 request at a time, and in padded static batches. pagedjax runs with its defaults (prefix caching
 on), timed from LLM(...) and one small request: its startup is reported, and any compile it meets
-counts. Writes benchmarks/results/throughput_*.json.
+counts. Writes throughput_<backend>_<accelerator>.json under --out.
 
-    python benchmarks/throughput.py [--model DIR] [--backend jax|torch] [--num-requests 32]
+    pagedjax bench throughput [--model DIR] [--backend jax|torch] [--num-requests 32]
+                              [--max-input 256] [--max-output 128] [--max-num-seqs 32]
+                              [--hf-batch-size 8 | --no-hf] [--dtype auto] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (  # noqa: E402
+from pagedjax.benchmarks.harness import (
+    accelerator_tag,
     add_dtype_argument,
+    add_model_arguments,
     add_out_argument,
+    args_record,
     environment,
+    model_dir,
     print_table,
     write_json,
 )
-from hf_baseline import hf_generate, load_hf  # noqa: E402
+from pagedjax.benchmarks.hf_baseline import hf_generate, load_hf
 
 
 def synthetic_workload(num_requests: int, vocab_size: int, *, seed: int, max_input: int,
@@ -68,39 +71,41 @@ def run_hf(model, workload, batch_size: int) -> float:
                for i in range(0, len(workload), batch_size))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="HF checkpoint dir (default: the demo target)")
+def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    add_model_arguments(parser)
     parser.add_argument("--backend", choices=("jax", "torch"), default="jax")
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument("--max-input", type=int, default=256)
     parser.add_argument("--max-output", type=int, default=128)
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--hf-batch-size", type=int, default=8)
+    parser.add_argument("--no-hf", action="store_true", help="skip the HF baselines")
     parser.add_argument("--seed", type=int, default=0)
     add_dtype_argument(parser)
     add_out_argument(parser)
-    args = parser.parse_args()
+    return parser
 
+
+def main(args: argparse.Namespace) -> dict:
     from pagedjax.config import ModelConfig
-    from pagedjax.model_loader.demo import demo_model_dirs
 
-    model = args.model or demo_model_dirs()[0]
-    vocab = ModelConfig.from_pretrained(model).vocab_size
-    lengths = dict(max_input=args.max_input, max_output=args.max_output)
-    workload = synthetic_workload(args.num_requests, vocab, seed=args.seed, **lengths)
-    warmup = [(list(reversed(workload[0][0])), 4)]  # one request of other tokens
-    num_in = sum(len(ids) for ids, _ in workload)
-    num_out = sum(m for _, m in workload)
+    with model_dir(args) as model:
+        vocab = ModelConfig.from_pretrained(model).vocab_size
+        lengths = dict(max_input=args.max_input, max_output=args.max_output)
+        workload = synthetic_workload(args.num_requests, vocab, seed=args.seed, **lengths)
+        warmup = [(list(reversed(workload[0][0])), 4)]  # one request of other tokens
+        num_in = sum(len(ids) for ids, _ in workload)
+        num_out = sum(m for _, m in workload)
 
-    seconds, dtype, startup = run_pagedjax(model, args.backend, workload, warmup, args)
-    hf = load_hf(model, dtype)
-    run_hf(hf, workload[:1], 1)  # warm-up (lazy initialisation, CUDA context)
-    device = f"{hf.device.type}, {dtype}"
-    timings = {f"pagedjax ({args.backend}, {dtype})": seconds,
-               f"HF generate, batch 1 ({device})": run_hf(hf, workload, 1),
-               f"HF generate, padded batch {args.hf_batch_size} ({device})":
-                   run_hf(hf, workload, args.hf_batch_size)}
+        seconds, dtype, startup = run_pagedjax(model, args.backend, workload, warmup, args)
+        timings = {f"pagedjax ({args.backend}, {dtype})": seconds}
+        if not args.no_hf:
+            hf = load_hf(model, dtype)
+            run_hf(hf, workload[:1], 1)  # warm-up (lazy initialisation, CUDA context)
+            device = f"{hf.device.type}, {dtype}"
+            timings[f"HF generate, batch 1 ({device})"] = run_hf(hf, workload, 1)
+            timings[f"HF generate, padded batch {args.hf_batch_size} ({device})"] = run_hf(
+                hf, workload, args.hf_batch_size)
     rows = [{"system": name, "seconds": t, "output tok/s": num_out / t,
              "total tok/s": (num_in + num_out) / t} for name, t in timings.items()]
     for row in rows:
@@ -109,13 +114,15 @@ def main() -> None:
           f"model {model}; pagedjax's LLM(...) took {startup:.1f} s")
     print_table(rows, ["system", "seconds", "output tok/s", "total tok/s", "× pagedjax"])
     env = environment()
-    path = write_json(f"throughput_{args.backend}_{env['accelerator'].replace(' ', '_')}.json",
-                      {"args": vars(args), "model": model, "startup_s": startup,
-                       "num_prompt_tokens": num_in,
-                       "num_output_tokens": num_out, "results": rows, "environment": env},
+    payload = {"args": args_record(args), "model": model, "startup_s": startup,
+               "num_prompt_tokens": num_in, "num_output_tokens": num_out, "results": rows,
+               "environment": env}
+    path = write_json(f"throughput_{args.backend}_{accelerator_tag(env)}.json", payload,
                       args.out)
     print(f"wrote {path}")
+    return payload
 
 
 if __name__ == "__main__":
-    main()
+    main(add_cli_args(argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)).parse_args())

@@ -10,39 +10,36 @@ TTFT is the time of a 1-token request; decode ms/token is (t(N tokens) - t(1 tok
 summed over the prompts. The systems take turns prompt by prompt, --repeats times, and every
 run counts (the mean), the first included.
 
-    python benchmarks/latency.py [--model DIR | --random-llama] [--backend jax|torch]
-                                 [--max-tokens 64] [--dtype auto] [--repeats 3] [--out DIR]
+    pagedjax bench latency [--model DIR | --random-llama] [--backend jax|torch]
+                           [--max-tokens 64] [--dtype auto] [--repeats 3] [--no-hf] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (  # noqa: E402
+from pagedjax.benchmarks.harness import (
+    accelerator_tag,
     add_async_scheduling_argument,
     add_dtype_argument,
+    add_model_arguments,
     add_out_argument,
+    args_record,
     environment,
+    model_dir,
+    model_name,
     print_table,
     step_phases_ms,
     write_json,
 )
-from hf_baseline import hf_generate, load_hf  # noqa: E402
+from pagedjax.benchmarks.hf_baseline import hf_generate, load_hf
 
 PROMPT_LENGTHS = (24, 40, 57, 73, 90)
-# The issue's "random 6-layer Llama": hidden 256, GQA 8/2, float32.
-RANDOM_LLAMA = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=6,
-                    num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
-                    initializer_range=0.02)
 
 
 def make_prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
@@ -115,33 +112,25 @@ def _row(system: str, first: float, full: float, num_tokens: int, num_prompts: i
             "end-to-end ms/token": 1e3 * full / (num_prompts * num_tokens)}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="HF checkpoint dir (default: the demo target)")
-    parser.add_argument("--random-llama", action="store_true",
-                        help="a random 6-layer Llama (hidden 256, GQA 8/2) made in a temp dir")
+def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    add_model_arguments(parser, random_llama=True)
     parser.add_argument("--backend", choices=("jax", "torch"), default="jax")
     parser.add_argument("--max-tokens", type=int, default=64)
     add_dtype_argument(parser)
     add_async_scheduling_argument(parser)
     parser.add_argument("--no-hf", action="store_true", help="skip the HF baseline")
     parser.add_argument("--repeats", type=int, default=3,
-                        help="runs per prompt and system; each prompt's minimum counts")
+                        help="runs per prompt and system; each prompt's mean counts")
     add_out_argument(parser)
-    args = parser.parse_args()
+    return parser
+
+
+def main(args: argparse.Namespace) -> dict:
     if args.max_tokens < 2:
-        parser.error("--max-tokens must be >= 2 (decode time is t(N) - t(1))")
-
+        raise ValueError("--max-tokens must be >= 2 (decode time is t(N) - t(1))")
     from pagedjax.config import ModelConfig
-    from pagedjax.model_loader.demo import demo_model_dirs
 
-    with tempfile.TemporaryDirectory() as tmp:
-        if args.random_llama:
-            from pagedjax.testing.checkpoints import make_tiny_checkpoint
-
-            args.model = str(make_tiny_checkpoint(Path(tmp) / "random-llama", "llama",
-                                                  **RANDOM_LLAMA))
-        args.model = args.model or demo_model_dirs()[0]
+    with model_dir(args):
         model_config = ModelConfig.from_pretrained(args.model)
         prompts = make_prompts(model_config.vocab_size)
         run, llm, startup = pagedjax_runner(args)
@@ -163,15 +152,15 @@ def main() -> None:
                        "end-to-end ms/token", "speed-up vs HF"])
     print("per engine step (ms):", {k: round(v, 3) for k, v in breakdown.items()})
     env = environment()
-    model_name = "random-llama" if args.random_llama else Path(args.model).name
-    path = write_json(
-        f"latency_{args.backend}_{model_name}_{env['accelerator'].replace(' ', '_')}"
-        f"{'' if args.async_scheduling else '_sync'}.json",
-        {"args": vars(args), "prompt_lengths": PROMPT_LENGTHS, "results": rows,
-         "compiles_after_startup": llm.get_metrics()["num_compiles_after_startup"],
-         "repeats": args.repeats, "step_breakdown_ms": breakdown, "environment": env}, args.out)
+    payload = {"args": args_record(args), "prompt_lengths": PROMPT_LENGTHS, "results": rows,
+               "compiles_after_startup": llm.get_metrics()["num_compiles_after_startup"],
+               "repeats": args.repeats, "step_breakdown_ms": breakdown, "environment": env}
+    path = write_json(f"latency_{args.backend}_{model_name(args)}_{accelerator_tag(env)}"
+                      f"{'' if args.async_scheduling else '_sync'}.json", payload, args.out)
     print(f"wrote {path}")
+    return payload
 
 
 if __name__ == "__main__":
-    main()
+    main(add_cli_args(argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)).parse_args())

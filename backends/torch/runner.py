@@ -87,8 +87,8 @@ class TorchModelRunner:
         # On CUDA a step runs while the host goes on (its graph replays, its outputs' copies to
         # the host are queued, and only the function execute_async returns waits for them).
         # On a CPU torch computes as it is called: nothing to overlap.
-        self.async_launch = self.device.type == "cuda"
-        self.step = StepBody(self.models, self.last_tokens, self.async_launch)
+        self.step = StepBody(self.models, self.last_tokens,
+                             async_launch=self.device.type == "cuda")
         self.graphs: StepGraphs | None = None  # none while the pool is sized
         self.num_kv_blocks = 0
         if rank == 0:  # rank 0 sizes the pool; the others allocate when told to
@@ -196,6 +196,16 @@ class TorchModelRunner:
     # ---- execute -----------------------------------------------------------------------------
 
     async_scheduling = True  # a step's rows read their input_rows from last_tokens
+
+    @property
+    def async_launch(self) -> bool:
+        """Whether a step is launched and its outputs waited for later (the step body then
+        reads each row's input from last_tokens where input_rows says so)."""
+        return self.step.async_launch
+
+    @async_launch.setter
+    def async_launch(self, on: bool) -> None:
+        self.step.async_launch = on
 
     @property
     def idle_cores_between_steps(self) -> bool:

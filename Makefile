@@ -43,7 +43,7 @@ FAST_TESTS := tests/core tests/test_imports.py tests/test_docs.py tests/test_env
 	tests/backends/test_sampler_parity.py tests/backends/test_rejection_sampler.py \
 	tests/backends/test_engine_step.py tests/kernels/test_cpu_ops.py tests/entrypoints/test_vllm_api.py
 test-fast: lint
-	$(PY) -m pytest -x -m "not gpu and not nvcc" $(FAST_TESTS)
+	$(PY) -m pytest -x -m "not gpu and not nvcc and not slow" $(FAST_TESTS)
 
 bench: install
 	$(PY) -m pip install -q -e ".[bench]"

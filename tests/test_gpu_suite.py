@@ -114,6 +114,7 @@ def test_environment(suite_out, part_runs):
     assert any(p["name"] == "pagedjax" for p in json.loads((folder / "pip_list.json").read_text()))
 
 
+@pytest.mark.slow
 def test_correctness(suite_out, part_runs):
     _part(part_runs, "correctness")
     for report in ("kernel_tests.xml", "parity_tests.xml"):
@@ -141,6 +142,7 @@ def test_kernels(suite_out, part_runs):
                 assert row["max_abs_err"] < 2e-2  # bf16 against the framework's reference
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("part", ["throughput", "latency"])
 def test_end_to_end_benchmarks_on_a_random_bf16_model(suite_out, part_runs, part):
     records = _part(part_runs, part)
@@ -151,6 +153,7 @@ def test_end_to_end_benchmarks_on_a_random_bf16_model(suite_out, part_runs, part
     assert len(results) >= 2, results  # one per backend
 
 
+@pytest.mark.slow
 def test_spec_decode(suite_out, part_runs):
     _part(part_runs, "spec_decode")
     for backend in ("jax", "torch"):

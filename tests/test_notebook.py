@@ -6,11 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import nbformat
+import pytest
 from nbclient import NotebookClient
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "explore.ipynb"
 
 
+@pytest.mark.slow
 def test_the_notebook_runs_and_its_saved_copy_has_its_pictures() -> None:
     saved = nbformat.read(NOTEBOOK, as_version=4)
     code_cells = [c for c in saved.cells if c.cell_type == "code"]

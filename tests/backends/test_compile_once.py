@@ -37,6 +37,7 @@ jax.monitoring.register_event_duration_secs_listener(
 pytestmark = pytest.mark.usefixtures("compile_at_startup")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("speculative", [False, True], ids=["plain", "speculative"])
 def test_a_varied_workload_compiles_nothing_after_startup(tiny_model, speculative: bool) -> None:
     """Prompts of 1 to max_model_len - 16 tokens, prefix-cache hits, n = 2, logprobs and
@@ -62,6 +63,7 @@ def test_a_varied_workload_compiles_nothing_after_startup(tiny_model, speculativ
     assert metrics["num_step_shapes"] == 4 + 3 + (4 * 2 if speculative else 0)
 
 
+@pytest.mark.slow
 def test_a_second_process_loads_the_compiled_steps(tiny_model, tmp_path) -> None:
     """Two processes on one cache folder: the first compiles and stores every step, the second
     compiles none of them."""

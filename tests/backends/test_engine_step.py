@@ -111,6 +111,7 @@ def _varied_workload(seed: int) -> tuple[list[dict], list[SamplingParams]]:
     return prompts, params
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("compile_at_startup")
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_every_step_is_one_of_the_closed_set(tiny_model, backend: str) -> None:

@@ -127,6 +127,7 @@ def test_parallel_sampling_with_speculation(tiny_model, reference, backend: str)
     assert_no_leak(llm)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_speculation_under_pressure(tiny_model, reference, backend: str) -> None:
     """Chunked prefill, a pool short enough to drop drafts and preempt, prefix-cache hits,

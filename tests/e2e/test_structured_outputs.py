@@ -45,6 +45,7 @@ def _check_all(outputs, cases) -> None:
             case.check(completion.text)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_every_output_is_valid_and_speculation_keeps_greedy_output(backend: str) -> None:
     """The corpus (20+ JSON schemas, regexes, choices, grammars), greedy and sampled: every

@@ -59,6 +59,7 @@ def test_jax_orbax_restores_into_the_sharded_layout(tiny_model, tmp_path) -> Non
     assert_same_greedy(out["4"], out["fresh"])
 
 
+@pytest.mark.slow
 def test_jax_speculative_decoding_under_tp(tiny_model) -> None:
     """The draft split like the target, and replicated (vLLM's draft_tensor_parallel_size=1)."""
     out = on_cpu_devices("greedy", model=tiny_model("llama"), sizes=[1, 2], prompts=PROMPTS,

@@ -63,10 +63,10 @@ def share_nothing(llm) -> None:
     """The same engine with forks disabled: every fork copies its parent's blocks."""
     from pagedjax.core.block_manager import CopyingBlockManager
 
-    engine = llm.engine
-    bm = engine.block_manager
-    engine.block_manager = engine.scheduler.block_manager = CopyingBlockManager(
-        bm.num_blocks, bm.block_size, bm.enable_prefix_caching)
+    engine, core = llm.engine, llm.engine.engine_core
+    bm = core.block_manager
+    copying = CopyingBlockManager(bm.num_blocks, bm.block_size, bm.enable_prefix_caching)
+    engine.block_manager = core.block_manager = core.scheduler.block_manager = copying
 
 
 def used_blocks(llm) -> int:

@@ -78,11 +78,15 @@ def hlo_all_reduces(config, size: int, num_tokens: int) -> list[tuple[str, tuple
     meta = AttentionMetadata(ids, ids, jnp.zeros(num_tokens + 1, jnp.int32),
                              jnp.zeros(num_tokens, jnp.int32),
                              jnp.zeros((num_tokens, 8), jnp.int32), rope, rope)
-    abstract = jax.eval_shape(lambda: module.init(jax.random.PRNGKey(0), ids, caches, meta, ids))
+    def forward_logits(m, input_ids, kv_caches):  # the model's step: hidden states, then logits
+        return m.logits(m(input_ids, kv_caches, meta)[0])
+
+    abstract = jax.eval_shape(lambda: module.init(jax.random.PRNGKey(0), ids, caches,
+                                                  method=forward_logits))
     params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype,
                                                             sharding=NamedSharding(mesh, s)),
                           abstract, param_specs(abstract, plan))
-    forward = jax.jit(lambda p, c: module.apply(p, ids, c, meta, ids)[0])
+    forward = jax.jit(lambda p, c: module.apply(p, ids, c, method=forward_logits))
     return all_reduce_operands(forward.lower(params, caches).compile().as_text())
 
 

@@ -41,7 +41,7 @@ _CSRC = Path(__file__).parent / "csrc"
 # under cuda/.
 _CPU_SOURCES = ("ops.cpp", *(f"cpu/torch/{name}.cpp" for name in (
     "attention_cpu", "linear_cpu", "rotary_cpu", "norm_act_cpu", "decoder_layer_cpu",
-    "filter_cpu", "logits_cpu", "token_mask_cpu")))
+    "filter_cpu", "logits_cpu", "token_mask_cpu", "quant_linear_cpu")))
 _CUDA_SOURCES = ("cuda/attention_cuda.cu", "cuda/write_kv_cuda.cu", "cuda/norm_act_cuda.cu")
 DEFAULT_CUDA_ARCHS = "8.0;9.0+PTX"  # A100 and H100 SASS; PTX that newer GPUs JIT-compile
 _MIN_CAPABILITY = (8, 0)  # cp.async and bf16 paths
@@ -235,6 +235,19 @@ def linear(
     if ops_backend() == "reference":
         return reference.linear(x, packed_weight, bias, out_features)
     return torch.ops.pagedjax.linear(x, packed_weight, bias, out_features)
+
+
+def quant_linear(
+    x: torch.Tensor,  # [M, K] float32, rows contiguous
+    blocks: torch.Tensor,  # [N, K / 32 * block bytes] uint8, GGML's (common/quantization.py)
+    qtype: int,  # 8 (Q8_0, int8), 2 (Q4_0), 3 (Q4_1)
+    bias: torch.Tensor | None,  # [N]
+) -> torch.Tensor:  # [M, N]
+    """x @ W^T (+ bias) on the CPU with W kept in blocks and x's rows quantized to int8 blocks
+    (the C++ op; the float32 product of the dequantized weights when it is not built)."""
+    if ops_backend() == "reference":
+        return reference.quant_linear(x, blocks, qtype, bias)
+    return torch.ops.pagedjax.quant_linear(x, blocks, qtype, bias)
 
 
 def rotary_embedding_(

@@ -78,6 +78,17 @@ def linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | No
     return out if bias is None else out + bias
 
 
+def quant_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: int,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] @ W [N, K]^T (+ bias) with W the float32 weights GGML blocks hold (the op
+    quantizes x's rows to int8 blocks too: this is the product it approximates)."""
+    from pagedjax.backends.common.quantization import dequantize
+
+    weight = torch.from_numpy(dequantize(blocks.numpy(), qtype, x.shape[1]))
+    out = x @ weight.T
+    return out if bias is None else out + bias
+
+
 def rotary_embedding_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """x [T, H, D] ← x * cos + rotate_half(x) * sin in float32 (HF's), in place; cos/sin [T, D]."""
     half = x.shape[-1] // 2

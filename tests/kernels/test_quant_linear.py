@@ -1,0 +1,160 @@
+"""The quantized CPU linear (pagedjax::quant_linear) and GGML's block formats
+(backends/common/quantization.py):
+- the blocks decode as the `gguf` package's own `dequantize` decodes them, ours made by the
+  quantizers and the real SmolLM2 file's;
+- the op equals a NumPy model of its integer math exactly (x's rows quantized to int8 blocks,
+  integer dots per 4 bytes, the same float32 additions in the same order), whatever the rows;
+- and it approximates float64 math on the dequantized weights as x's quantization allows."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pagedjax.backends.common import quantization as quant
+from pagedjax.kernels_cuda import ops_backend, quant_linear
+
+pytestmark = pytest.mark.skipif(ops_backend() == "reference", reason="the C++ ops are not built")
+
+FORMATS = ["Q8_0", "Q4_0", "Q4_1", "int8"]
+
+
+def random_weight(rng: np.random.Generator, n: int, k: int) -> np.ndarray:
+    """Weights with a spread of magnitudes across blocks and an all-zero block."""
+    w = rng.standard_normal((n, k)).astype(np.float32) * rng.uniform(0.01, 1, (n, 1))
+    w[0, :32] = 0
+    return w.astype(np.float32)
+
+
+def quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The op's quantization of x [M, K]: int8 q [M, B, 32], scales d and d * sum(q) [M, B]."""
+    m, k = x.shape
+    blocks = x.reshape(m, k // 32, 32).astype(np.float32)
+    d = np.abs(blocks).max(-1) / np.float32(127)
+    inverse = np.where(d != 0, np.float32(1) / np.where(d != 0, d, 1), np.float32(0))
+    q = np.rint(blocks * inverse[..., None].astype(np.float32)).astype(np.int32)
+    return q, d.astype(np.float32), (d * q.sum(-1).astype(np.float32)).astype(np.float32)
+
+
+def numpy_model(x: np.ndarray, blocks: np.ndarray, qtype: int,
+                bias: np.ndarray | None) -> np.ndarray:
+    """The op's arithmetic, step for step (quant_linear_kernel.h's header comment)."""
+    m, k = x.shape
+    w, dw, mw = quant.unpack(blocks, qtype, k)  # [N, B, 32], [N, B], [N, B]
+    xq, dx, sx = quantize_rows(x)
+    n, num_blocks = dw.shape
+    # [M, N, B, 8]: the integer dot of each 4 bytes, exact in int32
+    lanes = np.einsum("nbls,mbls->mnbl", w.reshape(n, num_blocks, 8, 4).astype(np.int32),
+                      xq.reshape(m, num_blocks, 8, 4))
+    acc = np.zeros((m, n, 8), np.float32)
+    offsets = np.zeros((m, n), np.float32)
+    for b in range(num_blocks):
+        scale = (dw[None, :, b] * dx[:, None, b]).astype(np.float32)  # [M, N]
+        acc = acc + scale[..., None] * lanes[:, :, b].astype(np.float32)
+        if qtype == quant.Q4_1:
+            offsets = offsets + mw[None, :, b] * sx[:, None, b]
+    y = ((acc[..., 0] + acc[..., 4]) + (acc[..., 2] + acc[..., 6])) + (
+        (acc[..., 1] + acc[..., 5]) + (acc[..., 3] + acc[..., 7]))
+    y = y + offsets
+    return y + (np.zeros(n, np.float32) if bias is None else bias)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_blocks_decode_as_gguf_decodes_them(name: str) -> None:
+    import gguf
+
+    rng = np.random.default_rng(0)
+    weight = random_weight(rng, 24, 128)
+    blocks = quant.QUANTIZERS[name](weight)
+    qtype = quant.QTYPE_OF[name]
+    expected = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType(qtype))
+    np.testing.assert_allclose(quant.dequantize(blocks, qtype, 128), expected, rtol=0, atol=1e-7)
+    ours = torch.ops.pagedjax.dequantize(torch.from_numpy(blocks), qtype, 128).numpy()
+    np.testing.assert_allclose(ours, expected, rtol=0, atol=1e-7)
+    # the quantizers: within half a step of the weights (int8: of its row's one scale; Q4_0: a
+    # whole one at the end its 16 levels clip, opposite the largest magnitude), and
+    # what storing the scale and offset in fp16 moves (q is rounded with the exact scale, as
+    # GGML's quantizers do: up to 16 or 127 steps of d's 2^-11)
+    error = np.abs(quant.dequantize(blocks, qtype, 128) - weight)
+    _, d, m = quant.unpack(blocks, qtype, 128)
+    step, offset = np.repeat(np.abs(d), 32, axis=1), np.repeat(np.abs(m), 32, axis=1)
+    half = 1.0 if name == "Q4_0" else 0.5
+    assert (error <= step * (half + 127 * 2.0**-11) + offset * 2.0**-11 + 1e-6).all()
+    if name == "int8":
+        assert (d == d[:, :1]).all()  # one scale per output channel
+
+
+def test_the_real_files_blocks_decode_as_gguf_decodes_them() -> None:
+    import gguf
+
+    from pagedjax.model_loader.demo import smollm2_instruct_gguf
+
+    try:
+        path = smollm2_instruct_gguf()
+    except ImportError as error:
+        pytest.fail(str(error))
+    reader = gguf.GGUFReader(path)
+    seen = set()
+    for tensor in reader.tensors:
+        kind = tensor.tensor_type.name
+        if kind not in ("Q8_0", "Q4_1") or kind in seen:
+            continue
+        seen.add(kind)
+        rows = np.ascontiguousarray(tensor.data[:64])
+        in_features = int(tensor.shape[0])
+        expected = gguf.quants.dequantize(rows, tensor.tensor_type)
+        ours = torch.ops.pagedjax.dequantize(torch.from_numpy(rows), int(tensor.tensor_type),
+                                             in_features).numpy()
+        np.testing.assert_allclose(ours, expected, rtol=0, atol=1e-7)
+    assert seen == {"Q8_0", "Q4_1"}
+
+
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("rows", [1, 3, 4, 9])
+def test_the_op_is_its_integer_math_exactly(name: str, rows: int) -> None:
+    rng = np.random.default_rng(rows)
+    n, k = 40, 160
+    blocks = quant.QUANTIZERS[name](random_weight(rng, n, k))
+    qtype = quant.QTYPE_OF[name]
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    x[0, 32:64] = 0  # a block of x quantizes to zeros (scale 0)
+    bias = rng.standard_normal(n).astype(np.float32) if rows % 2 else None
+    got = quant_linear(torch.from_numpy(x), torch.from_numpy(blocks), qtype,
+                       None if bias is None else torch.from_numpy(bias)).numpy()
+    np.testing.assert_array_equal(got, numpy_model(x, blocks, qtype, bias))
+    # a row's result does not depend on the rows beside it
+    alone = quant_linear(torch.from_numpy(x[-1:]), torch.from_numpy(blocks), qtype,
+                         None if bias is None else torch.from_numpy(bias)).numpy()
+    np.testing.assert_array_equal(alone[0], got[-1])
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_the_op_approximates_float64_math_on_the_dequantized_weights(name: str) -> None:
+    """x's int8 blocks are within half a step (max|x_block| / 254) of x: the error of a dot is
+    at most the sum over blocks of that step times the block's sum of |w|."""
+    rng = np.random.default_rng(1)
+    n, k = 64, 256
+    blocks = quant.QUANTIZERS[name](random_weight(rng, n, k))
+    qtype = quant.QTYPE_OF[name]
+    w = quant.dequantize(blocks, qtype, k).astype(np.float64)
+    x = rng.standard_normal((5, k)).astype(np.float32)
+    got = quant_linear(torch.from_numpy(x), torch.from_numpy(blocks), qtype, None).numpy()
+    exact = x.astype(np.float64) @ w.T
+    step = np.abs(x.reshape(5, -1, 32)).max(-1) / 254  # [M, B]
+    bound = step @ np.abs(w).reshape(n, -1, 32).sum(-1).T  # [M, N]
+    assert (np.abs(got - exact) <= bound * 1.001 + 1e-5).all()
+    assert np.abs(got - exact).max() > 0  # x was quantized (not the float product)
+
+
+def test_bad_arguments_name_the_fix() -> None:
+    x = torch.zeros(2, 64)
+    blocks = torch.zeros(3, 2 * 34, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="qtype=5 is not supported"):
+        torch.ops.pagedjax.quant_linear(x, blocks, 5, None)
+    with pytest.raises(RuntimeError, match="in_features=48 is not a multiple"):
+        torch.ops.pagedjax.quant_linear(torch.zeros(2, 48), blocks, 8, None)
+    with pytest.raises(RuntimeError, match="blocks must be a contiguous uint8"):
+        torch.ops.pagedjax.quant_linear(x, blocks[:, :34], 8, None)
+    with pytest.raises(ValueError, match="not a multiple of the block size"):
+        quant.quantize_q8_0(np.zeros((2, 48), np.float32))

@@ -202,6 +202,10 @@ def _longrope(cfg: dict, params: dict) -> dict:
             "attention_factor": float(attention_factor)}
 
 
+# What `quantization=` takes (vLLM's option): the kept-quantized weight formats built so far.
+QUANTIZATION_METHODS = (None, "int8")
+
+
 @dataclass
 class EngineConfig:
     """Everything the engine needs besides the model itself, under vLLM's names (EngineArgs
@@ -244,6 +248,9 @@ class EngineConfig:
     speculative_config: Any = None
     trust_remote_code: bool = False  # accepted; checkpoints with custom code are refused
     attention_impl: str = "auto"  # pagedjax's own; see the backends' resolve_attention
+    # Weights kept quantized (vLLM's name): None, or "int8" (symmetric per output channel,
+    # quantized at load; the projections and the LM head run on the CPU's int8 kernels).
+    quantization: str | None = None
 
     def validate(self, model_config: ModelConfig, default_dtype: str = "float32") -> None:
         """Check user-facing values; fill what depends on the model (max_model_len, dtype).
@@ -256,6 +263,14 @@ class EngineConfig:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is unsupported; use one of "
                              f"{('auto', *DTYPES)}.")
+        if self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization={self.quantization!r} is not supported; use one of "
+                             f"{QUANTIZATION_METHODS}.")
+        if self.quantization == "int8" and (self.backend != "torch" or self.dtype != "float32"):
+            raise ValueError(f"quantization='int8' runs on the torch backend's CPU kernels with "
+                             f"float32 activations, not backend={self.backend!r} with dtype="
+                             f"{self.dtype!r}; use backend='torch' and dtype='float32' (the "
+                             f"default on CPU), or quantization=None.")
         if self.block_size not in (8, 16, 32):
             raise ValueError(f"block_size={self.block_size} is unsupported; use 8, 16 or 32.")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pagedjax.config import DTYPES, EngineConfig
+from pagedjax.config import DTYPES, QUANTIZATION_METHODS, EngineConfig
 from pagedjax.core.model_runner import BACKENDS
 
 # option → (help, extra argparse keywords); the flag is --option-with-dashes
@@ -51,6 +51,9 @@ _FLAGS: dict[str, tuple[str, dict]] = {
     "trust_remote_code": ("accepted; checkpoints with custom code are refused",
                           {"action": "store_true"}),
     "attention_impl": ("attention implementation (auto: the backend's fastest)", {}),
+    "quantization": ("weights kept quantized: int8 (per output channel, quantized at load; "
+                     "torch backend on CPU)", {"choices": tuple(m for m in QUANTIZATION_METHODS
+                                                             if m)}),
 }
 
 

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedjax.backends.common import quantization
 from pagedjax.backends.common.attention_metadata import AttentionMetadata
 from pagedjax.backends.common.weights import layer_norm_names
 from pagedjax.backends.torch.parallel import Shard
@@ -25,6 +26,7 @@ from pagedjax.kernels_cuda import (
     fused_add_rms_norm,
     linear,
     pack_linear_weight,
+    quant_linear,
     rms_norm,
     silu_and_mul,
 )
@@ -90,6 +92,7 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(in_features, out_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.packed = False  # weight is [in, out]; packed: [ceil(out / 16), in, 16]
+        self.qtype: int | None = None  # quantized: weight is GGML blocks [out, in / 32 * bytes]
 
     @classmethod
     def packed_from(cls, weight: torch.Tensor) -> Linear:
@@ -104,7 +107,22 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(pack_linear_weight(self.weight), requires_grad=False)
         self.packed = True
 
+    def quantize(self, method: str) -> bool:
+        """The weight as GGML blocks of `method` (QUANTIZERS: "int8" per output channel, ...)
+        [out, in / 32 * block bytes], run on the `pagedjax::quant_linear` op; False (left as it
+        is) where in_features is not a multiple of the block size."""
+        in_features = self.weight.shape[0]
+        if in_features % quantization.BLOCK:
+            return False
+        weight = self.weight.detach().T.float().numpy()  # [out, in]
+        blocks = quantization.QUANTIZERS[method](weight)
+        self.weight = nn.Parameter(torch.from_numpy(blocks), requires_grad=False)
+        self.qtype = quantization.QTYPE_OF[method]
+        return True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qtype is not None:
+            return quant_linear(x, self.weight, self.qtype, self.bias)
         if self.packed:
             return linear(x, self.weight, self.bias, self.out_features)
         if self.bias is None:
@@ -297,6 +315,18 @@ class LlamaForCausalLM(nn.Module):
         logits = self.shard.all_gather_vocab(logits, self.config.vocab_size).to(torch.float32)
         cap = self.config.final_logit_softcapping
         return logits if cap is None else cap * torch.tanh(logits / cap)
+
+    def quantize_linears(self, method: str) -> None:
+        """Every projection and the LM head (a tied one: a quantized copy of the embedding) kept
+        quantized by `method` (Linear.quantize), the rest packed; decoder layers stay modules
+        (the fused layer op reads float32 weights)."""
+        if self.lm_head is None:
+            with torch.device("meta"):
+                self.lm_head = Linear(*self.embed_tokens.weight.T.shape)
+            self.lm_head.weight = nn.Parameter(self.embed_tokens.weight.T, requires_grad=False)
+        for module in self.modules():
+            if isinstance(module, Linear) and not module.quantize(method):
+                module.pack()
 
     def pack_linears(self) -> None:
         """CPU float32: every projection (and the LM head, tied or not) on the packed

@@ -38,7 +38,13 @@ class DeviceModel:
         dtype = getattr(torch, config.dtype)
         module = load_model(model_dir, shard_config, dtype, device,
                             resolve_attention(config.attention_impl), shard=shard)
-        if uses_cpu_linear(config.attention_impl, device, dtype):
+        if config.quantization is not None:
+            if device.type != "cpu":
+                raise ValueError(f"quantization={config.quantization!r} runs on the CPU kernels "
+                                 f"(pagedjax::quant_linear), not on {device.type}; use "
+                                 f"quantization=None there.")
+            module.quantize_linears(config.quantization)
+        elif uses_cpu_linear(config.attention_impl, device, dtype):
             module.pack_linears()
         cos, sin = rope_cos_sin(model_config, config.max_model_len)  # [max_model_len, D] each
         rope = (torch.from_numpy(cos).to(device), torch.from_numpy(sin).to(device))

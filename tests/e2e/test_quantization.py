@@ -1,0 +1,67 @@
+"""quantization="int8": every projection and the LM head kept as int8 blocks per output channel
+(a quarter of the float32 bytes) on the torch backend's CPU kernel, greedy tokens agreeing with
+the float32 engine's on the demo target, and every unsupported combination refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedjax import LLM, EngineArgs, SamplingParams
+from pagedjax.model_loader.demo import demo_model_dirs
+from pagedjax.utils import FlexibleArgumentParser
+
+PROMPTS = ["def quicksort(xs):", "import numpy as np\n", "class Config(object):",
+           "    for key, value in"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+SMALL = dict(max_model_len=256, num_gpu_blocks_override=64)
+
+
+def agreement(tokens: list[list[int]], expected: list[list[int]]) -> float:
+    """The share of tokens generated before each completion first leaves the expected one."""
+    agreed = 0
+    for got, want in zip(tokens, expected, strict=True):
+        agreed += next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), len(want))
+    return agreed / sum(map(len, expected))
+
+
+def test_int8_keeps_the_weights_quantized_and_the_tokens() -> None:
+    target_dir, _ = demo_model_dirs()
+    runs = {}
+    for method in (None, "int8"):
+        llm = LLM(target_dir, backend="torch", quantization=method, **SMALL)
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        runs[method] = [o.outputs[0].token_ids for o in outputs]
+        module = llm.engine.runner.models[0].module
+        if method == "int8":
+            linears = [m for m in module.modules() if getattr(m, "qtype", None) is not None]
+            assert len(linears) == 4 * module.config.num_layers + 1  # qkv, o, gate_up, down; head
+            assert all(m.weight.dtype == torch.uint8 for m in linears)
+            weight_bytes = sum(m.weight.numel() for m in linears)
+            float_bytes = 4 * sum(m.weight.shape[0] * m.weight.shape[1] * 32 // 34
+                                  for m in linears)
+            assert weight_bytes < 0.27 * float_bytes  # 34 bytes a block of 32 weights
+            again = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+            assert [o.outputs[0].token_ids for o in again] == runs["int8"]  # deterministic
+        llm.shutdown()
+    rate = agreement(runs["int8"], runs[None])
+    print(f"int8 greedy agreement with float32: {rate:.3f}")
+    assert rate >= 0.9
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(quantization="fp8"), r"quantization='fp8' is not supported; use one of \(None, 'int8'\)"),
+    (dict(quantization="int8", backend="jax"), r"runs on the torch backend's CPU kernels"),
+])
+def test_unsupported_combinations_are_named(kwargs: dict, match: str) -> None:
+    target_dir, _ = demo_model_dirs()
+    with pytest.raises(ValueError, match=match):
+        LLM(target_dir, **{"backend": "torch", **SMALL, **kwargs})
+
+
+def test_the_cli_flag() -> None:
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    args = EngineArgs.from_cli_args(parser.parse_args(["--model", "m", "--quantization", "int8"]))
+    assert args.quantization == "int8"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", "m", "--quantization", "awq"])

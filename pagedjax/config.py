@@ -203,7 +203,7 @@ def _longrope(cfg: dict, params: dict) -> dict:
 
 
 # What `quantization=` takes (vLLM's option): the kept-quantized weight formats built so far.
-QUANTIZATION_METHODS = (None, "int8")
+QUANTIZATION_METHODS = (None, "int8", "gguf")
 
 
 @dataclass
@@ -248,9 +248,12 @@ class EngineConfig:
     speculative_config: Any = None
     trust_remote_code: bool = False  # accepted; checkpoints with custom code are refused
     attention_impl: str = "auto"  # pagedjax's own; see the backends' resolve_attention
-    # Weights kept quantized (vLLM's name): None, or "int8" (symmetric per output channel,
-    # quantized at load; the projections and the LM head run on the CPU's int8 kernels).
+    # Weights kept quantized (vLLM's name): None; "int8" (symmetric per output channel,
+    # quantized at load); or "gguf" (a GGUF file's Q8_0/Q4_0/Q4_1 blocks as they are). The
+    # projections and the LM head then run on the CPU's int8-dot kernels (torch backend).
     quantization: str | None = None
+    # Set by the engine: the GGUF file `model` was converted from (None: not a GGUF source)
+    gguf_path: str | None = None
 
     def validate(self, model_config: ModelConfig, default_dtype: str = "float32") -> None:
         """Check user-facing values; fill what depends on the model (max_model_len, dtype).
@@ -266,11 +269,18 @@ class EngineConfig:
         if self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization={self.quantization!r} is not supported; use one of "
                              f"{QUANTIZATION_METHODS}.")
-        if self.quantization == "int8" and (self.backend != "torch" or self.dtype != "float32"):
-            raise ValueError(f"quantization='int8' runs on the torch backend's CPU kernels with "
-                             f"float32 activations, not backend={self.backend!r} with dtype="
-                             f"{self.dtype!r}; use backend='torch' and dtype='float32' (the "
-                             f"default on CPU), or quantization=None.")
+        q = self.quantization
+        if q is not None and (self.backend != "torch" or self.dtype != "float32"
+                              or self.tensor_parallel_size != 1):
+            raise ValueError(f"quantization={q!r} runs on the torch backend's CPU kernels with "
+                             f"float32 activations on one device, not backend={self.backend!r} "
+                             f"with dtype={self.dtype!r} and tensor_parallel_size="
+                             f"{self.tensor_parallel_size}; use backend='torch', dtype='float32' "
+                             f"(the default on CPU) and one device, or quantization=None.")
+        if q == "gguf" and self.gguf_path is None:
+            raise ValueError(f"quantization='gguf' keeps a GGUF file's blocks, but model="
+                             f"{self.model!r} is no GGUF file; pass a .gguf file, or use "
+                             f"quantization='int8' to quantize this checkpoint at load.")
         if self.block_size not in (8, 16, 32):
             raise ValueError(f"block_size={self.block_size} is unsupported; use 8, 16 or 32.")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

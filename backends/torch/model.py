@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -115,10 +116,14 @@ class Linear(nn.Module):
         if in_features % quantization.BLOCK:
             return False
         weight = self.weight.detach().T.float().numpy()  # [out, in]
-        blocks = quantization.QUANTIZERS[method](weight)
-        self.weight = nn.Parameter(torch.from_numpy(blocks), requires_grad=False)
-        self.qtype = quantization.QTYPE_OF[method]
+        self.keep_blocks(quantization.QTYPE_OF[method], quantization.QUANTIZERS[method](weight))
         return True
+
+    def keep_blocks(self, qtype: int, blocks: np.ndarray) -> None:
+        """The weight as these GGML blocks [out, in / 32 * block bytes] of qtype."""
+        self.weight = nn.Parameter(torch.from_numpy(np.ascontiguousarray(blocks)),
+                                   requires_grad=False)
+        self.qtype = qtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qtype is not None:
@@ -316,14 +321,19 @@ class LlamaForCausalLM(nn.Module):
         cap = self.config.final_logit_softcapping
         return logits if cap is None else cap * torch.tanh(logits / cap)
 
-    def quantize_linears(self, method: str) -> None:
-        """Every projection and the LM head (a tied one: a quantized copy of the embedding) kept
-        quantized by `method` (Linear.quantize), the rest packed; decoder layers stay modules
-        (the fused layer op reads float32 weights)."""
+    def untie_lm_head(self) -> Linear:
+        """The LM head as a Linear of its own (a tied one: over the embedding's [H, V] view)."""
         if self.lm_head is None:
             with torch.device("meta"):
                 self.lm_head = Linear(*self.embed_tokens.weight.T.shape)
             self.lm_head.weight = nn.Parameter(self.embed_tokens.weight.T, requires_grad=False)
+        return self.lm_head
+
+    def quantize_linears(self, method: str) -> None:
+        """Every projection and the LM head (a tied one: a quantized copy of the embedding) kept
+        quantized by `method` (Linear.quantize), the rest packed; decoder layers stay modules
+        (the fused layer op reads float32 weights)."""
+        self.untie_lm_head()
         for module in self.modules():
             if isinstance(module, Linear) and not module.quantize(method):
                 module.pack()

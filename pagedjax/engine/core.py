@@ -53,7 +53,7 @@ from pagedjax.engine.core_messages import (
 from pagedjax.engine.overlap import Launched, StepOverlap
 from pagedjax.engine.stats import StepTimings
 from pagedjax.engine.step_costs import step_costs
-from pagedjax.model_loader.gguf import resolve_model_source
+from pagedjax.model_loader.gguf import gguf_file, resolve_model_source
 from pagedjax.model_loader.tokenizer import load_eos_token_ids, load_tokenizer
 from pagedjax.rng import derive_seed
 from pagedjax.sampling_params import RequestOutputKind
@@ -67,6 +67,12 @@ class EngineCore:
     """Owns the device (through its runner) and every sequence; steps on token ids."""
 
     def __init__(self, config: EngineConfig) -> None:
+        source = gguf_file(config.model)
+        if source is not None:
+            config.gguf_path = str(source)
+            if config.quantization is None:
+                logger.info("%s: dequantized to float32 at load; quantization='gguf' keeps its "
+                            "Q8_0/Q4_0/Q4_1 blocks (torch backend, CPU)", source.name)
         config.model = resolve_model_source(config.model)  # a GGUF file: its HF conversion
         if not Path(config.model).is_dir():
             raise ValueError(f"model={config.model!r} is not a directory; pass a Hugging Face "

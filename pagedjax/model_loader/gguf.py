@@ -143,3 +143,29 @@ def _write_hf_checkpoint(path: Path, out_dir: Path, dtype: str) -> None:
     model.tie_weights()
     model.to(getattr(torch, dtype)).save_pretrained(out_dir)
     AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out_dir)
+
+
+# GGUF's names of a decoder layer's projections (llama.cpp's), by pagedjax's canonical ones
+GGUF_LINEAR_NAMES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v",
+                     "o_proj": "attn_output", "gate_proj": "ffn_gate", "up_proj": "ffn_up",
+                     "down_proj": "ffn_down"}
+
+
+def gguf_linear_blocks(path: str | os.PathLike) -> dict[str, tuple[int, object]]:
+    """Every 2-D tensor of the file as it is stored: name → (GGML type id, uint8 or float array
+    [rows, row bytes or columns], memory-mapped), for the weights a model keeps in their
+    blocks (quantization="gguf")."""
+    _require_gguf_packages()
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+    return {tensor.name: (int(tensor.tensor_type), tensor.data) for tensor in reader.tensors
+            if len(tensor.data.shape) == 2}
+
+
+def reverse_permute_rows(rows, num_heads: int):
+    """llama.cpp's converter orders each q/k head's rows for its rotary layout (rows of pairs
+    interleaved); this is the HF order back (transformers' reverse_permute_weights), for any
+    per-row array (float weights or rows of blocks) [num_heads * D, ...]."""
+    dim = rows.shape[0] // num_heads // 2
+    return rows.reshape(num_heads, dim, 2, *rows.shape[1:]).swapaxes(2, 1).reshape(rows.shape)

@@ -16,6 +16,16 @@ inline bool cpu_has_avx2_fma() {
 #endif
 }
 
+// AVX2 with F16C (every AVX2 CPU has it): the quantized kernels' fp16 scales.
+inline bool cpu_has_avx2_f16c() {
+#if defined(__x86_64__)
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  return has;
+#else
+  return false;
+#endif
+}
+
 // PAGEDJAX_NO_AVX512=1 in the environment (read once) keeps the AVX2 paths, to compare them.
 inline bool cpu_has_avx512f() {
 #if defined(__x86_64__)

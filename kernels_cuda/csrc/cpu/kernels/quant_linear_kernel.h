@@ -105,6 +105,57 @@ inline void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* 
   }
 }
 
+#if defined(__x86_64__)
+// quantize_row with AVX2, the same bits: max|x| over the block, the same float32 scale and
+// inverse, x * inverse rounded half to even (the default rounding mode, as nearbyint).
+__attribute__((target("avx2"))) inline void quantize_row_avx2(const float* x, int64_t K,
+                                                              int8_t* q, float* d, float* s) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  for (int64_t b = 0; b < K / kBlock; ++b) {
+    const float* xb = x + b * kBlock;
+    __m256 v[4];
+    __m256 amax = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_loadu_ps(xb + 8 * i);
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+    }
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    const float scale = _mm_cvtss_f32(m) / 127.f;
+    const float inverse = scale != 0.f ? 1.f / scale : 0.f;
+    const __m256 inv = _mm256_set1_ps(inverse);
+    __m256i ints[4];
+    __m256i sum = _mm256_setzero_si256();
+    for (int i = 0; i < 4; ++i) {
+      const __m256 r = _mm256_round_ps(_mm256_mul_ps(v[i], inv),
+                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      ints[i] = _mm256_cvtps_epi32(r);
+      sum = _mm256_add_epi32(sum, ints[i]);
+    }
+    // int32 x 32 → int8 x 32 in order (packs interleave 128-bit lanes: permute back)
+    const __m256i lo = _mm256_packs_epi32(ints[0], ints[1]);
+    const __m256i hi = _mm256_packs_epi32(ints[2], ints[3]);
+    const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(lo, hi),
+                                                      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * kBlock), bytes);
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+    d[b] = scale;
+    s[b] = scale * static_cast<float>(_mm_cvtsi128_si32(s4));
+  }
+}
+#endif
+
+// x[K] → q, d, s with the CPU's fastest version (the same bits).
+inline void quantize_row_fast(const float* x, int64_t K, int8_t* q, float* d, float* s) {
+#if defined(__x86_64__)
+  if (cpu_has_avx2_fma()) return quantize_row_avx2(x, K, q, d, s);
+#endif
+  quantize_row(x, K, q, d, s);
+}
+
 // The 32 weights of a block as int8 (Q4_1: 0..15, Q4_0: -8..7, Q8_0: as stored); its scale and
 // (Q4_1) offset.
 inline void unpack_block(int64_t qtype, const uint8_t* block, int8_t* w, float* d, float* m) {
@@ -190,7 +241,7 @@ __attribute__((target("avx2"))) inline __m256i dot_lanes_avx2(__m256i w, __m256i
 }
 
 template <int MR>
-__attribute__((target("avx2"), optimize("fp-contract=off"))) void dot_rows_avx2(
+__attribute__((target("avx2,f16c"), optimize("fp-contract=off"))) void dot_rows_avx2(
     int64_t qtype, const uint8_t* wrow, int64_t K, const QuantizedRow* xs, float* y) {
   __m256 acc[MR];
   float offsets[MR];
@@ -202,8 +253,10 @@ __attribute__((target("avx2"), optimize("fp-contract=off"))) void dot_rows_avx2(
   for (int64_t b = 0; b < K / kBlock; ++b) {
     const uint8_t* block = wrow + b * bytes;
     const __m256i w = load_block_avx2(qtype, block);
-    const float dw = load_half(block);
-    const float mw = qtype == kQ4_1 ? load_half(block + 2) : 0.f;
+    uint16_t halves[2];
+    std::memcpy(halves, block, sizeof halves);
+    const float dw = _cvtsh_ss(halves[0]);
+    const float mw = qtype == kQ4_1 ? _cvtsh_ss(halves[1]) : 0.f;
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
       const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs[r].q + b * kBlock));
@@ -227,7 +280,7 @@ __attribute__((target("avx2"), optimize("fp-contract=off"))) void dot_rows_avx2(
 template <int MR>
 void dot_rows(int64_t qtype, const uint8_t* wrow, int64_t K, const QuantizedRow* xs, float* y) {
 #if defined(__x86_64__)
-  if (cpu_has_avx2_fma()) return dot_rows_avx2<MR>(qtype, wrow, K, xs, y);
+  if (cpu_has_avx2_f16c()) return dot_rows_avx2<MR>(qtype, wrow, K, xs, y);
 #endif
   dot_rows_scalar<MR>(qtype, wrow, K, xs, y);
 }
@@ -243,13 +296,22 @@ void quant_linear(const Parallel& par, const float* x, int64_t ldx, int64_t M, i
                   const uint8_t* w, int64_t N, int64_t K, const float* bias, float* y,
                   int64_t ldy) {
   const int64_t num_blocks = K / kBlock, row_bytes = num_blocks * block_bytes(qtype);
-  std::vector<int8_t> q(M * K);
-  std::vector<float> d(M * num_blocks), s(M * num_blocks);
-  par.for_range(M, 1, [&](int64_t begin, int64_t end) {
+  // x's quantized rows, in buffers the calling thread keeps (no allocation per call)
+  static thread_local std::vector<int8_t> q;
+  static thread_local std::vector<float> d, s;
+  q.resize(std::max<size_t>(q.size(), M * K));
+  d.resize(std::max<size_t>(d.size(), M * num_blocks));
+  s.resize(std::max<size_t>(s.size(), M * num_blocks));
+  auto quantize_rows = [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
-      quantize_row(x + r * ldx, K, q.data() + r * K, d.data() + r * num_blocks,
-                   s.data() + r * num_blocks);
-  });
+      quantize_row_fast(x + r * ldx, K, q.data() + r * K, d.data() + r * num_blocks,
+                        s.data() + r * num_blocks);
+  };
+  if (M * K < 65536) {  // a decode step's few rows: not worth a parallel region
+    quantize_rows(0, M);
+  } else {
+    par.for_range(M, 1, quantize_rows);
+  }
   std::vector<QuantizedRow> rows(M);
   for (int64_t r = 0; r < M; ++r)
     rows[r] = {q.data() + r * K, d.data() + r * num_blocks, s.data() + r * num_blocks};

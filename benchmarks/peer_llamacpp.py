@@ -174,7 +174,7 @@ def main() -> None:
         rows.append(row)
     print_table(rows, ["file", "system", "decode_tok_s", "decode_vs_llamacpp", "prefill_tok_s",
                        "prefill_vs_llamacpp"])
-    out = write_json("peer_llamacpp_cpu", {"environment": environment(), "args": vars(args) | {
+    out = write_json("peer_llamacpp_cpu.json", {"environment": environment(), "args": vars(args) | {
         "out": str(args.out)}, "llamacpp": f"{PACKAGE}=={VERSION}", "rows": rows,
         "runs": {f"{n}/{s}": r for (n, s), r in runs.items()}}, args.out)
     print(f"wrote {out}")

@@ -26,6 +26,7 @@ from pagedjax.config import ModelConfig
 from pagedjax.kernels_cuda import (
     fused_add_rms_norm,
     linear,
+    ops_backend,
     pack_linear_weight,
     quant_linear,
     rms_norm,
@@ -235,11 +236,17 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config, ops, shard, layer)
         self.mlp = MLP(config, shard)
         self.fused = False  # the whole layer as one C++ op (`fuse`)
+        self.qtypes: list[int] | None = None  # its projections' GGML types (None: all packed)
 
     def fuse(self) -> None:
-        """Run the layer as `pagedjax::decoder_layer` (CPU, packed float32, one device): the
-        same ops in the same order, with one call from Python instead of ~12 plus their glue."""
+        """Run the layer as `pagedjax::decoder_layer` (CPU, float32, one device; projections
+        packed or kept quantized): the same ops in the same order, with one call from Python
+        instead of ~12 plus their glue."""
         self.fused = True
+        projections = (self.self_attn.qkv_proj, self.self_attn.o_proj, self.mlp.gate_up_proj,
+                       self.mlp.down_proj)
+        qtypes = [p.qtype or 0 for p in projections]
+        self.qtypes = qtypes if any(qtypes) else None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                 sin: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
@@ -255,7 +262,7 @@ class DecoderLayer(nn.Module):
                 meta.slot_mapping, meta.kv_lens, meta.block_tables, meta.query_start_loc,
                 attn.num_q_heads, attn.num_kv_heads, mlp.intermediate_size,
                 self.input_layernorm.eps, cfg.sm_scale, attn.sliding_window,
-                meta.max_query_len)
+                meta.max_query_len, self.qtypes)
         if self.config.norm_layout != "pre":  # the sublayers' outputs are normalised
             sandwich = self.config.norm_layout == "sandwich"  # their inputs too (Gemma)
             stream = x if residual is None else x + residual
@@ -337,6 +344,15 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear) and not module.quantize(method):
                 module.pack()
+        self.fuse_layers()
+
+    def fuse_layers(self) -> None:
+        """On one device each plain decoder layer runs as one C++ op (DecoderLayer.fuse), where
+        the ops are built (ops_backend() loads them)."""
+        if (self.shard.size == 1 and self.config.plain_decoder_layer
+                and ops_backend() != "reference"):
+            for layer in self.layers:
+                layer.fuse()
 
     def pack_linears(self) -> None:
         """CPU float32: every projection (and the LM head, tied or not) on the packed
@@ -347,6 +363,4 @@ class LlamaForCausalLM(nn.Module):
                 module.pack()
         if self.lm_head is None:
             self.lm_head = Linear.packed_from(self.embed_tokens.weight.T)
-        if self.shard.size == 1 and self.config.plain_decoder_layer:
-            for layer in self.layers:
-                layer.fuse()
+        self.fuse_layers()

@@ -188,4 +188,5 @@ def keep_gguf_blocks(module: LlamaForCausalLM, path: str, config: ModelConfig) -
         keep(layer.mlp.down_proj, of("down_proj"), f"layer {i} down_proj")
     head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
     keep(module.untie_lm_head(), [rows(head, "lm_head")], "the LM head")
+    module.fuse_layers()
     logger.info("quantization='gguf': %s", ", ".join(f"{n} {kind}" for kind, n in counts.items()))

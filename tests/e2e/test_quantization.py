@@ -98,3 +98,29 @@ def test_perplexity_on_english_text(request) -> None:
     assert 1 < results[None] < 50  # English the model reads
     assert results["gguf"] <= results[None] * 1.005
     assert results["int8"] <= results[None] * 1.01
+
+
+def test_a_quantized_layer_fused_computes_the_modules_bits(monkeypatch) -> None:
+    """Each decoder layer with int8 projections runs as one C++ op (pagedjax::decoder_layer
+    over blocks): the same tokens and logprob bits as the layer module by module."""
+    from pagedjax.backends.torch.model import DecoderLayer
+
+    target_dir, _ = demo_model_dirs()
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
+
+    def run() -> list:
+        llm = LLM(target_dir, backend="torch", quantization="int8", **SMALL)
+        layers = llm.engine.runner.models[0].module.layers
+        fused = [layer.fused for layer in layers]
+        outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+        llm.shutdown()
+        return fused, [(c.token_ids, [{t: lp.logprob for t, lp in step.items()}
+                                      for step in c.logprobs])
+                       for o in outputs for c in o.outputs]
+
+    fused_flags, fused = run()
+    assert all(fused_flags)
+    monkeypatch.setattr(DecoderLayer, "fuse", lambda self: None)
+    unfused_flags, unfused = run()
+    assert not any(unfused_flags)
+    assert fused == unfused

@@ -1,4 +1,5 @@
-// One Llama decoder layer (ModelConfig.plain_decoder_layer) on the CPU in float32, composed once
+// One Llama decoder layer (ModelConfig.plain_decoder_layer) on the CPU in float32 (its
+// projections packed, or kept quantized: Projection), composed once
 // for both bindings: the torch op pagedjax::decoder_layer (../torch/decoder_layer_cpu.cpp) and
 // the JAX FFI handler (../xla_ffi/cpu_ffi.cpp), so the two backends' CPU paths compute the same
 // bits. The kernels are the torch ops' (linear, norm, rotary, attention), called in the order of
@@ -20,24 +21,63 @@
 #include "linear_cpu_kernel.h"
 #include "norm_act_cpu_kernel.h"
 #include "parallel.h"
+#include "quant_linear_kernel.h"
 
 namespace pagedjax::cpu_layer {
 
 using cpu_linear::kTile;
 
-// The layer's float32 weights, the linear ones packed into tiles (linear_cpu_kernel.h).
+// A projection's weight: float32 packed into tiles (linear_cpu_kernel.h), or GGML blocks kept
+// quantized (quant_linear_kernel.h: quantization "int8" or "gguf").
+struct Projection {
+  const float* packed = nullptr;     // [tiles, in, 16]
+  int64_t tiles = 0;
+  const uint8_t* blocks = nullptr;   // [out, in / 32 * block bytes]; null: packed
+  int64_t qtype = 0;                 // blocks' GGML type
+
+  static Projection of_packed(const float* packed, int64_t tiles) { return {packed, tiles}; }
+  static Projection of_blocks(const uint8_t* blocks, int64_t qtype) {
+    return {nullptr, 0, blocks, qtype};
+  }
+
+  // The floats of an output row: out (blocks) or whole tiles (packed, the padding columns too).
+  int64_t width(int64_t out) const { return blocks ? out : tiles * kTile; }
+
+  // What is wrong with the weight for `in` inputs and `out` outputs ("" when nothing).
+  std::string error(const char* name, int64_t in, int64_t out) const {
+    if (blocks) {
+      if (cpu_quant::block_bytes(qtype) == 0 || in % cpu_quant::kBlock != 0) {
+        return std::string("decoder_layer: ") + name + " blocks of qtype " +
+               std::to_string(qtype) + " over " + std::to_string(in) + " inputs";
+      }
+      return "";
+    }
+    return tiles * kTile < out ? std::string("decoder_layer: packed ") + name +
+                                     " with too few tiles for its columns"
+                               : "";
+  }
+
+  // y[R, ldy] = x[R, in] (ldx floats a row) @ W (+ bias) over `out` columns (width(out) written).
+  template <typename Parallel>
+  void apply(const Parallel& par, const float* x, int64_t ldx, int64_t R, int64_t in,
+             int64_t out, const float* bias, float* y, int64_t ldy) const {
+    if (blocks) {
+      cpu_quant::quant_linear(par, x, ldx, R, qtype, blocks, out, in, bias, y, ldy);
+    } else {
+      cpu_linear::linear(par, x, ldx, R, packed, in, tiles, bias, y, ldy);
+    }
+  }
+};
+
+// The layer's weights: the norms' in float32, the projections packed or kept quantized.
 struct Weights {
   const float* input_norm;  // [H]
-  const float* qkv;         // [qkv_tiles, H, 16]: (Hq + 2 Hkv) D columns
-  int64_t qkv_tiles;
+  Projection qkv;           // (Hq + 2 Hkv) D outputs
   const float* qkv_bias;    // [(Hq + 2 Hkv) D], or null: none
-  const float* o;           // [o_tiles, Hq D, 16]: H columns
-  int64_t o_tiles;
+  Projection o;             // H outputs
   const float* post_norm;   // [H]
-  const float* gate_up;     // [gate_up_tiles, H, 16]: 2 I columns
-  int64_t gate_up_tiles;
-  const float* down;        // [down_tiles, I, 16]: H columns
-  int64_t down_tiles;
+  Projection gate_up;       // 2 I outputs
+  Projection down;          // H outputs
 };
 
 template <typename index_t>  // slot_mapping's: int32_t or int64_t
@@ -63,9 +103,11 @@ struct DecoderLayer {
   // `rows` rows ("" when nothing).
   std::string error(int64_t rows) const {
     const Weights& w = weights;
-    if (w.qkv_tiles * kTile < q_size() + 2 * kv_size() || w.o_tiles * kTile < hidden ||
-        w.gate_up_tiles * kTile < 2 * intermediate || w.down_tiles * kTile < hidden) {
-      return "decoder_layer: packed weights with too few tiles for their columns";
+    for (const std::string& error :
+         {w.qkv.error("qkv", hidden, q_size() + 2 * kv_size()), w.o.error("o", q_size(), hidden),
+          w.gate_up.error("gate_up", hidden, 2 * intermediate),
+          w.down.error("down", intermediate, hidden)}) {
+      if (!error.empty()) return error;
     }
     if (std::string error = cpu_attention::metadata_error(shape, batch); !error.empty()) {
       return error;
@@ -98,8 +140,9 @@ struct DecoderLayer {
     // Scratch rows, each product's output as wide as its padded tiles, in one buffer kept by the
     // calling thread and grown as needed: fresh allocations of a prefill's megabytes in every
     // layer (page faults, zeroing) cost more than the glue itself.
-    const int64_t ld_qkv = w.qkv_tiles * kTile, ld_o = w.o_tiles * kTile;
-    const int64_t ld_gu = w.gate_up_tiles * kTile, ld_down = w.down_tiles * kTile;
+    const int64_t qkv_width = q_width + 2 * kv_width;
+    const int64_t ld_qkv = w.qkv.width(qkv_width), ld_o = w.o.width(H);
+    const int64_t ld_gu = w.gate_up.width(2 * I), ld_down = w.down.width(H);
     static thread_local std::vector<float> scratch;
     const int64_t widths[] = {H, ld_qkv, q_width, ld_o, ld_gu, I, ld_down};
     int64_t total = w.qkv_bias ? ld_qkv : 0;
@@ -121,7 +164,7 @@ struct DecoderLayer {
     const float* bias = nullptr;  // zero-padded to whole tiles, as run_tiles reads it
     if (w.qkv_bias) {
       float* padded = take(ld_qkv);
-      std::fill(std::copy(w.qkv_bias, w.qkv_bias + q_width + 2 * kv_width, padded),
+      std::fill(std::copy(w.qkv_bias, w.qkv_bias + qkv_width, padded),
                 padded + ld_qkv, 0.f);
       bias = padded;
     }
@@ -143,7 +186,7 @@ struct DecoderLayer {
       }
       cpu_norm::normalize_row(s, w.input_norm, h + r * H, H, eps);
     });
-    cpu_linear::linear(par, h, H, R, w.qkv, H, w.qkv_tiles, bias, qkv, ld_qkv);
+    w.qkv.apply(par, h, H, R, H, qkv_width, bias, qkv, ld_qkv);
     // rope of q and k, then k and v into the caches
     const int64_t block_size = shape.block_size;
     for_rows(ld_qkv, [&](int64_t t) {
@@ -165,7 +208,7 @@ struct DecoderLayer {
         computed, batch, qkv, ld_qkv, D, k_cache, v_cache, attn, sm_scale,
         std::max<int64_t>(sliding_window, 0), /*soft_cap=*/0.f};
     cpu_attention::run_items(par, attention);
-    cpu_linear::linear(par, attn, q_width, R, w.o, q_width, w.o_tiles, nullptr, o, ld_o);
+    w.o.apply(par, attn, q_width, R, q_width, H, nullptr, o, ld_o);
     // stream = o + stream; h = rms_norm(stream)
     for_rows(H, [&](int64_t r) {
       float* s = stream + r * H;
@@ -173,15 +216,15 @@ struct DecoderLayer {
       for (int64_t i = 0; i < H; ++i) s[i] = orow[i] + s[i];
       cpu_norm::normalize_row(s, w.post_norm, h + r * H, H, eps);
     });
-    cpu_linear::linear(par, h, H, R, w.gate_up, H, w.gate_up_tiles, nullptr, gate_up, ld_gu);
+    w.gate_up.apply(par, h, H, R, H, 2 * I, nullptr, gate_up, ld_gu);
     for_rows(I, [&](int64_t r) {
       const float* row = gate_up + r * ld_gu;
       cpu_norm::silu_and_mul_row(row, row + I, act + r * I, I);
     });
     if (ld_down == H) {  // straight into out
-      cpu_linear::linear(par, act, I, R, w.down, I, w.down_tiles, nullptr, out, H);
+      w.down.apply(par, act, I, R, I, H, nullptr, out, H);
     } else {
-      cpu_linear::linear(par, act, I, R, w.down, I, w.down_tiles, nullptr, down, ld_down);
+      w.down.apply(par, act, I, R, I, H, nullptr, down, ld_down);
       for (int64_t r = 0; r < R; ++r) {
         std::copy(down + r * ld_down, down + r * ld_down + H, out + r * H);
       }

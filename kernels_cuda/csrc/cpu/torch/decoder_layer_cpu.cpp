@@ -35,6 +35,24 @@ void check_packed(const char* name, const at::Tensor& t, int64_t in, int64_t out
   check_float(name, t, {(out + cpu_linear::kTile - 1) / cpu_linear::kTile, in, cpu_linear::kTile});
 }
 
+// A projection's weight: packed for pagedjax::linear (qtype 0), or GGML blocks of qtype
+// [out, in / 32 * block bytes] (pagedjax::quant_linear).
+cpu_layer::Projection projection(const char* name, const at::Tensor& t, int64_t in, int64_t out,
+                                 int64_t qtype) {
+  if (qtype == 0) {
+    check_packed(name, t, in, out);
+    return cpu_layer::Projection::of_packed(t.data_ptr<float>(), t.size(0));
+  }
+  const int64_t bytes = cpu_quant::block_bytes(qtype);
+  TORCH_CHECK(bytes > 0 && in % cpu_quant::kBlock == 0, kOp, ": ", name, " qtype=", qtype,
+              " over ", in, " inputs; use 8 (Q8_0), 2 (Q4_0) or 3 (Q4_1) over a multiple of 32");
+  TORCH_CHECK(t.scalar_type() == at::kByte && t.is_contiguous() && t.dim() == 2 &&
+                  t.size(0) == out && t.size(1) == in / cpu_quant::kBlock * bytes,
+              kOp, ": ", name, " must be contiguous uint8 blocks [", out, ", ",
+              in / cpu_quant::kBlock * bytes, "], got ", t.scalar_type(), " ", t.sizes());
+  return cpu_layer::Projection::of_blocks(t.data_ptr<uint8_t>(), qtype);
+}
+
 // An int32 metadata tensor of `dim` dims, contiguous.
 void check_int32(const char* name, const at::Tensor& t, int64_t dim) {
   TORCH_CHECK(t.scalar_type() == at::kInt && t.dim() == dim && t.is_contiguous(), kOp, ": ",
@@ -44,7 +62,7 @@ void check_int32(const char* name, const at::Tensor& t, int64_t dim) {
 
 // x [T, H]: the previous layer's output (the embedding in the first layer, residual None)
 // → (this layer's output [T, H], the residual stream [T, H]). Weights packed for
-// pagedjax::linear; norms' weights [H]; k_cache/v_cache [N, Hkv, bs, D] written at slot_mapping.
+// pagedjax::linear, or (qtypes[i] != 0) GGML blocks for pagedjax::quant_linear; norms' weights [H]; k_cache/v_cache [N, Hkv, bs, D] written at slot_mapping.
 // Every row is computed, padding rows (past query_start_loc[S]) included, as the ops would.
 std::tuple<at::Tensor, at::Tensor> decoder_layer_cpu(
     const at::Tensor& x, const OptTensor& residual, const at::Tensor& input_norm,
@@ -54,7 +72,8 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer_cpu(
     const at::Tensor& sin, const at::Tensor& slot_mapping, const at::Tensor& kv_lens,
     const at::Tensor& block_tables, const at::Tensor& query_start_loc, int64_t num_q_heads,
     int64_t num_kv_heads, int64_t intermediate_size, double eps, double sm_scale,
-    std::optional<int64_t> sliding_window, std::optional<int64_t> /*max_query_len: CUDA-only*/) {
+    std::optional<int64_t> sliding_window, std::optional<int64_t> /*max_query_len: CUDA-only*/,
+    at::OptionalIntArrayRef qtypes) {
   TORCH_CHECK(x.dim() == 2, kOp, ": x must be [num_tokens, hidden], got ", x.sizes());
   TORCH_CHECK(k_cache.dim() == 4, kOp, ": k_cache must be [N, Hkv, bs, D], got ",
               k_cache.sizes());
@@ -68,11 +87,15 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer_cpu(
   if (residual) check_float("residual", *residual, {T, H});
   check_float("input_norm", input_norm, {H});
   check_float("post_norm", post_norm, {H});
-  check_packed("qkv_weight", qkv_weight, H, qkv_size);
+  TORCH_CHECK(!qtypes || qtypes->size() == 4, kOp,
+              ": qtypes must be 4 ints (qkv, o, gate_up, down; 0: packed float32)");
+  auto qtype = [&](int i) { return qtypes ? (*qtypes)[i] : int64_t{0}; };
+  const cpu_layer::Projection qkv = projection("qkv_weight", qkv_weight, H, qkv_size, qtype(0));
   if (qkv_bias) check_float("qkv_bias", *qkv_bias, {qkv_size});
-  check_packed("o_weight", o_weight, q_size, H);
-  check_packed("gate_up_weight", gate_up_weight, H, 2 * I);
-  check_packed("down_weight", down_weight, I, H);
+  const cpu_layer::Projection o = projection("o_weight", o_weight, q_size, H, qtype(1));
+  const cpu_layer::Projection gate_up =
+      projection("gate_up_weight", gate_up_weight, H, 2 * I, qtype(2));
+  const cpu_layer::Projection down = projection("down_weight", down_weight, I, H, qtype(3));
   check_float("k_cache", k_cache, k_cache.sizes());
   check_float("v_cache", v_cache, k_cache.sizes());
   check_float("cos", cos, {T, D});
@@ -94,11 +117,9 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer_cpu(
 
   const AttentionShape shape = cpu_attention::attention_shape(T, num_q_heads, k_cache.sizes(),
                                                               block_tables.sizes());
-  const cpu_layer::Weights weights{
-      input_norm.data_ptr<float>(), qkv_weight.data_ptr<float>(), qkv_weight.size(0),
-      qkv_bias ? qkv_bias->data_ptr<float>() : nullptr, o_weight.data_ptr<float>(),
-      o_weight.size(0), post_norm.data_ptr<float>(), gate_up_weight.data_ptr<float>(),
-      gate_up_weight.size(0), down_weight.data_ptr<float>(), down_weight.size(0)};
+  const cpu_layer::Weights weights{input_norm.data_ptr<float>(), qkv,
+                                   qkv_bias ? qkv_bias->data_ptr<float>() : nullptr, o,
+                                   post_norm.data_ptr<float>(), gate_up, down};
   const cpu_attention::RaggedBatch batch{kv_lens.data_ptr<int32_t>(),
                                          block_tables.data_ptr<int32_t>(),
                                          query_start_loc.data_ptr<int32_t>()};
@@ -126,7 +147,7 @@ TORCH_LIBRARY_FRAGMENT(pagedjax, m) {
       "Tensor down_weight, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cos, Tensor sin, "
       "Tensor slot_mapping, Tensor kv_lens, Tensor block_tables, Tensor query_start_loc, "
       "int num_q_heads, int num_kv_heads, int intermediate_size, float eps, float sm_scale, "
-      "int? sliding_window, int? max_query_len) -> (Tensor, Tensor)");
+      "int? sliding_window, int? max_query_len, int[]? qtypes=None) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(pagedjax, CPU, m) { m.impl("decoder_layer", &pagedjax::decoder_layer_cpu); }

@@ -269,12 +269,16 @@ ffi::Error decoder_layer_f32(
   const cpu_layer::DecoderLayer<int32_t> layer{
       shape, H, I, eps, sm_scale, sliding_window, x.typed_data(),
       has_residual ? residual.typed_data() : nullptr,
-      cpu_layer::Weights{input_norm.typed_data(), qkv_weight.typed_data(),
-                         qkv_weight.dimensions()[0],
-                         qkv_bias.element_count() > 0 ? qkv_bias.typed_data() : nullptr,
-                         o_weight.typed_data(), o_weight.dimensions()[0], post_norm.typed_data(),
-                         gate_up_weight.typed_data(), gate_up_weight.dimensions()[0],
-                         down_weight.typed_data(), down_weight.dimensions()[0]},
+      cpu_layer::Weights{
+          input_norm.typed_data(),
+          cpu_layer::Projection::of_packed(qkv_weight.typed_data(), qkv_weight.dimensions()[0]),
+          qkv_bias.element_count() > 0 ? qkv_bias.typed_data() : nullptr,
+          cpu_layer::Projection::of_packed(o_weight.typed_data(), o_weight.dimensions()[0]),
+          post_norm.typed_data(),
+          cpu_layer::Projection::of_packed(gate_up_weight.typed_data(),
+                                           gate_up_weight.dimensions()[0]),
+          cpu_layer::Projection::of_packed(down_weight.typed_data(),
+                                           down_weight.dimensions()[0])},
       cos.typed_data(), sin.typed_data(), slot_mapping.typed_data(),
       cpu_attention::RaggedBatch{kv_lens.typed_data(), block_tables.typed_data(),
                                  query_start_loc.typed_data()}};

@@ -2,8 +2,9 @@
 (backends/common/quantization.py):
 - the blocks decode as the `gguf` package's own `dequantize` decodes them, ours made by the
   quantizers and the real SmolLM2 file's;
-- the op equals a NumPy model of its integer math exactly (x's rows quantized to int8 blocks,
-  integer dots per 4 bytes, the same float32 additions in the same order), whatever the rows;
+- below 32 rows of x the op equals a NumPy model of its integer math exactly (x's rows
+  quantized to int8 blocks, integer dots per 4 bytes, the same float32 additions in the same
+  order), whatever the rows; from 32 rows on, the float32 linear over the weights dequantized;
 - and it approximates float64 math on the dequantized weights as x's quantization allows."""
 
 from __future__ import annotations
@@ -111,10 +112,12 @@ def test_the_real_files_blocks_decode_as_gguf_decodes_them() -> None:
 
 
 @pytest.mark.parametrize("name", FORMATS)
-@pytest.mark.parametrize("rows", [1, 3, 4, 9, 420])  # 420 x 160: x quantized in parallel
-def test_the_op_is_its_integer_math_exactly(name: str, rows: int) -> None:
+@pytest.mark.parametrize("rows,k", [(1, 160), (3, 160), (4, 160), (9, 160),
+                                    (31, 2304)])  # 31 x 2304: x quantized in parallel
+def test_the_op_is_its_integer_math_exactly(name: str, rows: int, k: int) -> None:
+    """Below kFloatRows (32) rows of x."""
     rng = np.random.default_rng(rows)
-    n, k = 40, 160
+    n = 40
     blocks = quant.QUANTIZERS[name](random_weight(rng, n, k))
     qtype = quant.QTYPE_OF[name]
     x = rng.standard_normal((rows, k)).astype(np.float32)
@@ -158,3 +161,19 @@ def test_bad_arguments_name_the_fix() -> None:
         torch.ops.pagedjax.quant_linear(x, blocks[:, :34], 8, None)
     with pytest.raises(ValueError, match="not a multiple of the block size"):
         quant.quantize_q8_0(np.zeros((2, 48), np.float32))
+
+
+@pytest.mark.parametrize("name", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("n", [40, 48, 2000])  # a partial tile; whole tiles; two chunks
+def test_many_rows_are_the_float_linear_over_the_dequantized_weights(name: str, n: int) -> None:
+    from pagedjax.kernels_cuda import linear, pack_linear_weight
+
+    rng = np.random.default_rng(n)
+    k, rows = 576, 33
+    blocks = torch.from_numpy(quant.QUANTIZERS[name](random_weight(rng, n, k)))
+    qtype = quant.QTYPE_OF[name]
+    x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32))
+    bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
+    weight = torch.ops.pagedjax.dequantize(blocks, qtype, k)  # [N, K]
+    expected = linear(x, pack_linear_weight(weight.T.contiguous()), bias, n)
+    torch.testing.assert_close(quant_linear(x, blocks, qtype, bias), expected, rtol=0, atol=0)

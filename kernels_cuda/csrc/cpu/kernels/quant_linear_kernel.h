@@ -371,9 +371,9 @@ void quant_linear(const Parallel& par, const float* x, int64_t ldx, int64_t M, i
   } else {
     par.for_range(M, 1, quantize_rows);
   }
-  std::vector<QuantizedRow> rows(M);
-  for (int64_t r = 0; r < M; ++r)
-    rows[r] = {q + r * K, d + r * num_blocks, s + r * num_blocks};
+  auto row = [&](int64_t r) {
+    return QuantizedRow{q + r * K, d + r * num_blocks, s + r * num_blocks};
+  };
   // ~16 KB of weights a range at least, and every thread busy where N allows
   const int64_t grain = std::max<int64_t>(1, std::min<int64_t>(
       16384 / std::max<int64_t>(1, row_bytes), N / std::max<int64_t>(1, par.num_threads())));
@@ -384,11 +384,13 @@ void quant_linear(const Parallel& par, const float* x, int64_t ldx, int64_t M, i
       const float b = bias ? bias[n] : 0.f;
       int64_t r = 0;
       for (; r + kRowGroup <= M; r += kRowGroup) {
-        dot_rows<kRowGroup>(qtype, wrow, K, rows.data() + r, out);
+        const QuantizedRow group[kRowGroup] = {row(r), row(r + 1), row(r + 2), row(r + 3)};
+        dot_rows<kRowGroup>(qtype, wrow, K, group, out);
         for (int i = 0; i < kRowGroup; ++i) y[(r + i) * ldy + n] = out[i] + b;
       }
       for (; r < M; ++r) {
-        dot_rows<1>(qtype, wrow, K, rows.data() + r, out);
+        const QuantizedRow alone = row(r);
+        dot_rows<1>(qtype, wrow, K, &alone, out);
         y[r * ldy + n] = out[0] + b;
       }
     }

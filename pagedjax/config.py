@@ -250,7 +250,7 @@ class EngineConfig:
     attention_impl: str = "auto"  # pagedjax's own; see the backends' resolve_attention
     # Weights kept quantized (vLLM's name): None; "int8" (symmetric per output channel,
     # quantized at load); or "gguf" (a GGUF file's Q8_0/Q4_0/Q4_1 blocks as they are). The
-    # projections and the LM head then run on the CPU's int8-dot kernels (torch backend).
+    # projections and the LM head then run on the CPU kernels (both backends).
     quantization: str | None = None
     # Set by the engine: the GGUF file `model` was converted from (None: not a GGUF source)
     gguf_path: str | None = None
@@ -270,13 +270,12 @@ class EngineConfig:
             raise ValueError(f"quantization={self.quantization!r} is not supported; use one of "
                              f"{QUANTIZATION_METHODS}.")
         q = self.quantization
-        if q is not None and (self.backend != "torch" or self.dtype != "float32"
-                              or self.tensor_parallel_size != 1):
-            raise ValueError(f"quantization={q!r} runs on the torch backend's CPU kernels with "
-                             f"float32 activations on one device, not backend={self.backend!r} "
-                             f"with dtype={self.dtype!r} and tensor_parallel_size="
-                             f"{self.tensor_parallel_size}; use backend='torch', dtype='float32' "
-                             f"(the default on CPU) and one device, or quantization=None.")
+        if q is not None and (self.dtype != "float32" or self.tensor_parallel_size != 1):
+            raise ValueError(f"quantization={q!r} runs on the CPU kernels with float32 "
+                             f"activations on one device, not with dtype={self.dtype!r} and "
+                             f"tensor_parallel_size={self.tensor_parallel_size}; use "
+                             f"dtype='float32' (the default on CPU) and one device, or "
+                             f"quantization=None.")
         if q == "gguf" and self.gguf_path is None:
             raise ValueError(f"quantization='gguf' keeps a GGUF file's blocks, but model="
                              f"{self.model!r} is no GGUF file; pass a .gguf file, or use "

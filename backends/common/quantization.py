@@ -30,6 +30,17 @@ def block_bytes(qtype: int) -> int:
     return _BLOCK_BYTES[qtype]
 
 
+def qtype_of_blocks(row_bytes: int, in_features: int) -> int:
+    """The type of a row of blocks [row_bytes] over in_features weights (each type's block has
+    its own size: 34, 18 or 20 bytes)."""
+    per_block, rest = divmod(row_bytes, max(in_features // BLOCK, 1))
+    qtype = next((q for q, size in _BLOCK_BYTES.items() if size == per_block), None)
+    if rest or in_features % BLOCK or qtype is None:
+        raise ValueError(f"{row_bytes} bytes a row are no blocks of a kept type over "
+                         f"{in_features} weights; expected in_features / 32 x (34, 18 or 20).")
+    return qtype
+
+
 def _blocks_of(weight: np.ndarray) -> np.ndarray:
     """[N, K] float → [N, K / 32, 32] float32."""
     n, k = weight.shape

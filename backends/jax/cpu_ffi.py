@@ -31,16 +31,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pagedjax.backends.common import quantization
 from pagedjax.cache import cache_dir
 from pagedjax.native_build import loaded_libstdcxx_ldflags
 
 TARGET = "pagedjax_ragged_paged_attention_f32"
 LINEAR_TARGET = "pagedjax_linear_f32"
+QUANT_LINEAR_TARGET = "pagedjax_quant_linear_f32"
 TOP_K_TARGET = "pagedjax_top_k_f32"
 FILTER_TARGET = "pagedjax_filter_logits_f32"
 DECODER_LAYER_TARGET = "pagedjax_decoder_layer_f32"
 LOGITS_STATS_TARGET = "pagedjax_logits_stats_f32"
 _SYMBOLS = {TARGET: "PagedjaxRaggedPagedAttentionF32", LINEAR_TARGET: "PagedjaxLinearF32",
+            QUANT_LINEAR_TARGET: "PagedjaxQuantLinearF32",
             TOP_K_TARGET: "PagedjaxTopKF32", FILTER_TARGET: "PagedjaxFilterLogitsF32",
             DECODER_LAYER_TARGET: "PagedjaxDecoderLayerF32",
             LOGITS_STATS_TARGET: "PagedjaxLogitsStatsF32"}
@@ -159,17 +162,46 @@ def linear(x: jax.Array, packed: jax.Array, out_features: int,
     return y.reshape(*x.shape[:-1], out_features)
 
 
+def quant_linear(x: jax.Array, blocks: jax.Array, in_features: int,
+                 num_rows: jax.Array | None = None) -> jax.Array:
+    """x [..., in] @ W^T → [..., out] float32, W [out, in] kept as GGML blocks (uint8
+    [out, in / 32 * block bytes], backends/common/quantization.py; the type read from their
+    size) by the torch op pagedjax::quant_linear's kernel: below 32 rows x quantized to int8
+    blocks and integer dots, from 32 rows the float32 linear over the weights dequantized.
+    num_rows: as `linear`'s. Call `available()` first."""
+    if x.dtype != jnp.float32 or blocks.dtype != jnp.uint8:
+        raise ValueError(f"the C++ CPU quant_linear takes float32 x and uint8 blocks; got x "
+                         f"{x.dtype}, blocks {blocks.dtype}")
+    qtype = quantization.qtype_of_blocks(blocks.shape[1], in_features)
+    rows = x.reshape(-1, in_features)
+    call = jax.ffi.ffi_call(QUANT_LINEAR_TARGET,
+                            jax.ShapeDtypeStruct((rows.shape[0], blocks.shape[0]), jnp.float32),
+                            vmap_method="sequential")
+    n = rows.shape[0] if num_rows is None else num_rows
+    y = call(rows, blocks, jnp.asarray(n, jnp.int32).reshape(1), qtype=np.int64(qtype))
+    return y.reshape(*x.shape[:-1], blocks.shape[0])
+
+
 class DecoderLayerWeights(NamedTuple):
-    """One plain (Llama) decoder layer's float32 weights, linear ones packed by
-    pack_linear_weight."""
+    """One plain (Llama) decoder layer's float32 weights, each projection packed by
+    pack_linear_weight or kept as GGML blocks (uint8 [out, in / 32 * block bytes]:
+    quant_linear's)."""
 
     input_norm: jax.Array  # [H]
-    qkv: jax.Array  # [ceil((Hq + 2 Hkv) D / 16), H, 16]
+    qkv: jax.Array  # [ceil((Hq + 2 Hkv) D / 16), H, 16], or blocks
     qkv_bias: jax.Array  # [(Hq + 2 Hkv) D], or [0]: none
-    o: jax.Array  # [ceil(H / 16), Hq D, 16]
+    o: jax.Array  # [ceil(H / 16), Hq D, 16], or blocks
     post_norm: jax.Array  # [H]
-    gate_up: jax.Array  # [ceil(2 I / 16), H, 16]
-    down: jax.Array  # [ceil(H / 16), I, 16]
+    gate_up: jax.Array  # [ceil(2 I / 16), H, 16], or blocks
+    down: jax.Array  # [ceil(H / 16), I, 16], or blocks
+
+    def qtypes(self, in_features: tuple[int, int, int, int]) -> np.ndarray:
+        """int64 [4]: the GGML type of qkv, o, gate_up and down (0: packed float32), given
+        their in_features."""
+        return np.array([0 if w.dtype != jnp.uint8 else
+                         quantization.qtype_of_blocks(w.shape[1], k)
+                         for w, k in zip((self.qkv, self.o, self.gate_up, self.down),
+                                         in_features, strict=True)], np.int64)
 
 
 def decoder_layer(
@@ -196,6 +228,8 @@ def decoder_layer(
     compiled ~20 kernels a layer: a step compiles in a fraction of the time, and runs the glue
     (norms, rope, residual adds, silu) in C++. Call `available()` first."""
     k_cache, v_cache = kv_cache
+    hidden, head_dim = x.shape[1], k_cache.shape[3]
+    qtypes = weights.qtypes((hidden, num_q_heads * head_dim, hidden, intermediate_size))
     out_types = (jax.ShapeDtypeStruct(x.shape, jnp.float32),
                  jax.ShapeDtypeStruct(x.shape, jnp.float32),
                  jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
@@ -210,7 +244,7 @@ def decoder_layer(
         num_q_heads=np.int64(num_q_heads), intermediate_size=np.int64(intermediate_size),
         eps=np.float32(eps), sm_scale=np.float32(sm_scale),
         sliding_window=np.int64(sliding_window or 0),
-        has_residual=np.int64(residual is not None))
+        has_residual=np.int64(residual is not None), qtypes=qtypes)
     return out, stream, (k_cache, v_cache)
 
 

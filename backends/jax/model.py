@@ -14,8 +14,10 @@ from collections.abc import Callable
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pagedjax.backends.common.attention_metadata import AttentionMetadata
+from pagedjax.backends.common.weight_quantizer import LM_HEAD, WeightQuantizer, projection_label
 from pagedjax.config import ModelConfig
 
 KVCache = tuple[jax.Array, jax.Array]  # k, v: [num_blocks, Hkv, block_size, D]
@@ -53,7 +55,9 @@ def matmul_precision(dtype: jnp.dtype) -> jax.lax.Precision | None:
 class PackedLinear(nn.Module):
     """Dense's y = x @ kernel (+ bias) with the kernel held in the C++ kernel's tile-major layout
     [ceil(out / 16), in, 16] (`pack_params`), through XLA's FFI: CPU, float32. XLA's own dots
-    ran the decode step's few-row products at ~half the FMA peak (backends/jax/cpu_ffi.py)."""
+    ran the decode step's few-row products at ~half the FMA peak (backends/jax/cpu_ffi.py).
+    Where pack_params kept the weight quantized, its parameter is "blocks" instead (GGML's,
+    uint8 [out, in / 32 * block bytes]) and the product cpu_ffi.quant_linear's."""
 
     features: int
     dtype: jnp.dtype
@@ -64,10 +68,15 @@ class PackedLinear(nn.Module):
         """num_rows: compute only the first rows of x, the rest zeros (cpu_ffi.linear)."""
         from pagedjax.backends.jax import cpu_ffi
 
-        tiles = -(-self.features // cpu_ffi.LINEAR_TILE)
-        kernel = self.param("kernel", nn.initializers.zeros,
-                            (tiles, x.shape[-1], cpu_ffi.LINEAR_TILE), self.dtype)
-        y = cpu_ffi.linear(x.astype(self.dtype), kernel, self.features, num_rows)
+        x = x.astype(self.dtype)
+        if self.has_variable("params", "blocks"):
+            y = cpu_ffi.quant_linear(x, self.get_variable("params", "blocks"), x.shape[-1],
+                                     num_rows)
+        else:
+            tiles = -(-self.features // cpu_ffi.LINEAR_TILE)
+            kernel = self.param("kernel", nn.initializers.zeros,
+                                (tiles, x.shape[-1], cpu_ffi.LINEAR_TILE), self.dtype)
+            y = cpu_ffi.linear(x, kernel, self.features, num_rows)
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
         return y
@@ -85,35 +94,46 @@ _FUSED = {"self_attn": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
           "mlp": ("gate_up_proj", ("gate_proj", "up_proj"))}
 
 
-def pack_params(params: dict, tie_word_embeddings: bool) -> dict:
+def pack_params(params: dict, tie_word_embeddings: bool,
+                quantizer: WeightQuantizer | None = None) -> dict:
     """{"params": ...} for the packed model: every linear kernel [in, out] packed for
     PackedLinear, q/k/v and gate/up fused into one product each (qkv_proj, gate_up_proj), and a
-    tied LM head given its own packed copy of the embedding (as "lm_head")."""
+    tied LM head given its own packed copy of the embedding (as "lm_head"). quantizer: each
+    fused projection and the head kept as the blocks it gives ("blocks" in place of "kernel";
+    backends/common/weight_quantizer.py), packed where it gives none."""
     from pagedjax.backends.jax import cpu_ffi
 
-    def packed(layer: dict) -> dict:
-        out = {"kernel": cpu_ffi.pack_linear_weight(layer["kernel"])}
+    def packed(layer: dict, label: str) -> dict:
+        kept = quantizer(label, np.asarray(layer["kernel"]).T) if quantizer else None
+        if kept is not None:
+            out = {"blocks": jnp.asarray(kept[1])}  # [out, in / 32 * block bytes] uint8
+        else:
+            out = {"kernel": cpu_ffi.pack_linear_weight(layer["kernel"])}
         return {**out, "bias": layer["bias"]} if "bias" in layer else out
 
-    def fuse(block: dict, fused: str, parts: tuple[str, ...]) -> dict:
-        rest = {name: packed(layer) if "kernel" in layer else layer  # norms stay
-                for name, layer in block.items() if name not in parts}
+    def fuse(block: dict, i: int, fused: str, parts: tuple[str, ...]) -> dict:
+        rest = {name: packed(layer, projection_label(i, name)) if "kernel" in layer else layer
+                for name, layer in block.items() if name not in parts}  # norms stay
         layers = [block[name] for name in parts]
         kernel = jnp.concatenate([layer["kernel"] for layer in layers], axis=-1)
         joined = {"kernel": kernel}
         if "bias" in layers[0]:
             joined["bias"] = jnp.concatenate([layer["bias"] for layer in layers], axis=-1)
-        return {**rest, fused: packed(joined)}
+        return {**rest, fused: packed(joined, projection_label(i, fused))}
 
     tree = dict(params["params"])
     for name, layer in tree.items():
         if name.startswith("layers_"):
-            tree[name] = {**layer, **{block: fuse(layer[block], *_FUSED[block])
+            i = int(name.removeprefix("layers_"))
+            tree[name] = {**layer, **{block: fuse(layer[block], i, *_FUSED[block])
                                       for block in _FUSED}}
     if "lm_head" in tree:
-        tree["lm_head"] = packed(tree["lm_head"])
+        tree["lm_head"] = packed(tree["lm_head"], LM_HEAD)
     elif tie_word_embeddings:
-        tree["lm_head"] = packed({"kernel": tree["embed_tokens"]["embedding"].T})  # [H, V]
+        tree["lm_head"] = packed({"kernel": tree["embed_tokens"]["embedding"].T},  # [H, V]
+                                 LM_HEAD)
+    if quantizer is not None:
+        quantizer.summary()
     return {**params, "params": tree}
 
 
@@ -282,11 +302,12 @@ class LlamaForCausalLM(nn.Module):
         for i, cache in enumerate(kv_caches):
             layer = params[f"layers_{i}"]
             attn, mlp = layer["self_attn"], layer["mlp"]
+            weight = lambda p: p.get("kernel", p.get("blocks"))  # packed, or kept as blocks
             weights = cpu_ffi.DecoderLayerWeights(
-                layer["input_layernorm"]["weight"], attn["qkv_proj"]["kernel"],
+                layer["input_layernorm"]["weight"], weight(attn["qkv_proj"]),
                 attn["qkv_proj"].get("bias", jnp.zeros(0, jnp.float32)),
-                attn["o_proj"]["kernel"], layer["post_attention_layernorm"]["weight"],
-                mlp["gate_up_proj"]["kernel"], mlp["down_proj"]["kernel"])
+                weight(attn["o_proj"]), layer["post_attention_layernorm"]["weight"],
+                weight(mlp["gate_up_proj"]), weight(mlp["down_proj"]))
             x, residual, cache = cpu_ffi.decoder_layer(
                 x, residual, weights, cache, cos, sin, meta.slot_mapping, meta.kv_lens,
                 meta.block_tables, meta.query_start_loc, num_q_heads=cfg.num_q_heads,

@@ -16,6 +16,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from pagedjax.backends.common.rope import rope_cos_sin
+from pagedjax.backends.common.weight_quantizer import WeightQuantizer
 from pagedjax.backends.common.weights import layer_norm_names, load_weights, repeat_kv_heads
 from pagedjax.backends.jax.attention import resolve_attention, uses_cpu_linear
 from pagedjax.backends.jax.model import KVCache, LlamaForCausalLM, pack_params
@@ -160,8 +161,16 @@ class DeviceModel:
         module = LlamaForCausalLM(shard_config, dtype,
                                   *per_shard(attention_fn, write_kv_fn, mesh, plan), packed)
         params, source = load_params(model_dir, model_config, dtype, plan=plan, mesh=mesh)
+        if config.quantization is not None and not packed:
+            raise ValueError(f"quantization={config.quantization!r} runs on the C++ CPU kernels "
+                             f"(float32, attention_impl 'cpu' or 'auto' on a CPU, one device), "
+                             f"not with attention_impl={impl!r}, dtype={config.dtype!r} on "
+                             f"{jax.default_backend()}; use quantization=None there.")
         if packed:
-            params = pack_params(params, model_config.tie_word_embeddings)
+            quantizer = None
+            if config.quantization is not None:
+                quantizer = WeightQuantizer(config.quantization, shard_config, config.gguf_path)
+            params = pack_params(params, model_config.tie_word_embeddings, quantizer)
         cos, sin = rope_cos_sin(model_config, config.max_model_len)
         return cls(module, params, (jnp.asarray(cos), jnp.asarray(sin)), shard_config, plan,
                    source)

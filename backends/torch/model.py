@@ -18,8 +18,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedjax.backends.common import quantization
 from pagedjax.backends.common.attention_metadata import AttentionMetadata
+from pagedjax.backends.common.weight_quantizer import (
+    LM_HEAD,
+    WeightQuantizer,
+    projection_label,
+)
 from pagedjax.backends.common.weights import layer_norm_names
 from pagedjax.backends.torch.parallel import Shard
 from pagedjax.config import ModelConfig
@@ -109,16 +113,13 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(pack_linear_weight(self.weight), requires_grad=False)
         self.packed = True
 
-    def quantize(self, method: str) -> bool:
-        """The weight as GGML blocks of `method` (QUANTIZERS: "int8" per output channel, ...)
-        [out, in / 32 * block bytes], run on the `pagedjax::quant_linear` op; False (left as it
-        is) where in_features is not a multiple of the block size."""
-        in_features = self.weight.shape[0]
-        if in_features % quantization.BLOCK:
-            return False
-        weight = self.weight.detach().T.float().numpy()  # [out, in]
-        self.keep_blocks(quantization.QTYPE_OF[method], quantization.QUANTIZERS[method](weight))
-        return True
+    def keep_quantized(self, quantizer: WeightQuantizer, label: str) -> None:
+        """The blocks `quantizer` keeps for this weight, else the weight packed."""
+        kept = quantizer(label, self.weight.detach().T.float().numpy())  # [out, in]
+        if kept is None:
+            self.pack()
+        else:
+            self.keep_blocks(*kept)
 
     def keep_blocks(self, qtype: int, blocks: np.ndarray) -> None:
         """The weight as these GGML blocks [out, in / 32 * block bytes] of qtype."""
@@ -336,14 +337,18 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = nn.Parameter(self.embed_tokens.weight.T, requires_grad=False)
         return self.lm_head
 
-    def quantize_linears(self, method: str) -> None:
-        """Every projection and the LM head (a tied one: a quantized copy of the embedding) kept
-        quantized by `method` (Linear.quantize), the rest packed; decoder layers stay modules
-        (the fused layer op reads float32 weights)."""
-        self.untie_lm_head()
-        for module in self.modules():
-            if isinstance(module, Linear) and not module.quantize(method):
-                module.pack()
+    def keep_quantized(self, quantizer: WeightQuantizer) -> None:
+        """Each projection and the LM head (a tied one: a copy of the embedding) as the blocks
+        `quantizer` keeps for it (backends/common/weight_quantizer.py), or packed float32 where
+        it keeps none; then each plain decoder layer one C++ op."""
+        for i, layer in enumerate(self.layers):
+            for name, module in (("qkv_proj", layer.self_attn.qkv_proj),
+                                 ("o_proj", layer.self_attn.o_proj),
+                                 ("gate_up_proj", layer.mlp.gate_up_proj),
+                                 ("down_proj", layer.mlp.down_proj)):
+                module.keep_quantized(quantizer, projection_label(i, name))
+        self.untie_lm_head().keep_quantized(quantizer, LM_HEAD)
+        quantizer.summary()
         self.fuse_layers()
 
     def fuse_layers(self) -> None:

@@ -4,8 +4,6 @@ DeviceModel: one model on this rank's device, as a runner holds it."""
 
 from __future__ import annotations
 
-import collections
-import itertools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,15 +12,14 @@ import ml_dtypes
 import numpy as np
 import torch
 
-from pagedjax.backends.common import quantization
 from pagedjax.backends.common.attention_metadata import AttentionMetadata
 from pagedjax.backends.common.rope import rope_cos_sin
+from pagedjax.backends.common.weight_quantizer import WeightQuantizer
 from pagedjax.backends.common.weights import layer_norm_names, load_weights, repeat_kv_heads
 from pagedjax.backends.torch.attention import resolve_attention, uses_cpu_linear
-from pagedjax.backends.torch.model import KVCache, LayerOps, Linear, LlamaForCausalLM
+from pagedjax.backends.torch.model import KVCache, LayerOps, LlamaForCausalLM
 from pagedjax.backends.torch.parallel import Shard
 from pagedjax.config import EngineConfig, ModelConfig
-from pagedjax.model_loader.gguf import GGUF_LINEAR_NAMES, gguf_linear_blocks, reverse_permute_rows
 
 logger = logging.getLogger(__name__)
 
@@ -50,10 +47,8 @@ class DeviceModel:
                 raise ValueError(f"quantization={config.quantization!r} runs on the CPU kernels "
                                  f"(pagedjax::quant_linear), not on {device.type}; use "
                                  f"quantization=None there.")
-            if config.quantization == "gguf":
-                keep_gguf_blocks(module, config.gguf_path, shard_config)
-            else:
-                module.quantize_linears(config.quantization)
+            module.keep_quantized(WeightQuantizer(config.quantization, shard_config,
+                                                  config.gguf_path))
         elif uses_cpu_linear(config.attention_impl, device, dtype):
             module.pack_linears()
         cos, sin = rope_cos_sin(model_config, config.max_model_len)  # [max_model_len, D] each
@@ -138,55 +133,3 @@ def _to_tensor(array: np.ndarray, dtype: torch.dtype, device: torch.device) -> t
     if array.dtype == ml_dtypes.bfloat16:
         return torch.from_numpy(array.view(np.uint16)).view(torch.bfloat16).to(device, dtype)
     return torch.from_numpy(array).to(device, dtype)
-
-
-def keep_gguf_blocks(module: LlamaForCausalLM, path: str, config: ModelConfig) -> None:
-    """quantization="gguf": each projection and the LM head take the file's own Q8_0, Q4_0 or
-    Q4_1 blocks (q/k rows back in HF's order; q/k/v and gate/up fused by rows), each checked to
-    decode to the weights the module loaded from the file's dequantized conversion. A weight of
-    another type (Q4_K-Q6_K, F16, ...) stays float32, packed, and is logged."""
-    tensors = gguf_linear_blocks(path)
-    heads = {"q_proj": config.num_q_heads, "k_proj": config.num_kv_heads}
-
-    def rows(name: str, canonical: str) -> list[tuple[int, np.ndarray]]:
-        """The file's tensor `name` as (qtype, rows of blocks), in each row order it may have."""
-        qtype, data = tensors[name]
-        if qtype not in quantization.QTYPE_NAMES:
-            return []
-        data = np.asarray(data)
-        if canonical in heads:
-            return [(qtype, reverse_permute_rows(data, heads[canonical])), (qtype, data)]
-        return [(qtype, data)]
-
-    def keep(linear: Linear, parts: list[list[tuple[int, np.ndarray]]], label: str) -> None:
-        """The first combination of the parts' row orders whose blocks decode to the weight."""
-        expected = linear.weight.detach().T.numpy()  # [out, in]
-        for choice in itertools.product(*parts):
-            qtypes = {qtype for qtype, _ in choice}
-            if len(qtypes) != 1:
-                break
-            blocks = np.concatenate([r for _, r in choice])
-            qtype = qtypes.pop()
-            if np.allclose(quantization.dequantize(blocks, qtype, expected.shape[1]), expected,
-                           rtol=0, atol=1e-6):
-                linear.keep_blocks(qtype, blocks)
-                counts[quantization.QTYPE_NAMES[qtype]] += 1
-                return
-        linear.pack()
-        counts["float32"] += 1
-        logger.info("quantization='gguf': %s stays float32 (a type without kept blocks, or "
-                    "mixed types in a fused projection)", label)
-
-    counts: collections.Counter = collections.Counter()
-    for i, layer in enumerate(module.layers):
-        def of(*names: str, i=i) -> list[list[tuple[int, np.ndarray]]]:
-            return [rows(f"blk.{i}.{GGUF_LINEAR_NAMES[n]}.weight", n) for n in names]
-
-        keep(layer.self_attn.qkv_proj, of("q_proj", "k_proj", "v_proj"), f"layer {i} q/k/v")
-        keep(layer.self_attn.o_proj, of("o_proj"), f"layer {i} o_proj")
-        keep(layer.mlp.gate_up_proj, of("gate_proj", "up_proj"), f"layer {i} gate/up")
-        keep(layer.mlp.down_proj, of("down_proj"), f"layer {i} down_proj")
-    head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
-    keep(module.untie_lm_head(), [rows(head, "lm_head")], "the LM head")
-    module.fuse_layers()
-    logger.info("quantization='gguf': %s", ", ".join(f"{n} {kind}" for kind, n in counts.items()))

@@ -92,9 +92,13 @@ def _reference(c: dict, first: bool, sliding_window: int | None) -> tuple[np.nda
     return out, stream, k_cache, v_cache
 
 
-def _run(c: dict, first: bool, sliding_window: int | None) -> tuple[np.ndarray, ...]:
-    """The FFI layer, jitted with the caches donated (as the engine's step runs it)."""
-    packed = {name: cpu_ffi.pack_linear_weight(jnp.asarray(c[name]))
+def _run(c: dict, first: bool, sliding_window: int | None,
+         blocks: dict | None = None) -> tuple[np.ndarray, ...]:
+    """The FFI layer, jitted with the caches donated (as the engine's step runs it). blocks:
+    projections kept as GGML blocks (uint8 [out, in / 32 * bytes]) instead of packed."""
+    blocks = blocks or {}
+    packed = {name: jnp.asarray(blocks[name]) if name in blocks else
+              cpu_ffi.pack_linear_weight(jnp.asarray(c[name]))
               for name in ("qkv", "o", "gate_up", "down")}
     weights = cpu_ffi.DecoderLayerWeights(
         jnp.asarray(c["input_norm"]), packed["qkv"], jnp.asarray(c["qkv_bias"]), packed["o"],
@@ -169,6 +173,37 @@ def test_decoder_layer_is_the_torch_ops_bit_for_bit(first: bool) -> None:
     np.testing.assert_array_equal(got[1][:real], stream.numpy()[:real])
     np.testing.assert_array_equal(got[2], t["k_cache"].numpy())
     np.testing.assert_array_equal(got[3], t["v_cache"].numpy())
+
+
+def test_a_layer_over_quantized_blocks_is_the_torch_ops_bits() -> None:
+    """Projections kept as GGML blocks of three types beside a packed one: the FFI layer reads
+    them as the torch op does (quantization="int8" / "gguf" on the JAX backend)."""
+    torch = pytest.importorskip("torch")
+    from pagedjax.backends.common import quantization as quant
+    from pagedjax.kernels_cuda import ops
+
+    c = _case(np.random.default_rng(9), hidden=64, num_q_heads=4, num_kv_heads=2, head_dim=16,
+              intermediate=96, bias=False)
+    kinds = {"qkv": "Q8_0", "o": "Q4_0", "gate_up": "Q4_1"}  # down stays packed float32
+    blocks = {n: quant.QUANTIZERS[kind](c[n].T) for n, kind in kinds.items()}  # [out, bytes]
+    got = _run(c, False, None, blocks)
+    t = {k: torch.from_numpy(v.copy()) if isinstance(v, np.ndarray) else v for k, v in c.items()}
+    weight = {n: torch.from_numpy(blocks[n]) for n in kinds}
+    out, stream = torch.ops.pagedjax.decoder_layer(
+        t["x"], t["residual"], t["input_norm"], weight["qkv"], None, weight["o"],
+        t["post_norm"], weight["gate_up"], ops.pack_linear_weight(t["down"]), t["k_cache"],
+        t["v_cache"], t["cos"], t["sin"], t["slot_mapping"], t["kv_lens"], t["block_tables"],
+        t["query_start_loc"], 4, 2, 96, EPS, 16**-0.5, None, None,
+        [quant.QTYPE_OF[kinds[n]] if n in kinds else 0 for n in ("qkv", "o", "gate_up", "down")])
+    real = int(c["query_start_loc"][-1])
+    np.testing.assert_array_equal(got[0][:real], out.numpy()[:real])
+    np.testing.assert_array_equal(got[1][:real], stream.numpy()[:real])
+    np.testing.assert_array_equal(got[2], t["k_cache"].numpy())
+    # blocks of another width or height are refused by name, not read past their end
+    with pytest.raises(ValueError, match="18 bytes a row are no blocks of a kept type"):
+        _run(c, False, None, {**blocks, "o": blocks["o"][:, :-18]})
+    with pytest.raises(Exception, match=r"o_weight of qtype 2 must be uint8 blocks \[64, 36\]"):
+        _run(c, False, None, {**blocks, "o": blocks["o"][:-1]})
 
 
 def test_the_jax_model_fuses_plain_layers_only() -> None:

@@ -179,3 +179,30 @@ def test_many_rows_are_the_float_linear_over_the_dequantized_weights(name: str, 
     weight = torch.ops.pagedjax.dequantize(blocks, qtype, k)  # [N, K]
     expected = linear(x, pack_linear_weight(weight.T.contiguous()), bias, n)
     torch.testing.assert_close(quant_linear(x, blocks, qtype, bias), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("rows", [1, 5, 33])  # integer dots; the float path from 32 rows
+def test_jaxs_ffi_call_is_the_torch_ops_bits(name: str, rows: int) -> None:
+    """The JAX backend reaches the same kernel through XLA's FFI (cpu_ffi.quant_linear): the
+    same bits, the blocks' type read from their size, the rows past num_rows left at zero."""
+    import jax
+    import jax.numpy as jnp
+
+    from pagedjax.backends.jax import cpu_ffi
+
+    assert cpu_ffi.available()
+    rng = np.random.default_rng(rows)
+    n, k = 40, 160
+    blocks = quant.QUANTIZERS[name](random_weight(rng, n, k))
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    expected = quant_linear(torch.from_numpy(x), torch.from_numpy(blocks), quant.QTYPE_OF[name],
+                            None).numpy()
+    got = jax.jit(cpu_ffi.quant_linear, static_argnums=2)(x, blocks, k)
+    np.testing.assert_array_equal(np.asarray(got), expected)
+    head = np.asarray(cpu_ffi.quant_linear(x, blocks, k, num_rows=jnp.int32(1)))
+    alone = numpy_model(x[:1], blocks, quant.QTYPE_OF[name], None)
+    np.testing.assert_array_equal(head[0], alone[0])
+    assert not head[1:].any()
+    with pytest.raises(ValueError, match="no blocks of a kept type"):
+        cpu_ffi.quant_linear(x, blocks[:, :-2], k)

@@ -1,5 +1,6 @@
 // The XLA FFI handlers of the C++ CPU kernels (../kernels/, no torch headers), in float32: the
-// JAX backend's attention (attention_cpu_kernel.h), packed linear (linear_cpu_kernel.h), top-k,
+// JAX backend's attention (attention_cpu_kernel.h), packed linear (linear_cpu_kernel.h),
+// quantized linear (quant_linear_kernel.h: weights in GGML blocks), top-k,
 // samplers' passes and whole decoder layer (decoder_layer_kernel.h) on CPU. Built and registered
 // by backends/jax/cpu_ffi.py. Parallel on XLA's own intra-op thread pool: an OpenMP team of its
 // own, started from an XLA thread, made libgomp count more threads than cores and stop spinning,
@@ -20,6 +21,7 @@
 #include "../kernels/filter_cpu_kernel.h"
 #include "../kernels/linear_cpu_kernel.h"
 #include "../kernels/logits_cpu_kernel.h"
+#include "../kernels/quant_linear_kernel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -142,6 +144,61 @@ ffi::Error linear_f32(ffi::ThreadPool pool,
   return ffi::Error::Success();
 }
 
+// y = x @ W^T with W kept in GGML blocks of qtype (quant_linear_kernel.h, the torch op
+// pagedjax::quant_linear's kernel); rows [num_rows, M) of y are zeros, not computed.
+ffi::Error quant_linear_f32(ffi::ThreadPool pool,
+                            ffi::Buffer<ffi::F32> x,          // [M, K]
+                            ffi::Buffer<ffi::U8> blocks,      // [N, K / 32 * block bytes]
+                            ffi::Buffer<ffi::S32> num_rows,   // [1]: clamped to [0, M]
+                            ffi::ResultBuffer<ffi::F32> y,    // [M, N]
+                            int64_t qtype) {
+  const auto xd = x.dimensions(), wd = blocks.dimensions(), yd = y->dimensions();
+  const int64_t bytes = cpu_quant::block_bytes(qtype);
+  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2 || bytes == 0 ||
+      xd[1] % cpu_quant::kBlock != 0 || wd[1] != xd[1] / cpu_quant::kBlock * bytes ||
+      yd[0] != xd[0] || yd[1] != wd[0]) {
+    return ffi::Error::InvalidArgument(
+        "quant_linear (FFI): expected x [M, K] (K a multiple of 32), blocks [N, K / 32 * block "
+        "bytes] of qtype 8 (Q8_0), 2 (Q4_0) or 3 (Q4_1), y [M, N]; got qtype=" +
+        std::to_string(qtype));
+  }
+  const int64_t K = xd[1], N = wd[0];
+  const int64_t M = std::clamp<int64_t>(num_rows.typed_data()[0], 0, xd[0]);
+  if (M > 0 && N > 0) {
+    cpu_quant::quant_linear(PoolParallel{pool}, x.typed_data(), K, M, qtype,
+                            blocks.typed_data(), N, K, nullptr, y->typed_data(), N);
+  }
+  std::fill(y->typed_data() + M * N, y->typed_data() + xd[0] * N, 0.f);
+  return ffi::Error::Success();
+}
+
+// A projection of the decoder layer: float32 packed into tiles [ceil(out / 16), in, 16]
+// (qtype 0), or GGML blocks of qtype [out, in / 32 * block bytes]; "" or what is wrong.
+std::string projection(const char* name, const ffi::AnyBuffer& w, int64_t qtype, int64_t in,
+                       int64_t out, cpu_layer::Projection* p) {
+  const auto wd = w.dimensions();
+  if (qtype == 0) {
+    if (w.element_type() != ffi::F32 || wd.size() != 3 || wd[1] != in ||
+        wd[2] != cpu_linear::kTile || wd[0] * cpu_linear::kTile < out) {
+      return std::string("decoder_layer (FFI): ") + name + " must be packed float32 [" +
+             std::to_string((out + cpu_linear::kTile - 1) / cpu_linear::kTile) + ", " +
+             std::to_string(in) + ", 16]";
+    }
+    *p = cpu_layer::Projection::of_packed(static_cast<const float*>(w.untyped_data()), wd[0]);
+    return "";
+  }
+  const int64_t bytes = cpu_quant::block_bytes(qtype);
+  if (bytes == 0 || in % cpu_quant::kBlock != 0 || w.element_type() != ffi::U8 ||
+      wd.size() != 2 || wd[0] != out || wd[1] != in / cpu_quant::kBlock * bytes) {
+    return std::string("decoder_layer (FFI): ") + name + " of qtype " + std::to_string(qtype) +
+           " must be uint8 blocks [" + std::to_string(out) + ", " +
+           std::to_string(in / cpu_quant::kBlock * std::max<int64_t>(bytes, 1)) +
+           "] (qtype 8, 2 or 3, in_features a multiple of 32)";
+  }
+  *p = cpu_layer::Projection::of_blocks(static_cast<const uint8_t*>(w.untyped_data()), qtype);
+  return "";
+}
+
 // The k largest values of each row of x [R, V] (k <= V), largest first, ties to the lower index
 // (jax.lax.top_k's order), with their indices: one pass per row, keeping a sorted list of k.
 ffi::Error top_k_f32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
@@ -228,12 +285,14 @@ ffi::Error decoder_layer_f32(
     ffi::Buffer<ffi::F32> x,                // [T, H]
     ffi::Buffer<ffi::F32> residual,         // [T, H]; read where has_residual
     ffi::Buffer<ffi::F32> input_norm,       // [H]
-    ffi::Buffer<ffi::F32> qkv_weight,       // [ceil(Nqkv / 16), H, 16], Nqkv = (Hq + 2 Hkv) D
+    // the projections: packed float32 [ceil(out / 16), in, 16], or (qtypes[i] != 0) GGML
+    // blocks uint8 [out, in / 32 * block bytes]
+    ffi::AnyBuffer qkv_weight,              // out Nqkv = (Hq + 2 Hkv) D, in H
     ffi::Buffer<ffi::F32> qkv_bias,         // [Nqkv], or [0]: none
-    ffi::Buffer<ffi::F32> o_weight,         // [ceil(H / 16), Hq D, 16]
+    ffi::AnyBuffer o_weight,                // out H, in Hq D
     ffi::Buffer<ffi::F32> post_norm,        // [H]
-    ffi::Buffer<ffi::F32> gate_up_weight,   // [ceil(2 I / 16), H, 16]
-    ffi::Buffer<ffi::F32> down_weight,      // [ceil(H / 16), I, 16]
+    ffi::AnyBuffer gate_up_weight,          // out 2 I, in H
+    ffi::AnyBuffer down_weight,             // out H, in I
     ffi::Buffer<ffi::F32> k_cache,          // [N, Hkv, bs, D]
     ffi::Buffer<ffi::F32> v_cache,          // [N, Hkv, bs, D]
     ffi::Buffer<ffi::F32> cos,              // [T, D]: at each token's position
@@ -248,7 +307,8 @@ ffi::Error decoder_layer_f32(
     ffi::ResultBuffer<ffi::F32> v_out,      // [N, Hkv, bs, D]: v_cache's buffer
     int64_t num_q_heads, int64_t intermediate_size, float eps, float sm_scale,
     int64_t sliding_window,  // 0: none
-    int64_t has_residual) {  // 0: the first layer (x is the embedding)
+    int64_t has_residual,    // 0: the first layer (x is the embedding)
+    ffi::Span<const int64_t> qtypes) {  // qkv, o, gate_up, down: 0 packed, else GGML type
   const auto xd = x.dimensions(), cd = k_cache.dimensions(), td = block_tables.dimensions();
   if (xd.size() != 2 || cd.size() != 4 || td.size() != 2 || cd[1] <= 0 ||
       num_q_heads % cd[1] != 0 || cos.dimensions()[0] != xd[0] || cos.dimensions()[1] != cd[3] ||
@@ -260,31 +320,33 @@ ffi::Error decoder_layer_f32(
         "cos/sin [T, D], slot_mapping [T], kv_lens [S], block_tables [S, M], "
         "query_start_loc [S+1]");
   }
-  const int64_t H = xd[1], I = intermediate_size, q_size = num_q_heads * cd[3];
-  if (qkv_weight.dimensions()[1] != H || o_weight.dimensions()[1] != q_size ||
-      gate_up_weight.dimensions()[1] != H || down_weight.dimensions()[1] != I) {
-    return ffi::Error::InvalidArgument("decoder_layer (FFI): packed weights of the wrong shape");
+  const int64_t H = xd[1], I = intermediate_size, D = cd[3], q_size = num_q_heads * D;
+  const int64_t qkv_size = q_size + 2 * cd[1] * D;
+  if (qtypes.size() != 4) {
+    return ffi::Error::InvalidArgument("decoder_layer (FFI): qtypes must be 4 ints (qkv, o, "
+                                       "gate_up, down; 0: packed float32)");
+  }
+  cpu_layer::Projection qkv, o, gate_up, down;
+  for (const std::string& error :
+       {projection("qkv_weight", qkv_weight, qtypes[0], H, qkv_size, &qkv),
+        projection("o_weight", o_weight, qtypes[1], q_size, H, &o),
+        projection("gate_up_weight", gate_up_weight, qtypes[2], H, 2 * I, &gate_up),
+        projection("down_weight", down_weight, qtypes[3], I, H, &down)}) {
+    if (!error.empty()) return ffi::Error::InvalidArgument(error);
   }
   const AttentionShape shape = cpu_attention::attention_shape(xd[0], num_q_heads, cd, td);
   const cpu_layer::DecoderLayer<int32_t> layer{
       shape, H, I, eps, sm_scale, sliding_window, x.typed_data(),
       has_residual ? residual.typed_data() : nullptr,
-      cpu_layer::Weights{
-          input_norm.typed_data(),
-          cpu_layer::Projection::of_packed(qkv_weight.typed_data(), qkv_weight.dimensions()[0]),
-          qkv_bias.element_count() > 0 ? qkv_bias.typed_data() : nullptr,
-          cpu_layer::Projection::of_packed(o_weight.typed_data(), o_weight.dimensions()[0]),
-          post_norm.typed_data(),
-          cpu_layer::Projection::of_packed(gate_up_weight.typed_data(),
-                                           gate_up_weight.dimensions()[0]),
-          cpu_layer::Projection::of_packed(down_weight.typed_data(),
-                                           down_weight.dimensions()[0])},
+      cpu_layer::Weights{input_norm.typed_data(), qkv,
+                         qkv_bias.element_count() > 0 ? qkv_bias.typed_data() : nullptr, o,
+                         post_norm.typed_data(), gate_up, down},
       cos.typed_data(), sin.typed_data(), slot_mapping.typed_data(),
       cpu_attention::RaggedBatch{kv_lens.typed_data(), block_tables.typed_data(),
                                  query_start_loc.typed_data()}};
   // a bias of another length than Nqkv would be read past its end
   if (qkv_bias.element_count() > 0 &&
-      static_cast<int64_t>(qkv_bias.element_count()) != layer.q_size() + 2 * layer.kv_size()) {
+      static_cast<int64_t>(qkv_bias.element_count()) != qkv_size) {
     return ffi::Error::InvalidArgument("decoder_layer (FFI): qkv_bias must be [(Hq + 2 Hkv) D]");
   }
   const int64_t rows = query_start_loc.typed_data()[td[0]];  // the sequences' rows
@@ -358,12 +420,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxDecoderLayerF32, pagedjax::decoder_layer_f
                                   .Arg<ffi::Buffer<ffi::F32>>()   // x
                                   .Arg<ffi::Buffer<ffi::F32>>()   // residual
                                   .Arg<ffi::Buffer<ffi::F32>>()   // input_norm
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // qkv_weight
+                                  .Arg<ffi::AnyBuffer>()          // qkv_weight
                                   .Arg<ffi::Buffer<ffi::F32>>()   // qkv_bias
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // o_weight
+                                  .Arg<ffi::AnyBuffer>()          // o_weight
                                   .Arg<ffi::Buffer<ffi::F32>>()   // post_norm
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // gate_up_weight
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // down_weight
+                                  .Arg<ffi::AnyBuffer>()          // gate_up_weight
+                                  .Arg<ffi::AnyBuffer>()          // down_weight
                                   .Arg<ffi::Buffer<ffi::F32>>()   // k_cache
                                   .Arg<ffi::Buffer<ffi::F32>>()   // v_cache
                                   .Arg<ffi::Buffer<ffi::F32>>()   // cos
@@ -381,4 +443,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxDecoderLayerF32, pagedjax::decoder_layer_f
                                   .Attr<float>("eps")
                                   .Attr<float>("sm_scale")
                                   .Attr<int64_t>("sliding_window")
-                                  .Attr<int64_t>("has_residual"));
+                                  .Attr<int64_t>("has_residual")
+                                  .Attr<ffi::Span<const int64_t>>("qtypes"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxQuantLinearF32, pagedjax::quant_linear_f32,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // blocks
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // num_rows
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // y
+                                  .Attr<int64_t>("qtype"));

@@ -55,9 +55,13 @@ PROFILE_STEPS = 8
 TOP_KERNELS = 15
 
 
-def weight_bytes_read(model_dir: str, dtype_bytes: int, tied: bool) -> int:
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def weight_bytes_read(model_dir: str, dtype_bytes: int, tied: bool, fp8: bool = False) -> int:
     """Bytes of the weights one decode step reads: every parameter, in the engine's dtype, except
-    an untied input embedding (only the batch's rows of it are read)."""
+    an untied input embedding (only the batch's rows of it are read); fp8: the projections at
+    one byte a weight (quantization="fp8")."""
     from safetensors import safe_open
 
     total = 0
@@ -66,7 +70,9 @@ def weight_bytes_read(model_dir: str, dtype_bytes: int, tied: bool) -> int:
             for name in f.keys():
                 if name.endswith("embed_tokens.weight") and not tied:
                     continue
-                total += int(np.prod(f.get_slice(name).get_shape())) * dtype_bytes
+                projection = fp8 and name.endswith(tuple(f"{p}.weight" for p in _PROJECTIONS))
+                total += int(np.prod(f.get_slice(name).get_shape())) * (
+                    1 if projection else dtype_bytes)
     return total
 
 
@@ -294,6 +300,8 @@ def main() -> None:
     parser.add_argument("--executable-copies", type=int, choices=(1, 2),
                         help="jax: decode steps alternate between this many copies of their "
                              "executable (default: the runner's, 2 on an accelerator)")
+    parser.add_argument("--quantization", choices=("fp8", "int8"),
+                        help="weights kept quantized (fp8: W8A8, FP8 GEMMs on Hopper)")
     parser.add_argument("--copy-gbs", type=float,
                         help="copy bandwidth (GB/s read + written) to use instead of measuring "
                              "this framework's")
@@ -311,7 +319,8 @@ def main() -> None:
         start = time.perf_counter()
         llm = LLM(args.model, backend=args.backend, dtype=args.dtype,
                   max_model_len=max_len, max_num_seqs=max(args.batch_sizes),
-                  enable_prefix_caching=False, async_scheduling=args.async_scheduling)
+                  enable_prefix_caching=False, async_scheduling=args.async_scheduling,
+                  quantization=args.quantization)
         startup = {"startup s": time.perf_counter() - start,
                    "steps loaded from the store": getattr(llm.engine.runner, "num_cache_hits",
                                                           None)}
@@ -320,7 +329,8 @@ def main() -> None:
         if args.executable_copies:
             llm.engine.runner.executable_copies = args.executable_copies
         weights = weight_bytes_read(args.model, llm.engine.config.dtype_bytes,
-                                    model_config.tie_word_embeddings)
+                                    model_config.tie_word_embeddings,
+                                    fp8=args.quantization == "fp8")
         rows = [measure_batch(llm, args, b, weights, copy_gbs) for b in args.batch_sizes]
         dtype = llm.engine.config.dtype
         llm.shutdown()
@@ -344,6 +354,7 @@ def main() -> None:
     path = write_json(
         f"decode_step_{args.backend}_{model_name(args)}_{accelerator_tag(env)}"
         f"{'' if args.async_scheduling else '_sync'}"
+        f"{f'_{args.quantization}' if args.quantization else ''}"
         f"{f'_copies{args.executable_copies}' if args.executable_copies else ''}.json",
         {"args": args_record(args), "copy_bandwidth_gbs": copy_gbs, "dtype": dtype, **startup,
          "results": rows, "environment": env}, args.out)

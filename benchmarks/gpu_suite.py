@@ -8,9 +8,9 @@ step that would run past the deadline gets what is left; one with under 15 s is 
 recorded so): the GPU tests (kernels compiled and the CUDA op against the float64 oracle; greedy
 parity with HF; async scheduling, branch-free and donated-output steps against the synchronous,
 branched engine, on the device), decode steps at batch 1/16/64 on both backends (jax with its
-optimized HLO dumped and archived, torch asynchronous then synchronous), XLA command-buffer flag
-A/B, the attention kernels against JAX's op, speculation at batch 1 and 32, and the 8B shape at
-batch 1.
+optimized HLO dumped and archived, torch asynchronous then synchronous, then both with
+quantization="fp8"), XLA command-buffer flag A/B, the attention kernels against JAX's op,
+speculation at batch 1 and 32, and the 8B shape at batch 1.
 
 The other parts (in the order a first run should take them):
 - environment: `pagedjax doctor` (which builds the CUDA ops once and caches them), pip list;
@@ -238,6 +238,9 @@ def all_steps(ctx: Context) -> list[Step]:
                                   str(dump), str(dump)), 30),
         decode_step("decode_step_torch", "torch", "--profile", timeout_s=60),
         decode_step("decode_step_torch_sync", "torch", "--no-async-scheduling", timeout_s=45),
+        *(decode_step(f"decode_step_{backend}_fp8", backend, "--quantization", "fp8",
+                      timeout_s=timeout_s)
+          for backend, timeout_s in (("torch", 60), ("jax", 100))),
         *flag_ab,
         *(Step(f"kernels_{fw}", (str(BENCHMARKS / "kernels.py"), "--framework", fw, *kernels,
                                  "--out", str(part / "kernels")), 120)

@@ -203,7 +203,7 @@ def _longrope(cfg: dict, params: dict) -> dict:
 
 
 # What `quantization=` takes (vLLM's option): the kept-quantized weight formats built so far.
-QUANTIZATION_METHODS = (None, "int8", "gguf")
+QUANTIZATION_METHODS = (None, "int8", "gguf", "fp8")
 
 
 @dataclass
@@ -249,8 +249,10 @@ class EngineConfig:
     trust_remote_code: bool = False  # accepted; checkpoints with custom code are refused
     attention_impl: str = "auto"  # pagedjax's own; see the backends' resolve_attention
     # Weights kept quantized (vLLM's name): None; "int8" (symmetric per output channel,
-    # quantized at load); or "gguf" (a GGUF file's Q8_0/Q4_0/Q4_1 blocks as they are). The
-    # projections and the LM head then run on the CPU kernels (both backends).
+    # quantized at load) or "gguf" (a GGUF file's Q8_0/Q4_0/Q4_1 blocks as they are): the
+    # projections and the LM head on the CPU kernels (both backends); "fp8" (W8A8, vLLM's
+    # dynamic FP8: e4m3 weights per output channel, activations per token; any device, FP8
+    # GEMMs on Hopper GPUs).
     quantization: str | None = None
     # Set by the engine: the GGUF file `model` was converted from (None: not a GGUF source)
     gguf_path: str | None = None
@@ -270,7 +272,11 @@ class EngineConfig:
             raise ValueError(f"quantization={self.quantization!r} is not supported; use one of "
                              f"{QUANTIZATION_METHODS}.")
         q = self.quantization
-        if q is not None and (self.dtype != "float32" or self.tensor_parallel_size != 1):
+        if q == "fp8" and self.tensor_parallel_size != 1:
+            raise ValueError(f"quantization='fp8' runs on one device, not tensor_parallel_size="
+                             f"{self.tensor_parallel_size}; use tensor_parallel_size=1, or "
+                             f"quantization=None.")
+        if q in ("int8", "gguf") and (self.dtype != "float32" or self.tensor_parallel_size != 1):
             raise ValueError(f"quantization={q!r} runs on the CPU kernels with float32 "
                              f"activations on one device, not with dtype={self.dtype!r} and "
                              f"tensor_parallel_size={self.tensor_parallel_size}; use "

@@ -51,8 +51,9 @@ _FLAGS: dict[str, tuple[str, dict]] = {
     "trust_remote_code": ("accepted; checkpoints with custom code are refused",
                           {"action": "store_true"}),
     "attention_impl": ("attention implementation (auto: the backend's fastest)", {}),
-    "quantization": ("weights kept quantized (CPU kernels, both backends): int8 (per output "
-                     "channel, at load) or gguf (a GGUF file's Q8_0/Q4_x blocks)",
+    "quantization": ("weights kept quantized: int8 (per output channel, at load) or gguf (a "
+                     "GGUF file's Q8_0/Q4_x blocks) on CPUs; fp8 (W8A8, dynamic; FP8 GEMMs on "
+                     "Hopper)",
                      {"choices": tuple(m for m in QUANTIZATION_METHODS if m)}),
 }
 

@@ -10,10 +10,16 @@ order along K, each
 (nibble j is byte j's low half for j < 16, byte j - 16's high half after). int8 weight-only
 quantization, symmetric per output channel (`quantization="int8"`), is Q8_0 with the channel's
 scale in each of its row's blocks.
+
+FP8 W8A8 (`quantization="fp8"`, vLLM's dynamic FP8) is not blocks: each weight [N, K] becomes
+float8 e4m3 with one float32 scale per output channel, w = scale[n] * q[n, k]; the backends
+quantize each row of x per token on the fly (quantize_fp8 over its last axis) and multiply fp8
+by fp8 (cuBLASLt on Hopper GPUs).
 """
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 
 BLOCK = 32
@@ -104,6 +110,21 @@ def quantize_q4_1(weight: np.ndarray) -> np.ndarray:
 QUANTIZERS = {"Q8_0": quantize_q8_0, "Q4_0": quantize_q4_0, "Q4_1": quantize_q4_1,
               "int8": quantize_int8_per_channel}
 QTYPE_OF = {"Q8_0": Q8_0, "Q4_0": Q4_0, "Q4_1": Q4_1, "int8": Q8_0}
+
+
+FP8_DTYPE = ml_dtypes.float8_e4m3fn
+FP8_MAX = 448.0  # e4m3's largest finite value
+
+
+def quantize_fp8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x [..., K] → (q [..., K] float8 e4m3, scale [...] float32): scale = max|x| / 448 over
+    the last axis (1 where it is 0), q = x / scale rounded to nearest (never past ±448: a cast
+    of a larger value would be NaN)."""
+    x = np.asarray(x, np.float32)
+    scale = np.abs(x).max(-1) / np.float32(FP8_MAX)
+    scale = np.where(scale > 0, scale, np.float32(1)).astype(np.float32)
+    q = np.clip(x / scale[..., None], -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
+    return q, scale
 
 
 def unpack(blocks: np.ndarray, qtype: int, in_features: int

@@ -15,6 +15,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from pagedjax.backends.common import quantization
 from pagedjax.backends.common.rope import rope_cos_sin
 from pagedjax.backends.common.weight_quantizer import WeightQuantizer
 from pagedjax.backends.common.weights import layer_norm_names, load_weights, repeat_kv_heads
@@ -140,6 +141,29 @@ def convert_weights(model_dir: str, config: ModelConfig, dtype: jnp.dtype, *,
     return {"params": params}
 
 
+def fp8_params(params: dict) -> dict:
+    """quantization="fp8": each projection's kernel [in, out] as float8 e4m3 with a float32
+    "weight_scale" [out] per output channel (quantization.quantize_fp8; the model's Dense then
+    multiplies fp8 by fp8), where in and out are multiples of 16 (cuBLASLt's FP8 GEMM); the
+    embedding, norms and LM head as they are."""
+    def fp8(layer: dict) -> dict:
+        kernel = np.asarray(layer["kernel"]).astype(np.float32)  # [in, out]
+        if kernel.shape[0] % 16 or kernel.shape[1] % 16:
+            return layer
+        q, scale = quantization.quantize_fp8(kernel.T)  # [out, in], [out]
+        return {**layer, "kernel": jnp.asarray(np.ascontiguousarray(q.T)),
+                "weight_scale": jnp.asarray(scale)}
+
+    tree = dict(params["params"])
+    for name, layer in tree.items():
+        if name.startswith("layers_"):
+            tree[name] = {**layer, **{block: {n: fp8(p) if n in projections else p
+                                              for n, p in layer[block].items()}
+                                      for block, projections in (("self_attn", _ATTN),
+                                                                 ("mlp", _MLP))}}
+    return {**params, "params": tree}
+
+
 @dataclasses.dataclass(frozen=True)
 class DeviceModel:
     """One model on the device(s): module, params, rope tables and how it is split."""
@@ -157,16 +181,19 @@ class DeviceModel:
         dtype = jnp.dtype(config.dtype)
         attention_fn, write_kv_fn, impl = resolve_attention(config.attention_impl)
         shard_config = plan.shard_config(model_config)
-        packed = uses_cpu_linear(impl, dtype, mesh)
+        fp8 = config.quantization == "fp8"  # XLA's dots over float8 weights (not packed)
+        packed = not fp8 and uses_cpu_linear(impl, dtype, mesh)
         module = LlamaForCausalLM(shard_config, dtype,
                                   *per_shard(attention_fn, write_kv_fn, mesh, plan), packed)
         params, source = load_params(model_dir, model_config, dtype, plan=plan, mesh=mesh)
-        if config.quantization is not None and not packed:
+        if config.quantization in ("int8", "gguf") and not packed:
             raise ValueError(f"quantization={config.quantization!r} runs on the C++ CPU kernels "
                              f"(float32, attention_impl 'cpu' or 'auto' on a CPU, one device), "
                              f"not with attention_impl={impl!r}, dtype={config.dtype!r} on "
                              f"{jax.default_backend()}; use quantization=None there.")
-        if packed:
+        if fp8:
+            params = fp8_params(params)
+        elif packed:
             quantizer = None
             if config.quantization is not None:
                 quantizer = WeightQuantizer(config.quantization, shard_config, config.gguf_path)

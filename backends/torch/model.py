@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedjax.backends.common import quantization
 from pagedjax.backends.common.attention_metadata import AttentionMetadata
 from pagedjax.backends.common.weight_quantizer import (
     LM_HEAD,
@@ -121,6 +122,22 @@ class Linear(nn.Module):
         else:
             self.keep_blocks(*kept)
 
+    def keep_fp8(self) -> bool:
+        """quantization="fp8": the weight as float8 e4m3 [out, in] with a float32 scale per
+        output channel (weight_scale [1, out]; quantization.quantize_fp8), x quantized per token
+        at each call (`fp8_linear`); False (left as it is) where in or out is not a multiple of
+        16, as cuBLASLt's FP8 GEMM needs."""
+        in_features, out_features = self.weight.shape
+        if in_features % 16 or out_features % 16:
+            return False
+        device = self.weight.device
+        q, scale = quantization.quantize_fp8(self.weight.detach().T.float().cpu().numpy())
+        fp8 = torch.from_numpy(q.view(np.uint8)).view(torch.float8_e4m3fn)
+        self.weight = nn.Parameter(fp8.to(device), requires_grad=False)  # [out, in]
+        self.weight_scale = nn.Parameter(torch.from_numpy(scale)[None].to(device),
+                                         requires_grad=False)  # [1, out]
+        return True
+
     def keep_blocks(self, qtype: int, blocks: np.ndarray) -> None:
         """The weight as these GGML blocks [out, in / 32 * block bytes] of qtype."""
         self.weight = nn.Parameter(torch.from_numpy(np.ascontiguousarray(blocks)),
@@ -130,11 +147,31 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qtype is not None:
             return quant_linear(x, self.weight, self.qtype, self.bias)
+        if self.weight.dtype == torch.float8_e4m3fn:
+            return fp8_linear(x, self.weight, self.weight_scale, self.bias)
         if self.packed:
             return linear(x, self.weight, self.bias, self.out_features)
         if self.bias is None:
             return x @ self.weight
         return torch.addmm(self.bias, x, self.weight)
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+               bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] @ W^T (+ bias) → [..., N] in x's dtype, W float8 e4m3 [N, K] with
+    weight_scale [1, N]: each row of x quantized to e4m3 with its own scale (max|x| / 448, the
+    backends' quantize_fp8), then one FP8 GEMM scaled per row and per column (torch._scaled_mm:
+    cuBLASLt on Hopper, whose row-wise scaling writes bfloat16)."""
+    rows = x.reshape(-1, x.shape[-1]).float()  # [M, K]
+    scale = rows.abs().amax(-1, keepdim=True) / quantization.FP8_MAX  # [M, 1]
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = (rows / scale).clamp(-quantization.FP8_MAX, quantization.FP8_MAX).to(torch.float8_e4m3fn)
+    out_dtype = torch.bfloat16 if x.is_cuda else x.dtype
+    y = torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale,
+                         out_dtype=out_dtype).to(x.dtype)
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
 class Attention(nn.Module):
@@ -350,6 +387,21 @@ class LlamaForCausalLM(nn.Module):
         self.untie_lm_head().keep_quantized(quantizer, LM_HEAD)
         quantizer.summary()
         self.fuse_layers()
+
+    def keep_fp8(self, pack_rest: bool) -> None:
+        """quantization="fp8": each projection as float8 with per-channel scales where its sizes
+        allow (Linear.keep_fp8); the LM head, and the rest, in the model's dtype (packed for
+        the CPU's float32 linear where pack_rest). Layers stay modules (no fused C++ layer)."""
+        for layer in self.layers:
+            for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                           layer.mlp.gate_up_proj, layer.mlp.down_proj):
+                if not module.keep_fp8() and pack_rest:
+                    module.pack()
+        if pack_rest:
+            if self.lm_head is None:
+                self.lm_head = Linear.packed_from(self.embed_tokens.weight.T)
+            else:
+                self.lm_head.pack()
 
     def fuse_layers(self) -> None:
         """On one device each plain decoder layer runs as one C++ op (DecoderLayer.fuse), where

@@ -42,7 +42,9 @@ class DeviceModel:
         dtype = getattr(torch, config.dtype)
         module = load_model(model_dir, shard_config, dtype, device,
                             resolve_attention(config.attention_impl), shard=shard)
-        if config.quantization is not None:
+        if config.quantization == "fp8":
+            module.keep_fp8(pack_rest=uses_cpu_linear(config.attention_impl, device, dtype))
+        elif config.quantization is not None:
             if device.type != "cpu":
                 raise ValueError(f"quantization={config.quantization!r} runs on the CPU kernels "
                                  f"(pagedjax::quant_linear), not on {device.type}; use "

@@ -5,9 +5,8 @@ cache per model indexed by the same block ids and runs the whole speculative ste
 (draft catch-up, k draft steps, one ragged target pass over k + 1 positions per sequence, exact
 rejection sampling). The core only reserves draft slots and rolls back rejected ones.
 
-`AdaptiveSpeculation` picks k each step among 0 and the compiled ks: the k that maximises the
-expected tokens per second, from the measured acceptance per draft position and the step times
-measured at startup per batch bucket, so speculation that does not pay is switched off (k = 0).
+How many drafts each step proposes is the policy's (spec_policy.py); this file measures the
+startup table that seeds it (measure_step_costs).
 """
 
 from __future__ import annotations
@@ -186,81 +185,3 @@ def measure_step_costs(execute: Callable[[ModelInput], Any], shapes: StepShapes,
                 seconds.append(time.perf_counter() - start)
             costs[num_seqs][k] = min(seconds[1:])
     return costs
-
-
-class AdaptiveSpeculation:
-    """Chooses k per step among 0 and the compiled ks (step_shapes.py): the k with the most
-    expected tokens per second, E(k) / t(k), where E(k) = 1 + sum_{j<k} a_j are the expected
-    tokens per sequence (a_j: the measured chance that the first j + 1 drafts are accepted, each
-    position forgetting as it is drafted again) and t(k) the step time of k at this batch bucket,
-    measured once at startup (measure_step_costs). A k > 0 must promise MIN_GAIN over k = 0.
-
-    A pure function of that table and the live acceptance; while k = 0 wins, every PROBE_EVERY
-    steps drafts once with the best k > 0, so that the acceptance it rests on stays measured.
-    Positions never drafted count as the last measured one (1 before any: the first steps
-    draft, and measure).
-    """
-
-    ACCEPTANCE_DECAY = 0.9  # per step that drafts a position: its last ~10 such steps count
-    # Drafting must promise this much more than k = 0: the table is measured at one context
-    # length and batch fill, and a draining batch (nothing waiting) loses the tail of its
-    # sequences' drafting to the least accepting one.
-    MIN_GAIN = 1.1
-    PROBE_EVERY = 32  # steps at k = 0 between two drafting steps that re-measure acceptance
-
-    def __init__(self, config: SpeculativeConfig, shapes: StepShapes,
-                 costs: StepCosts | None) -> None:
-        self.max_k = config.num_speculative_tokens
-        self.adaptive = config.adaptive and costs is not None  # no table: k stays fixed
-        self.shapes, self.costs = shapes, costs
-        self.metrics = SpecDecodeMetrics(self.max_k)
-        self.k = self.max_k  # the latest choice
-        self.steps_per_k = [0] * (self.max_k + 1)  # steps run with each k
-        self._drafted = [0.0] * self.max_k
-        self._accepted = [0.0] * self.max_k
-        self._steps_at_zero = 0  # consecutive choices of k = 0
-
-    def choose(self, num_seqs: int) -> int:
-        """k for a step that will run about num_seqs sequences."""
-        if not self.adaptive:
-            self.k = self.max_k
-            return self.k
-        seconds = self.costs[self.shapes.seq_bucket(num_seqs)]
-        best = max(self.shapes.spec_ks, key=lambda k: self.expected_tokens(k) / seconds[k])
-        if self.expected_tokens(best) / seconds[best] < self.MIN_GAIN / seconds[0]:
-            self._steps_at_zero += 1
-            if self._steps_at_zero % self.PROBE_EVERY:
-                best = 0
-        else:
-            self._steps_at_zero = 0
-        self.k = best
-        return best
-
-    def observe(self, out: SchedulerOutput, sampled: SampledTokens) -> None:
-        """Record a step: how many of its drafts were accepted, per position."""
-        self.steps_per_k[out.num_spec_tokens] += 1
-        verified = verified_drafts(out, sampled)
-        # each position forgets only when it is drafted again: one rarely drafted (a larger k
-        # than usual) keeps its last ~10 steps' measurements instead of its latest one alone
-        deepest = max((num_drafts for num_drafts, _ in verified), default=0)
-        for j in range(deepest):
-            self._drafted[j] *= self.ACCEPTANCE_DECAY
-            self._accepted[j] *= self.ACCEPTANCE_DECAY
-        for num_drafts, num_accepted in verified:
-            self.metrics.record(num_drafts, num_accepted)
-            for j in range(num_drafts):
-                self._drafted[j] += 1
-                self._accepted[j] += j < num_accepted
-
-    def expected_tokens(self, k: int) -> float:
-        """Tokens per sequence and step with k drafts: 1 + sum_{j<k} P(first j + 1 accepted)."""
-        total, rate = 1.0, 1.0
-        for j in range(k):
-            if self._drafted[j] > 0:
-                rate = self._accepted[j] / self._drafted[j]
-            total += rate  # unmeasured positions: as the last measured one
-        return total
-
-    def as_dict(self) -> dict:
-        return {**self.metrics.as_dict(), "spec_decode_num_speculative_tokens": self.k,
-                "spec_decode_steps_per_k": list(self.steps_per_k)}

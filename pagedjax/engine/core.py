@@ -37,7 +37,8 @@ from pagedjax.core.request_policy import ParallelSampling, PolicyContext, Reques
 from pagedjax.core.scheduler import Scheduler
 from pagedjax.core.scheduler_output import SampledTokens, SchedulerOutput
 from pagedjax.core.sequence import Sequence
-from pagedjax.core.spec_decode import AdaptiveSpeculation, SpeculativeConfig
+from pagedjax.core.spec_decode import SpeculativeConfig
+from pagedjax.core.spec_policy import AdaptiveSpeculation
 from pagedjax.core.step_shapes import StepShapes
 from pagedjax.core.stopping import StopChecker
 from pagedjax.distributed.parallel_state import register_engine
@@ -101,6 +102,7 @@ class EngineCore:
                                                      draft_model_config, self.shapes)
         self.startup_compile_seconds = self._compile()
         self.speculation = self._speculation(spec_config)
+        self._last_output_time: float | None = None  # perf_counter of the last step's outputs
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -382,10 +384,14 @@ class EngineCore:
             self.structured_output.release()  # the completions that finished
         stamps.append(time.perf_counter() - during_seconds)
         self.step_timings.record(stamps)
-        if self.speculation is not None:
-            self.speculation.observe(out, sampled)
+        if self.speculation is not None:  # with the period since the last step's outputs
+            now = time.perf_counter()  # (the frontend's time in between is not the step's)
+            last, self._last_output_time = self._last_output_time, now
+            self.speculation.observe(out, sampled,
+                                     None if last is None else now - last - during_seconds)
         if not self.scheduler.has_unfinished():  # the last rows free now, not at the next step
             self._apply_changes(self.scheduler.take_changes())
+            self._last_output_time = None  # idle next: the next period is no step's
 
     # ---- outputs -----------------------------------------------------------------------------
 

@@ -1,0 +1,141 @@
+"""How many drafts a speculative step proposes: k among 0 and the compiled ks (step_shapes.py),
+learned from what the engine achieves.
+
+The policy picks the k with the most expected tokens per second, E(k) / t(k):
+- E(k) = 1 + sum_{j<k} a_j, the tokens per sequence a step with k drafts yields, a_j the
+  measured chance that the first j + 1 drafts are accepted (each position forgetting as it is
+  drafted again; one never drafted counts as the last measured one, 1 before any);
+- t(k) the step's seconds at this batch bucket, as the engine measures them step by step (the
+  period between two decode steps' outputs: host and device work alike). The startup table
+  (measure_step_costs: one context, synthetic batches) only seeds each estimate, as one
+  sample, times what the engine's steps with the same k at other buckets showed of the
+  table's error (the geometric mean of measured / table; none before any).
+
+Every PROBE_EVERY steps the policy runs the k least measured at this bucket instead (a k > 0
+before 0 where they tie, the better rate first), measuring its time and, drafting, the
+acceptance of its positions: a wrong seed or a change in the prompts is found, at a cost of at
+most one step in PROBE_EVERY. Otherwise a k > 0 must promise MIN_GAIN over k = 0 (a step's time
+varies with context length and batch fill).
+"""
+
+from __future__ import annotations
+
+import math
+
+from pagedjax.core.scheduler_output import SampledTokens, SchedulerOutput
+from pagedjax.core.spec_decode import (
+    SpecDecodeMetrics,
+    SpeculativeConfig,
+    StepCosts,
+    verified_drafts,
+)
+from pagedjax.core.step_shapes import StepShapes
+
+
+class AdaptiveSpeculation:
+    """choose(num_seqs) → k for the next step; observe(out, sampled, seconds) after it."""
+
+    ACCEPTANCE_DECAY = 0.9  # per step that drafts a position: its last ~10 such steps count
+    TIME_DECAY = 0.9  # per measured step of a cell: its last ~10 steps count
+    SEED_WEIGHT = 1.0  # the startup table's value counts as this many measured steps
+    OUTLIER = 4.0  # a period over this many times its cell's estimate is an idle gap: dropped
+    MIN_GAIN = 1.03
+    PROBE_EVERY = 32  # every this many steps, the least measured k
+
+    def __init__(self, config: SpeculativeConfig, shapes: StepShapes,
+                 costs: StepCosts | None) -> None:
+        self.max_k = config.num_speculative_tokens
+        self.adaptive = config.adaptive and costs is not None  # no table: k stays fixed
+        self.shapes, self.costs = shapes, costs
+        self.metrics = SpecDecodeMetrics(self.max_k)
+        self.k = self.max_k  # the latest choice
+        self.steps_per_k = [0] * (self.max_k + 1)  # steps run with each k
+        self._drafted = [0.0] * self.max_k
+        self._accepted = [0.0] * self.max_k
+        self._num_choices = 0
+        # (bucket, k) → decayed (sum of measured seconds, their weight)
+        self._measured: dict[tuple[int, int], tuple[float, float]] = {}
+        # k → decayed (sum of log(measured / table) over its cells, weight)
+        self._log_error: dict[int, tuple[float, float]] = {}
+
+    # ---- choosing ------------------------------------------------------------------------
+
+    def choose(self, num_seqs: int) -> int:
+        """k for a step that will run about num_seqs sequences."""
+        if not self.adaptive:
+            self.k = self.max_k
+            return self.k
+        self._num_choices += 1
+        bucket = self.shapes.seq_bucket(num_seqs)
+        rate = {k: self.expected_tokens(k) / self.seconds(bucket, k)
+                for k in (0, *self.shapes.spec_ks)}
+        if self._num_choices % self.PROBE_EVERY == 0:  # the least measured k at this bucket
+            measured = {k: self._measured.get((bucket, k), (0.0, 0.0))[1] for k in rate}
+            best = min(rate, key=lambda k: (measured[k], k == 0, -rate[k]))
+        else:
+            best = max(self.shapes.spec_ks, key=rate.__getitem__)
+            if rate[best] < self.MIN_GAIN * rate[0]:
+                best = 0
+        self.k = best
+        return best
+
+    def expected_tokens(self, k: int) -> float:
+        """Tokens per sequence and step with k drafts: 1 + sum_{j<k} P(first j + 1 accepted)."""
+        total, rate = 1.0, 1.0
+        for j in range(k):
+            if self._drafted[j] > 0:
+                rate = self._accepted[j] / self._drafted[j]
+            total += rate  # unmeasured positions: as the last measured one
+        return total
+
+    def seconds(self, bucket: int, k: int) -> float:
+        """The estimate of t(k) at this bucket: the table's seed (corrected by the error its
+        measured cells of this k showed) as SEED_WEIGHT samples, with this cell's own
+        measurements."""
+        error_sum, error_weight = self._log_error.get(k, (0.0, 0.0))
+        seed = self.costs[bucket][k] * math.exp(error_sum / error_weight if error_weight else 0.0)
+        total, weight = self._measured.get((bucket, k), (0.0, 0.0))
+        return (seed * self.SEED_WEIGHT + total) / (self.SEED_WEIGHT + weight)
+
+    # ---- learning ------------------------------------------------------------------------
+
+    def observe(self, out: SchedulerOutput, sampled: SampledTokens,
+                seconds: float | None = None) -> None:
+        """Record a step: how many of its drafts were accepted, per position, and (seconds) the
+        engine's period for it, where every sequence decoded one token (a step with a prompt
+        chunk is no sample of t(k))."""
+        self.steps_per_k[out.num_spec_tokens] += 1
+        self._observe_acceptance(out, sampled)
+        if (self.adaptive and seconds is not None and seconds > 0 and out.seq_ids
+                and max(out.num_new_tokens) == 1):
+            self._observe_seconds(self.shapes.seq_bucket(len(out.seq_ids)),
+                                  out.num_spec_tokens, seconds)
+
+    def _observe_acceptance(self, out: SchedulerOutput, sampled: SampledTokens) -> None:
+        verified = verified_drafts(out, sampled)
+        # each position forgets only when it is drafted again: one rarely drafted (a larger k
+        # than usual) keeps its last ~10 steps' measurements instead of its latest one alone
+        deepest = max((num_drafts for num_drafts, _ in verified), default=0)
+        for j in range(deepest):
+            self._drafted[j] *= self.ACCEPTANCE_DECAY
+            self._accepted[j] *= self.ACCEPTANCE_DECAY
+        for num_drafts, num_accepted in verified:
+            self.metrics.record(num_drafts, num_accepted)
+            for j in range(num_drafts):
+                self._drafted[j] += 1
+                self._accepted[j] += j < num_accepted
+
+    def _observe_seconds(self, bucket: int, k: int, seconds: float) -> None:
+        if k not in (0, *self.shapes.spec_ks) or seconds > self.OUTLIER * self.seconds(bucket, k):
+            return
+        total, weight = self._measured.get((bucket, k), (0.0, 0.0))
+        self._measured[bucket, k] = (total * self.TIME_DECAY + seconds,
+                                     weight * self.TIME_DECAY + 1)
+        error_sum, error_weight = self._log_error.get(k, (0.0, 0.0))
+        self._log_error[k] = (error_sum * self.TIME_DECAY
+                              + math.log(seconds / self.costs[bucket][k]),
+                              error_weight * self.TIME_DECAY + 1)
+
+    def as_dict(self) -> dict:
+        return {**self.metrics.as_dict(), "spec_decode_num_speculative_tokens": self.k,
+                "spec_decode_steps_per_k": list(self.steps_per_k)}

@@ -1,0 +1,157 @@
+"""The FP8 KV cache (kv_cache_dtype="fp8") in the kernels: float8 e4m3 conversion exact both
+ways (all 256 codes read, floats rounded to nearest even and saturated as ml_dtypes and torch
+round), and each kernel with fp8 caches against its reference, which dequantizes (cache * scale):
+the torch C++ CPU ops (write_kv, attention, the fused decoder layer) and the jnp references."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+from pagedjax.kernels_cuda import ops, reference
+from tests.kernels.naive import make_ragged_case, naive_ragged_paged_attention
+
+FP8 = ml_dtypes.float8_e4m3fn
+ALL_CODES = np.arange(256, dtype=np.uint8)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compiled_ops() -> None:
+    assert ops.ops_backend() == "cpp", "the C++ CPU ops must build on the test machines"
+
+
+def fp8_round(x: np.ndarray, scale: float = 1.0) -> np.ndarray:
+    """x / scale as an fp8 cache stores it, by ml_dtypes: nearest even, saturated to +-448."""
+    return np.clip(x.astype(np.float32) / np.float32(scale), -448, 448).astype(FP8)
+
+
+def hard_floats(rng: np.random.Generator) -> np.ndarray:
+    """Every e4m3 value, every midpoint between neighbours (ties to even), their neighbours
+    one float32 ulp away, subnormals, zeros, overflow, infinities, NaN and random floats."""
+    values = np.sort(ALL_CODES.view(FP8).astype(np.float32)[~np.isnan(
+        ALL_CODES.view(FP8).astype(np.float32))])
+    midpoints = (values[1:] + values[:-1]) / 2
+    special = np.array([0.0, -0.0, 1e-12, -3e-3, 2.0**-10, 2.0**-9 * 1.5, 448.0, 449.0, 463.9,
+                        464.0, 480.0, -1e6, np.inf, -np.inf, np.nan], np.float32)
+    return np.concatenate([
+        values, midpoints, np.nextafter(midpoints, np.inf), np.nextafter(midpoints, -np.inf),
+        special, rng.standard_normal(4000).astype(np.float32) * 50,
+        rng.standard_normal(1000).astype(np.float32) * 0.01]).astype(np.float32)
+
+
+def test_ml_dtypes_and_torch_round_alike() -> None:
+    """The two references the kernels are held to agree, NaN and saturation included."""
+    x = hard_floats(np.random.default_rng(0))
+    ours = fp8_round(x).view(np.uint8)
+    theirs = reference.to_fp8(torch.from_numpy(x), 1.0).view(torch.uint8).numpy()
+    nan = np.isnan(x)
+    np.testing.assert_array_equal(ours[~nan], theirs[~nan])
+    assert np.all(ours[nan] & 0x7F == 0x7F) and np.all(theirs[nan] & 0x7F == 0x7F)
+
+
+def _write(x: np.ndarray, scale: float) -> np.ndarray:
+    """x [n] through the C++ write_kv into an fp8 cache (one head row of D = n per token)."""
+    rows = torch.from_numpy(x.reshape(-1, 1, 16))  # [T, 1, 16]
+    k_cache = torch.zeros((rows.shape[0], 1, 1, 16), dtype=torch.float8_e4m3fn)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.arange(rows.shape[0], dtype=torch.int32)
+    torch.ops.pagedjax.write_kv(rows, -rows, k_cache, v_cache, slots, scale, scale)
+    return k_cache.view(torch.uint8).numpy().reshape(-1), v_cache.view(torch.uint8).numpy()
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.37])
+def test_write_kv_rounds_to_nearest_even_and_saturates(scale: float) -> None:
+    x = hard_floats(np.random.default_rng(1))
+    x = x[: len(x) // 16 * 16]
+    k_codes, v_codes = _write(x, scale)
+    want = fp8_round(x, scale).view(np.uint8)
+    nan = np.isnan(x)
+    np.testing.assert_array_equal(k_codes[~nan], want[~nan])
+    np.testing.assert_array_equal(v_codes.reshape(-1)[~nan], fp8_round(-x, scale).view(
+        np.uint8)[~nan])
+    assert np.all(k_codes[nan] & 0x7F == 0x7F)
+
+
+def test_attention_reads_every_code_exactly() -> None:
+    """One key: the output is its value row exactly (softmax weight 1), so a value row holding
+    all 256 codes reads back each code's value times v_scale."""
+    v_scale = 0.75
+    q = torch.zeros((1, 1, 256))
+    k_cache = torch.zeros((1, 1, 8, 256), dtype=torch.float8_e4m3fn)
+    v_cache = torch.zeros((1, 1, 8, 256), dtype=torch.uint8)
+    v_cache[0, 0, 0] = torch.from_numpy(ALL_CODES)
+    v_cache = v_cache.view(torch.float8_e4m3fn)
+    one = torch.ones(1, dtype=torch.int32)
+    out = torch.ops.pagedjax.ragged_paged_attention(
+        q, k_cache, v_cache, one, torch.zeros((1, 1), dtype=torch.int32),
+        torch.tensor([0, 1], dtype=torch.int32), 1.0, None, None, None, 2.0, v_scale)
+    want = ALL_CODES.view(FP8).astype(np.float32) * np.float32(v_scale)
+    np.testing.assert_array_equal(out.numpy().reshape(-1), want)  # NaN codes read NaN
+
+
+def _fp8_case(seed: int, head_dim: int = 32, block_size: int = 16,
+              dtype: torch.dtype = torch.float32) -> tuple[dict, dict]:
+    """A ragged batch (decode, prefill over a prefix, a padding row) with fp8 caches: (torch
+    arguments, float64 dequantized caches for the oracle)."""
+    rng = np.random.default_rng(seed)
+    case = make_ragged_case(rng, [1, 5, 1, 17], [9, 21, 40, 17], num_q_heads=8, num_kv_heads=2,
+                            head_dim=head_dim, block_size=block_size, num_padding_rows=1)
+    k_scale, v_scale = 0.05, 0.02
+    args = {name: torch.from_numpy(np.ascontiguousarray(case[name])) for name in
+            ("kv_lens", "block_tables", "query_start_loc")}
+    args["q"] = torch.from_numpy(case["q"]).to(dtype)
+    dequantized = {}
+    for name, scale in (("k_cache", k_scale), ("v_cache", v_scale)):
+        codes = fp8_round(case[name], scale)
+        args[name] = torch.from_numpy(codes.view(np.uint8)).view(torch.float8_e4m3fn)
+        dequantized[name] = codes.astype(np.float64) * scale
+    return args, dict(dequantized, k_scale=k_scale, v_scale=v_scale)
+
+
+@pytest.mark.parametrize("dtype,bound", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_attention_over_fp8_caches_matches_the_dequantized_oracle(dtype, bound) -> None:
+    args, deq = _fp8_case(3, dtype=dtype)
+    names = ("q", "k_cache", "v_cache", "kv_lens", "block_tables", "query_start_loc")
+    got = ops.ragged_paged_attention(*(args[n] for n in names), sm_scale=0.2,
+                                     k_scale=deq["k_scale"], v_scale=deq["v_scale"])
+    want = naive_ragged_paged_attention(
+        args["q"].double().numpy(), deq["k_cache"], deq["v_cache"], args["kv_lens"].numpy(),
+        args["block_tables"].numpy(), args["query_start_loc"].numpy(), sm_scale=0.2)
+    real = int(args["query_start_loc"][-1])
+    np.testing.assert_allclose(got.double().numpy()[:real], want[:real], rtol=0,
+                               atol=bound * np.abs(want).max())
+    assert np.all(got.double().numpy()[real:] == 0)
+    torch_ref = reference.ragged_paged_attention(*(args[n] for n in names), sm_scale=0.2,
+                                                 k_scale=deq["k_scale"], v_scale=deq["v_scale"])
+    np.testing.assert_allclose(torch_ref.double().numpy(), got.double().numpy(), rtol=0,
+                               atol=bound * np.abs(want).max())
+
+
+def test_write_kv_op_and_reference_store_the_same_bytes() -> None:
+    rng = np.random.default_rng(4)
+    k = torch.from_numpy(rng.standard_normal((6, 2, 32)).astype(np.float32) * 30)
+    v = torch.from_numpy(rng.standard_normal((6, 2, 32)).astype(np.float32))
+    slots = torch.tensor([3, -1, 17, 0, 31, -1], dtype=torch.int32)
+    caches = [torch.zeros((2, 2, 16, 32), dtype=torch.float8_e4m3fn) for _ in range(4)]
+    torch.ops.pagedjax.write_kv(k, v, caches[0], caches[1], slots, 0.1, 0.01)
+    reference.write_kv(k, v, caches[2], caches[3], slots, 0.1, 0.01)
+    for got, want in ((caches[0], caches[2]), (caches[1], caches[3])):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    assert caches[0].view(torch.uint8).count_nonzero() > 0
+
+
+@pytest.mark.parametrize("args,message", [
+    (dict(k_scale=0.0), "k_scale and v_scale must be finite and > 0"),
+    (dict(v_cache_dtype=torch.float32), "v_cache has dtype Float but expected Float8_e4m3fn"),
+])
+def test_bad_fp8_arguments_are_named(args: dict, message: str) -> None:
+    case, deq = _fp8_case(5)
+    v_cache = case["v_cache"]
+    if "v_cache_dtype" in args:
+        v_cache = torch.zeros(v_cache.shape, dtype=args["v_cache_dtype"])
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.pagedjax.ragged_paged_attention(
+            case["q"], case["k_cache"], v_cache, case["kv_lens"], case["block_tables"],
+            case["query_start_loc"], 0.2, None, None, None, args.get("k_scale", 1.0), 1.0)

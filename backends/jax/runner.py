@@ -145,7 +145,7 @@ class JaxModelRunner:
         def spec(x: jax.Array) -> tuple:
             return x.shape, str(x.dtype), str(x.sharding)
 
-        models = [(m.config, str(m.module.dtype), m.module.packed, m.plan)
+        models = [(m.config, str(m.module.dtype), m.module.packed, m.plan, m.module.kv_cache_scales)
                   for m in (self.target, self.draft) if m is not None]
         arrays = jax.tree.map(spec, ([m.params for m in (self.target, self.draft) if m],
                                      self.kv_caches, self.draft_kv_caches))

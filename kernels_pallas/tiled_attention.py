@@ -110,7 +110,8 @@ def ragged_paged_attention_tiled(
         m_new = jnp.maximum(m, s.max(-1))
         p = jnp.where(visible, jnp.exp(s - m_new[..., None]), 0.0)
         alpha = jnp.exp(m - m_new)
-        pv = jnp.einsum("nrhgk,nhkd->nrhgd", p, gather(v_cache, blocks, v_scale), precision=_HIGHEST)
+        pv = jnp.einsum("nrhgk,nhkd->nrhgd", p, gather(v_cache, blocks, v_scale),
+                        precision=_HIGHEST)
         acc = alpha[..., None] * acc + pv
         return j + 1, m_new, alpha * denom + p.sum(-1), acc
 

@@ -155,3 +155,132 @@ def test_bad_fp8_arguments_are_named(args: dict, message: str) -> None:
         torch.ops.pagedjax.ragged_paged_attention(
             case["q"], case["k_cache"], v_cache, case["kv_lens"], case["block_tables"],
             case["query_start_loc"], 0.2, None, None, None, args.get("k_scale", 1.0), 1.0)
+
+
+def _jax_args(args: dict) -> tuple:
+    """The torch case as jnp arrays (fp8 caches as jnp.float8_e4m3fn)."""
+    import jax.numpy as jnp
+
+    def array(t: torch.Tensor):
+        if t.dtype == torch.float8_e4m3fn:
+            return jnp.asarray(t.view(torch.uint8).numpy().view(FP8))
+        return jnp.asarray(t.float().numpy() if t.is_floating_point() else t.numpy())
+
+    names = ("q", "k_cache", "v_cache", "kv_lens", "block_tables", "query_start_loc")
+    return tuple(array(args[n]) for n in names)
+
+
+@pytest.mark.parametrize("impl", ["reference", "tiled", "cpu_ffi"])
+def test_jax_attention_over_fp8_caches_matches_the_dequantized_oracle(impl: str) -> None:
+    from pagedjax.backends.jax import cpu_ffi
+    from pagedjax.kernels_pallas.reference import ragged_paged_attention_reference
+    from pagedjax.kernels_pallas.tiled_attention import ragged_paged_attention_tiled
+
+    fn = {"reference": ragged_paged_attention_reference, "tiled": ragged_paged_attention_tiled,
+          "cpu_ffi": cpu_ffi.ragged_paged_attention}[impl]
+    if impl == "cpu_ffi":
+        assert cpu_ffi.available()
+    args, deq = _fp8_case(6)
+    jargs = _jax_args(args)
+    assert jargs[1].dtype == "float8_e4m3fn"
+    got = np.asarray(fn(*jargs, sm_scale=0.2, k_scale=deq["k_scale"], v_scale=deq["v_scale"]),
+                     np.float64)
+    want = naive_ragged_paged_attention(
+        np.asarray(jargs[0], np.float64), deq["k_cache"], deq["v_cache"], *map(np.asarray,
+                                                                               jargs[3:]),
+        sm_scale=0.2)
+    real = int(args["query_start_loc"][-1])
+    np.testing.assert_allclose(got[:real], want[:real], rtol=0, atol=1e-5 * np.abs(want).max())
+    assert np.all(got[real:] == 0)
+
+
+def test_jax_write_kv_stores_the_bytes_of_the_torch_op() -> None:
+    import jax.numpy as jnp
+
+    from pagedjax.kernels_pallas import write_kv
+
+    rng = np.random.default_rng(8)
+    k = rng.standard_normal((6, 2, 32)).astype(np.float32) * 30
+    v = rng.standard_normal((6, 2, 32)).astype(np.float32)
+    slots = np.array([3, -1, 17, 0, 31, -1], np.int32)
+    zeros = jnp.zeros((2, 2, 16, 32), jnp.float8_e4m3fn)
+    k_cache, v_cache = write_kv(jnp.asarray(k), jnp.asarray(v), zeros, jnp.zeros_like(zeros),
+                                jnp.asarray(slots), k_scale=0.1, v_scale=0.01)
+    want = [torch.zeros((2, 2, 16, 32), dtype=torch.float8_e4m3fn) for _ in range(2)]
+    torch.ops.pagedjax.write_kv(torch.from_numpy(k), torch.from_numpy(v), *want,
+                                torch.from_numpy(slots), 0.1, 0.01)
+    for got, expected in zip((k_cache, v_cache), want):
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint8),
+                                      expected.view(torch.uint8).numpy())
+
+
+@pytest.mark.parametrize("first", [False, True])
+def test_fused_decoder_layer_over_fp8_caches(first: bool) -> None:
+    """The fused layer (torch op and FFI handler, bit for bit alike) with fp8 caches: it writes
+    the fp8 bytes of the keys and values the float32 layer writes, and reads its caches as the
+    float32 layer reads their dequantized values."""
+    import jax
+    import jax.numpy as jnp
+
+    from pagedjax.backends.jax import cpu_ffi
+    from tests.kernels.test_cpu_decoder_layer import EPS, _case
+
+    c = _case(np.random.default_rng(9), hidden=64, num_q_heads=4, num_kv_heads=2, head_dim=16,
+              intermediate=96, bias=True)
+    k_scale, v_scale = 0.05, 0.03
+    codes = {"k_cache": fp8_round(c["k_cache"], k_scale), "v_cache": fp8_round(c["v_cache"],
+                                                                               v_scale)}
+    t = {k: torch.from_numpy(v.copy()) if isinstance(v, np.ndarray) else v for k, v in c.items()}
+    packed = {n: ops.pack_linear_weight(t[n]) for n in ("qkv", "o", "gate_up", "down")}
+
+    def torch_layer(k_cache, v_cache, scales, slot_mapping):
+        out, stream = torch.ops.pagedjax.decoder_layer(
+            t["x"], None if first else t["residual"], t["input_norm"], packed["qkv"],
+            t["qkv_bias"], packed["o"], t["post_norm"], packed["gate_up"], packed["down"],
+            k_cache, v_cache, t["cos"], t["sin"], slot_mapping, t["kv_lens"],
+            t["block_tables"], t["query_start_loc"], 4, 2, 96, EPS, 16**-0.5, None, None, None,
+            *scales)
+        return out.numpy(), stream.numpy()
+
+    fp8 = {n: torch.from_numpy(codes[n].view(np.uint8).copy()).view(torch.float8_e4m3fn)
+           for n in codes}
+    out, stream = torch_layer(fp8["k_cache"], fp8["v_cache"], (k_scale, v_scale),
+                              t["slot_mapping"])
+    # the float32 layer over the dequantized caches writes the keys and values that fp8 stores
+    floats = {n: torch.from_numpy(codes[n].astype(np.float32) * np.float32(s))
+              for n, s in (("k_cache", k_scale), ("v_cache", v_scale))}
+    torch_layer(floats["k_cache"], floats["v_cache"], (1.0, 1.0), t["slot_mapping"])
+    for name, scale in (("k_cache", k_scale), ("v_cache", v_scale)):
+        stored = fp8_round(floats[name].numpy(), scale)
+        np.testing.assert_array_equal(fp8[name].view(torch.uint8).numpy(), stored.view(np.uint8))
+        floats[name] = torch.from_numpy(stored.astype(np.float32) * np.float32(scale))
+    # and, writing nothing, over the caches fp8 holds now it computes the fp8 layer's bits
+    no_slots = torch.full_like(t["slot_mapping"], -1)
+    float_out, float_stream = torch_layer(floats["k_cache"], floats["v_cache"], (1.0, 1.0),
+                                          no_slots)
+    real = int(c["query_start_loc"][-1])
+    np.testing.assert_array_equal(out[:real], float_out[:real])
+    np.testing.assert_array_equal(stream[:real], float_stream[:real])
+
+    pack = {n: cpu_ffi.pack_linear_weight(jnp.asarray(c[n])) for n in packed}
+    weights = cpu_ffi.DecoderLayerWeights(
+        jnp.asarray(c["input_norm"]), pack["qkv"], jnp.asarray(c["qkv_bias"]), pack["o"],
+        jnp.asarray(c["post_norm"]), pack["gate_up"], pack["down"])
+
+    def jax_layer(x, residual, k_cache, v_cache):
+        return cpu_ffi.decoder_layer(
+            x, None if first else residual, weights, (k_cache, v_cache), *(
+                jnp.asarray(c[n]) for n in ("cos", "sin", "slot_mapping", "kv_lens",
+                                            "block_tables", "query_start_loc")),
+            num_q_heads=4, intermediate_size=96, eps=EPS, sm_scale=16**-0.5,
+            k_scale=k_scale, v_scale=v_scale)
+
+    j_out, j_stream, (j_k, j_v) = jax.jit(jax_layer, donate_argnums=(2, 3))(
+        jnp.asarray(c["x"]), jnp.asarray(c["residual"]), jnp.asarray(codes["k_cache"]),
+        jnp.asarray(codes["v_cache"]))
+    np.testing.assert_array_equal(np.asarray(j_out)[:real], out[:real])
+    np.testing.assert_array_equal(np.asarray(j_stream)[:real], stream[:real])
+    np.testing.assert_array_equal(np.asarray(j_k).view(np.uint8),
+                                  fp8["k_cache"].view(torch.uint8).numpy())
+    np.testing.assert_array_equal(np.asarray(j_v).view(np.uint8),
+                                  fp8["v_cache"].view(torch.uint8).numpy())

@@ -5,6 +5,8 @@ the torch C++ CPU ops (write_kv, attention, the fused decoder layer) and the jnp
 
 from __future__ import annotations
 
+import functools
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -92,12 +94,13 @@ def test_attention_reads_every_code_exactly() -> None:
 
 
 def _fp8_case(seed: int, head_dim: int = 32, block_size: int = 16,
-              dtype: torch.dtype = torch.float32) -> tuple[dict, dict]:
-    """A ragged batch (decode, prefill over a prefix, a padding row) with fp8 caches: (torch
-    arguments, float64 dequantized caches for the oracle)."""
+              dtype: torch.dtype = torch.float32, decode: bool = False) -> tuple[dict, dict]:
+    """A ragged batch (decode, prefill over a prefix, a padding row; decode: one token a
+    sequence) with fp8 caches: (torch arguments, float64 dequantized caches for the oracle)."""
     rng = np.random.default_rng(seed)
-    case = make_ragged_case(rng, [1, 5, 1, 17], [9, 21, 40, 17], num_q_heads=8, num_kv_heads=2,
-                            head_dim=head_dim, block_size=block_size, num_padding_rows=1)
+    q_lens, padding = ([1, 1, 1, 1], 0) if decode else ([1, 5, 1, 17], 1)
+    case = make_ragged_case(rng, q_lens, [9, 21, 40, 17], num_q_heads=8, num_kv_heads=2,
+                            head_dim=head_dim, block_size=block_size, num_padding_rows=padding)
     k_scale, v_scale = 0.05, 0.02
     args = {name: torch.from_numpy(np.ascontiguousarray(case[name])) for name in
             ("kv_lens", "block_tables", "query_start_loc")}
@@ -170,17 +173,21 @@ def _jax_args(args: dict) -> tuple:
     return tuple(array(args[n]) for n in names)
 
 
-@pytest.mark.parametrize("impl", ["reference", "tiled", "cpu_ffi"])
+@pytest.mark.parametrize("impl", ["reference", "tiled", "cpu_ffi", "pallas", "pallas_decode"])
 def test_jax_attention_over_fp8_caches_matches_the_dequantized_oracle(impl: str) -> None:
+    """Every jax attention, the Pallas kernel interpreted (pages converted in the kernel)."""
     from pagedjax.backends.jax import cpu_ffi
+    from pagedjax.kernels_pallas import ragged_paged_attention
     from pagedjax.kernels_pallas.reference import ragged_paged_attention_reference
     from pagedjax.kernels_pallas.tiled_attention import ragged_paged_attention_tiled
 
+    pallas = functools.partial(ragged_paged_attention, interpret=True)
     fn = {"reference": ragged_paged_attention_reference, "tiled": ragged_paged_attention_tiled,
-          "cpu_ffi": cpu_ffi.ragged_paged_attention}[impl]
+          "cpu_ffi": cpu_ffi.ragged_paged_attention, "pallas": pallas,
+          "pallas_decode": functools.partial(pallas, decode=True)}[impl]
     if impl == "cpu_ffi":
         assert cpu_ffi.available()
-    args, deq = _fp8_case(6)
+    args, deq = _fp8_case(6, decode=impl == "pallas_decode")
     jargs = _jax_args(args)
     assert jargs[1].dtype == "float8_e4m3fn"
     got = np.asarray(fn(*jargs, sm_scale=0.2, k_scale=deq["k_scale"], v_scale=deq["v_scale"]),

@@ -21,7 +21,7 @@ ALL_CODES = np.arange(256, dtype=np.uint8)
 
 @pytest.fixture(scope="module", autouse=True)
 def compiled_ops() -> None:
-    assert ops.ops_backend() == "cpp", "the C++ CPU ops must build on the test machines"
+    assert ops.ops_backend() in ("cpp", "cuda"), "the C++ ops must build on the test machines"
 
 
 def fp8_round(x: np.ndarray, scale: float = 1.0) -> np.ndarray:
@@ -291,3 +291,33 @@ def test_fused_decoder_layer_over_fp8_caches(first: bool) -> None:
                                   fp8["k_cache"].view(torch.uint8).numpy())
     np.testing.assert_array_equal(np.asarray(j_v).view(np.uint8),
                                   fp8["v_cache"].view(torch.uint8).numpy())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,bound", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("head_dim", [32, 80, 128])
+def test_cuda_ops_over_fp8_caches(torch_cuda, dtype, bound, head_dim) -> None:
+    """The CUDA write_kv stores the C++ op's bytes; the CUDA attention reads fp8 caches as the
+    dequantized oracle says (decode and multi-token paths)."""
+    rng = np.random.default_rng(10)
+    k = torch.from_numpy(rng.standard_normal((6, 2, head_dim)).astype(np.float32) * 30)
+    v = torch.from_numpy(rng.standard_normal((6, 2, head_dim)).astype(np.float32))
+    slots = torch.tensor([3, -1, 17, 0, 31, -1], dtype=torch.int32)
+    caches = [torch.zeros((2, 2, 16, head_dim), dtype=torch.float8_e4m3fn) for _ in range(2)]
+    torch.ops.pagedjax.write_kv(k, v, *caches, slots, 0.1, 0.01)
+    on_gpu = [torch.zeros_like(c, device=torch_cuda) for c in caches]
+    torch.ops.pagedjax.write_kv(k.to(torch_cuda, dtype), v.to(torch_cuda, dtype), *on_gpu,
+                                slots.to(torch_cuda), 0.1, 0.01)
+    if dtype == torch.float32:
+        for got, want in zip(on_gpu, caches):
+            assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8))
+    for decode in (True, False):
+        args, deq = _fp8_case(11, head_dim=head_dim, dtype=dtype, decode=decode)
+        names = ("q", "k_cache", "v_cache", "kv_lens", "block_tables", "query_start_loc")
+        got = ops.ragged_paged_attention(*(args[n].to(torch_cuda) for n in names), sm_scale=0.2,
+                                         k_scale=deq["k_scale"], v_scale=deq["v_scale"],
+                                         max_query_len=1 if decode else None).double().cpu()
+        want = naive_ragged_paged_attention(
+            args["q"].double().numpy(), deq["k_cache"], deq["v_cache"], args["kv_lens"].numpy(),
+            args["block_tables"].numpy(), args["query_start_loc"].numpy(), sm_scale=0.2)
+        np.testing.assert_allclose(got.numpy(), want, rtol=0, atol=bound * np.abs(want).max())

@@ -6,10 +6,15 @@ by name."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import numpy as np
 import pytest
 import torch
+from safetensors.numpy import save_file
 
 from pagedjax import LLM, EngineArgs, SamplingParams
+from pagedjax.backends.common.kv_cache_scales import kv_cache_scales
 from pagedjax.config import EngineConfig, ModelConfig
 from pagedjax.core.kv_cache import num_kv_blocks_for_budget
 from pagedjax.model_loader.demo import demo_model_dirs
@@ -121,3 +126,45 @@ def test_the_cli_flag() -> None:
         "--model", "m", "--kv-cache-dtype", "fp8"]
     with pytest.raises(SystemExit):
         parser.parse_args(["--model", "m", "--kv-cache-dtype", "fp8_e5m2"])
+
+
+def _with_scales(tmp_path: Path, tensors: dict[str, np.ndarray]) -> str:
+    """The demo target's files, plus a shard holding `tensors` (a calibrated checkpoint's)."""
+    for file in Path(demo_model_dirs()[0]).iterdir():
+        (tmp_path / file.name).symlink_to(file)
+    save_file(tensors, str(tmp_path / "kv_scales.safetensors"))
+    return str(tmp_path)
+
+
+def test_checkpoint_scales_are_read_per_layer(tmp_path: Path) -> None:
+    """self_attn.k_scale / v_scale (or under k_proj / v_proj, as vLLM also reads them); a layer
+    without them gets 1.0; the engine stores k / k_scale with them."""
+    scale = lambda x: np.array(x, np.float32)  # noqa: E731
+    model_dir = _with_scales(tmp_path, {
+        "model.layers.0.self_attn.k_scale": scale(0.05),
+        "model.layers.0.self_attn.v_scale": scale([0.02]),
+        "model.layers.1.self_attn.k_proj.k_scale": scale(0.25)})
+    num_layers = ModelConfig.from_pretrained(model_dir).num_layers
+    want = [(0.05, 0.02), (0.25, 1.0)] + [(1.0, 1.0)] * (num_layers - 2)
+    assert np.allclose(kv_cache_scales(model_dir, num_layers), want)
+    llm = LLM(model_dir, backend="torch", kv_cache_dtype="fp8", max_model_len=128,
+              num_gpu_blocks_override=64)
+    layers = llm.engine.runner.models[0].module.layers
+    assert np.allclose([(a.self_attn.k_scale, a.self_attn.v_scale) for a in layers], want)
+    tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    scaled_keys = llm.engine.runner.models[0].kv_pool[0, 0].float().abs().max()  # layer 0's k
+    llm.shutdown()
+    reference, llm = _generate("torch", kv_cache_dtype="fp8", max_model_len=128,
+                               num_gpu_blocks_override=64)
+    keys = llm.engine.runner.models[0].kv_pool[0, 0].float().abs().max()
+    llm.shutdown()
+    assert 10 * keys < scaled_keys <= 448  # k / 0.05 stored
+    assert all(got[:2] == want[:2] for got, want in zip(tokens, reference))
+
+
+def test_per_head_scales_are_refused(tmp_path: Path) -> None:
+    model_dir = _with_scales(tmp_path, {"model.layers.0.self_attn.k_scale":
+                                        np.ones(4, np.float32)})
+    with pytest.raises(ValueError, match=r"model.layers.0.self_attn.k_scale .* not one positive "
+                                         r"scale per layer"):
+        LLM(model_dir, backend="torch", kv_cache_dtype="fp8", max_model_len=128)

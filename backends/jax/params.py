@@ -186,6 +186,7 @@ class DeviceModel:
         packed = not fp8 and uses_cpu_linear(impl, dtype, mesh)
         scales = None  # an fp8 KV cache's per layer (k_scale, v_scale)
         if config.fp8_kv_cache:
+            check_fp8_pallas(impl)
             scales = tuple(kv_cache_scales(model_dir, model_config.num_layers))
         module = LlamaForCausalLM(shard_config, dtype,
                                   *per_shard(attention_fn, write_kv_fn, mesh, plan), packed,
@@ -240,3 +241,14 @@ class DeviceModel:
         """KV bytes of one block on each device."""
         shards = self.plan.size if self.plan.shard_heads else 1
         return self.config.kv_bytes_per_block(block_size, dtype_bytes) // shards
+
+
+def check_fp8_pallas(impl: str) -> None:
+    """Triton converts float8 e4m3 ("fp8e4nv") from sm_89 on (Ada, Hopper): an fp8 KV cache
+    with the Pallas kernel on an older GPU is a ValueError, not a compile error per step."""
+    capability = getattr(jax.devices()[0], "compute_capability", None)  # "9.0" on GPUs
+    if impl == "pallas" and capability and tuple(map(int, capability.split("."))) < (8, 9):
+        raise ValueError(f"kv_cache_dtype='fp8' on the jax backend's Pallas kernel needs an "
+                         f"sm_89+ GPU (Ada, Hopper), this one is sm_{capability}; use "
+                         f"backend='torch' (its CUDA kernel converts fp8 on sm_80) or "
+                         f"kv_cache_dtype='auto'.")

@@ -168,3 +168,23 @@ def test_per_head_scales_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"model.layers.0.self_attn.k_scale .* not one positive "
                                          r"scale per layer"):
         LLM(model_dir, backend="torch", kv_cache_dtype="fp8", max_model_len=128)
+
+
+@pytest.mark.parametrize("capability,refused", [("8.0", True), ("8.9", False), ("9.0", False),
+                                                (None, False)])
+def test_pallas_fp8_needs_sm_89(monkeypatch, capability: str | None, refused: bool) -> None:
+    """Triton converts e4m3 from sm_89 on: older GPUs are told so before any compile."""
+    import types
+
+    import jax
+
+    from pagedjax.backends.jax import params
+
+    device = types.SimpleNamespace(compute_capability=capability)
+    monkeypatch.setattr(jax, "devices", lambda *args: [device])
+    if refused:
+        with pytest.raises(ValueError, match=r"needs an sm_89\+ GPU .* this one is sm_8.0"):
+            params.check_fp8_pallas("pallas")
+    else:
+        params.check_fp8_pallas("pallas")
+    params.check_fp8_pallas("cpu")  # the C++ kernels read fp8 anywhere

@@ -254,7 +254,7 @@ def _xplane_totals(path: str) -> dict[str, tuple[int, float]]:
 
 def measure_batch(llm, args, batch: int, weights: int, copy_gbs: float) -> dict:
     engine = llm.engine
-    model_config, dtype_bytes = engine.model_config, engine.config.dtype_bytes
+    model_config = engine.model_config
     ids = start_decoding(llm, batch, args.context,
                          max_tokens=engine.config.max_model_len - args.context, seed=batch)
     # the KV the median timed step reads: the mean context (prompts that were computed first
@@ -270,7 +270,7 @@ def measure_batch(llm, args, batch: int, weights: int, copy_gbs: float) -> dict:
     profile, kernel_us = (profile_steps(llm, args.backend, PROFILE_STEPS) if args.profile
                           else (None, None))
     finish(llm, ids)
-    kv = kv_bytes_read(model_config, batch, context, dtype_bytes)
+    kv = kv_bytes_read(model_config, batch, context, engine.config.kv_cache_dtype_bytes)
     floor_ms = 1e3 * (weights + kv) / (copy_gbs * 1e9)
     row = {"backend": args.backend, "batch": batch, "context": context,
            "weights GB": weights / 1e9, "KV GB": kv / 1e9, "floor ms": floor_ms,

@@ -178,8 +178,12 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
     max_query_len: int | None = None,
     out: torch.Tensor | None = None,  # [T, Hq, D], contiguous; written in place when given
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [T, Hq, D]; padding rows (past query_start_loc[-1]) are zeros
-    """Causal attention of each sequence's last q_len tokens over its paged KV context.
+    """Causal attention of each sequence's last q_len tokens over its paged KV context. The
+    caches are q's dtype, or float8_e4m3fn (an FP8 KV cache, read as value * k_scale /
+    value * v_scale).
 
     `max_query_len` (an upper bound on every q_len, known to the host that built the batch) only
     picks the CUDA launch configuration; without it the CUDA op reads it from query_start_loc,
@@ -189,10 +193,11 @@ def ragged_paged_attention(
         result = reference.ragged_paged_attention(
             q, k_cache, v_cache, kv_lens, block_tables, query_start_loc,
             sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+            k_scale=k_scale, v_scale=v_scale,
         )  # fmt: skip
         return result if out is None else out.copy_(result)
     args = (q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, sm_scale,
-            sliding_window, soft_cap, max_query_len)  # fmt: skip
+            sliding_window, soft_cap, max_query_len, k_scale, v_scale)  # fmt: skip
     if out is None:
         return torch.ops.pagedjax.ragged_paged_attention(*args)
     torch.ops.pagedjax.ragged_paged_attention_out(out, *args)
@@ -205,12 +210,15 @@ def write_kv(
     k_cache: torch.Tensor,  # [N, Hkv, bs, D], written in place
     v_cache: torch.Tensor,  # [N, Hkv, bs, D], written in place
     slot_mapping: torch.Tensor,  # [T] int32/int64, block_id * block_size + offset; -1 = skip
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Store this step's keys/values in their cache slots (rows with slot -1 are skipped)."""
+    """Store this step's keys/values in their cache slots (rows with slot -1 are skipped); a
+    float8_e4m3fn cache stores k / k_scale and v / v_scale, rounded and saturated to +-448."""
     if ops_backend() == "reference":
-        reference.write_kv(k, v, k_cache, v_cache, slot_mapping)
+        reference.write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     else:
-        torch.ops.pagedjax.write_kv(k, v, k_cache, v_cache, slot_mapping)
+        torch.ops.pagedjax.write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 LINEAR_TILE = 16  # columns per tile of a packed linear weight (linear_cpu.cpp)

@@ -9,6 +9,22 @@ from __future__ import annotations
 
 import torch
 
+FP8_MAX = 448.0  # the largest finite float8 e4m3fn value
+
+
+def to_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """x / scale rounded to float8 e4m3fn (nearest, ties to even), saturated to +-448 (an FP8 KV
+    cache's store, vLLM's semantics; torch's own cast would make NaN of what overflows)."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def from_cache(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """Cached keys or values as attention reads them, in `dtype`: an fp8 cache's times its
+    scale, any other cast."""
+    if x.dtype == torch.float8_e4m3fn:
+        return x.to(dtype) * scale
+    return x.to(dtype)
+
 
 def ragged_paged_attention(
     q: torch.Tensor,  # [T, Hq, D]
@@ -21,8 +37,11 @@ def ragged_paged_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [T, Hq, D]; padding rows are zeros
-    """Attention of each sequence's last q_len tokens over its paged context (causal)."""
+    """Attention of each sequence's last q_len tokens over its paged context (causal); an fp8
+    cache holds values / scale (k_scale for keys, v_scale for values)."""
     num_q_heads, head_dim = q.shape[1:]
     _, num_kv_heads, block_size, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
@@ -38,7 +57,8 @@ def ragged_paged_attention(
         keys = k_cache[blocks].transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[:, :kv_len]
         values = v_cache[blocks].transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[:, :kv_len]
         qs = q[start:end].to(acc_dtype).view(end - start, num_kv_heads, group, head_dim)
-        logits = torch.einsum("thgd,hkd->hgtk", qs, keys.to(acc_dtype)) * sm_scale
+        keys = from_cache(keys, k_scale, acc_dtype)
+        logits = torch.einsum("thgd,hkd->hgtk", qs, keys) * sm_scale
         if soft_cap is not None:
             logits = soft_cap * torch.tanh(logits / soft_cap)
         positions = torch.arange(kv_len - (end - start), kv_len, device=q.device)  # [q_len]
@@ -47,7 +67,7 @@ def ragged_paged_attention(
         if sliding_window is not None:
             visible &= positions[:, None] - key_pos[None, :] < sliding_window
         probs = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
-        attended = torch.einsum("hgtk,hkd->thgd", probs, values.to(acc_dtype))
+        attended = torch.einsum("hgtk,hkd->thgd", probs, from_cache(values, v_scale, acc_dtype))
         out[start:end] = attended.reshape(end - start, num_q_heads, head_dim)
     return out.to(q.dtype)
 
@@ -58,14 +78,19 @@ def write_kv(
     k_cache: torch.Tensor,  # [N, Hkv, bs, D], written in place
     v_cache: torch.Tensor,  # [N, Hkv, bs, D], written in place
     slot_mapping: torch.Tensor,  # [T], block_id * block_size + offset; -1 = skip
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Scatter new keys/values into their cache slots; rows with slot -1 are skipped."""
+    """Scatter new keys/values into their cache slots; rows with slot -1 are skipped. An fp8
+    cache stores k / k_scale and v / v_scale (to_fp8)."""
     block_size = k_cache.shape[2]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, :, offsets] = k[keep].to(k_cache.dtype)  # [n, Hkv, D]
-    v_cache[blocks, :, offsets] = v[keep].to(v_cache.dtype)
+    for cache, x, scale in ((k_cache, k, k_scale), (v_cache, v, v_scale)):
+        rows = x[keep]  # [n, Hkv, D]
+        fp8 = cache.dtype == torch.float8_e4m3fn
+        cache[blocks, :, offsets] = to_fp8(rows, scale) if fp8 else rows.to(cache.dtype)
 
 
 def linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,

@@ -19,6 +19,10 @@ Semantics: `reference.ragged_paged_attention_reference`. Design:
   made on the host by the batch builder: a device-side check would sync every layer.
 - **Precision.** float32 inputs multiply at `Precision.HIGHEST` (IEEE float32): the default
   lowers to TF32 on NVIDIA GPUs, which breaks float32 parity with HF.
+- **FP8 KV cache.** float8_e4m3fn pages (kv_cache_dtype="fp8") are loaded as bytes and converted
+  to q's dtype in the kernel (exact: e4m3 fits bf16/fp16/f32); k_scale folds into the logits'
+  scale and v_scale into the output, so no element is scaled. Triton converts e4m3 natively
+  from sm_89 (Hopper: H100/H200).
 - **Split-K.** A third grid axis splits each tile's KV range into `num_splits` parts balanced
   over the sequence's *actual* length; partial (acc, max, sum) are merged by log-sum-exp in jnp.
   The default fills the GPU about twice for small batches of long contexts.
@@ -164,7 +168,8 @@ def _kernel(
     pages_per_chunk: int,
     num_splits: int,
     masked_load: bool,
-    **semantics,  # sm_scale, sliding_window, soft_cap
+    v_scale: float,  # an fp8 cache's values are code * v_scale (1.0 otherwise)
+    **semantics,  # sm_scale (times an fp8 cache's k_scale), sliding_window, soft_cap
 ):
     """Online softmax (base 2) of one query tile over one KV split of one KV head."""
     rows, head_dim_padded = q_ref.shape
@@ -180,6 +185,7 @@ def _kernel(
         pages = block_tables_ref[seq, pl.ds(chunk * pages_per_chunk, pages_per_chunk)]  # [P]
         k = _load_kv_chunk(k_ref, pages, head_dim, masked_load)  # [block_k, Dp]
         v = _load_kv_chunk(v_ref, pages, head_dim, masked_load)  # [block_k, Dp]
+        k, v = k.astype(q.dtype), v.astype(q.dtype)  # fp8 codes, exact; else unchanged
         key_pos = chunk * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [block_k]
         s, visible = _masked_logits(q, k, row_pos, key_pos, acc_dtype, **semantics)
         m_next = jnp.maximum(m_prev, s.max(axis=1))  # [rows]
@@ -194,6 +200,8 @@ def _kernel(
     init = (jnp.full((rows,), _MASK_VALUE, acc_dtype), jnp.zeros((rows,), acc_dtype),
             jnp.zeros((rows, head_dim_padded), acc_dtype))
     m, row_sum, acc = lax.fori_loop(lo, hi, body, init)
+    if v_scale != 1.0:  # acc is linear in the values: scale it once
+        acc = acc * v_scale
     if num_splits == 1:
         (o_ref,) = out_refs
         o_ref[...] = (acc / jnp.where(row_sum > 0, row_sum, 1.0)[:, None]).astype(o_ref.dtype)
@@ -377,6 +385,9 @@ def _check_inputs(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc) -
         )
     _, num_q_heads, head_dim = q.shape
     _, num_kv_heads, block_size, cache_head_dim = k_cache.shape
+    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in (q.dtype, jnp.float8_e4m3fn):
+        raise ValueError(f"the caches must both be q's dtype {q.dtype} or float8_e4m3fn, got "
+                         f"{k_cache.dtype} and {v_cache.dtype}")
     if head_dim != cache_head_dim or num_q_heads % num_kv_heads:
         raise ValueError(
             f"q has {num_q_heads} heads of {head_dim}, caches {num_kv_heads} heads of "
@@ -400,7 +411,7 @@ def _check_inputs(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc) -
     jax.jit,
     static_argnames=(
         "sm_scale", "sliding_window", "soft_cap", "decode", "interpret", "rows_per_tile",
-        "num_kv_pages_per_chunk", "num_splits", "num_warps", "num_stages",
+        "num_kv_pages_per_chunk", "num_splits", "num_warps", "num_stages", "k_scale", "v_scale",
     ),
 )
 def ragged_paged_attention(
@@ -421,8 +432,11 @@ def ragged_paged_attention(
     num_splits: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> jax.Array:  # [T, Hq, D] in q.dtype, padding rows zero
-    """Ragged paged attention (semantics: `ragged_paged_attention_reference`).
+    """Ragged paged attention (semantics: `ragged_paged_attention_reference`). The caches are
+    q's dtype, or float8_e4m3fn (an FP8 KV cache, read as cache * k_scale / v_scale).
 
     decode=True selects the decode path: the caller guarantees T == S (padded shapes) and at most
     one query token per sequence (a sequence with more gets zeros). decode=False is correct for
@@ -447,13 +461,16 @@ def ragged_paged_attention(
     knobs = dict(rows_per_tile=rows_per_tile, num_kv_pages_per_chunk=num_kv_pages_per_chunk,
                  num_splits=num_splits, num_warps=num_warps, num_stages=num_stages)
     group = num_q_heads // num_kv_heads
-    tiling = _make_tiling(decode, q.shape, k_cache.shape, block_tables.shape,
-                          k_cache.dtype.itemsize, interpret, knobs)
+    # an fp8 chunk is converted to q's dtype: size chunks by the wider of the two
+    itemsize = max(k_cache.dtype.itemsize, q.dtype.itemsize)
+    tiling = _make_tiling(decode, q.shape, k_cache.shape, block_tables.shape, itemsize,
+                          interpret, knobs)
     tables = _prepare_block_tables(block_tables, kv_lens, num_blocks, block_size,
                                    tiling.pages_per_chunk)
     if decode:
         tiles = decode_tiles(query_start_loc, kv_lens, group, tiling.rows)
     else:
         tiles = multi_token_tiles(query_start_loc, kv_lens, num_tokens, group, tiling.rows)
-    return _attend(q, k_cache, v_cache, tables, tiles, tiling, sm_scale=sm_scale,
-                   sliding_window=sliding_window, soft_cap=soft_cap, group=group)
+    return _attend(q, k_cache, v_cache, tables, tiles, tiling, sm_scale=sm_scale * k_scale,
+                   sliding_window=sliding_window, soft_cap=soft_cap, group=group,
+                   v_scale=v_scale)

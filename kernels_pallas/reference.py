@@ -12,6 +12,10 @@ j <= p (causal) and, with a sliding window w, p - j < w. The score of key j is
 s = (q . k_j) * sm_scale, soft-capped (Gemma 2's attn_logit_softcapping) to
 soft_cap * tanh(s / soft_cap) when soft_cap is given, before the mask and the softmax. Rows past
 query_start_loc[-1] are padding and come out as zeros.
+
+An FP8 KV cache (kv_cache_dtype="fp8", vLLM's semantics) is float8_e4m3fn: write_kv stores
+k / k_scale and v / v_scale rounded to nearest even and saturated to +-448 (`to_fp8`), and
+attention reads cache * scale (`from_cache`), with one float32 k_scale, v_scale per layer.
 """
 
 from __future__ import annotations
@@ -19,8 +23,28 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+FP8_MAX = 448.0  # the largest finite float8 e4m3fn value
 _MASK_VALUE = -1e30  # finite, so a fully masked block never produces NaN
 _HIGHEST = jax.lax.Precision.HIGHEST  # float32 products in float32, never TF32
+
+
+def to_fp8(x: jax.Array, scale: float) -> jax.Array:
+    """x / scale as an fp8 cache stores it: nearest even, saturated to +-448 (XLA's own cast
+    makes NaN of what overflows)."""
+    return jnp.clip(x.astype(jnp.float32) / scale, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
+
+
+def from_cache(x: jax.Array, scale: float, dtype: jnp.dtype) -> jax.Array:
+    """Cached keys or values as attention reads them, in `dtype`: an fp8 cache's times its
+    scale, any other cast."""
+    if x.dtype == jnp.float8_e4m3fn:
+        return x.astype(dtype) * jnp.asarray(scale, dtype)
+    return x.astype(dtype)
+
+
+def store(x: jax.Array, cache_dtype: jnp.dtype, scale: float) -> jax.Array:
+    """x as a cache of cache_dtype stores it: to_fp8 for an fp8 cache, else a cast."""
+    return to_fp8(x, scale) if cache_dtype == jnp.float8_e4m3fn else x.astype(cache_dtype)
 
 
 def token_positions(
@@ -50,8 +74,11 @@ def ragged_paged_attention_reference(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     decode: bool = False,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> jax.Array:  # [T, Hq, D]
     """Online-softmax loop over KV blocks; each query row gathers its own sequence's blocks.
+    An fp8 cache reads as cache * k_scale (keys), cache * v_scale (values).
 
     The loop runs to the longest context in the batch, so short decode batches do not pay for
     max_model_len. float32 (or float64) accumulation, HIGHEST-precision products (not TF32 on
@@ -70,8 +97,8 @@ def ragged_paged_attention_reference(
 
     def body(carry):
         j, m, denom, acc = carry
-        kb = k_cache[tables[:, j]].astype(acc_dtype)  # [T, Hkv, bs, D]
-        vb = v_cache[tables[:, j]].astype(acc_dtype)  # [T, Hkv, bs, D]
+        kb = from_cache(k_cache[tables[:, j]], k_scale, acc_dtype)  # [T, Hkv, bs, D]
+        vb = from_cache(v_cache[tables[:, j]], v_scale, acc_dtype)  # [T, Hkv, bs, D]
         s = jnp.einsum("thgd,thkd->thgk", qg, kb, precision=_HIGHEST)  # [T, Hkv, G, bs]
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
@@ -106,12 +133,15 @@ def write_kv_reference(
     k_cache: jax.Array,  # [N, Hkv, bs, D]
     v_cache: jax.Array,  # [N, Hkv, bs, D]
     slot_mapping: jax.Array,  # [T] int32, block_id * block_size + offset; -1 = skip
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> tuple[jax.Array, jax.Array]:
-    """Scatter new keys/values into their slots; rows with slot -1 are dropped."""
+    """Scatter new keys/values into their slots; rows with slot -1 are dropped. An fp8 cache
+    stores k / k_scale and v / v_scale (to_fp8)."""
     num_blocks, _, block_size, _ = k_cache.shape
     # An out-of-range block index makes the scatter drop the row (mode="drop").
     block = jnp.where(slot_mapping >= 0, slot_mapping // block_size, num_blocks)
     offset = jnp.where(slot_mapping >= 0, slot_mapping % block_size, 0)
-    k_cache = k_cache.at[block, :, offset].set(k.astype(k_cache.dtype), mode="drop")
-    v_cache = v_cache.at[block, :, offset].set(v.astype(v_cache.dtype), mode="drop")
+    k_cache = k_cache.at[block, :, offset].set(store(k, k_cache.dtype, k_scale), mode="drop")
+    v_cache = v_cache.at[block, :, offset].set(store(v, v_cache.dtype, v_scale), mode="drop")
     return k_cache, v_cache

@@ -20,6 +20,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pagedjax.kernels_pallas.reference import from_cache
+
 # The products accumulate in float32 or wider: full precision, never TF32 on an NVIDIA GPU (a GPU
 # runs this path only where a caller asks for it; the first H100 run read 1e-3 errors with TF32).
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -56,6 +58,8 @@ def ragged_paged_attention_tiled(
     decode: bool = False,
     rows_per_tile: int = 16,
     chunk_blocks: int = 8,
+    k_scale: float = 1.0,  # an fp8 cache reads as cache * scale (reference.from_cache)
+    v_scale: float = 1.0,
 ) -> jax.Array:  # [T, Hq, D]
     num_tokens, num_q_heads, head_dim = q.shape
     _, num_kv_heads, block_size, _ = k_cache.shape
@@ -85,15 +89,15 @@ def ragged_paged_attention_tiled(
     tables = jnp.pad(block_tables, ((0, 0), (0, -max_blocks % chunk_blocks)))[tile_seq]
     num_chunks = (jnp.max(position) + chunk) // chunk
 
-    def gather(cache: jax.Array, blocks: jax.Array) -> jax.Array:
+    def gather(cache: jax.Array, blocks: jax.Array, scale: float) -> jax.Array:
         """cache[blocks [N, C]] → [N, Hkv, C * bs, D] in acc_dtype."""
-        kv = cache[blocks].astype(acc_dtype).transpose(0, 2, 1, 3, 4)
+        kv = from_cache(cache[blocks], scale, acc_dtype).transpose(0, 2, 1, 3, 4)
         return kv.reshape(num_tiles, num_kv_heads, chunk, head_dim)
 
     def body(carry: tuple) -> tuple:
         j, m, denom, acc = carry
         blocks = jax.lax.dynamic_slice_in_dim(tables, j * chunk_blocks, chunk_blocks, axis=1)
-        s = jnp.einsum("nrhgd,nhkd->nrhgk", qt, gather(k_cache, blocks),
+        s = jnp.einsum("nrhgd,nhkd->nrhgk", qt, gather(k_cache, blocks, k_scale),
                        precision=_HIGHEST)  # [N, R, Hkv, G, C]
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
@@ -106,7 +110,8 @@ def ragged_paged_attention_tiled(
         m_new = jnp.maximum(m, s.max(-1))
         p = jnp.where(visible, jnp.exp(s - m_new[..., None]), 0.0)
         alpha = jnp.exp(m - m_new)
-        pv = jnp.einsum("nrhgk,nhkd->nrhgd", p, gather(v_cache, blocks), precision=_HIGHEST)
+        pv = jnp.einsum("nrhgk,nhkd->nrhgd", p, gather(v_cache, blocks, v_scale),
+                        precision=_HIGHEST)
         acc = alpha[..., None] * acc + pv
         return j + 1, m_new, alpha * denom + p.sum(-1), acc
 

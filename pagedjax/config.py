@@ -204,6 +204,9 @@ def _longrope(cfg: dict, params: dict) -> dict:
 
 # What `quantization=` takes (vLLM's option): the kept-quantized weight formats built so far.
 QUANTIZATION_METHODS = (None, "int8", "gguf", "fp8")
+# What `kv_cache_dtype=` takes (vLLM's option and aliases): "auto" is the model's dtype; the
+# others store float8 e4m3 (k / k_scale, saturated to +-448) and attention reads cache * scale.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
 @dataclass
@@ -254,6 +257,10 @@ class EngineConfig:
     # dynamic FP8: e4m3 weights per output channel, activations per token; any device, FP8
     # GEMMs on Hopper GPUs).
     quantization: str | None = None
+    # The KV cache's storage (vLLM's name): "auto", the model's dtype; "fp8" / "fp8_e4m3",
+    # float8 e4m3 with a float32 scale per layer for k and for v (the checkpoint's
+    # self_attn.k_scale / v_scale, else 1.0): half the bytes of bf16, twice the blocks.
+    kv_cache_dtype: str = "auto"
     # Set by the engine: the GGUF file `model` was converted from (None: not a GGUF source)
     gguf_path: str | None = None
 
@@ -271,6 +278,9 @@ class EngineConfig:
         if self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization={self.quantization!r} is not supported; use one of "
                              f"{QUANTIZATION_METHODS}.")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; use one "
+                             f"of {KV_CACHE_DTYPES}.")
         q = self.quantization
         if q == "fp8" and self.tensor_parallel_size != 1:
             raise ValueError(f"quantization='fp8' runs on one device, not tensor_parallel_size="
@@ -321,3 +331,13 @@ class EngineConfig:
     @property
     def dtype_bytes(self) -> int:
         return 4 if self.dtype == "float32" else 2
+
+    @property
+    def fp8_kv_cache(self) -> bool:
+        """Whether the KV cache stores float8 e4m3 (kv_cache_dtype "fp8" / "fp8_e4m3")."""
+        return self.kv_cache_dtype in ("fp8", "fp8_e4m3")
+
+    @property
+    def kv_cache_dtype_bytes(self) -> int:
+        """Bytes of one cached key or value element: 1 in fp8, else the model dtype's."""
+        return 1 if self.fp8_kv_cache else self.dtype_bytes

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pagedjax.config import DTYPES, QUANTIZATION_METHODS, EngineConfig
+from pagedjax.config import DTYPES, KV_CACHE_DTYPES, QUANTIZATION_METHODS, EngineConfig
 from pagedjax.core.model_runner import BACKENDS
 
 # option → (help, extra argparse keywords); the flag is --option-with-dashes
@@ -55,6 +55,9 @@ _FLAGS: dict[str, tuple[str, dict]] = {
                      "GGUF file's Q8_0/Q4_x blocks) on CPUs; fp8 (W8A8, dynamic; FP8 GEMMs on "
                      "Hopper)",
                      {"choices": tuple(m for m in QUANTIZATION_METHODS if m)}),
+    "kv_cache_dtype": ("KV cache storage: auto (the model's dtype) or fp8 / fp8_e4m3 (float8 "
+                       "e4m3 with a per-layer scale: half bf16's bytes, twice the blocks)",
+                       {"choices": KV_CACHE_DTYPES}),
 }
 
 

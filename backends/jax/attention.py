@@ -29,7 +29,7 @@ def ragged_paged_attention_cpu(
     query_start_loc: jax.Array,  # [S+1] int32
     *,
     decode: bool = False,
-    **kwargs,  # sm_scale, sliding_window, soft_cap
+    **kwargs,  # sm_scale, sliding_window, soft_cap, k_scale, v_scale
 ) -> jax.Array:  # [T, Hq, D]
     """The JAX backend's attention on CPU: the fastest correct one for this (static) shape, as
     `benchmarks/probes/cpu_attention.py` measured (RESULTS.md). In float32 the torch backend's C++
@@ -38,7 +38,8 @@ def ragged_paged_attention_cpu(
     its per-row gathers are small, and the tiled version (16 rows, 4 blocks per chunk) for
     prefill and mixed batches, where it is ~1.8x faster."""
     args = (k_cache, v_cache, kv_lens, block_tables, query_start_loc)
-    if q.dtype == jnp.float32 and k_cache.dtype == jnp.float32 and cpu_ffi.available():
+    if (q.dtype == jnp.float32 and cpu_ffi.supported_cache(k_cache, v_cache)
+            and cpu_ffi.available()):
         return cpu_ffi.ragged_paged_attention(q, *args, **kwargs)
     if decode or q.shape[0] < _MIN_TILED_TOKENS:
         return ragged_paged_attention_reference(q, *args, **kwargs)

@@ -110,8 +110,8 @@ def available() -> bool:
 
 def ragged_paged_attention(
     q: jax.Array,  # [T, Hq, D] float32
-    k_cache: jax.Array,  # [N, Hkv, bs, D] float32
-    v_cache: jax.Array,  # [N, Hkv, bs, D] float32
+    k_cache: jax.Array,  # [N, Hkv, bs, D] float32 or float8_e4m3fn
+    v_cache: jax.Array,  # [N, Hkv, bs, D], k_cache's dtype
     kv_lens: jax.Array,  # [S] int32
     block_tables: jax.Array,  # [S, M] int32
     query_start_loc: jax.Array,  # [S+1] int32
@@ -119,18 +119,28 @@ def ragged_paged_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> jax.Array:  # [T, Hq, D]; padding rows (past query_start_loc[-1]) are zeros
     """Causal attention of each sequence's last q_len tokens over its paged KV context (the
-    batch contract of the reference), computed by the C++ kernel. Call `available()` first."""
-    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if x.dtype != jnp.float32:
-            raise ValueError(f"the C++ CPU attention takes float32; {name} is {x.dtype}")
+    batch contract of the reference), computed by the C++ kernel; float8_e4m3fn caches (an FP8
+    KV cache) read as value * k_scale / v_scale. Call `available()` first."""
+    if q.dtype != jnp.float32 or not supported_cache(k_cache, v_cache):
+        raise ValueError(f"the C++ CPU attention takes float32 q and float32 or float8_e4m3fn "
+                         f"caches; got q {q.dtype}, caches {k_cache.dtype}, {v_cache.dtype}")
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype),
                             vmap_method="sequential")
     int32 = functools.partial(jnp.asarray, dtype=jnp.int32)
     return call(q, k_cache, v_cache, int32(kv_lens), int32(block_tables), int32(query_start_loc),
                 sm_scale=np.float32(sm_scale), sliding_window=np.int64(sliding_window or 0),
-                soft_cap=np.float32(soft_cap or 0.0))
+                soft_cap=np.float32(soft_cap or 0.0), k_scale=np.float32(k_scale),
+                v_scale=np.float32(v_scale))
+
+
+def supported_cache(k_cache: jax.Array, v_cache: jax.Array) -> bool:
+    """Whether the C++ kernels read these caches: both float32, or both float8_e4m3fn."""
+    return (k_cache.dtype == v_cache.dtype
+            and k_cache.dtype in (jnp.float32, jnp.float8_e4m3fn))
 
 
 def pack_linear_weight(weight: jax.Array) -> jax.Array:
@@ -208,7 +218,7 @@ def decoder_layer(
     x: jax.Array,  # [T, H] float32: the last layer's output (the embedding in the first)
     residual: jax.Array | None,  # [T, H]: the stream before the last layer; None in the first
     weights: DecoderLayerWeights,
-    kv_cache: tuple[jax.Array, jax.Array],  # k, v [N, Hkv, bs, D]
+    kv_cache: tuple[jax.Array, jax.Array],  # k, v [N, Hkv, bs, D] float32 or float8_e4m3fn
     cos: jax.Array,  # [T, D] float32, at each token's position
     sin: jax.Array,  # [T, D]
     slot_mapping: jax.Array,  # [T] int32, -1: padding
@@ -221,12 +231,15 @@ def decoder_layer(
     eps: float,
     sm_scale: float,
     sliding_window: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> tuple[jax.Array, jax.Array, tuple[jax.Array, jax.Array]]:
     """A whole Llama decoder layer (ModelConfig.plain_decoder_layer) in one C++ call, as the
     torch op pagedjax::decoder_layer computes it: (output [T, H], residual stream [T, H], the
     KV caches with this step's keys and values written in place). One custom call where XLA
     compiled ~20 kernels a layer: a step compiles in a fraction of the time, and runs the glue
-    (norms, rope, residual adds, silu) in C++. Call `available()` first."""
+    (norms, rope, residual adds, silu) in C++. The caches are float32, or float8_e4m3fn (an
+    FP8 KV cache: k / k_scale and v / v_scale stored). Call `available()` first."""
     k_cache, v_cache = kv_cache
     hidden, head_dim = x.shape[1], k_cache.shape[3]
     qtypes = weights.qtypes((hidden, num_q_heads * head_dim, hidden, intermediate_size))
@@ -244,7 +257,8 @@ def decoder_layer(
         num_q_heads=np.int64(num_q_heads), intermediate_size=np.int64(intermediate_size),
         eps=np.float32(eps), sm_scale=np.float32(sm_scale),
         sliding_window=np.int64(sliding_window or 0),
-        has_residual=np.int64(residual is not None), qtypes=qtypes)
+        has_residual=np.int64(residual is not None), qtypes=qtypes, k_scale=np.float32(k_scale),
+        v_scale=np.float32(v_scale))
     return out, stream, (k_cache, v_cache)
 
 

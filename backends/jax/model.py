@@ -22,12 +22,15 @@ from pagedjax.backends.common.weight_quantizer import LM_HEAD, WeightQuantizer, 
 from pagedjax.config import ModelConfig
 
 KVCache = tuple[jax.Array, jax.Array]  # k, v: [num_blocks, Hkv, block_size, D]
+# An fp8 KV cache's (k_scale, v_scale) per layer (kv_cache_scales.py); None: the model's dtype
+KVCacheScales = tuple[tuple[float, float], ...] | None
 
 
 # (q [T, Hq, D], k_cache, v_cache, kv_lens, block_tables, query_start_loc, *, sm_scale,
-#  sliding_window, soft_cap, decode) -> [T, Hq, D]
+#  sliding_window, soft_cap, decode, k_scale, v_scale) -> [T, Hq, D]
 AttentionFn = Callable[..., jax.Array]
-# (k [T, Hkv, D], v [T, Hkv, D], k_cache, v_cache, slot_mapping) -> (k_cache, v_cache)
+# (k [T, Hkv, D], v [T, Hkv, D], k_cache, v_cache, slot_mapping, k_scale, v_scale)
+#   -> (k_cache, v_cache)
 WriteKVFn = Callable[..., KVCache]
 
 
@@ -190,6 +193,7 @@ class Attention(nn.Module):
     write_kv_fn: WriteKVFn
     packed: bool = False
     layer: int = 0  # its index: the window and rope table it uses
+    kv_scales: tuple[float, float] = (1.0, 1.0)  # an fp8 cache stores k / k_scale, v / v_scale
 
     @nn.compact
     def __call__(self, x: jax.Array, kv_cache: KVCache,
@@ -221,12 +225,15 @@ class Attention(nn.Module):
             positions = positions + meta.rope_cos.shape[0] // 2
         cos, sin = meta.rope_cos[positions], meta.rope_sin[positions]  # [T, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k_cache, v_cache = self.write_kv_fn(k, v, *kv_cache, meta.slot_mapping)
+        k_scale, v_scale = self.kv_scales
+        k_cache, v_cache = self.write_kv_fn(k, v, *kv_cache, meta.slot_mapping,
+                                            k_scale=k_scale, v_scale=v_scale)
         out = self.attention_fn(q, k_cache, v_cache, meta.kv_lens, meta.block_tables,
                                 meta.query_start_loc, sm_scale=cfg.sm_scale,
                                 sliding_window=cfg.sliding_window_of(self.layer),
                                 soft_cap=cfg.attn_logit_softcapping,
-                                decode=meta.decode)  # [T, Hq, D]
+                                decode=meta.decode, k_scale=k_scale,
+                                v_scale=v_scale)  # [T, Hq, D]
         out = dense(cfg.hidden_size, "o_proj", self.dtype, packed=self.packed)(
             out.reshape(num_tokens, hq * d))
         return out, (k_cache, v_cache)
@@ -256,13 +263,14 @@ class DecoderLayer(nn.Module):
     write_kv_fn: WriteKVFn
     packed: bool = False
     layer: int = 0  # its index
+    kv_scales: tuple[float, float] = (1.0, 1.0)
 
     @nn.compact
     def __call__(self, x: jax.Array, kv_cache: KVCache,
                  meta: AttentionMetadata) -> tuple[jax.Array, KVCache]:
         cfg = self.config
         attention = Attention(cfg, self.dtype, self.attention_fn, self.write_kv_fn, self.packed,
-                              self.layer, name="self_attn")
+                              self.layer, self.kv_scales, name="self_attn")
         mlp = MLP(cfg, self.dtype, self.packed, name="mlp")
 
         def norm(name: str) -> RMSNorm:
@@ -294,13 +302,15 @@ class LlamaForCausalLM(nn.Module):
     attention_fn: AttentionFn
     write_kv_fn: WriteKVFn
     packed: bool = False
+    kv_cache_scales: KVCacheScales = None  # not None: the KV cache is float8_e4m3fn
 
     def setup(self) -> None:
         cfg = self.config
         self.embed_tokens = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype,
                                      param_dtype=self.dtype)
         self.layers = [DecoderLayer(cfg, self.dtype, self.attention_fn, self.write_kv_fn,
-                                    self.packed, i) for i in range(cfg.num_layers)]
+                                    self.packed, i, self.layer_kv_scales(i))
+                       for i in range(cfg.num_layers)]
         self.norm = RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_weight_offset)
         # packed and tied: pack_params gives the head its own copy of the embedding
         if not cfg.tie_word_embeddings or self.packed:
@@ -319,6 +329,15 @@ class LlamaForCausalLM(nn.Module):
             x, cache = layer(x, cache, meta)
             new_caches.append(cache)
         return x, new_caches
+
+    @property
+    def kv_cache_dtype(self) -> jnp.dtype:
+        """The KV caches' dtype: float8_e4m3fn with kv_cache_scales, else the model's."""
+        return jnp.dtype(jnp.float8_e4m3fn if self.kv_cache_scales else self.dtype)
+
+    def layer_kv_scales(self, layer: int) -> tuple[float, float]:
+        """(k_scale, v_scale) of one layer's fp8 cache; (1, 1) for a cache of the model dtype."""
+        return (1.0, 1.0) if self.kv_cache_scales is None else self.kv_cache_scales[layer]
 
     @property
     def fused_layers(self) -> bool:
@@ -350,7 +369,8 @@ class LlamaForCausalLM(nn.Module):
                 x, residual, weights, cache, cos, sin, meta.slot_mapping, meta.kv_lens,
                 meta.block_tables, meta.query_start_loc, num_q_heads=cfg.num_q_heads,
                 intermediate_size=cfg.intermediate_size, eps=cfg.rms_norm_eps,
-                sm_scale=cfg.sm_scale, sliding_window=cfg.sliding_window_of(i))
+                sm_scale=cfg.sm_scale, sliding_window=cfg.sliding_window_of(i),
+                k_scale=self.layer_kv_scales(i)[0], v_scale=self.layer_kv_scales(i)[1])
             new_caches.append(cache)
         return x + residual, new_caches
 

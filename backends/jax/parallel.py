@@ -79,8 +79,9 @@ def per_shard(attention_fn: Callable, write_kv_fn: Callable, mesh: Mesh | None,
                                        REPLICATED), out_specs=HEADS,
                              )(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc)
 
-    def write_kv(k, v, k_cache, v_cache, slot_mapping):
-        return jax.shard_map(write_kv_fn, mesh=mesh, check_vma=False,
+    def write_kv(k, v, k_cache, v_cache, slot_mapping, **scales):
+        fn = functools.partial(write_kv_fn, **scales)  # an fp8 cache's k_scale, v_scale
+        return jax.shard_map(fn, mesh=mesh, check_vma=False,
                              in_specs=(HEADS, HEADS, KV_CACHE, KV_CACHE, REPLICATED),
                              out_specs=(KV_CACHE, KV_CACHE),
                              )(k, v, k_cache, v_cache, slot_mapping)

@@ -16,6 +16,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from pagedjax.backends.common import quantization
+from pagedjax.backends.common.kv_cache_scales import kv_cache_scales
 from pagedjax.backends.common.rope import rope_cos_sin
 from pagedjax.backends.common.weight_quantizer import WeightQuantizer
 from pagedjax.backends.common.weights import layer_norm_names, load_weights, repeat_kv_heads
@@ -183,8 +184,13 @@ class DeviceModel:
         shard_config = plan.shard_config(model_config)
         fp8 = config.quantization == "fp8"  # XLA's dots over float8 weights (not packed)
         packed = not fp8 and uses_cpu_linear(impl, dtype, mesh)
+        scales = None  # an fp8 KV cache's per layer (k_scale, v_scale)
+        if config.fp8_kv_cache:
+            check_fp8_pallas(impl)
+            scales = tuple(kv_cache_scales(model_dir, model_config.num_layers))
         module = LlamaForCausalLM(shard_config, dtype,
-                                  *per_shard(attention_fn, write_kv_fn, mesh, plan), packed)
+                                  *per_shard(attention_fn, write_kv_fn, mesh, plan), packed,
+                                  scales)
         params, source = load_params(model_dir, model_config, dtype, plan=plan, mesh=mesh)
         if config.quantization in ("int8", "gguf") and not packed:
             raise ValueError(f"quantization={config.quantization!r} runs on the C++ CPU kernels "
@@ -221,7 +227,7 @@ class DeviceModel:
     def allocate_kv_caches(self, num_blocks: int, block_size: int,
                            mesh: Mesh | None) -> list[KVCache]:
         """Zeroed caches, each device holding its heads' share."""
-        cfg, dtype = self.config, self.module.dtype
+        cfg, dtype = self.config, self.module.kv_cache_dtype
         shape = (num_blocks, cfg.num_kv_heads, block_size, cfg.head_dim)
         if mesh is None:
             zeros = lambda: jnp.zeros(shape, dtype)
@@ -235,3 +241,14 @@ class DeviceModel:
         """KV bytes of one block on each device."""
         shards = self.plan.size if self.plan.shard_heads else 1
         return self.config.kv_bytes_per_block(block_size, dtype_bytes) // shards
+
+
+def check_fp8_pallas(impl: str) -> None:
+    """Triton converts float8 e4m3 ("fp8e4nv") from sm_89 on (Ada, Hopper): an fp8 KV cache
+    with the Pallas kernel on an older GPU is a ValueError, not a compile error per step."""
+    capability = getattr(jax.devices()[0], "compute_capability", None)  # "9.0" on GPUs
+    if impl == "pallas" and capability and tuple(map(int, capability.split("."))) < (8, 9):
+        raise ValueError(f"kv_cache_dtype='fp8' on the jax backend's Pallas kernel needs an "
+                         f"sm_89+ GPU (Ada, Hopper), this one is sm_{capability}; use "
+                         f"backend='torch' (its CUDA kernel converts fp8 on sm_80) or "
+                         f"kv_cache_dtype='auto'.")

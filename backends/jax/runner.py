@@ -145,7 +145,7 @@ class JaxModelRunner:
         def spec(x: jax.Array) -> tuple:
             return x.shape, str(x.dtype), str(x.sharding)
 
-        models = [(m.config, str(m.module.dtype), m.module.packed, m.plan)
+        models = [(m.config, str(m.module.dtype), m.module.packed, m.plan, m.module.kv_cache_scales)
                   for m in (self.target, self.draft) if m is not None]
         arrays = jax.tree.map(spec, ([m.params for m in (self.target, self.draft) if m],
                                      self.kv_caches, self.draft_kv_caches))
@@ -185,7 +185,8 @@ class JaxModelRunner:
             if memory:  # else the default budget, as on a CPU
                 stats = {"bytes_limit": memory["bytes_limit"],
                          "bytes_in_use": memory.get("peak_bytes_in_use", memory["bytes_in_use"])}
-        per_block = sum(m.kv_bytes_per_block(self.config.block_size, self.config.dtype_bytes)
+        per_block = sum(m.kv_bytes_per_block(self.config.block_size,
+                                               self.config.kv_cache_dtype_bytes)
                         for m in (self.target, self.draft) if m is not None)
         return num_kv_blocks_for_budget(per_block, self.config, stats)
 

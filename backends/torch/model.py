@@ -187,6 +187,8 @@ class Attention(nn.Module):
         self.sizes = [self.num_q_heads * d, self.num_kv_heads * d, self.num_kv_heads * d]
         self.qkv_proj = Linear(config.hidden_size, sum(self.sizes), bias=config.attention_bias)
         self.o_proj = Linear(self.num_q_heads * d, config.hidden_size)
+        # An fp8 KV cache's scales (kv_cache_scales.py): it stores k / k_scale, v / v_scale
+        self.k_scale, self.v_scale = 1.0, 1.0
         if config.qk_norm is not None:  # "head": over each head's D; "full": over all heads
             q_size, k_size = (d, d) if config.qk_norm == "head" else self.sizes[:2]
             self.q_norm = RMSNorm(q_size, config.rms_norm_eps, config.norm_weight_offset)
@@ -206,12 +208,14 @@ class Attention(nn.Module):
             self.ops.rotary(q.view(num_tokens, -1, d), cos, sin)
             self.ops.rotary(k.view(num_tokens, -1, d), cos, sin)
         q, k, v = (t.view(num_tokens, -1, d) for t in (q, k, v))
-        self.ops.write_kv(k, v, *kv_cache, meta.slot_mapping)  # k, v [T, Hkv, D]
+        # k, v [T, Hkv, D]
+        self.ops.write_kv(k, v, *kv_cache, meta.slot_mapping, self.k_scale, self.v_scale)
         out = self.ops.attention(q, *kv_cache, meta.kv_lens, meta.block_tables,
                                  meta.query_start_loc, sm_scale=cfg.sm_scale,
                                  sliding_window=self.sliding_window,
                                  soft_cap=cfg.attn_logit_softcapping,
-                                 max_query_len=meta.max_query_len)  # [T, Hq, D]
+                                 max_query_len=meta.max_query_len, k_scale=self.k_scale,
+                                 v_scale=self.v_scale)  # [T, Hq, D]
         return self.shard.all_reduce(self.o_proj(out.reshape(num_tokens, -1)))
 
     @staticmethod
@@ -300,7 +304,7 @@ class DecoderLayer(nn.Module):
                 meta.slot_mapping, meta.kv_lens, meta.block_tables, meta.query_start_loc,
                 attn.num_q_heads, attn.num_kv_heads, mlp.intermediate_size,
                 self.input_layernorm.eps, cfg.sm_scale, attn.sliding_window,
-                meta.max_query_len, self.qtypes)
+                meta.max_query_len, self.qtypes, attn.k_scale, attn.v_scale)
         if self.config.norm_layout != "pre":  # the sublayers' outputs are normalised
             sandwich = self.config.norm_layout == "sandwich"  # their inputs too (Gemma)
             stream = x if residual is None else x + residual
@@ -365,6 +369,11 @@ class LlamaForCausalLM(nn.Module):
         logits = self.shard.all_gather_vocab(logits, self.config.vocab_size).to(torch.float32)
         cap = self.config.final_logit_softcapping
         return logits if cap is None else cap * torch.tanh(logits / cap)
+
+    def set_kv_cache_scales(self, scales: list[tuple[float, float]]) -> None:
+        """Each layer's (k_scale, v_scale) of an fp8 KV cache (kv_cache_scales.py)."""
+        for layer, (k_scale, v_scale) in zip(self.layers, scales, strict=True):
+            layer.self_attn.k_scale, layer.self_attn.v_scale = k_scale, v_scale
 
     def untie_lm_head(self) -> Linear:
         """The LM head as a Linear of its own (a tied one: over the embedding's [H, V] view)."""

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from pagedjax.backends.common.attention_metadata import AttentionMetadata
+from pagedjax.backends.common.kv_cache_scales import kv_cache_scales
 from pagedjax.backends.common.rope import rope_cos_sin
 from pagedjax.backends.common.weight_quantizer import WeightQuantizer
 from pagedjax.backends.common.weights import layer_norm_names, load_weights, repeat_kv_heads
@@ -34,6 +35,7 @@ class DeviceModel:
     shard: Shard
     kv_caches: list[KVCache]  # views of kv_pool: (K, V) per layer, [N, Hkv, bs, D] each
     kv_pool: torch.Tensor | None = None  # [num_layers, 2, N, Hkv, bs, D]
+    kv_cache_dtype: torch.dtype | None = None  # None: the weights' dtype; else float8_e4m3fn
 
     @classmethod
     def load(cls, model_dir: str, model_config: ModelConfig, config: EngineConfig,
@@ -55,15 +57,19 @@ class DeviceModel:
             module.pack_linears()
         cos, sin = rope_cos_sin(model_config, config.max_model_len)  # [max_model_len, D] each
         rope = (torch.from_numpy(cos).to(device), torch.from_numpy(sin).to(device))
-        return cls(module, rope, shard_config, shard, [])
+        kv_cache_dtype = None
+        if config.fp8_kv_cache:
+            kv_cache_dtype = torch.float8_e4m3fn
+            module.set_kv_cache_scales(kv_cache_scales(model_dir, model_config.num_layers))
+        return cls(module, rope, shard_config, shard, [], kv_cache_dtype=kv_cache_dtype)
 
     def allocate_kv_caches(self, num_blocks: int, block_size: int) -> None:
         """Zeroed caches for this rank's KV heads: one pool, so that a copy-on-write is one
         gather and one scatter for every layer at once."""
         cfg, weight = self.config, self.module.norm.weight
         shape = (num_blocks, self.shard.part(cfg.num_kv_heads), block_size, cfg.head_dim)
-        self.kv_pool = torch.zeros((cfg.num_layers, 2, *shape), dtype=weight.dtype,
-                                   device=weight.device)
+        self.kv_pool = torch.zeros((cfg.num_layers, 2, *shape),
+                                   dtype=self.kv_cache_dtype or weight.dtype, device=weight.device)
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_pool]  # contiguous views
 
     def kv_bytes_per_block(self, block_size: int, dtype_bytes: int) -> int:

@@ -154,7 +154,8 @@ class TorchModelRunner:
 
     def _blocks_from_memory(self) -> int:
         stats = self._cuda_memory_after_warm_up() if self.device.type == "cuda" else None
-        per_block = sum(m.kv_bytes_per_block(self.config.block_size, self.config.dtype_bytes)
+        per_block = sum(m.kv_bytes_per_block(self.config.block_size,
+                                               self.config.kv_cache_dtype_bytes)
                         for m in self.models)
         return num_kv_blocks_for_budget(per_block, self.config, stats)
 

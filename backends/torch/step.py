@@ -111,5 +111,7 @@ def copy_blocks(models: list[DeviceModel], copies: torch.Tensor) -> None:
     of every model (target and draft)."""
     src, dst = copies[:, 0].long(), copies[:, 1].long()  # [C] each
     for model in models:  # the gather copies first, as the JAX .at[].set
-        model.kv_pool.index_copy_(2, dst, model.kv_pool.index_select(2, src))
+        pool = model.kv_pool  # as bytes where fp8: torch has no index_copy_ of float8 on CPU
+        pool = pool.view(torch.uint8) if pool.dtype == torch.float8_e4m3fn else pool
+        pool.index_copy_(2, dst, pool.index_select(2, src))
 

@@ -19,6 +19,8 @@
 namespace pagedjax {
 
 // TORCH_CHECKs every argument's rank, shape, dtype, contiguity and device; returns the sizes.
+// The caches are q's dtype, or float8_e4m3fn (an FP8 KV cache: values are code * k_scale /
+// code * v_scale; write_kv stores k / k_scale, v / v_scale rounded to e4m3, saturated to 448).
 AttentionShape check_attention_args(
     const at::Tensor& out,              // [T, Hq, D], contiguous
     const at::Tensor& q,                // [T, Hq, D], last dim contiguous
@@ -28,7 +30,9 @@ AttentionShape check_attention_args(
     const at::Tensor& block_tables,     // [S, M] int32
     const at::Tensor& query_start_loc,  // [S+1] int32
     std::optional<int64_t> sliding_window,
-    std::optional<double> soft_cap);
+    std::optional<double> soft_cap,
+    double k_scale,
+    double v_scale);
 
 // TORCH_CHECKs the arguments of write_kv.
 void check_write_kv_args(
@@ -36,7 +40,9 @@ void check_write_kv_args(
     const at::Tensor& v,              // [T, Hkv, D], last dim contiguous
     const at::Tensor& k_cache,        // [N, Hkv, bs, D], contiguous
     const at::Tensor& v_cache,        // [N, Hkv, bs, D], contiguous
-    const at::Tensor& slot_mapping);  // [T] int32 or int64
+    const at::Tensor& slot_mapping,  // [T] int32 or int64
+    double k_scale,
+    double v_scale);
 
 // Kernel signatures of the out= attention op and of write_kv, shared by every backend (the
 // functional op calls the out= op through the dispatcher with exactly this signature).
@@ -46,10 +52,12 @@ using AttentionOutFn = void(
     const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
     const at::Tensor& v_cache, const at::Tensor& kv_lens, const at::Tensor& block_tables,
     const at::Tensor& query_start_loc, double sm_scale, std::optional<int64_t> sliding_window,
-    std::optional<double> soft_cap, std::optional<int64_t> max_query_len);
+    std::optional<double> soft_cap, std::optional<int64_t> max_query_len, double k_scale,
+    double v_scale);
 
 using WriteKvFn = void(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
-                       const at::Tensor& v_cache, const at::Tensor& slot_mapping);
+                       const at::Tensor& v_cache, const at::Tensor& slot_mapping,
+                       double k_scale, double v_scale);
 
 // CPU kernels (cpu/torch/attention_cpu.cpp); they check their arguments themselves.
 AttentionOutFn ragged_paged_attention_out_cpu;

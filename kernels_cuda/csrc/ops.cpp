@@ -4,6 +4,8 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <cmath>
+
 #include "attention.h"
 
 namespace pagedjax {
@@ -27,16 +29,24 @@ void check_int32_metadata(const char* name, const at::Tensor& t, int64_t dim,
   check_same_device(op, name, t, ref);
 }
 
-// A [N, Hkv, bs, D] cache: contiguous, dtype and device of `ref`.
+// A [N, Hkv, bs, D] cache: contiguous, on the device of `ref`, of ref's dtype or (allow_fp8)
+// float8_e4m3fn (an FP8 KV cache, kv_cache_dtype="fp8").
 void check_cache(const char* op, const char* name, const at::Tensor& cache,
-                 const at::Tensor& ref) {
+                 const at::Tensor& ref, bool allow_fp8) {
   TORCH_CHECK(cache.dim() == 4, op, ": ", name,
               " must be [num_blocks, num_kv_heads, block_size, head_dim], got shape ",
               cache.sizes());
   TORCH_CHECK(cache.is_contiguous(), op, ": ", name, " must be contiguous");
-  TORCH_CHECK(cache.scalar_type() == ref.scalar_type(), op, ": ", name, " has dtype ",
-              cache.scalar_type(), " but expected ", ref.scalar_type());
+  TORCH_CHECK(cache.scalar_type() == ref.scalar_type() ||
+                  (allow_fp8 && cache.scalar_type() == at::kFloat8_e4m3fn),
+              op, ": ", name, " has dtype ", cache.scalar_type(), " but expected ",
+              ref.scalar_type(), allow_fp8 ? " or float8_e4m3fn" : "");
   check_same_device(op, name, cache, ref);
+}
+
+void check_kv_scales(const char* op, double k_scale, double v_scale) {
+  TORCH_CHECK(k_scale > 0 && v_scale > 0 && std::isfinite(k_scale) && std::isfinite(v_scale), op,
+              ": k_scale and v_scale must be finite and > 0, got ", k_scale, " and ", v_scale);
 }
 
 }  // namespace
@@ -46,7 +56,8 @@ AttentionShape check_attention_args(const at::Tensor& out, const at::Tensor& q,
                                     const at::Tensor& kv_lens, const at::Tensor& block_tables,
                                     const at::Tensor& query_start_loc,
                                     std::optional<int64_t> sliding_window,
-                                    std::optional<double> soft_cap) {
+                                    std::optional<double> soft_cap, double k_scale,
+                                    double v_scale) {
   const char* op = "ragged_paged_attention";
   TORCH_CHECK(q.dim() == 3, op, ": q must be [num_tokens, num_q_heads, head_dim], got shape ",
               q.sizes());
@@ -54,8 +65,9 @@ AttentionShape check_attention_args(const at::Tensor& out, const at::Tensor& q,
               q.scalar_type());
   TORCH_CHECK(q.stride(2) == 1, op, ": q's last dim must be contiguous, got strides ",
               q.strides());
-  check_cache(op, "k_cache", k_cache, q);
-  check_cache(op, "v_cache", v_cache, q);
+  check_cache(op, "k_cache", k_cache, q, /*allow_fp8=*/true);
+  check_cache(op, "v_cache", v_cache, k_cache, /*allow_fp8=*/false);
+  check_kv_scales(op, k_scale, v_scale);
   TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), op, ": v_cache has shape ", v_cache.sizes(),
               " but k_cache has shape ", k_cache.sizes());
   TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous(), op,
@@ -96,10 +108,13 @@ AttentionShape check_attention_args(const at::Tensor& out, const at::Tensor& q,
 }
 
 void check_write_kv_args(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
-                         const at::Tensor& v_cache, const at::Tensor& slot_mapping) {
+                         const at::Tensor& v_cache, const at::Tensor& slot_mapping,
+                         double k_scale, double v_scale) {
   const char* op = "write_kv";
-  check_cache(op, "k_cache", k_cache, k_cache);
-  check_cache(op, "v_cache", v_cache, k_cache);
+  check_cache(op, "k_cache", k_cache, k_cache, false);
+  check_cache(op, "v_cache", v_cache, k_cache, false);
+  check_kv_scales(op, k_scale, v_scale);
+  const bool fp8_cache = k_cache.scalar_type() == at::kFloat8_e4m3fn;
   TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), op, ": v_cache has shape ", v_cache.sizes(),
               " but k_cache has shape ", k_cache.sizes());
   for (const auto& [name, t] : {std::pair{"k", &k}, std::pair{"v", &v}}) {
@@ -108,9 +123,12 @@ void check_write_kv_args(const at::Tensor& k, const at::Tensor& v, const at::Ten
                 ", head_dim=", k_cache.size(3), "], got shape ", t->sizes());
     TORCH_CHECK(t->stride(2) == 1, op, ": ", name, "'s last dim must be contiguous, got strides ",
                 t->strides());
-    TORCH_CHECK(t->scalar_type() == k_cache.scalar_type(), op, ": ", name, " has dtype ",
-                t->scalar_type(), " but the cache has ", k_cache.scalar_type(),
-                " (cast it to the cache dtype)");
+    TORCH_CHECK(t->scalar_type() == k_cache.scalar_type() ||
+                    (fp8_cache && at::isFloatingType(t->scalar_type()) &&
+                     t->scalar_type() != at::kFloat8_e4m3fn && t->scalar_type() == k.scalar_type()),
+                op, ": ", name, " has dtype ", t->scalar_type(), " but the cache has ",
+                k_cache.scalar_type(), " (cast it to the cache dtype; an fp8 cache takes k and "
+                "v of one float dtype)");
     check_same_device(op, name, *t, k_cache);
   }
   TORCH_CHECK(v.size(0) == k.size(0), op, ": k has ", k.size(0), " tokens but v has ", v.size(0));
@@ -132,13 +150,14 @@ at::Tensor ragged_paged_attention(const at::Tensor& q, const at::Tensor& k_cache
                                   const at::Tensor& query_start_loc, double sm_scale,
                                   std::optional<int64_t> sliding_window,
                                   std::optional<double> soft_cap,
-                                  std::optional<int64_t> max_query_len) {
+                                  std::optional<int64_t> max_query_len, double k_scale,
+                                  double v_scale) {
   static const auto out_op = c10::Dispatcher::singleton()
                                  .findSchemaOrThrow("pagedjax::ragged_paged_attention_out", "")
                                  .typed<AttentionOutFn>();
-  at::Tensor out = at::empty(q.sizes(), q.options());  // [T, Hq, D], contiguous
+  at::Tensor out = at::empty(q.sizes(), q.options());  // q's dtype, whatever the caches' are  // [T, Hq, D], contiguous
   out_op.call(out, q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, sm_scale,
-              sliding_window, soft_cap, max_query_len);
+              sliding_window, soft_cap, max_query_len, k_scale, v_scale);
   return out;
 }
 
@@ -149,9 +168,10 @@ void ragged_paged_attention_out_meta(const at::Tensor& out, const at::Tensor& q,
                                      const at::Tensor& query_start_loc, double /*sm_scale*/,
                                      std::optional<int64_t> sliding_window,
                                      std::optional<double> soft_cap,
-                                     std::optional<int64_t> /*max_query_len*/) {
+                                     std::optional<int64_t> /*max_query_len*/, double k_scale,
+                                     double v_scale) {
   check_attention_args(out, q, k_cache, v_cache, kv_lens, block_tables, query_start_loc,
-                       sliding_window, soft_cap);
+                       sliding_window, soft_cap, k_scale, v_scale);
 }
 
 }  // namespace
@@ -161,14 +181,16 @@ TORCH_LIBRARY(pagedjax, m) {
   m.def(
       "ragged_paged_attention_out(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
       "Tensor kv_lens, Tensor block_tables, Tensor query_start_loc, float sm_scale, "
-      "int? sliding_window=None, float? soft_cap=None, int? max_query_len=None) -> ()");
+      "int? sliding_window=None, float? soft_cap=None, int? max_query_len=None, "
+      "float k_scale=1.0, float v_scale=1.0) -> ()");
   m.def(
       "ragged_paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor kv_lens, "
       "Tensor block_tables, Tensor query_start_loc, float sm_scale, int? sliding_window=None, "
-      "float? soft_cap=None, int? max_query_len=None) -> Tensor");
+      "float? soft_cap=None, int? max_query_len=None, float k_scale=1.0, "
+      "float v_scale=1.0) -> Tensor");
   m.def(
       "write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
-      "Tensor slot_mapping) -> ()");
+      "Tensor slot_mapping, float k_scale=1.0, float v_scale=1.0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedjax, CompositeExplicitAutograd, m) {

@@ -90,7 +90,8 @@ def test_rejects_other_dtypes() -> None:
     case = make_ragged_case(np.random.default_rng(5), [1], [3], num_q_heads=2, num_kv_heads=1,
                             head_dim=8, block_size=4)
     case["q"] = case["q"].astype(np.float16)
-    with pytest.raises(ValueError, match="takes float32; q is float16"):
+    with pytest.raises(ValueError, match="takes float32 q and float32 or float8_e4m3fn caches; "
+                                         "got q float16"):
         _run(case, sm_scale=1.0)
 
 

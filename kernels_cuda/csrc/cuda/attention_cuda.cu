@@ -14,10 +14,14 @@
 // Split-K: when the grid has too few blocks to fill the GPU, each tile's KV range is split over
 // blockIdx.z; splits write normalised fp32 partial outputs plus their log-sum-exp, and
 // merge_splits_kernel combines them. Padding rows are zeroed by the blocks of grid row y = S.
+// FP8 KV cache (kv_cache_dtype="fp8"): float8_e4m3fn caches are staged in shared memory as bytes
+// (16 keys' elements per cp.async vector) and widened to fp32 where read; k_scale is folded into
+// sm_scale and v_scale into the final normalisation, so no element is scaled.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <cuda_fp8.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -36,12 +40,15 @@ constexpr int kKeyTile = 32;     // keys per tile: lane j computes the logit of 
 constexpr int kMaxSplits = 32;   // the merge kernel keeps one split per lane
 constexpr int kDecodeRows = 8;   // rows per tile on the decode path
 
-template <typename scalar_t>
+using fp8_t = __nv_fp8_e4m3;  // an FP8 KV cache's element (torch.float8_e4m3fn)
+
+// cache_t: the caches' element, scalar_t or fp8_t.
+template <typename scalar_t, typename cache_t = scalar_t>
 struct AttentionParams {
   const scalar_t* __restrict__ q;  // [T, Hq, D], strided over T and Hq
   int64_t q_stride_token, q_stride_head;
-  const scalar_t* __restrict__ k_cache;     // [N, Hkv, bs, D]
-  const scalar_t* __restrict__ v_cache;     // [N, Hkv, bs, D]
+  const cache_t* __restrict__ k_cache;      // [N, Hkv, bs, D]
+  const cache_t* __restrict__ v_cache;      // [N, Hkv, bs, D]
   const int* __restrict__ kv_lens;          // [S]
   const int* __restrict__ block_tables;     // [S, M]
   const int* __restrict__ query_start_loc;  // [S+1]
@@ -50,32 +57,49 @@ struct AttentionParams {
   float* __restrict__ partial_lse;          // [splits, T, Hq], only when num_splits > 1
   int num_tokens, num_seqs, num_q_heads, num_kv_heads, group, head_dim;
   int block_size, max_blocks, num_splits;
-  float sm_scale;
+  float sm_scale;       // times an fp8 cache's k_scale (keys are code * k_scale)
+  float v_scale;        // an fp8 cache's (values are code * v_scale); 1 otherwise
   float soft_cap;      // scores soft_cap * tanh(s / soft_cap); 0: none
   int sliding_window;  // 0: none
 };
 
 // Compile-time tile geometry and the shared-memory layout of one thread block.
-template <typename scalar_t, int HeadDim, int Rows>
+template <typename scalar_t, typename cache_t, int HeadDim, int Rows>
 struct TileConfig {
   static constexpr int kHeadDim = HeadDim;
   static constexpr int kRows = Rows;                     // query rows per tile
-  static constexpr int kVec = 16 / sizeof(scalar_t);    // elements per 16-byte vector
-  static constexpr int kChunks = kHeadDim / kVec;        // 16-byte vectors per head row
-  static constexpr int kKvStride = kHeadDim + kVec;      // padded K/V row, in elements
+  static constexpr int kVec = 16 / sizeof(scalar_t);    // q elements per 16-byte vector
+  static constexpr int kChunks = kHeadDim / kVec;        // 16-byte vectors per q head row
+  static constexpr int kKvVec = 16 / sizeof(cache_t);   // K/V elements per 16-byte vector
+  static constexpr int kKvChunks = kHeadDim / kKvVec;    // 16-byte vectors per K/V head row
+  static constexpr int kKvStride = kHeadDim + kKvVec;    // padded K/V row, in elements
   static constexpr int kRowsPerWarp = kRows / kNumWarps;
   static constexpr int kCols = ceil_div(kHeadDim, kWarpSize);  // output columns per lane
   // Shared memory: q [kRows, D] fp32 (widened once, read by every key tile) |
   // k [2, 32, kKvStride] | v [2, 32, kKvStride] (double-buffered, input dtype) | p [kRows, 32].
   static constexpr int kKvTileElems = kKeyTile * kKvStride;
   static constexpr size_t kQBytes = size_t(kRows) * kHeadDim * sizeof(float);
-  static constexpr size_t kKvBytes = 4 * size_t(kKvTileElems) * sizeof(scalar_t);
+  static constexpr size_t kKvBytes = 4 * size_t(kKvTileElems) * sizeof(cache_t);
   static constexpr size_t kSmemBytes = kQBytes + kKvBytes + kRows * kKeyTile * sizeof(float);
-  static_assert(kHeadDim % kVec == 0 && kRows % kNumWarps == 0);
+  static_assert(kHeadDim % kVec == 0 && kHeadDim % kKvVec == 0 && kRows % kNumWarps == 0);
   // An odd number of 16-byte vectors per padded row makes the 8 lanes of each phase of a
-  // 128-bit shared load (lane j reads row j) hit distinct bank groups.
-  static_assert(kChunks % 2 == 0, "padded K rows must span an odd number of 16-byte vectors");
+  // 128-bit shared load (lane j reads row j) hit distinct bank groups. fp8 rows are read a few
+  // bytes at a time, so their padding only keeps the 16-byte alignment of cp.async.
+  static_assert(sizeof(cache_t) == 1 || kKvChunks % 2 == 0,
+                "padded K rows must span an odd number of 16-byte vectors");
 };
+
+// kN consecutive cached elements (kN * sizeof(cache_t) bytes, that aligned) widened to fp32: one
+// 16-byte load when they are scalar_t, else fp8 codes converted one by one.
+template <int kN, typename cache_t>
+__device__ __forceinline__ void load_kv_floats(const cache_t* src, float (&dst)[kN]) {
+  if constexpr (std::is_same_v<cache_t, fp8_t>) {
+#pragma unroll
+    for (int i = 0; i < kN; ++i) dst[i] = static_cast<float>(src[i]);
+  } else {
+    load_floats(src, dst);
+  }
+}
 
 // The query rows and the keys one thread block works on.
 struct TileRange {
@@ -89,9 +113,8 @@ struct TileRange {
 };
 
 // Returns false when the block has no rows (its tile lies past the sequence's queries).
-template <typename scalar_t>
-__device__ bool tile_range(const AttentionParams<scalar_t>& p, int rows_per_tile, int split,
-                           TileRange& r) {
+template <typename Params>
+__device__ bool tile_range(const Params& p, int rows_per_tile, int split, TileRange& r) {
   const int seq = blockIdx.y;
   r.q_start = p.query_start_loc[seq];
   const int q_len = p.query_start_loc[seq + 1] - r.q_start;
@@ -112,9 +135,8 @@ __device__ bool tile_range(const AttentionParams<scalar_t>& p, int rows_per_tile
 }
 
 // Stages the tile's query rows in fp32, q_s: [kRows, D]; rows past num_rows are zeros.
-template <typename Cfg, typename scalar_t>
-__device__ void load_q_tile(const AttentionParams<scalar_t>& p, const TileRange& r, int kv_head,
-                            float* q_s) {
+template <typename Cfg, typename Params>
+__device__ void load_q_tile(const Params& p, const TileRange& r, int kv_head, float* q_s) {
   for (int i = threadIdx.x; i < Cfg::kRows * Cfg::kChunks; i += kThreads) {
     const int row = i / Cfg::kChunks, chunk = i % Cfg::kChunks;
     float values[Cfg::kVec] = {};
@@ -135,21 +157,21 @@ __device__ void load_q_tile(const AttentionParams<scalar_t>& p, const TileRange&
 
 // Stages keys/values [key0, key0 + 32) of one KV head: [32, kKvStride] each; keys at or past
 // key_end (never visible, maybe not even allocated) are zero-filled.
-template <typename Cfg, typename scalar_t>
-__device__ void load_kv_tile(const AttentionParams<scalar_t>& p, const TileRange& r,
-                             int kv_head, int key0, scalar_t* k_s, scalar_t* v_s) {
+template <typename Cfg, typename Params, typename cache_t>
+__device__ void load_kv_tile(const Params& p, const TileRange& r, int kv_head, int key0,
+                             cache_t* k_s, cache_t* v_s) {
   const int* block_table = p.block_tables + int64_t(blockIdx.y) * p.max_blocks;
-  for (int i = threadIdx.x; i < kKeyTile * Cfg::kChunks; i += kThreads) {
-    const int j = i / Cfg::kChunks, chunk = i % Cfg::kChunks;
+  for (int i = threadIdx.x; i < kKeyTile * Cfg::kKvChunks; i += kThreads) {
+    const int j = i / Cfg::kKvChunks, chunk = i % Cfg::kKvChunks;
     const int key = key0 + j;
     const bool valid = key < r.key_end;
     int64_t offset = 0;
     if (valid) {
       const int64_t block = block_table[key / p.block_size];
       offset = ((block * p.num_kv_heads + kv_head) * p.block_size + key % p.block_size) *
-                   p.head_dim + chunk * Cfg::kVec;
+                   p.head_dim + chunk * Cfg::kKvVec;
     }
-    const int dst = j * Cfg::kKvStride + chunk * Cfg::kVec;
+    const int dst = j * Cfg::kKvStride + chunk * Cfg::kKvVec;
     cp_async_16(k_s + dst, p.k_cache + offset, valid);
     cp_async_16(v_s + dst, p.v_cache + offset, valid);
   }
@@ -177,15 +199,15 @@ struct WarpRows {
   }
 
   // One key tile: logits for key key0 + lane, online-softmax update, then P.V. p_warp: [rows, 32].
-  template <typename scalar_t>
-  __device__ void attend(const AttentionParams<scalar_t>& p, const float* q_s,
-                         const scalar_t* k_s, const scalar_t* v_s, float* p_warp, int key0) {
+  template <typename Params, typename cache_t>
+  __device__ void attend(const Params& p, const float* q_s, const cache_t* k_s,
+                         const cache_t* v_s, float* p_warp, int key0) {
     const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
     float logit[Cfg::kRowsPerWarp] = {};
 #pragma unroll 2
     for (int chunk = 0; chunk < Cfg::kChunks; ++chunk) {
       float k[Cfg::kVec];
-      load_floats(k_s + lane * Cfg::kKvStride + chunk * Cfg::kVec, k);
+      load_kv_floats(k_s + lane * Cfg::kKvStride + chunk * Cfg::kVec, k);
 #pragma unroll
       for (int i = 0; i < Cfg::kRowsPerWarp; ++i) {
         // A broadcast read: the whole warp reads the same query row.
@@ -222,8 +244,8 @@ struct WarpRows {
   }
 
   // acc[i] += sum_j p[i, j] * v[j]; four keys per 128-bit read of p.
-  template <typename scalar_t>
-  __device__ void accumulate_values(const scalar_t* v_s, const float* p_warp) {
+  template <typename cache_t>
+  __device__ void accumulate_values(const cache_t* v_s, const float* p_warp) {
     const int lane = threadIdx.x % kWarpSize;
 #pragma unroll 2
     for (int j = 0; j < kKeyTile; j += 4) {
@@ -250,9 +272,9 @@ struct WarpRows {
   }
 
   // Final rows to out, or (split-K) normalised partial rows and their log-sum-exp.
-  template <typename scalar_t>
-  __device__ void store(const AttentionParams<scalar_t>& p, const TileRange& r, int kv_head,
-                        int split) const {
+  template <typename scalar_t, typename cache_t>
+  __device__ void store(const AttentionParams<scalar_t, cache_t>& p, const TileRange& r,
+                        int kv_head, int split) const {
     const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
 #pragma unroll
     for (int i = 0; i < Cfg::kRowsPerWarp; ++i) {
@@ -260,7 +282,7 @@ struct WarpRows {
       const int flat = r.row_begin + warp + i * kNumWarps;
       const int64_t row = (int64_t(r.q_start) + flat / p.group) * p.num_q_heads +
                           kv_head * p.group + flat % p.group;  // (token, q head)
-      const float inv_l = l[i] > 0.f ? 1.f / l[i] : 0.f;
+      const float inv_l = l[i] > 0.f ? p.v_scale / l[i] : 0.f;  // v_scale 1: 1 / l exactly
       const int64_t split_row = int64_t(split) * p.num_tokens * p.num_q_heads + row;
 #pragma unroll
       for (int c = 0; c < Cfg::kCols; ++c) {
@@ -280,8 +302,8 @@ struct WarpRows {
 };
 
 // Padding rows [query_start_loc[S], T) become zeros, shared by the blocks of grid row y = S.
-template <typename scalar_t, int kHeadDim>
-__device__ void zero_padding_rows(const AttentionParams<scalar_t>& p) {
+template <typename scalar_t, typename cache_t, int kHeadDim>
+__device__ void zero_padding_rows(const AttentionParams<scalar_t, cache_t>& p) {
   constexpr int kVec = 16 / sizeof(scalar_t);
   const int64_t vecs_per_row = int64_t(p.num_q_heads) * kHeadDim / kVec;
   const int64_t begin = p.query_start_loc[p.num_seqs] * vecs_per_row;
@@ -295,19 +317,19 @@ __device__ void zero_padding_rows(const AttentionParams<scalar_t>& p) {
 }
 
 // grid: (query tiles, S + 1, Hkv * splits); block: kThreads.
-template <typename scalar_t, int kHeadDim, int kRows>
+template <typename scalar_t, typename cache_t, int kHeadDim, int kRows>
 __global__ void __launch_bounds__(kThreads)
-    ragged_paged_attention_kernel(const AttentionParams<scalar_t> p) {
-  using Cfg = TileConfig<scalar_t, kHeadDim, kRows>;
-  if (blockIdx.y == p.num_seqs) return zero_padding_rows<scalar_t, kHeadDim>(p);
+    ragged_paged_attention_kernel(const AttentionParams<scalar_t, cache_t> p) {
+  using Cfg = TileConfig<scalar_t, cache_t, kHeadDim, kRows>;
+  if (blockIdx.y == p.num_seqs) return zero_padding_rows<scalar_t, cache_t, kHeadDim>(p);
   const int kv_head = blockIdx.z / p.num_splits, split = blockIdx.z % p.num_splits;
   TileRange r;
   if (!tile_range(p, kRows, split, r)) return;
 
   extern __shared__ __align__(16) unsigned char smem[];
   float* q_s = reinterpret_cast<float*>(smem);                         // [kRows, D]
-  scalar_t* k_s = reinterpret_cast<scalar_t*>(smem + Cfg::kQBytes);    // [2, 32, kKvStride]
-  scalar_t* v_s = k_s + 2 * Cfg::kKvTileElems;                        // [2, 32, kKvStride]
+  cache_t* k_s = reinterpret_cast<cache_t*>(smem + Cfg::kQBytes);      // [2, 32, kKvStride]
+  cache_t* v_s = k_s + 2 * Cfg::kKvTileElems;                         // [2, 32, kKvStride]
   float* p_warp = reinterpret_cast<float*>(v_s + 2 * Cfg::kKvTileElems) +
                   (threadIdx.x / kWarpSize) * Cfg::kRowsPerWarp * kKeyTile;  // [rows, 32]
 
@@ -337,9 +359,9 @@ __global__ void __launch_bounds__(kThreads)
 
 // out[t, h] = sum_i exp(lse_i - lse_max) * partial_i / sum_i exp(lse_i - lse_max); one warp per
 // (token, q head) row. grid: ceil(T * Hq / kNumWarps); block: kThreads.
-template <typename scalar_t>
+template <typename scalar_t, typename cache_t>
 __global__ void __launch_bounds__(kThreads)
-    merge_splits_kernel(const AttentionParams<scalar_t> p) {
+    merge_splits_kernel(const AttentionParams<scalar_t, cache_t> p) {
   const int lane = threadIdx.x % kWarpSize;
   const int64_t row = int64_t(blockIdx.x) * kNumWarps + threadIdx.x / kWarpSize;
   if (row >= int64_t(p.query_start_loc[p.num_seqs]) * p.num_q_heads) return;  // padding rows
@@ -388,10 +410,10 @@ int choose_num_splits(int64_t num_blocks, int64_t max_context, int num_sms) {
   return static_cast<int>(std::max<int64_t>(splits, 1));
 }
 
-template <typename scalar_t, int kHeadDim, int kRows>
-void launch_attention(AttentionParams<scalar_t> params, const AttentionShape& shape,
+template <typename scalar_t, typename cache_t, int kHeadDim, int kRows>
+void launch_attention(AttentionParams<scalar_t, cache_t> params, const AttentionShape& shape,
                       int64_t max_query_len, const at::Tensor& q) {
-  using Cfg = TileConfig<scalar_t, kHeadDim, kRows>;
+  using Cfg = TileConfig<scalar_t, cache_t, kHeadDim, kRows>;
   const int num_sms = device_attribute(cudaDevAttrMultiProcessorCount);
   const int max_smem = device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin);
   const int64_t q_tiles = std::max<int64_t>(1, ceil_div(max_query_len * shape.group, kRows));
@@ -409,7 +431,7 @@ void launch_attention(AttentionParams<scalar_t> params, const AttentionShape& sh
   }
   TORCH_CHECK(Cfg::kSmemBytes <= size_t(max_smem), "ragged_paged_attention (CUDA): needs ",
               Cfg::kSmemBytes, " bytes of shared memory per block, the device has ", max_smem);
-  auto* kernel = &ragged_paged_attention_kernel<scalar_t, kHeadDim, kRows>;
+  auto* kernel = &ragged_paged_attention_kernel<scalar_t, cache_t, kHeadDim, kRows>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       static_cast<int>(Cfg::kSmemBytes)));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
@@ -418,24 +440,24 @@ void launch_attention(AttentionParams<scalar_t> params, const AttentionShape& sh
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (params.num_splits > 1) {
     const int64_t merge_blocks = ceil_div(shape.num_tokens * shape.num_q_heads, kNumWarps);
-    merge_splits_kernel<scalar_t><<<merge_blocks, kThreads, 0, stream>>>(params);
+    merge_splits_kernel<scalar_t, cache_t><<<merge_blocks, kThreads, 0, stream>>>(params);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 }
 
-template <typename scalar_t>
+template <typename scalar_t, typename cache_t>
 void run_attention(const AttentionShape& shape, const at::Tensor& out, const at::Tensor& q,
                    const at::Tensor& k_cache, const at::Tensor& v_cache,
                    const at::Tensor& kv_lens, const at::Tensor& block_tables,
                    const at::Tensor& query_start_loc, double sm_scale,
                    std::optional<int64_t> sliding_window, std::optional<double> soft_cap,
-                   int64_t max_query_len) {
-  AttentionParams<scalar_t> params{};
+                   int64_t max_query_len, double k_scale, double v_scale) {
+  AttentionParams<scalar_t, cache_t> params{};
   params.q = q.const_data_ptr<scalar_t>();
   params.q_stride_token = q.stride(0);
   params.q_stride_head = q.stride(1);
-  params.k_cache = k_cache.const_data_ptr<scalar_t>();
-  params.v_cache = v_cache.const_data_ptr<scalar_t>();
+  params.k_cache = static_cast<const cache_t*>(k_cache.const_data_ptr());
+  params.v_cache = static_cast<const cache_t*>(v_cache.const_data_ptr());
   params.kv_lens = kv_lens.const_data_ptr<int>();
   params.block_tables = block_tables.const_data_ptr<int>();
   params.query_start_loc = query_start_loc.const_data_ptr<int>();
@@ -448,16 +470,19 @@ void run_attention(const AttentionShape& shape, const at::Tensor& out, const at:
   params.head_dim = shape.head_dim;
   params.block_size = shape.block_size;
   params.max_blocks = shape.max_blocks;
-  params.sm_scale = static_cast<float>(sm_scale);
+  params.sm_scale = static_cast<float>(sm_scale * k_scale);  // k_scale 1: sm_scale exactly
+  params.v_scale = static_cast<float>(v_scale);
   params.soft_cap = static_cast<float>(soft_cap.value_or(0.0));
   params.sliding_window = static_cast<int>(sliding_window.value_or(0));
   dispatch_head_dim(shape.head_dim, [&](auto head_dim) {
     constexpr int kHeadDim = decltype(head_dim)::value;
     constexpr int kMultiTokenRows = kHeadDim <= 128 ? 64 : 32;  // bounds registers and smem
     if (max_query_len == 1 || max_query_len * shape.group <= kDecodeRows) {
-      launch_attention<scalar_t, kHeadDim, kDecodeRows>(params, shape, max_query_len, q);
+      launch_attention<scalar_t, cache_t, kHeadDim, kDecodeRows>(params, shape, max_query_len,
+                                                                 q);
     } else {
-      launch_attention<scalar_t, kHeadDim, kMultiTokenRows>(params, shape, max_query_len, q);
+      launch_attention<scalar_t, cache_t, kHeadDim, kMultiTokenRows>(params, shape,
+                                                                     max_query_len, q);
     }
   });
 }
@@ -468,10 +493,11 @@ void ragged_paged_attention_out_cuda(const at::Tensor& out, const at::Tensor& q,
                                      const at::Tensor& query_start_loc, double sm_scale,
                                      std::optional<int64_t> sliding_window,
                                      std::optional<double> soft_cap,
-                                     std::optional<int64_t> max_query_len) {
+                                     std::optional<int64_t> max_query_len, double k_scale,
+                                     double v_scale) {
   const AttentionShape shape =
       check_attention_args(out, q, k_cache, v_cache, kv_lens, block_tables, query_start_loc,
-                           sliding_window, soft_cap);
+                           sliding_window, soft_cap, k_scale, v_scale);
   check_cuda_attention_args(shape, out, q, k_cache, v_cache);
   if (shape.num_tokens == 0) return;
   const c10::cuda::CUDAGuard device_guard(q.device());
@@ -479,9 +505,17 @@ void ragged_paged_attention_out_cuda(const at::Tensor& out, const at::Tensor& q,
   if (!max_query_len && shape.num_seqs > 0) {  // no host-side hint: a synchronising read
     max_q = (query_start_loc.slice(0, 1) - query_start_loc.slice(0, 0, -1)).max().item<int64_t>();
   }
+  const bool fp8_cache = k_cache.scalar_type() == at::kFloat8_e4m3fn;
   PAGEDJAX_DISPATCH_CUDA_FLOATING_TYPES(q.scalar_type(), "ragged_paged_attention_cuda", [&] {
-    run_attention<scalar_t>(shape, out, q, k_cache, v_cache, kv_lens, block_tables,
-                            query_start_loc, sm_scale, sliding_window, soft_cap, max_q);
+    if (fp8_cache) {
+      run_attention<scalar_t, fp8_t>(shape, out, q, k_cache, v_cache, kv_lens, block_tables,
+                                     query_start_loc, sm_scale, sliding_window, soft_cap, max_q,
+                                     k_scale, v_scale);
+    } else {
+      run_attention<scalar_t, scalar_t>(shape, out, q, k_cache, v_cache, kv_lens, block_tables,
+                                        query_start_loc, sm_scale, sliding_window, soft_cap,
+                                        max_q, k_scale, v_scale);
+    }
   });
 }
 

@@ -22,6 +22,7 @@
 
 #include "../../attention_shape.h"
 #include "cpu_features.h"
+#include "fp8_e4m3.h"
 #include "simd_math.h"
 
 namespace pagedjax::cpu_attention {
@@ -284,18 +285,20 @@ struct Scratch {
 
 constexpr int64_t kItemOverhead = 16;  // an item's fixed cost, in keys (for split_items)
 
-template <typename scalar_t, typename acc_t>
+// cache_t: the caches' element, scalar_t or fp8::E4M3 (an FP8 KV cache, read as code * scale).
+template <typename scalar_t, typename acc_t, typename cache_t = scalar_t>
 struct CpuAttention {
   const AttentionShape& shape;
   RaggedBatch batch;
   const scalar_t* q;  // [T, Hq, D], strided over T and Hq
   int64_t q_stride_token, q_stride_head;
-  const scalar_t* k_cache;  // [N, Hkv, bs, D]
-  const scalar_t* v_cache;  // [N, Hkv, bs, D]
-  scalar_t* out;            // [T, Hq, D], contiguous
+  const cache_t* k_cache;  // [N, Hkv, bs, D]
+  const cache_t* v_cache;  // [N, Hkv, bs, D]
+  scalar_t* out;           // [T, Hq, D], contiguous
   acc_t sm_scale;
   int64_t sliding_window;  // 0: none
   acc_t soft_cap;          // scores soft_cap * tanh(s / soft_cap), s = scaled q . k; 0: none
+  acc_t k_scale = 1, v_scale = 1;  // an fp8 cache's values are code * scale (else unused)
 
   // Index of the sequence owning query row t, or -1 for a padding row.
   int64_t sequence_of_row(int64_t t) const {
@@ -357,7 +360,7 @@ struct CpuAttention {
       const int64_t first = std::max(lo, b * bs), n = std::min(hi, (b + 1) * bs) - first;
       if ((b + 1) * bs < hi) prefetch_tile(k_cache, blocks[b + 1], h, 0);
       prefetch_tile(v_cache, blocks[b], h, 1);
-      const acc_t* k = tile(k_cache, blocks[b], h, first - b * bs, n, sc.k);
+      const acc_t* k = tile(k_cache, blocks[b], h, first - b * bs, n, k_scale, sc.k);
       for (int64_t g = 0; g < G; ++g) {
         acc_t* p = &sc.p[g * n_visible + first - lo];
         logits(&sc.q[g * D], k, n, D, p);
@@ -373,7 +376,7 @@ struct CpuAttention {
     std::fill(sc.acc.begin(), sc.acc.end(), acc_t(0));
     for (int64_t b = lo / bs; b * bs < hi; ++b) {
       const int64_t first = std::max(lo, b * bs), n = std::min(hi, (b + 1) * bs) - first;
-      const acc_t* v = tile(v_cache, blocks[b], h, first - b * bs, n, sc.v);
+      const acc_t* v = tile(v_cache, blocks[b], h, first - b * bs, n, v_scale, sc.v);
       accumulate(sc.acc.data(), &sc.p[first - lo], n_visible, v, n, D, G);
     }
     for (int64_t g = 0; g < G; ++g) {
@@ -385,10 +388,10 @@ struct CpuAttention {
   }
 
   // Asks for one (block, KV head) tile ahead of its use: into L1 (level 0) or L2 (level 1).
-  void prefetch_tile(const scalar_t* cache, int64_t block, int64_t h, int level) const {
+  void prefetch_tile(const cache_t* cache, int64_t block, int64_t h, int level) const {
     const char* src = reinterpret_cast<const char*>(
         cache + (block * shape.num_kv_heads + h) * shape.block_size * shape.head_dim);
-    const int64_t bytes = shape.block_size * shape.head_dim * int64_t(sizeof(scalar_t));
+    const int64_t bytes = shape.block_size * shape.head_dim * int64_t(sizeof(cache_t));
     for (int64_t i = 0; i < bytes; i += 64) {
       if (level == 0) __builtin_prefetch(src + i, 0, 3);
       else __builtin_prefetch(src + i, 0, 2);
@@ -396,13 +399,16 @@ struct CpuAttention {
   }
 
   // Rows [offset, offset + n) of one (block, KV head) tile of a cache as acc_t: in place when
-  // the cache is acc_t already, else converted into buffer.
-  const acc_t* tile(const scalar_t* cache, int64_t block, int64_t h, int64_t offset, int64_t n,
-                    std::vector<acc_t>& buffer) const {
+  // the cache is acc_t already, else converted into buffer (an fp8 cache's times its scale).
+  const acc_t* tile(const cache_t* cache, int64_t block, int64_t h, int64_t offset, int64_t n,
+                    acc_t scale, std::vector<acc_t>& buffer) const {
     const int64_t D = shape.head_dim;
-    const scalar_t* src = cache + ((block * shape.num_kv_heads + h) * shape.block_size + offset) * D;
-    if constexpr (std::is_same_v<scalar_t, acc_t>) {
+    const cache_t* src = cache + ((block * shape.num_kv_heads + h) * shape.block_size + offset) * D;
+    if constexpr (std::is_same_v<cache_t, acc_t>) {
       return src;
+    } else if constexpr (fp8::is_fp8<cache_t>) {
+      fp8::load_row(src, buffer.data(), n * D, scale);
+      return buffer.data();
     } else {
       std::copy(src, src + n * D, buffer.begin());
       return buffer.data();
@@ -412,8 +418,8 @@ struct CpuAttention {
 
 // Every (query row, KV head) item of `attention`, in one contiguous range of about equal cost per
 // thread of `par` (parallel.h), each range with its own scratch.
-template <typename Parallel, typename scalar_t, typename acc_t>
-void run_items(const Parallel& par, const CpuAttention<scalar_t, acc_t>& attention) {
+template <typename Parallel, typename scalar_t, typename acc_t, typename cache_t>
+void run_items(const Parallel& par, const CpuAttention<scalar_t, acc_t, cache_t>& attention) {
   const AttentionShape& shape = attention.shape;
   const int64_t num_items = shape.num_tokens * shape.num_kv_heads;
   const int64_t parts =

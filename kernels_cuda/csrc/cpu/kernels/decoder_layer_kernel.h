@@ -18,6 +18,7 @@
 
 #include "../../attention_shape.h"
 #include "attention_cpu_kernel.h"
+#include "fp8_e4m3.h"
 #include "linear_cpu_kernel.h"
 #include "norm_act_cpu_kernel.h"
 #include "parallel.h"
@@ -95,6 +96,7 @@ struct DecoderLayer {
   const float* sin;             // [T, D]
   const index_t* slot_mapping;  // [T]; < 0: padding
   cpu_attention::RaggedBatch batch;
+  float k_scale = 1.f, v_scale = 1.f;  // an fp8 cache's: it stores k / k_scale, v / v_scale
 
   int64_t q_size() const { return shape.num_q_heads * shape.head_dim; }
   int64_t kv_size() const { return shape.num_kv_heads * shape.head_dim; }
@@ -129,10 +131,11 @@ struct DecoderLayer {
 
   // The layer over rows [0, rows) (the rest are not computed: zeros in out and stream) → out
   // [T, H], stream [T, H] (the residual stream), and this step's keys and values written into
-  // k_cache, v_cache [N, Hkv, bs, D] in place. The threads are `par`'s (parallel.h).
-  template <typename Parallel>
-  void run(const Parallel& par, int64_t rows, float* out, float* stream, float* k_cache,
-           float* v_cache) const {
+  // k_cache, v_cache [N, Hkv, bs, D] in place (float32, or fp8::E4M3: an FP8 KV cache). The
+  // threads are `par`'s (parallel.h).
+  template <typename Parallel, typename cache_t>
+  void run(const Parallel& par, int64_t rows, float* out, float* stream, cache_t* k_cache,
+           cache_t* v_cache) const {
     const int64_t T = shape.num_tokens, H = hidden, I = intermediate, D = shape.head_dim;
     const int64_t R = rows, Hq = shape.num_q_heads, Hkv = shape.num_kv_heads;
     const int64_t q_width = q_size(), kv_width = kv_size();
@@ -198,15 +201,15 @@ struct DecoderLayer {
       for (int64_t head = 0; head < Hkv; ++head) {
         const int64_t dst = ((block * Hkv + head) * block_size + offset) * D;
         const float* k_row = row + q_width + head * D;
-        std::copy(k_row, k_row + D, k_cache + dst);
-        std::copy(k_row + kv_width, k_row + kv_width + D, v_cache + dst);
+        fp8::store_row(k_row, k_cache + dst, D, k_scale);
+        fp8::store_row(k_row + kv_width, v_cache + dst, D, v_scale);
       }
     });
     AttentionShape computed = shape;  // the query rows [0, R)
     computed.num_tokens = R;
-    const cpu_attention::CpuAttention<float, float> attention{
+    const cpu_attention::CpuAttention<float, float, cache_t> attention{
         computed, batch, qkv, ld_qkv, D, k_cache, v_cache, attn, sm_scale,
-        std::max<int64_t>(sliding_window, 0), /*soft_cap=*/0.f};
+        std::max<int64_t>(sliding_window, 0), /*soft_cap=*/0.f, k_scale, v_scale};
     cpu_attention::run_items(par, attention);
     w.o.apply(par, attn, q_width, R, q_width, H, nullptr, o, ld_o);
     // stream = o + stream; h = rms_norm(stream)

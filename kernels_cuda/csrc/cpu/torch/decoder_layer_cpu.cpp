@@ -10,6 +10,7 @@
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
 
+#include <cmath>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -62,7 +63,9 @@ void check_int32(const char* name, const at::Tensor& t, int64_t dim) {
 
 // x [T, H]: the previous layer's output (the embedding in the first layer, residual None)
 // → (this layer's output [T, H], the residual stream [T, H]). Weights packed for
-// pagedjax::linear, or (qtypes[i] != 0) GGML blocks for pagedjax::quant_linear; norms' weights [H]; k_cache/v_cache [N, Hkv, bs, D] written at slot_mapping.
+// pagedjax::linear, or (qtypes[i] != 0) GGML blocks for pagedjax::quant_linear; norms' weights
+// [H]; k_cache/v_cache [N, Hkv, bs, D] (float32, or float8_e4m3fn with k_scale / v_scale)
+// written at slot_mapping.
 // Every row is computed, padding rows (past query_start_loc[S]) included, as the ops would.
 std::tuple<at::Tensor, at::Tensor> decoder_layer_cpu(
     const at::Tensor& x, const OptTensor& residual, const at::Tensor& input_norm,
@@ -73,7 +76,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer_cpu(
     const at::Tensor& block_tables, const at::Tensor& query_start_loc, int64_t num_q_heads,
     int64_t num_kv_heads, int64_t intermediate_size, double eps, double sm_scale,
     std::optional<int64_t> sliding_window, std::optional<int64_t> /*max_query_len: CUDA-only*/,
-    at::OptionalIntArrayRef qtypes) {
+    at::OptionalIntArrayRef qtypes, double k_scale, double v_scale) {
   TORCH_CHECK(x.dim() == 2, kOp, ": x must be [num_tokens, hidden], got ", x.sizes());
   TORCH_CHECK(k_cache.dim() == 4, kOp, ": k_cache must be [N, Hkv, bs, D], got ",
               k_cache.sizes());
@@ -96,8 +99,19 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer_cpu(
   const cpu_layer::Projection gate_up =
       projection("gate_up_weight", gate_up_weight, H, 2 * I, qtype(2));
   const cpu_layer::Projection down = projection("down_weight", down_weight, I, H, qtype(3));
-  check_float("k_cache", k_cache, k_cache.sizes());
-  check_float("v_cache", v_cache, k_cache.sizes());
+  const bool fp8_cache = k_cache.scalar_type() == at::kFloat8_e4m3fn;
+  if (fp8_cache) {  // an FP8 KV cache: k / k_scale, v / v_scale stored as e4m3
+    TORCH_CHECK(v_cache.scalar_type() == at::kFloat8_e4m3fn && k_cache.is_contiguous() &&
+                    v_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes(),
+                kOp, ": an fp8 k_cache needs a contiguous fp8 v_cache of its shape, got ",
+                v_cache.scalar_type(), " ", v_cache.sizes());
+    TORCH_CHECK(k_scale > 0 && v_scale > 0 && std::isfinite(k_scale) && std::isfinite(v_scale),
+                kOp, ": k_scale and v_scale must be finite and > 0, got ", k_scale, " and ",
+                v_scale);
+  } else {
+    check_float("k_cache", k_cache, k_cache.sizes());
+    check_float("v_cache", v_cache, k_cache.sizes());
+  }
   check_float("cos", cos, {T, D});
   check_float("sin", sin, {T, D});
   TORCH_CHECK((slot_mapping.scalar_type() == at::kInt || slot_mapping.scalar_type() == at::kLong) &&
@@ -128,11 +142,18 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer_cpu(
     const cpu_layer::DecoderLayer<index_t> layer{
         shape, H, I, eps, static_cast<float>(sm_scale), sliding_window.value_or(0),
         x.data_ptr<float>(), residual ? residual->data_ptr<float>() : nullptr, weights,
-        cos.data_ptr<float>(), sin.data_ptr<float>(), slot_mapping.data_ptr<index_t>(), batch};
+        cos.data_ptr<float>(), sin.data_ptr<float>(), slot_mapping.data_ptr<index_t>(), batch,
+        static_cast<float>(k_scale), static_cast<float>(v_scale)};
     const std::string error = layer.error(T);
     TORCH_CHECK(error.empty(), kOp, ": ", error);
-    layer.run(TorchParallel{}, T, out.data_ptr<float>(), stream.data_ptr<float>(),
-              k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
+    if (fp8_cache) {
+      layer.run(TorchParallel{}, T, out.data_ptr<float>(), stream.data_ptr<float>(),
+                static_cast<fp8::E4M3*>(k_cache.data_ptr()),
+                static_cast<fp8::E4M3*>(v_cache.data_ptr()));
+    } else {
+      layer.run(TorchParallel{}, T, out.data_ptr<float>(), stream.data_ptr<float>(),
+                k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
+    }
   });
   return {out, stream};
 }
@@ -147,7 +168,8 @@ TORCH_LIBRARY_FRAGMENT(pagedjax, m) {
       "Tensor down_weight, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cos, Tensor sin, "
       "Tensor slot_mapping, Tensor kv_lens, Tensor block_tables, Tensor query_start_loc, "
       "int num_q_heads, int num_kv_heads, int intermediate_size, float eps, float sm_scale, "
-      "int? sliding_window, int? max_query_len, int[]? qtypes=None) -> (Tensor, Tensor)");
+      "int? sliding_window, int? max_query_len, int[]? qtypes=None, float k_scale=1.0, "
+      "float v_scale=1.0) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(pagedjax, CPU, m) { m.impl("decoder_layer", &pagedjax::decoder_layer_cpu); }

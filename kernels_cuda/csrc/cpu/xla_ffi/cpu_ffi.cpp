@@ -1,4 +1,5 @@
-// The XLA FFI handlers of the C++ CPU kernels (../kernels/, no torch headers), in float32: the
+// The XLA FFI handlers of the C++ CPU kernels (../kernels/, no torch headers), in float32 (KV
+// caches float32 or float8_e4m3fn: an FP8 KV cache, with per-layer k_scale / v_scale): the
 // JAX backend's attention (attention_cpu_kernel.h), packed linear (linear_cpu_kernel.h),
 // quantized linear (quant_linear_kernel.h: weights in GGML blocks), top-k,
 // samplers' passes and whole decoder layer (decoder_layer_kernel.h) on CPU. Built and registered
@@ -14,10 +15,13 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "../kernels/attention_cpu_kernel.h"
 #include "../kernels/decoder_layer_kernel.h"
+#include "../kernels/fp8_e4m3.h"
 #include "../kernels/filter_cpu_kernel.h"
 #include "../kernels/linear_cpu_kernel.h"
 #include "../kernels/logits_cpu_kernel.h"
@@ -87,18 +91,34 @@ struct PoolParallel {
   }
 };
 
+// Calls fn with a null pointer of the caches' element type: float (F32) or fp8::E4M3
+// (F8E4M3FN, an FP8 KV cache); an error for any other, or for k and v of different types.
+template <typename Fn>
+ffi::Error with_cache_type(const ffi::AnyBuffer& k_cache, const ffi::AnyBuffer& v_cache,
+                           const char* op, const Fn& fn) {
+  const ffi::DataType type = k_cache.element_type();
+  if (v_cache.element_type() == type && type == ffi::DataType::F32) return fn((float*)nullptr);
+  if (v_cache.element_type() == type && type == ffi::DataType::F8E4M3FN) {
+    return fn((fp8::E4M3*)nullptr);
+  }
+  return ffi::Error::InvalidArgument(std::string(op) +
+                                     " (FFI): the caches must both be float32 or float8_e4m3fn");
+}
+
 ffi::Error ragged_paged_attention_f32(
     ffi::ThreadPool pool,
     ffi::Buffer<ffi::F32> q,                  // [T, Hq, D]
-    ffi::Buffer<ffi::F32> k_cache,            // [N, Hkv, bs, D]
-    ffi::Buffer<ffi::F32> v_cache,            // [N, Hkv, bs, D]
+    ffi::AnyBuffer k_cache,                   // [N, Hkv, bs, D] float32 or float8_e4m3fn
+    ffi::AnyBuffer v_cache,                   // [N, Hkv, bs, D], k_cache's dtype
     ffi::Buffer<ffi::S32> kv_lens,            // [S]
     ffi::Buffer<ffi::S32> block_tables,       // [S, M]
     ffi::Buffer<ffi::S32> query_start_loc,    // [S+1]
     ffi::ResultBuffer<ffi::F32> out,          // [T, Hq, D]
     float sm_scale,
     int64_t sliding_window,  // 0: none
-    float soft_cap) {        // scores soft_cap * tanh(s / soft_cap); 0: none
+    float soft_cap,          // scores soft_cap * tanh(s / soft_cap); 0: none
+    float k_scale,           // an fp8 cache's values are code * scale; unused for float32
+    float v_scale) {
   const auto qd = q.dimensions(), cd = k_cache.dimensions(), td = block_tables.dimensions();
   const auto vd = v_cache.dimensions();
   if (qd.size() != 3 || cd.size() != 4 || td.size() != 2 || cd[3] != qd[2] ||
@@ -116,12 +136,16 @@ ffi::Error ragged_paged_attention_f32(
   if (const std::string error = cpu_attention::metadata_error(shape, batch); !error.empty()) {
     return ffi::Error::InvalidArgument(error);
   }
-  const cpu_attention::CpuAttention<float, float> attention{
-      shape, batch, q.typed_data(), shape.num_q_heads * shape.head_dim, shape.head_dim,
-      k_cache.typed_data(), v_cache.typed_data(), out->typed_data(), sm_scale,
-      std::max<int64_t>(sliding_window, 0), std::max(soft_cap, 0.f)};
-  cpu_attention::run_items(PoolParallel{pool}, attention);
-  return ffi::Error::Success();
+  return with_cache_type(k_cache, v_cache, "ragged_paged_attention", [&](auto* type) {
+    using cache_t = std::remove_pointer_t<decltype(type)>;
+    const cpu_attention::CpuAttention<float, float, cache_t> attention{
+        shape, batch, q.typed_data(), shape.num_q_heads * shape.head_dim, shape.head_dim,
+        static_cast<const cache_t*>(k_cache.untyped_data()),
+        static_cast<const cache_t*>(v_cache.untyped_data()), out->typed_data(), sm_scale,
+        std::max<int64_t>(sliding_window, 0), std::max(soft_cap, 0.f), k_scale, v_scale};
+    cpu_attention::run_items(PoolParallel{pool}, attention);
+    return ffi::Error::Success();
+  });
 }
 
 // Rows [num_rows, M) of y are zeros, not computed (a step's padding rows).
@@ -293,8 +317,8 @@ ffi::Error decoder_layer_f32(
     ffi::Buffer<ffi::F32> post_norm,        // [H]
     ffi::AnyBuffer gate_up_weight,          // out 2 I, in H
     ffi::AnyBuffer down_weight,             // out H, in I
-    ffi::Buffer<ffi::F32> k_cache,          // [N, Hkv, bs, D]
-    ffi::Buffer<ffi::F32> v_cache,          // [N, Hkv, bs, D]
+    ffi::AnyBuffer k_cache,                 // [N, Hkv, bs, D] float32 or float8_e4m3fn
+    ffi::AnyBuffer v_cache,                 // [N, Hkv, bs, D], k_cache's dtype
     ffi::Buffer<ffi::F32> cos,              // [T, D]: at each token's position
     ffi::Buffer<ffi::F32> sin,              // [T, D]
     ffi::Buffer<ffi::S32> slot_mapping,     // [T], -1: padding
@@ -303,12 +327,14 @@ ffi::Error decoder_layer_f32(
     ffi::Buffer<ffi::S32> query_start_loc,  // [S+1]
     ffi::ResultBuffer<ffi::F32> out,        // [T, H]
     ffi::ResultBuffer<ffi::F32> stream,     // [T, H]
-    ffi::ResultBuffer<ffi::F32> k_out,      // [N, Hkv, bs, D]: k_cache's buffer
-    ffi::ResultBuffer<ffi::F32> v_out,      // [N, Hkv, bs, D]: v_cache's buffer
+    ffi::Result<ffi::AnyBuffer> k_out,      // [N, Hkv, bs, D]: k_cache's buffer
+    ffi::Result<ffi::AnyBuffer> v_out,      // [N, Hkv, bs, D]: v_cache's buffer
     int64_t num_q_heads, int64_t intermediate_size, float eps, float sm_scale,
     int64_t sliding_window,  // 0: none
     int64_t has_residual,    // 0: the first layer (x is the embedding)
-    ffi::Span<const int64_t> qtypes) {  // qkv, o, gate_up, down: 0 packed, else GGML type
+    ffi::Span<const int64_t> qtypes,  // qkv, o, gate_up, down: 0 packed, else GGML type
+    float k_scale,                    // an fp8 cache stores k / k_scale, v / v_scale
+    float v_scale) {
   const auto xd = x.dimensions(), cd = k_cache.dimensions(), td = block_tables.dimensions();
   if (xd.size() != 2 || cd.size() != 4 || td.size() != 2 || cd[1] <= 0 ||
       num_q_heads % cd[1] != 0 || cos.dimensions()[0] != xd[0] || cos.dimensions()[1] != cd[3] ||
@@ -343,7 +369,8 @@ ffi::Error decoder_layer_f32(
                          post_norm.typed_data(), gate_up, down},
       cos.typed_data(), sin.typed_data(), slot_mapping.typed_data(),
       cpu_attention::RaggedBatch{kv_lens.typed_data(), block_tables.typed_data(),
-                                 query_start_loc.typed_data()}};
+                                 query_start_loc.typed_data()},
+      k_scale, v_scale};
   // a bias of another length than Nqkv would be read past its end
   if (qkv_bias.element_count() > 0 &&
       static_cast<int64_t>(qkv_bias.element_count()) != qkv_size) {
@@ -353,16 +380,20 @@ ffi::Error decoder_layer_f32(
   if (const std::string error = layer.error(rows); !error.empty()) {
     return ffi::Error::InvalidArgument(error);
   }
-  const size_t cache_bytes = k_cache.size_bytes();
-  if (k_out->typed_data() != k_cache.typed_data()) {
-    std::memcpy(k_out->typed_data(), k_cache.typed_data(), cache_bytes);
-  }
-  if (v_out->typed_data() != v_cache.typed_data()) {
-    std::memcpy(v_out->typed_data(), v_cache.typed_data(), cache_bytes);
-  }
-  layer.run(PoolParallel{pool}, rows, out->typed_data(), stream->typed_data(),
-            k_out->typed_data(), v_out->typed_data());
-  return ffi::Error::Success();
+  return with_cache_type(k_cache, v_cache, "decoder_layer", [&](auto* type) {
+    using cache_t = std::remove_pointer_t<decltype(type)>;
+    const size_t cache_bytes = k_cache.size_bytes();
+    for (const auto& [cache, result] :
+         {std::pair{&k_cache, &k_out}, std::pair{&v_cache, &v_out}}) {
+      if ((*result)->untyped_data() != cache->untyped_data()) {
+        std::memcpy((*result)->untyped_data(), cache->untyped_data(), cache_bytes);
+      }
+    }
+    layer.run(PoolParallel{pool}, rows, out->typed_data(), stream->typed_data(),
+              static_cast<cache_t*>(k_out->untyped_data()),
+              static_cast<cache_t*>(v_out->untyped_data()));
+    return ffi::Error::Success();
+  });
 }
 
 }  // namespace
@@ -382,15 +413,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxRaggedPagedAttentionF32,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("sm_scale")
                                   .Attr<int64_t>("sliding_window")
-                                  .Attr<float>("soft_cap"));
+                                  .Attr<float>("soft_cap")
+                                  .Attr<float>("k_scale")
+                                  .Attr<float>("v_scale"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxLinearF32, pagedjax::linear_f32,
                               ffi::Ffi::Bind()
@@ -426,8 +459,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxDecoderLayerF32, pagedjax::decoder_layer_f
                                   .Arg<ffi::Buffer<ffi::F32>>()   // post_norm
                                   .Arg<ffi::AnyBuffer>()          // gate_up_weight
                                   .Arg<ffi::AnyBuffer>()          // down_weight
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // k_cache
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // v_cache
+                                  .Arg<ffi::AnyBuffer>()          // k_cache
+                                  .Arg<ffi::AnyBuffer>()          // v_cache
                                   .Arg<ffi::Buffer<ffi::F32>>()   // cos
                                   .Arg<ffi::Buffer<ffi::F32>>()   // sin
                                   .Arg<ffi::Buffer<ffi::S32>>()   // slot_mapping
@@ -436,15 +469,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxDecoderLayerF32, pagedjax::decoder_layer_f
                                   .Arg<ffi::Buffer<ffi::S32>>()   // query_start_loc
                                   .Ret<ffi::Buffer<ffi::F32>>()   // out
                                   .Ret<ffi::Buffer<ffi::F32>>()   // stream
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // k_cache
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // v_cache
+                                  .Ret<ffi::AnyBuffer>()          // k_cache
+                                  .Ret<ffi::AnyBuffer>()          // v_cache
                                   .Attr<int64_t>("num_q_heads")
                                   .Attr<int64_t>("intermediate_size")
                                   .Attr<float>("eps")
                                   .Attr<float>("sm_scale")
                                   .Attr<int64_t>("sliding_window")
                                   .Attr<int64_t>("has_residual")
-                                  .Attr<ffi::Span<const int64_t>>("qtypes"));
+                                  .Attr<ffi::Span<const int64_t>>("qtypes")
+                                  .Attr<float>("k_scale")
+                                  .Attr<float>("v_scale"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxQuantLinearF32, pagedjax::quant_linear_f32,
                               ffi::Ffi::Bind()

@@ -2,10 +2,11 @@
 (layout, variant) and compiled ahead of time (runner.py).
 
 Drafts first when the step speculates (spec_step.py: the draft's catch-up and its k - 1
-autoregressive steps), then the target's forward over the flattened batch, sampling or the
-rejection sampler, and each row's first token kept on the device for the next step's inputs
-(async scheduling). On an accelerator a decode-shaped step runs one of two branch-free variants
-(PLAIN, FULL): no conditional or loop is left for XLA to run as a host round trip.
+autoregressive steps; drafts the host proposed arrive in the draft slots instead), then the
+target's forward over the flattened batch, sampling or the rejection sampler, and each row's
+first token kept on the device for the next step's inputs (async scheduling). On an accelerator
+a decode-shaped step runs one of two branch-free variants (PLAIN, FULL): no conditional or loop
+is left for XLA to run as a host round trip.
 """
 
 from __future__ import annotations
@@ -80,7 +81,9 @@ class StepBody:
         sampling["entries"] = (entry_ints, entry_bias)
         sampling["token_bitmask"] = token_bitmask  # [S, W]
         input_ids, k = b["input_ids"], layout.num_spec_tokens
-        if k:
+        if k and not layout.draft:  # the host's drafts (n-gram), already in their slots
+            drafts = input_ids[jnp.minimum(b["draft_token_index"], layout.num_tokens - 1)]
+        elif k:
             draft_kv_caches, drafts = propose_drafts(
                 self.draft.forward(draft_params), draft_kv_caches, b, self.draft.rope,
                 layout=layout, unroll=variant is not None)

@@ -2,9 +2,10 @@
 per (layout, variant) by the runner (runner.py, cuda_graphs.py).
 
 Drafts first when the step speculates (spec_step.py: the draft's catch-up and its k - 1
-autoregressive steps), then the target's forward over the flattened batch, sampling or the
-rejection sampler, and each row's first token kept on the device for the next step's inputs
-(async scheduling), with no host synchronisation until the sampled tokens come back.
+autoregressive steps; drafts the host proposed arrive in the draft slots instead), then the
+target's forward over the flattened batch, sampling or the rejection sampler, and each row's
+first token kept on the device for the next step's inputs (async scheduling), with no host
+synchronisation until the sampled tokens come back.
 """
 
 from __future__ import annotations
@@ -63,10 +64,12 @@ class StepBody:
             drafts = propose_drafts(draft.forward, draft.kv_caches, b, draft.rope,
                                     layout=layout, max_query_len=max_draft_query_len,
                                     num_tokens=num_draft_tokens)
-        if k:
-            # Draft slots get their drafts; index T (no draft) lands in a discarded extra row.
+        if k:  # index T (no draft) lands in a discarded extra row
             input_ids = torch.cat([input_ids, input_ids.new_zeros(1)])
-            input_ids[b["draft_token_index"].reshape(-1).long()] = drafts.reshape(-1)
+            if layout.draft:  # draft slots get the draft model's drafts
+                input_ids[b["draft_token_index"].reshape(-1).long()] = drafts.reshape(-1)
+            else:  # the host's drafts (n-gram), already in their slots
+                drafts = input_ids[b["draft_token_index"].long()]  # [S, K]
         input_ids = input_ids[:num_tokens]
         meta = AttentionMetadata(b["positions"][:num_tokens], b["slot_mapping"][:num_tokens],
                                  b["query_start_loc"], b["kv_lens"], b["block_tables"],

@@ -107,6 +107,9 @@ def _int_fields(layout: BatchLayout) -> dict[str, tuple[int, ...]]:
             "draft_slot_mapping": (t,),
             "draft_query_start_loc": (s + 1,),
             "draft_kv_lens": (s,),  # = end of the real tokens for a sequence that drafts
+        })
+    if layout.draft or k:  # drafts to verify (from the draft model, or the host's proposals)
+        fields.update({
             "num_drafts": (s,),  # drafts each sequence proposes (<= K)
             "draft_token_index": (s, k),  # row of draft j in the target's tokens; T = none
             "seq_sample_row": (s,),  # logits row whose sampling knobs the draft uses
@@ -281,6 +284,7 @@ def padding_input(layout: BatchLayout, flags: StepFlags = StepFlags()) -> ModelI
     f["slot_mapping"][:] = -1
     if layout.draft:
         f["draft_slot_mapping"][:] = -1
+    if "draft_token_index" in f:
         f["draft_token_index"][:] = layout.num_tokens  # out of range: dropped
     return model_input
 
@@ -291,13 +295,14 @@ def choose_layout(shapes: StepShapes, *, num_seqs: int, num_samples: int, num_to
                   num_draft_tokens: int, decode: bool, max_drafts: int) -> BatchLayout:
     """The smallest of the engine's shapes that holds a step. A step where every sequence
     computes one token (decode) is a decode step, or a speculative decode step when the draft
-    runs (K = the smallest compiled k that holds its drafts and the draft's catch-up); any
-    other step is mixed, and proposes no drafts (the scheduler saw to it)."""
+    model runs or the host proposed drafts (K = the smallest compiled k that holds its drafts
+    and the draft's catch-up); any other step is mixed, and proposes no drafts (the scheduler
+    saw to it)."""
     rows = max(num_seqs, num_samples)
     if not decode:
         assert not max_drafts, "mixed steps propose no drafts"
         return shapes.mixed_layout(max(num_tokens, num_draft_tokens, num_samples))
-    if not num_draft_tokens:
+    if not (num_draft_tokens or max_drafts):
         return shapes.decode_layout(rows)
     s = shapes.seq_bucket(rows)
     return shapes.spec_layout(s, max(max_drafts, -(-num_draft_tokens // s) - 1, 1))

@@ -54,6 +54,8 @@ def describe(out: SchedulerOutput, seqs: Mapping[int, Seq], block_manager: Block
             num_spec_tokens=spec[i] if spec else 0,
             prompt_logprob_token_ids=seq.prompt_logprob_token_ids(start, end),
             input_row=out.input_rows[i] if ahead else -1)
+        if out.spec_token_ids:
+            entry.spec_token_ids = list(out.spec_token_ids[i])
         if out.num_draft_tokens:
             entry.draft_start_pos = out.draft_start_pos[i]
             entry.draft_token_ids = seq.token_ids[
@@ -110,7 +112,9 @@ def build_model_input(out: ScheduledBatch, shapes: StepShapes, *, block_size: in
     if prompt_rows:
         model_input.prompt_logprobs_rows = _fill_prompt_logprobs(f, prompt_rows, q_lens, ends)
     if layout.draft:
-        _fill_drafts(f, entries, samples, draft_lens, ends, block_size)
+        _fill_catch_up(f, entries, draft_lens, block_size)
+    if layout.draft or layout.num_spec_tokens:
+        _fill_verification(f, entries, samples, ends)
     if token_bitmask is not None:
         model_input.set_token_bitmask(token_bitmask)
     return model_input
@@ -126,9 +130,10 @@ def _fill_tokens(f: dict[str, np.ndarray], entries: Sequence[ScheduledSequence],
     f["query_start_loc"][s + 1 :] = n
     f["kv_lens"][:s] = [e.start_pos + q for e, q in zip(entries, q_lens)]
     _fill_block_tables(f["block_tables"], [e.block_table for e in entries])
-    # Draft slots carry token 0 here: the runner writes the proposed drafts in.
+    # Draft slots carry the host's proposals, or token 0 where the draft model proposes them
+    # (the runner writes them in).
     f["input_ids"][:n] = list(itertools.chain.from_iterable(
-        e.token_ids + [0] * e.num_spec_tokens for e in entries))
+        e.token_ids + (e.spec_token_ids or [0] * e.num_spec_tokens) for e in entries))
     if any(e.input_row >= 0 for e in entries):  # decode rows: one token each
         f["input_rows"][:s] = [e.input_row + 1 for e in entries]
     positions = ragged_positions([e.start_pos for e in entries], q_lens)
@@ -177,10 +182,9 @@ def _fill_prompt_logprobs(f: dict[str, np.ndarray],
     return [(e.seq_id, e.start_pos + 1, count) for (_, e), count in zip(prompt_rows, counts)]
 
 
-def _fill_drafts(f: dict[str, np.ndarray], entries: Sequence[ScheduledSequence],
-                 samples: list[tuple[int, SampleSpec]], draft_lens: list[int], ends: np.ndarray,
-                 block_size: int) -> None:
-    """The draft's catch-up pass and where its k proposals go in the target's tokens."""
+def _fill_catch_up(f: dict[str, np.ndarray], entries: Sequence[ScheduledSequence],
+                   draft_lens: list[int], block_size: int) -> None:
+    """The draft model's catch-up pass."""
     s, n = len(entries), sum(draft_lens)
     draft_ends = np.cumsum(draft_lens, dtype=np.int32)
     f["draft_query_start_loc"][1 : s + 1] = draft_ends
@@ -194,6 +198,12 @@ def _fill_drafts(f: dict[str, np.ndarray], entries: Sequence[ScheduledSequence],
     f["draft_slot_mapping"][:] = -1
     f["draft_slot_mapping"][:n] = _slots(f["block_tables"], np.repeat(np.arange(s), draft_lens),
                                          positions, block_size)
+
+
+def _fill_verification(f: dict[str, np.ndarray], entries: Sequence[ScheduledSequence],
+                       samples: list[tuple[int, SampleSpec]], ends: np.ndarray) -> None:
+    """Where each sequence's k drafts sit in the target's tokens, and which rows verify them."""
+    s = len(entries)
     num_drafts = np.asarray([e.num_spec_tokens for e in entries], np.int32)
     f["num_drafts"][:s] = num_drafts
     draft_token_index(f, ends, num_drafts)

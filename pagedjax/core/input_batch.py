@@ -16,6 +16,7 @@ by sequence. Both give the same buffers (tests/core/test_input_batch.py).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 
 import numpy as np
@@ -229,7 +230,9 @@ class InputBatch:
             model_input.prompt_logprobs_rows = self._fill_prompt_logprobs(
                 f, out, rows, start, prompt_counts, ends - q_lens)
         if layout.draft:
-            self._fill_drafts(f, out, rows, draft_lens, num_spec, ends, samples)
+            self._fill_catch_up(f, out, rows, draft_lens)
+        if layout.draft or layout.num_spec_tokens:
+            self._fill_verification(f, num_spec, ends, samples)
         return model_input
 
     def _prompt_counts(self, rows: np.ndarray, start: np.ndarray, end_real: np.ndarray
@@ -251,8 +254,8 @@ class InputBatch:
     def _fill_tokens(self, f: dict[str, np.ndarray], out: SchedulerOutput, rows: np.ndarray,
                      start: np.ndarray, num_new: np.ndarray, q_lens: np.ndarray,
                      ends: np.ndarray) -> None:
-        """The target's tokens: each sequence's new tokens, then its draft slots (token 0: the
-        runner writes the proposed drafts in)."""
+        """The target's tokens: each sequence's new tokens, then its draft slots (the host's
+        proposals, or token 0: the runner writes the draft model's in)."""
         s, n = len(rows), int(ends[-1])
         f["query_start_loc"][1 : s + 1] = ends
         f["query_start_loc"][s + 1 :] = n
@@ -270,6 +273,9 @@ class InputBatch:
             real = positions < (start + num_new)[seq_index]
             f["input_ids"][:n] = np.where(real, self.token_ids[
                 token_rows, np.minimum(positions, self.token_ids.shape[1] - 1)], 0)
+            if out.spec_token_ids:  # the host's drafts, after each sequence's new tokens
+                f["input_ids"][np.flatnonzero(~real)] = np.fromiter(
+                    itertools.chain.from_iterable(out.spec_token_ids), np.int32)
         f["positions"][:n] = positions
         f["slot_mapping"][:] = -1
         f["slot_mapping"][:n] = self._slots(f["block_tables"], seq_index, positions)
@@ -287,10 +293,9 @@ class InputBatch:
             np.repeat(rows[which], counts[which]), positions]
         return [(out.seq_ids[i], int(start[i]) + 1, int(counts[i])) for i in which]
 
-    def _fill_drafts(self, f: dict[str, np.ndarray], out: SchedulerOutput, rows: np.ndarray,
-                     draft_lens: np.ndarray, num_spec: np.ndarray, ends: np.ndarray,
-                     samples: _Samples) -> None:
-        """The draft's catch-up pass and where its k proposals go in the target's tokens."""
+    def _fill_catch_up(self, f: dict[str, np.ndarray], out: SchedulerOutput, rows: np.ndarray,
+                       draft_lens: np.ndarray) -> None:
+        """The draft model's catch-up pass."""
         s, n = len(rows), int(draft_lens.sum())
         draft_start = (np.asarray(out.draft_start_pos, np.int64) if out.draft_start_pos
                        else np.zeros(s, np.int64))
@@ -304,6 +309,13 @@ class InputBatch:
         f["draft_positions"][:n] = positions
         f["draft_slot_mapping"][:] = -1
         f["draft_slot_mapping"][:n] = self._slots(f["block_tables"], seq_index, positions)
+
+    @staticmethod
+    def _fill_verification(f: dict[str, np.ndarray], num_spec: np.ndarray, ends: np.ndarray,
+                           samples: _Samples) -> None:
+        """Where each sequence's k drafts sit in the target's tokens, and which logits rows
+        verify them."""
+        s = len(num_spec)
         f["num_drafts"][:s] = num_spec
         draft_token_index(f, ends, num_spec)
         num = samples.num

@@ -9,7 +9,9 @@ later), never the engine.
 
 With a draft model the engine asks for up to k drafts per sequence each step: the scheduler
 reserves their slots, lets the draft catch up on what it has not computed (within its own token
-budget), and after verification rolls rejected drafts back by bookkeeping.
+budget), and after verification rolls rejected drafts back by bookkeeping. With drafts the host
+proposed (n-gram, suffix decoding) it reserves slots for each sequence's proposals and hands them
+to the batch (SchedulerOutput.spec_token_ids); rejected ones roll back the same way.
 
 Request-level behaviour (n > 1 siblings, beams) lives in request policies (request_policy.py):
 they fork and drop sequences through the block manager and hand forks over with `add_fork`. A
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
+from collections.abc import Mapping
 from operator import attrgetter
 
 import numpy as np
@@ -44,7 +47,8 @@ _seq_id = attrgetter("seq_id")
 class Scheduler:
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int,
                  max_num_batched_tokens: int, stop_checker: StopChecker,
-                 has_draft: bool = False, max_logit_entries: int | None = None) -> None:
+                 has_draft: bool = False, host_drafts: bool = False,
+                 max_logit_entries: int | None = None) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -52,6 +56,9 @@ class Scheduler:
         self.max_logit_entries = max_logit_entries
         self.stop_checker = stop_checker
         self.has_draft = has_draft  # a draft model shares the pool: track its KV progress
+        self.host_drafts = host_drafts  # drafts come from the host's proposer (schedule())
+        self.speculates = has_draft or host_drafts
+        self._proposals: Mapping[int, list[int]] = {}
         self.waiting: deque[Sequence] = deque()
         self.parked: dict[int, Sequence] = {}  # preempted with nothing to compute, by seq id
         self.running: list[Sequence] = []  # sorted by arrival
@@ -133,10 +140,14 @@ class Scheduler:
 
     # ---- schedule ----------------------------------------------------------------------------
 
-    def schedule(self, num_spec_tokens: int = 0) -> SchedulerOutput:
-        """This step's batch; with num_spec_tokens k > 0, up to k draft slots per sequence."""
-        assert not num_spec_tokens or self.has_draft
+    def schedule(self, num_spec_tokens: int = 0,
+                 proposals: Mapping[int, list[int]] | None = None) -> SchedulerOutput:
+        """This step's batch; with num_spec_tokens k > 0, up to k draft slots per sequence.
+        proposals (host drafts): seq id → the drafts the host proposes for it (its slots are
+        the first min(k, len) of them)."""
+        assert not num_spec_tokens or self.speculates
         step = SchedulerOutput(num_spec_tokens=num_spec_tokens)
+        self._proposals = proposals or {}
         self._draft_budget = self.max_num_batched_tokens if self.has_draft else 0
         self._entries_budget = self.max_logit_entries
         self._scores_prompt = False  # some sequence scores prompt tokens (prompt_logprobs)
@@ -146,6 +157,8 @@ class Scheduler:
             self._schedule_waiting(step)
         if self.has_draft:
             self._fit_drafts(step)
+        elif self.host_drafts:
+            self._fit_host_drafts(step)
         return self._with_changes(step)
 
     def take_changes(self) -> SchedulerOutput:
@@ -168,7 +181,7 @@ class Scheduler:
         waits, none uses penalties (they count tokens the host has not seen), forks or drafts,
         and the pool has the slots without preempting anyone. A sequence that `last` finishes
         computes one more row, which update() drops (its slot is freed before any reuse)."""
-        if (self.waiting or self.parked or self.has_draft or last.forks
+        if (self.waiting or self.parked or self.speculates or last.forks
                 or len(last.seq_ids) != len(self.running)
                 or last.num_batched_tokens != len(last.seq_ids)):
             return None
@@ -207,6 +220,22 @@ class Scheduler:
                 catch_up[i] = min(catch_up[i], k + 1) if k else 0
         step.num_spec_tokens = max(spec, default=0)
 
+    def _fit_host_drafts(self, step: SchedulerOutput) -> None:
+        """Host drafts ride decode steps only (a mixed step proposes none: step_shapes.py); the
+        step's k is then the most drafts a sequence proposes. Slots reserved for drafts that do
+        not run go back at once."""
+        spec = step.num_spec_tokens_per_seq
+        if self._scores_prompt or any(n != 1 for n in step.num_new_tokens):
+            ends = step.end_positions()
+            for i in np.flatnonzero(spec).tolist():
+                self.block_manager.truncate(step.seq_ids[i], ends[i])
+            step.num_batched_tokens -= sum(spec)
+            step.num_spec_tokens_per_seq = [0] * len(spec)
+            step.spec_token_ids = [[] for _ in spec]
+        step.num_spec_tokens = max(step.num_spec_tokens_per_seq, default=0)
+        if not step.num_spec_tokens:
+            step.num_spec_tokens_per_seq, step.spec_token_ids = [], []
+
     def _budget(self, step: SchedulerOutput) -> int:
         return self.max_num_batched_tokens - step.num_batched_tokens
 
@@ -221,6 +250,10 @@ class Scheduler:
         step.num_batched_tokens += num_new + num_spec
         if self.has_draft:
             self._add_draft(step, seq, num_computed + num_new, num_spec)
+        elif self.host_drafts:
+            step.num_spec_tokens_per_seq.append(num_spec)
+            step.spec_token_ids.append(self._proposals[seq.seq_id][:num_spec] if num_spec
+                                       else [])
         if seq.needs_prompt_logprobs and num_computed + 1 < seq.num_prompt_tokens:
             self._scores_prompt = True
 
@@ -365,12 +398,14 @@ class Scheduler:
         if num_draft_computed is None:
             num_draft_computed = seq.num_draft_computed_tokens
         if (not step.num_spec_tokens or end_pos < seq.num_tokens or seq.num_pending_forks
-                or seq.num_output_tokens < seq.sampling_params.min_tokens
-                or end_pos - num_draft_computed > min(self._draft_budget,
-                                                      step.num_spec_tokens + 1)):
+                or seq.num_output_tokens < seq.sampling_params.min_tokens):
             return 0
-        return max(0, min(step.num_spec_tokens, self._budget(step) - num_new,
-                          self._drafts_left(seq)))
+        k = step.num_spec_tokens
+        if self.host_drafts:
+            k = min(k, len(self._proposals.get(seq.seq_id, ())))
+        elif end_pos - num_draft_computed > min(self._draft_budget, k + 1):
+            return 0
+        return max(0, min(k, self._budget(step) - num_new, self._drafts_left(seq)))
 
     @staticmethod
     def _drafts_left(seq: Sequence) -> int:
@@ -448,7 +483,7 @@ class Scheduler:
                 if self._append(seq, token):
                     break
             touched.append(seq)
-        if self.has_draft or self.block_manager.enable_prefix_caching:
+        if self.speculates or self.block_manager.enable_prefix_caching:
             for seq in touched:
                 if seq.status is not finished:
                     self._release_rejected_slots(seq)
@@ -499,6 +534,7 @@ class Scheduler:
         computed = seq.num_computed_tokens
         if self.has_draft:
             seq.num_draft_computed_tokens = min(seq.num_draft_computed_tokens, computed)
+        if self.speculates:
             self.block_manager.truncate(seq.seq_id, seq.num_tokens)
         self.block_manager.cache_blocks(seq.seq_id, seq.token_ids, computed)
         seq.num_full_blocks_cached = computed // self.block_manager.block_size

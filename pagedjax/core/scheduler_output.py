@@ -43,6 +43,9 @@ class SchedulerOutput:
     num_spec_tokens_per_seq: list[int] = field(default_factory=list)
     draft_start_pos: list[int] = field(default_factory=list)
     num_draft_tokens: list[int] = field(default_factory=list)
+    # Drafts the host proposed (n-gram, suffix; vLLM's scheduled_spec_decode_tokens): each
+    # sequence's num_spec_tokens_per_seq tokens, written into its draft slots; empty without.
+    spec_token_ids: list[list[int]] = field(default_factory=list)
     # n > 1 (ParallelSampling): seq id → its siblings forked this step, which sample from its
     # last position too
     forks: dict[int, list[int]] = field(default_factory=dict)
@@ -163,6 +166,8 @@ class ScheduledSequence:
     num_spec_tokens: int = 0
     draft_start_pos: int = 0
     draft_token_ids: list[int] = field(default_factory=list)
+    # the drafts themselves where the host proposed them (num_spec_tokens of them), else []
+    spec_token_ids: list[int] = field(default_factory=list)
     # prompt_logprobs: the prompt token after each of the first len(...) new tokens, whose
     # logprob given its prefix this step computes (empty once the prompt is scored).
     prompt_logprob_token_ids: list[int] = field(default_factory=list)

@@ -33,8 +33,11 @@ from pagedjax.sampling_params import SamplingParams
 
 _GREEDY = SamplingParams(temperature=0.0)
 
-_KEYS = ("model", "num_speculative_tokens", "method", "adaptive", "draft_tensor_parallel_size")
-_METHODS = ("draft_model",)
+_KEYS = ("model", "num_speculative_tokens", "method", "adaptive", "draft_tensor_parallel_size",
+         "prompt_lookup_min", "prompt_lookup_max")
+_METHODS = ("draft_model", "ngram")
+# methods whose drafts the host proposes (no draft model, no draft KV)
+HOST_METHODS = ("ngram",)
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -43,11 +46,18 @@ class SpeculativeConfig:
     """speculative_config, validated: what the engine and the runners read (EngineConfig
     holds the user's dict until the engine replaces it with this)."""
 
-    model: str  # draft checkpoint directory
+    model: str | None  # draft checkpoint directory (method "draft_model"; else None)
     num_speculative_tokens: int  # k: the most drafts proposed per sequence and step
     adaptive: bool = True  # pick k per step from measurements; False: always k
     # 1: the draft on every device whole; or the target's tensor_parallel_size: split
     draft_tensor_parallel_size: int = 1
+    method: str = "draft_model"  # or "ngram": prompt lookup on the host (ngram_proposer.py)
+    prompt_lookup_min: int = 2  # ngram: the shortest n-gram matched
+    prompt_lookup_max: int = 5  # ngram: the longest
+
+    @property
+    def uses_draft_model(self) -> bool:
+        return self.method == "draft_model"
 
     @classmethod
     def from_dict(cls, config: dict | SpeculativeConfig,
@@ -55,29 +65,51 @@ class SpeculativeConfig:
         if isinstance(config, SpeculativeConfig):
             return config
         unknown = set(config) - set(_KEYS)
-        if unknown or "model" not in config:
+        method = config.get("method", "draft_model" if "model" in config else None)
+        if unknown or method is None:
             raise ValueError(f"speculative_config={config!r}: expected the keys {_KEYS} "
-                             "with at least 'model' (a draft checkpoint directory).")
-        method = config.get("method", "draft_model")
+                             "with 'model' (a draft checkpoint directory) or a 'method' "
+                             f"among {_METHODS}.")
         if method not in _METHODS:
             raise ValueError(f"speculative_config method={method!r} is not supported; use one of "
                              f"{_METHODS}.")
-        k = config.get("num_speculative_tokens", 4)
-        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
-            raise ValueError(f"num_speculative_tokens={k!r} must be an integer in "
-                             f"[1, {MAX_SPECULATIVE_TOKENS}].")
+        if method in HOST_METHODS:
+            return cls._host_method(config, method)
+        if "model" not in config:
+            raise ValueError(f"speculative_config method={method!r} needs 'model' (a draft "
+                             "checkpoint directory).")
+        k = _num_speculative_tokens(config)
         draft_tp = config.get("draft_tensor_parallel_size", tensor_parallel_size)
         if draft_tp not in (1, tensor_parallel_size):
             raise ValueError(f"speculative_config draft_tensor_parallel_size={draft_tp!r} must be "
                              f"1 (the draft replicated on every device) or the target's "
                              f"tensor_parallel_size={tensor_parallel_size} (the draft split).")
-        adaptive = config.get("adaptive", True)
-        if not isinstance(adaptive, bool):
-            raise ValueError(f"speculative_config adaptive={adaptive!r} must be True or False.")
+        adaptive = _adaptive(config)
         if not (Path(config["model"]) / "config.json").is_file():
             raise ValueError(f"speculative model={config['model']!r} is not a Hugging Face "
                              "checkpoint directory (no config.json).")
         return cls(str(config["model"]), k, adaptive, draft_tp)
+
+    @classmethod
+    def _host_method(cls, config: dict, method: str) -> SpeculativeConfig:
+        """ngram: vLLM's keys; one of prompt_lookup_min / max alone sets both."""
+        if config.get("model") is not None:
+            raise ValueError(f"speculative_config method={method!r} uses no draft model; drop "
+                             f"'model'={config['model']!r}.")
+        low, high = config.get("prompt_lookup_min"), config.get("prompt_lookup_max")
+        if low is None and high is None:
+            low, high = cls.prompt_lookup_min, cls.prompt_lookup_max
+        low = high if low is None else low
+        high = low if high is None else high
+        for name, value in (("prompt_lookup_min", low), ("prompt_lookup_max", high)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"speculative_config {name}={value!r} must be an integer "
+                                 ">= 1.")
+        if low > high:
+            raise ValueError(f"speculative_config prompt_lookup_min={low} exceeds "
+                             f"prompt_lookup_max={high}.")
+        return cls(None, _num_speculative_tokens(config), _adaptive(config), 1, method, low,
+                   high)
 
     def draft_model_config(self, target_dir: str, target_tokenizer: Any,
                            target_config: ModelConfig, max_model_len: int) -> ModelConfig:
@@ -106,6 +138,21 @@ class SpeculativeConfig:
                 f"target {target_dir!r}'s tokenizer vocabulary (vocab_size {target_vocab_size}"
                 f"{'' if same_tokens else ', different tokens'}); use a draft trained with the "
                 "target's tokenizer.")
+
+
+def _num_speculative_tokens(config: dict) -> int:
+    k = config.get("num_speculative_tokens", 4)
+    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+        raise ValueError(f"num_speculative_tokens={k!r} must be an integer in "
+                         f"[1, {MAX_SPECULATIVE_TOKENS}].")
+    return k
+
+
+def _adaptive(config: dict) -> bool:
+    adaptive = config.get("adaptive", True)
+    if not isinstance(adaptive, bool):
+        raise ValueError(f"speculative_config adaptive={adaptive!r} must be True or False.")
+    return adaptive
 
 
 def read_vocab_size(model_dir: str) -> int:

@@ -13,9 +13,10 @@ the same way):
 - mixed (prefill chunks, recomputes, anything else): T in the token buckets (16, 32, ...,
   max_num_batched_tokens rounded up) and S = min(T, the largest sequence bucket); with a draft
   the draft catches up on the same T rows in them (it proposes nothing there);
-- with a draft, speculative decode steps: S in the sequence buckets, one shape per k in
+- with speculation, speculative decode steps: S in the sequence buckets, one shape per k in
   `spec_ks` (powers of two from 2 up to num_speculative_tokens, and it; the policy chooses
-  among those only), T = S * (k + 1).
+  among those only), T = S * (k + 1); the draft model runs in them, or, with drafts the host
+  proposed (n-gram, suffix), only the target verifies them.
 
 So the set holds |sequence buckets| * (1 + |spec_ks|) + |token buckets| shapes:
 max_num_seqs, max_num_batched_tokens and num_speculative_tokens grow it (logarithmically),
@@ -66,23 +67,28 @@ class StepShapes:
 
     seq_buckets: tuple[int, ...]  # S of decode and speculative decode steps
     token_buckets: tuple[int, ...]  # T of mixed steps
-    spec_ks: tuple[int, ...]  # k of speculative decode steps; () without a draft model
+    spec_ks: tuple[int, ...]  # k of speculative decode steps; () without speculation
     max_blocks_per_seq: int  # M
     num_logit_entries: int  # E: (row, token) sampling entries a step carries (batch.py)
+    # speculative steps run a draft model (False: the host proposes the drafts, e.g. n-gram)
+    draft_model: bool = True
 
     @classmethod
     def for_engine(cls, *, max_num_seqs: int, max_num_batched_tokens: int,
                    max_blocks_per_seq: int, max_model_len: int,
-                   num_speculative_tokens: int = 0, min_num_seqs: int = 1) -> StepShapes:
+                   num_speculative_tokens: int = 0, min_num_seqs: int = 1,
+                   draft_model: bool = True) -> StepShapes:
         """min_num_seqs: the smallest sequence bucket (a power of two; the backend's
-        `min_decode_rows`); it may exceed max_num_seqs, whose steps are then padding rows."""
+        `min_decode_rows`); it may exceed max_num_seqs, whose steps are then padding rows.
+        draft_model: False where the drafts come from the host (no draft pass in any step)."""
         low = min(MIN_MIXED_TOKENS, bucket(max_num_batched_tokens))
         spec_ks = tuple(sorted({k for k in SPEC_K_CANDIDATES if k < num_speculative_tokens}
                                | ({num_speculative_tokens} if num_speculative_tokens else set())))
         return cls(seq_buckets=_powers_of_two(bucket(min_num_seqs), max_num_seqs),
                    token_buckets=_powers_of_two(low, max_num_batched_tokens),
                    spec_ks=spec_ks, max_blocks_per_seq=max_blocks_per_seq,
-                   num_logit_entries=max(256, bucket(4 * max_model_len)))
+                   num_logit_entries=max(256, bucket(4 * max_model_len)),
+                   draft_model=draft_model)
 
     @property
     def max_num_seqs(self) -> int:
@@ -109,12 +115,12 @@ class StepShapes:
                              f"{self.token_buckets[-1]}")
         t = fits[0]
         return BatchLayout(t, min(t, self.max_num_seqs), self.max_blocks_per_seq,
-                           draft=bool(self.spec_ks))
+                           draft=bool(self.spec_ks) and self.draft_model)
 
     def spec_layout(self, num_seqs: int, k: int) -> BatchLayout:
         s, k = self.seq_bucket(num_seqs), self.spec_k(k)
         return BatchLayout(s * (k + 1), s, self.max_blocks_per_seq, num_spec_tokens=k,
-                           draft=True)
+                           draft=self.draft_model)
 
     def spec_k(self, k: int) -> int:
         """The smallest compiled k >= k (k >= 1)."""

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from tqdm.auto import tqdm
 
 from pagedjax.cache import compile_at_startup
@@ -33,6 +34,7 @@ from pagedjax.core.beam_search import BeamSearch
 from pagedjax.core.block_manager import BlockManager
 from pagedjax.core.input_batch import InputBatch
 from pagedjax.core.model_runner import ModelRunner, get_runner_cls
+from pagedjax.core.ngram_proposer import NgramProposer
 from pagedjax.core.request_policy import ParallelSampling, PolicyContext, RequestPolicy
 from pagedjax.core.scheduler import Scheduler
 from pagedjax.core.scheduler_output import SampledTokens, SchedulerOutput
@@ -90,26 +92,32 @@ class EngineCore:
         if config.speculative_config is not None:  # the runners read the typed one
             spec_config = config.speculative_config = SpeculativeConfig.from_dict(
                 config.speculative_config, config.tensor_parallel_size)
-            draft_model_config = spec_config.draft_model_config(
-                config.model, self.tokenizer, self.model_config, config.max_model_len)
+            if spec_config.uses_draft_model:
+                draft_model_config = spec_config.draft_model_config(
+                    config.model, self.tokenizer, self.model_config, config.max_model_len)
         self.shapes = StepShapes.for_engine(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_blocks_per_seq=config.max_blocks_per_seq, max_model_len=config.max_model_len,
             num_speculative_tokens=spec_config.num_speculative_tokens if spec_config else 0,
-            min_num_seqs=runner_cls.min_decode_rows())
+            min_num_seqs=runner_cls.min_decode_rows(),
+            draft_model=draft_model_config is not None)
         self.runner: ModelRunner | None = runner_cls(config, self.model_config,
                                                      draft_model_config, self.shapes)
         self.startup_compile_seconds = self._compile()
         self.speculation = self._speculation(spec_config)
         self._last_output_time: float | None = None  # perf_counter of the last step's outputs
+        self.proposer = (NgramProposer(spec_config.num_speculative_tokens,
+                                       spec_config.prompt_lookup_min, spec_config.prompt_lookup_max)
+                         if spec_config is not None and spec_config.method == "ngram" else None)
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             stop_checker=StopChecker(self.eos_token_ids, config.max_model_len),
-            has_draft=self.speculation is not None,
+            has_draft=draft_model_config is not None,
+            host_drafts=spec_config is not None and not spec_config.uses_draft_model,
             max_logit_entries=self.shapes.num_logit_entries)
         self.input_batch = InputBatch(self.shapes, block_size=config.block_size,
                                       max_model_len=config.max_model_len,
@@ -290,7 +298,8 @@ class EngineCore:
         if self.structured_output.has_matchers:
             self.structured_output.release()  # the completions finished or aborted since
         stamps = [time.perf_counter()]
-        out = self.scheduler.schedule(self._choose_num_spec_tokens())
+        k = self._choose_num_spec_tokens()
+        out = self.scheduler.schedule(k, self._propose(k) if k and self.proposer else None)
         if out.is_empty:
             self._apply_changes(out)
             if during is not None:
@@ -465,6 +474,18 @@ class EngineCore:
                 for seq in self.requests.pop(request_id, ()):
                     self.scheduler.remove(seq)
                 outputs.request_outputs.append(output)
+
+    def _propose(self, k: int) -> dict[int, list[int]]:
+        """The host's drafts (at most k) for each sequence with a row in the persistent batch,
+        from the tokens it holds (a sequence it does not hold yet is prefilling)."""
+        batch = self.input_batch
+        if not batch.row_of:
+            return {}
+        seq_ids = list(batch.row_of)
+        rows = np.fromiter(batch.row_of.values(), np.int64, len(seq_ids))
+        drafts, counts = self.proposer.propose(batch.token_ids, batch.num_tokens, rows)
+        counts = np.minimum(counts, k)
+        return {seq_ids[i]: drafts[i, : counts[i]].tolist() for i in np.flatnonzero(counts)}
 
     def _choose_num_spec_tokens(self) -> int:
         if self.speculation is None:

@@ -4,8 +4,9 @@ It measures the engine's host work alone (benchmarks/host_overhead.py) and drive
 end to end in tests in milliseconds. Its steps take no device time, so what a step costs with
 it is what the engine's Python costs: schedule, prepare, launch, update and outputs. It honours
 what the engine reads back: a grammar's token bitmask (the first allowed token from the fixed
-one on), drafts (none is ever accepted), top logprobs (the fixed token, then the next ids, at
--rank) and prompt logprobs (zeros).
+one on), drafts (verified as a model would: a draft is kept while it is the fixed token at its
+position; the draft model's, which this runner does not propose, never are), top logprobs (the
+fixed token, then the next ids, at -rank) and prompt logprobs (zeros).
 """
 
 from __future__ import annotations
@@ -77,6 +78,8 @@ class FixedTokenRunner:
         tokens[:, 0] = fixed_tokens(f["positions"][last], self.vocab_size)
         if model_input.token_bitmask is not None:
             tokens[:, 0] = self._allowed(tokens[:, 0], model_input.token_bitmask[:num_rows])
+        elif k:
+            tokens = self._verify(f, num_rows, k)
         zeros = np.zeros((num_rows, k + 1), np.float32)
         top = model_input.flags.logprobs
         n = model_input.num_prompt_logprobs
@@ -91,6 +94,18 @@ class FixedTokenRunner:
                np.zeros((n, MAX_LOGPROBS), np.float32), np.ones(n, np.int32))
               if model_input.flags.prompt_logprobs else ()))
         return ModelOutput.from_step(model_input, out)
+
+    def _verify(self, f: dict[str, np.ndarray], num_rows: int, k: int) -> np.ndarray:
+        """[L, K+1]: each row's drafts kept while each is the fixed token of the position
+        before its slot, then the fixed token after the last one kept."""
+        rows = f["logits_indices"][:num_rows]  # [L, K+1]: the last real token, then drafts
+        want = fixed_tokens(f["positions"][rows], self.vocab_size)  # [L, K+1]
+        seqs = f["sample_seq"][:num_rows]
+        index = np.minimum(f["draft_token_index"][seqs], len(f["input_ids"]) - 1)  # [L, K]
+        drafts = f["input_ids"][index]
+        valid = np.arange(k)[None, :] < f["num_draft_tokens"][:num_rows, None]
+        kept = np.cumprod((drafts == want[:, :k]) & valid, axis=1).sum(axis=1)  # [L]
+        return np.where(np.arange(k + 1)[None, :] <= kept[:, None], want, -1).astype(np.int32)
 
     def _allowed(self, tokens: np.ndarray, bitmask: np.ndarray) -> np.ndarray:
         """Each row's first token allowed by its bitmask [L, W], from its fixed token on."""

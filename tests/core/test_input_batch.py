@@ -17,6 +17,7 @@ from pagedjax import LLM, SamplingParams
 from pagedjax.core.batch import ModelInput
 from pagedjax.core.batch_reference import build_model_input, describe
 from pagedjax.core.beam_search import BeamSearchParams
+from pagedjax.core.fixed_token_runner import fixed_tokens
 from pagedjax.core.input_batch import InputBatch
 from pagedjax.model_loader.demo import demo_model_dirs
 from pagedjax.sampling_params import StructuredOutputsParams
@@ -104,7 +105,9 @@ def random_params(rng: np.random.Generator, vocab: int) -> SamplingParams | Beam
     return dataclasses.replace(params)  # validated again
 
 
-def run_workload(llm: LLM, seed: int, num_requests: int = 40) -> None:
+def run_workload(llm: LLM, seed: int, num_requests: int = 40, echo: bool = False) -> None:
+    """echo: some prompts end in a copy of the tokens the fixed-token runner will generate for
+    them, so that n-gram drafts are found and accepted."""
     engine, rng = llm.engine, np.random.default_rng(seed)
     vocab = engine.model_config.vocab_size
     shared = rng.integers(1, vocab, 48).tolist()  # a prefix some prompts share: cache hits
@@ -113,6 +116,10 @@ def run_workload(llm: LLM, seed: int, num_requests: int = 40) -> None:
         prompt = rng.integers(1, vocab, int(rng.integers(2, 40))).tolist()
         if rng.random() < 0.4:
             prompt = shared[: int(rng.integers(17, 48))] + prompt
+        if echo and rng.random() < 0.5:  # the output at positions L, L + 1, ...: copied
+            copied = int(rng.integers(4, 16))
+            length = len(prompt) + copied
+            prompt += fixed_tokens(np.arange(length - 1, length - 1 + copied), vocab).tolist()
         params = random_params(rng, vocab)
         request_id = f"r{i}"
         engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
@@ -125,22 +132,29 @@ def run_workload(llm: LLM, seed: int, num_requests: int = 40) -> None:
         engine.step()
 
 
-@pytest.mark.parametrize("speculative", [False, True])
-def test_the_persistent_batch_equals_a_rebuild_after_every_step(speculative: bool) -> None:
+@pytest.mark.parametrize("speculative", [None, "draft_model", "ngram"])
+def test_the_persistent_batch_equals_a_rebuild_after_every_step(speculative: str | None
+                                                                  ) -> None:
     target, draft = demo_model_dirs()
-    spec = {"model": draft, "num_speculative_tokens": 3} if speculative else None
+    spec = {"draft_model": {"model": draft, "num_speculative_tokens": 3},
+            "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                      "prompt_lookup_max": 3, "adaptive": False},
+            None: None}[speculative]
     # a pool of 24 blocks of 8 tokens for up to 8 sequences: preemptions
     llm = LLM(target, backend="fixed-tokens", max_model_len=128, block_size=8,
               num_gpu_blocks_override=24, max_num_seqs=8, max_num_batched_tokens=64,
               speculative_config=spec)
     steps = checked(llm.engine)
-    run_workload(llm, seed=3 if speculative else 1)
+    run_workload(llm, seed=3 if speculative else 1, echo=speculative == "ngram")
     metrics = llm.get_metrics()
     assert len(steps) > 60
     assert metrics["num_preemptions_total"] > 0 and metrics["prefix_cache_hits"] > 0
     assert metrics["structured_output_requests_total"] > 0
     if speculative:
         assert metrics["spec_decode_num_draft_tokens"] > 0
+    if speculative == "ngram":  # found in the copies, and kept
+        assert 0 < metrics["spec_decode_num_accepted_tokens"] < metrics[
+            "spec_decode_num_draft_tokens"]
     assert llm.engine.engine_core.input_batch.num_rows == 0  # every row freed
     assert llm.engine.block_manager.num_free_blocks == 24
     llm.shutdown()

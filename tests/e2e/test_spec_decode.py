@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from pagedjax import LLM, SamplingParams
@@ -163,3 +164,76 @@ def test_draft_must_share_the_vocabulary(tiny_model, tmp_path) -> None:
         make_llm(tiny_model("llama"), "jax", str(other))
     with pytest.raises(ValueError, match="num_speculative_tokens=0"):
         make_llm(tiny_model("llama"), "jax", tiny_model("draft"), k=0)
+
+
+# ---- n-gram prompt lookup: drafts from the host, verified by the target alone -----------------
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+         "prompt_lookup_max": 3, "adaptive": False}
+# Prompts that repeat themselves (code to rewrite, a quote), where lookups find drafts.
+NGRAM_PROMPTS = [
+    "def area(width, height):\n    return width * height\n\n# The same function, typed:\n"
+    "def area(width: float, height: float) -> float:\n",
+    "The cat sat on the mat. The dog sat on the rug. The cat sat on",
+    "for i in range(10):\n    print(i)\nfor j in range(10):\n    print(",
+]
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def ngram_pair(request) -> tuple[LLM, LLM]:
+    """(plain, n-gram) engines on the demo target, one backend."""
+    from pagedjax.model_loader.demo import demo_model_dirs
+
+    target, _ = demo_model_dirs()
+    kwargs = dict(backend=request.param, max_model_len=256, max_num_seqs=16,
+                  num_gpu_blocks_override=96)
+    return LLM(target, **kwargs), LLM(target, speculative_config=NGRAM, **kwargs)
+
+
+def test_ngram_greedy_is_exact(ngram_pair) -> None:
+    """Greedy output equals the output without speculation: single and n = 2 completions, a
+    structured choice, with drafts found and kept; nothing leaks."""
+    from pagedjax.sampling_params import StructuredOutputsParams
+
+    plain, ngram = ngram_pair
+    params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, n=2),
+              SamplingParams(temperature=0.0, max_tokens=16, structured_outputs=(
+                  StructuredOutputsParams(choice=["The cat sat on the mat", "The dog"])))]
+    want = plain.generate(NGRAM_PROMPTS, params, use_tqdm=False)
+    got = ngram.generate(NGRAM_PROMPTS, params, use_tqdm=False)
+    for mine, theirs in zip(got, want):
+        assert [c.token_ids for c in mine.outputs] == [c.token_ids for c in theirs.outputs]
+    assert got[2].outputs[0].text in ("The cat sat on the mat", "The dog")
+    metrics = ngram.get_metrics()
+    assert metrics["spec_decode_num_accepted_tokens"] > 0
+    assert metrics["spec_decode_num_draft_tokens"] > metrics["spec_decode_num_accepted_tokens"]
+    assert_no_leak(ngram)
+
+
+def test_ngram_samples_the_targets_distribution(ngram_pair) -> None:
+    """Sampled at temperature 0.5 (seeded requests): the tokens at each of the first output
+    positions are distributed as without speculation (a two-sample chi-square test per
+    position, pooled over 300 requests), while drafts are accepted."""
+    from scipy.stats import chi2_contingency
+
+    plain, ngram = ngram_pair
+    n, length = 300, 6
+    prompt = ("import os\n\ndef main():\n    x = os.path.join(a, b)\n"
+              "    y = os.path.join(c, d)\n    z = os.path.")
+    params = [SamplingParams(temperature=0.5, seed=i, max_tokens=length, ignore_eos=True)
+              for i in range(n)]
+    before = ngram.get_metrics()["spec_decode_num_accepted_tokens"]
+    runs = [[o.outputs[0].token_ids for o in llm.generate([prompt] * n, params, use_tqdm=False)]
+            for llm in (plain, ngram)]
+    assert ngram.get_metrics()["spec_decode_num_accepted_tokens"] > before + n // 10
+    for j in range(1, length):  # position 0 is sampled before any draft exists
+        tokens = sorted({run[i][j] for run in runs for i in range(n)})
+        table = np.array([[sum(run[i][j] == t for i in range(n)) for t in tokens]
+                          for run in runs])
+        frequent = table.sum(axis=0) >= 10  # rare tokens pooled into one column
+        table = np.column_stack([table[:, frequent], table[:, ~frequent].sum(axis=1)])
+        table = table[:, table.sum(axis=0) > 0]
+        if table.shape[1] >= 2:
+            assert chi2_contingency(table).pvalue > 1e-3, (j, table)
+    assert_no_leak(ngram)

@@ -1,16 +1,22 @@
-"""Speculative decoding: fixed k vs adaptive k vs no speculation, per backend and batch size.
+"""Speculative decoding: fixed k vs adaptive k vs n-gram vs no speculation, per backend, prompt
+set and batch size.
 
-Every request decodes --max-tokens greedy tokens from a prompt cut from this Python's standard
-library source. For each backend and batch size B: no speculation (k = 0), each fixed k
-(`"adaptive": False`), and the adaptive policy (k chosen per step up to --adaptive-k) with one
-LLM configuration for every B; the configurations take turns pass by pass, so that a drifting
-host slows them alike. As a user meets them: timed from LLM(...) with no warm-up, every pass
-counted (the mean; the adaptive policy's first steps and any compile included). Reports output
-tokens/s, the speed-up over k = 0, the acceptance α, tokens per verification beside the i.i.d.
-expectation (1 − α^(k+1)) / (1 − α), for adaptive runs the k chosen, and the compiles each LLM
-met after startup. Writes spec_decode_*.json and a PNG plot to --out.
+Every request decodes --max-tokens greedy tokens from a prompt of a set the demo models never
+saw: `code` (cut from this Python's standard library source), `docs` (the project's docs/ as
+prose), `chat` (questions in chat turns), `edit` (a stdlib function, then the request to write it
+again: the answer copies its prompt, where n-gram lookups pay). For each backend, set and batch
+size B: no speculation (k = 0), each fixed k (`"adaptive": False`), the adaptive policy (k
+chosen per step up to --adaptive-k) and n-gram prompt lookup (k = --ngram-k, no draft model),
+with one LLM configuration for every B; the configurations take turns pass by pass, so that a
+drifting host slows them alike. "oracle" is the best fixed k of each case, found afterwards.
+As a user meets them: timed from LLM(...) with no warm-up, every pass counted (the mean; the
+adaptive policy's first steps and any compile included). Reports output tokens/s, the speed-up
+over k = 0 and beside the oracle, the acceptance α, tokens per verification, for adaptive runs
+the mean k chosen, and the compiles each LLM met after startup. Writes spec_decode_*.json and a
+PNG plot (the first prompt set) to --out.
 
     python benchmarks/spec_decode.py [--target DIR --draft DIR] [--backends jax torch]
+        [--prompt-sets code docs chat edit] [--batch-sizes 1 8 32] [--modes k=0 ngram]
 """
 
 from __future__ import annotations
@@ -37,16 +43,66 @@ _DELTAS = ("spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
            "spec_decode_num_verifications")
 
 
-def code_prompts(tokenizer, num: int, length: int = 64) -> list[list[int]]:
-    """num prompts of `length` tokens cut at spread-out offsets of stdlib source files."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    streams = [tokenizer.encode((root / f).read_text(encoding="utf-8")) for f in _SOURCES]
+PROMPT_SETS = ("code", "docs", "chat", "edit")
+_QUESTIONS = ("How do I read a file line by line?", "What is a good name for a cat?",
+              "Explain what a hash table is.", "Why is the sky blue?",
+              "Write a haiku about the sea.", "What should I cook tonight?",
+              "How far is the moon?", "Give me three tips for sleeping better.")
+
+
+def _cut(streams: list[list[int]], num: int, length: int) -> list[list[int]]:
+    """num prompts of `length` tokens cut at spread-out offsets of the token streams."""
     prompts = []
     for i in range(num):
         ids = streams[i % len(streams)]
         start = (i // len(streams) * 997 + 131 * i) % max(1, len(ids) - length)
         prompts.append(ids[start : start + length])
     return prompts
+
+
+def _stdlib_sources() -> list[str]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return [(root / f).read_text(encoding="utf-8") for f in _SOURCES]
+
+
+def code_prompts(tokenizer, num: int, length: int = 64) -> list[list[int]]:
+    """num prompts of `length` tokens cut at spread-out offsets of stdlib source files."""
+    return _cut([tokenizer.encode(text) for text in _stdlib_sources()], num, length)
+
+
+def edit_prompts(tokenizer, num: int) -> list[list[int]]:
+    """A stdlib function of 6-30 lines, then a comment asking for it again and its first line:
+    the completion rewrites code its prompt holds."""
+    functions = []
+    for text in _stdlib_sources():
+        lines = text.splitlines()
+        for i, line in enumerate(lines):
+            if line.startswith("def ") and len(functions) < 4 * num:
+                end = next((j for j in range(i + 1, len(lines))
+                            if lines[j] and not lines[j][0].isspace()), len(lines))
+                if 6 <= end - i <= 30:
+                    functions.append("\n".join(lines[i:end]).rstrip())
+    functions = functions[:: max(1, len(functions) // num)][:num]
+    return [tokenizer.encode(f"{f}\n\n\n# The same function again:\n{f.splitlines()[0]}\n")
+            for f in functions]
+
+
+def docs_prompts(tokenizer, num: int, length: int = 64) -> list[list[int]]:
+    """Prose from the project's docs/ (Markdown)."""
+    root = Path(__file__).resolve().parents[1] / "docs"
+    return _cut([tokenizer.encode(p.read_text()) for p in sorted(root.glob("*.md"))], num, length)
+
+
+def chat_prompts(tokenizer, num: int) -> list[list[int]]:
+    """Chat turns: a question, and the assistant's turn to answer."""
+    return [tokenizer.encode(f"User: {_QUESTIONS[i % len(_QUESTIONS)]}\nAssistant:")
+            for i in range(num)]
+
+
+def prompt_set(name: str, tokenizer, num: int) -> list[list[int]]:
+    makers = {"code": code_prompts, "docs": docs_prompts, "chat": chat_prompts,
+              "edit": edit_prompts}
+    return makers[name](tokenizer, num)
 
 
 def timed_generate(llms: dict, groups: list[list[list[int]]], max_tokens: int,
@@ -71,36 +127,53 @@ def timed_generate(llms: dict, groups: list[list[list[int]]], max_tokens: int,
     return {name: (s / repeats, tokens[name]) for name, s in seconds.items()}
 
 
-def make_llm(model: str, backend: str, args, draft: str | None = None, k: int = 0,
-             adaptive: bool = False, memory_share: float = 0.9):
+def make_llm(model: str, backend: str, args, spec: dict | None = None,
+             memory_share: float = 0.9):
     """memory_share: the gpu_memory_utilization this engine is built with. An engine's KV
     pool takes that fraction of the device less what is in use, the engines built before it
     in this process included, so the i-th of n engines gets 0.9 * (i + 1) / n (on an H200 the
     first engine of the grid took the whole device and the second had no room for its pool)."""
     from pagedjax import LLM
 
-    spec = ({"model": draft, "num_speculative_tokens": k, "adaptive": adaptive} if k else None)
     return LLM(model, backend=backend, max_model_len=args.max_model_len,
                max_num_seqs=max(args.batch_sizes), speculative_config=spec,
                gpu_memory_utilization=memory_share)
 
 
+def configurations(args) -> list[tuple[str, int, dict | None]]:
+    """(mode, k, speculative_config) of every engine a backend runs."""
+    draft = {"model": args.draft}
+    configs = [("k=0", 0, None),
+               *((f"k={k}", k, {**draft, "num_speculative_tokens": k, "adaptive": False})
+                 for k in args.ks),
+               (f"adaptive≤{args.adaptive_k}", args.adaptive_k,
+                {**draft, "num_speculative_tokens": args.adaptive_k, "adaptive": True})]
+    if args.ngram_k:
+        configs.append((f"ngram k={args.ngram_k}", args.ngram_k, {
+            "method": "ngram", "num_speculative_tokens": args.ngram_k, "adaptive": False,
+            "prompt_lookup_min": args.prompt_lookup_min,
+            "prompt_lookup_max": args.prompt_lookup_max}))
+    return [c for c in configs if not args.modes or any(c[0].startswith(m) for m in args.modes)]
+
+
 def run_backend(backend: str, args) -> list[dict]:
-    configs = [("k=0", 0, False), *((f"k={k}", k, False) for k in args.ks),
-               (f"adaptive≤{args.adaptive_k}", args.adaptive_k, True)]
-    llms = {mode: make_llm(args.target, backend, args, args.draft, k, adaptive,
+    configs = configurations(args)
+    llms = {mode: make_llm(args.target, backend, args, spec,
                            memory_share=0.9 * (i + 1) / len(configs))
-            for i, (mode, k, adaptive) in enumerate(configs)}
-    prompts = code_prompts(llms["k=0"].get_tokenizer(), max(*args.batch_sizes, _MIN_PROMPTS))
+            for i, (mode, _, spec) in enumerate(configs)}
+    tokenizer = next(iter(llms.values())).get_tokenizer()
     rows = []
-    for b in args.batch_sizes:
-        pool = prompts[: max(b, _MIN_PROMPTS)]
-        groups = [pool[i : i + b] for i in range(0, len(pool), b)]
-        before = {mode: llm.get_metrics() for mode, llm in llms.items()}
-        results = timed_generate(llms, groups, args.max_tokens, args.repeats)
-        for mode, k, _ in configs:
-            rows.append(_row(backend, b, mode, k, *results[mode], before[mode],
-                             llms[mode].get_metrics()))
+    for name in args.prompt_sets:
+        prompts = prompt_set(name, tokenizer, max(*args.batch_sizes, _MIN_PROMPTS))
+        for b in args.batch_sizes:
+            pool = prompts[: max(b, _MIN_PROMPTS)]
+            groups = [pool[i : i + b] for i in range(0, len(pool), b)]
+            before = {mode: llm.get_metrics() for mode, llm in llms.items()}
+            results = timed_generate(llms, groups, args.max_tokens, args.repeats)
+            for mode, k, _ in configs:
+                row = _row(backend, b, mode, k, *results[mode], before[mode],
+                           llms[mode].get_metrics())
+                rows.append({"set": name, **row})
     for llm in llms.values():
         llm.shutdown()
     return rows
@@ -132,9 +205,23 @@ def _row(backend: str, b: int, mode: str, k: int, seconds: float, tokens: int, b
 
 
 def add_speedups(rows: list[dict]) -> None:
-    base = {(r["backend"], r["batch"]): r["output tok/s"] for r in rows if r["mode"] == "k=0"}
+    """Each row's speed-up over k = 0 (when it ran), and per case the oracle: the best fixed k
+    (k = 0 included), and each row's tok/s beside it."""
+    def case(r: dict) -> tuple:
+        return r["set"], r["backend"], r["batch"]
+
+    base = {case(r): r["output tok/s"] for r in rows if r["mode"] == "k=0"}
+    fixed = [r for r in rows if r["mode"] == "k=0" or r["mode"].startswith("k=")]
+    best: dict[tuple, dict] = {}
+    for r in fixed:
+        if case(r) not in best or r["output tok/s"] > best[case(r)]["output tok/s"]:
+            best[case(r)] = r
     for r in rows:
-        r["speedup"] = r["output tok/s"] / base[r["backend"], r["batch"]]
+        if case(r) in base:
+            r["speedup"] = r["output tok/s"] / base[case(r)]
+        if case(r) in best:
+            r["oracle"] = best[case(r)]["mode"]
+            r["× oracle"] = r["output tok/s"] / best[case(r)]["output tok/s"]
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -148,15 +235,18 @@ def plot(rows: list[dict], path: Path) -> None:
         return
     backends = sorted({r["backend"] for r in rows})
     fig, axes = plt.subplots(1, len(backends), figsize=(6 * len(backends), 4), squeeze=False)
+    first = rows[0]["set"]  # the plot shows the first prompt set
     for ax, backend in zip(axes[0], backends):
         for mode in dict.fromkeys(r["mode"] for r in rows):
-            pts = sorted((r["batch"], r["speedup"]) for r in rows
-                         if r["backend"] == backend and r["mode"] == mode)
+            pts = sorted((r["batch"], r["speedup"]) for r in rows if r["set"] == first
+                         and r["backend"] == backend and r["mode"] == mode and "speedup" in r)
+            if not pts:
+                continue
             style = dict(lw=2.5, color="black") if mode.startswith("adaptive") else {}
             ax.plot(*zip(*pts), marker="o", label=mode, **style)
         ax.axhline(1.0, color="gray", lw=0.8)
         ax.set_xscale("log", base=2)
-        ax.set(title=f"{backend}: speculative decoding", xlabel="batch size",
+        ax.set(title=f"{backend}: speculative decoding ({first})", xlabel="batch size",
                ylabel="× output tok/s of k = 0")
         ax.legend()
     fig.tight_layout()
@@ -172,9 +262,16 @@ def main() -> None:
     parser.add_argument("--target", default=target)
     parser.add_argument("--draft", default=draft)
     parser.add_argument("--backends", nargs="+", default=["jax", "torch"])
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 32, 64])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--ks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--adaptive-k", type=int, default=4, help="the adaptive policy's max k")
+    parser.add_argument("--ngram-k", type=int, default=4, help="n-gram's k (0: no n-gram run)")
+    parser.add_argument("--prompt-lookup-min", type=int, default=2)
+    parser.add_argument("--prompt-lookup-max", type=int, default=5)
+    parser.add_argument("--prompt-sets", nargs="+", default=list(PROMPT_SETS),
+                        choices=PROMPT_SETS)
+    parser.add_argument("--modes", nargs="+", default=[],
+                        help="only the modes starting so (k=0, k=2, adaptive, ngram); default all")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--max-model-len", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=2,
@@ -184,8 +281,8 @@ def main() -> None:
 
     rows = [r for backend in args.backends for r in run_backend(backend, args)]
     add_speedups(rows)
-    print_table(rows, ["backend", "batch", "mode", "output tok/s", "ms/token", "speedup",
-                       "alpha", "tokens/verify", "expected tokens/verify", "mean k",
+    print_table(rows, ["set", "backend", "batch", "mode", "output tok/s", "ms/token", "speedup",
+                       "× oracle", "oracle", "alpha", "tokens/verify", "mean k",
                        "compiles after startup"])
     env = environment()
     tag = "_".join([*args.backends, accelerator_tag(env)])

@@ -33,11 +33,13 @@ from pagedjax.sampling_params import SamplingParams
 
 _GREEDY = SamplingParams(temperature=0.0)
 
+_SUFFIX_KEYS = ("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
+                "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob")
 _KEYS = ("model", "num_speculative_tokens", "method", "adaptive", "draft_tensor_parallel_size",
-         "prompt_lookup_min", "prompt_lookup_max")
-_METHODS = ("draft_model", "ngram")
-# methods whose drafts the host proposes (no draft model, no draft KV)
-HOST_METHODS = ("ngram",)
+         "prompt_lookup_min", "prompt_lookup_max", *_SUFFIX_KEYS)
+_METHODS = ("draft_model", "ngram", "suffix")
+# methods whose drafts the host proposes (no draft model, no draft KV): host_drafts.py
+HOST_METHODS = ("ngram", "suffix")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -51,9 +53,14 @@ class SpeculativeConfig:
     adaptive: bool = True  # pick k per step from measurements; False: always k
     # 1: the draft on every device whole; or the target's tensor_parallel_size: split
     draft_tensor_parallel_size: int = 1
-    method: str = "draft_model"  # or "ngram": prompt lookup on the host (ngram_proposer.py)
+    method: str = "draft_model"  # or a host method: "ngram" (prompt lookup), "suffix"
     prompt_lookup_min: int = 2  # ngram: the shortest n-gram matched
     prompt_lookup_max: int = 5  # ngram: the longest
+    # suffix decoding (suffix_proposer.py), vLLM's names and defaults
+    suffix_decoding_max_tree_depth: int = 24  # the longest substring the trees count
+    suffix_decoding_max_cached_requests: int = 10000  # finished outputs the global tree holds
+    suffix_decoding_max_spec_factor: float = 1.0  # drafts <= factor * match length
+    suffix_decoding_min_token_prob: float = 0.1  # a draft token's least estimated probability
 
     @property
     def uses_draft_model(self) -> bool:
@@ -92,10 +99,17 @@ class SpeculativeConfig:
 
     @classmethod
     def _host_method(cls, config: dict, method: str) -> SpeculativeConfig:
-        """ngram: vLLM's keys; one of prompt_lookup_min / max alone sets both."""
+        """ngram and suffix: vLLM's keys; one of prompt_lookup_min / max alone sets both."""
         if config.get("model") is not None:
             raise ValueError(f"speculative_config method={method!r} uses no draft model; drop "
                              f"'model'={config['model']!r}.")
+        foreign = set(config) & set(_SUFFIX_KEYS if method == "ngram" else
+                                    ("prompt_lookup_min", "prompt_lookup_max"))
+        if foreign:
+            raise ValueError(f"speculative_config keys {sorted(foreign)} do not apply to "
+                             f"method={method!r}.")
+        if method == "suffix":
+            return cls._suffix(config)
         low, high = config.get("prompt_lookup_min"), config.get("prompt_lookup_max")
         if low is None and high is None:
             low, high = cls.prompt_lookup_min, cls.prompt_lookup_max
@@ -110,6 +124,27 @@ class SpeculativeConfig:
                              f"prompt_lookup_max={high}.")
         return cls(None, _num_speculative_tokens(config), _adaptive(config), 1, method, low,
                    high)
+
+    @classmethod
+    def _suffix(cls, config: dict) -> SpeculativeConfig:
+        values = {key: config.get(key, getattr(cls, key)) for key in _SUFFIX_KEYS}
+        depth, cached, factor, prob = values.values()
+        checks = (("suffix_decoding_max_tree_depth", depth, _is_int(depth) and depth >= 1,
+                   "an integer >= 1"),
+                  ("suffix_decoding_max_cached_requests", cached, _is_int(cached) and cached >= 0,
+                   "an integer >= 0"),
+                  ("suffix_decoding_max_spec_factor", factor, _is_number(factor) and factor > 0,
+                   "a number > 0"),
+                  ("suffix_decoding_min_token_prob", prob,
+                   _is_number(prob) and 0 <= prob <= 1, "a number in [0, 1]"))
+        for name, value, ok, want in checks:
+            if not ok:
+                raise ValueError(f"speculative_config {name}={value!r} must be {want}.")
+        return cls(None, _num_speculative_tokens(config), _adaptive(config), 1, "suffix",
+                   suffix_decoding_max_tree_depth=depth,
+                   suffix_decoding_max_cached_requests=cached,
+                   suffix_decoding_max_spec_factor=float(factor),
+                   suffix_decoding_min_token_prob=float(prob))
 
     def draft_model_config(self, target_dir: str, target_tokenizer: Any,
                            target_config: ModelConfig, max_model_len: int) -> ModelConfig:
@@ -146,6 +181,14 @@ def _num_speculative_tokens(config: dict) -> int:
         raise ValueError(f"num_speculative_tokens={k!r} must be an integer in "
                          f"[1, {MAX_SPECULATIVE_TOKENS}].")
     return k
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _adaptive(config: dict) -> bool:

@@ -24,7 +24,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from tqdm.auto import tqdm
 
 from pagedjax.cache import compile_at_startup
@@ -32,9 +31,9 @@ from pagedjax.config import EngineConfig, ModelConfig
 from pagedjax.core.batch import ModelInput, ModelOutput
 from pagedjax.core.beam_search import BeamSearch
 from pagedjax.core.block_manager import BlockManager
+from pagedjax.core.host_drafts import make_host_drafter
 from pagedjax.core.input_batch import InputBatch
 from pagedjax.core.model_runner import ModelRunner, get_runner_cls
-from pagedjax.core.ngram_proposer import NgramProposer
 from pagedjax.core.request_policy import ParallelSampling, PolicyContext, RequestPolicy
 from pagedjax.core.scheduler import Scheduler
 from pagedjax.core.scheduler_output import SampledTokens, SchedulerOutput
@@ -107,9 +106,7 @@ class EngineCore:
         self.startup_compile_seconds = self._compile()
         self.speculation = self._speculation(spec_config)
         self._last_output_time: float | None = None  # perf_counter of the last step's outputs
-        self.proposer = (NgramProposer(spec_config.num_speculative_tokens,
-                                       spec_config.prompt_lookup_min, spec_config.prompt_lookup_max)
-                         if spec_config is not None and spec_config.method == "ngram" else None)
+        self.drafter = None if spec_config is None else make_host_drafter(spec_config)
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -299,7 +296,8 @@ class EngineCore:
             self.structured_output.release()  # the completions finished or aborted since
         stamps = [time.perf_counter()]
         k = self._choose_num_spec_tokens()
-        out = self.scheduler.schedule(k, self._propose(k) if k and self.proposer else None)
+        out = self.scheduler.schedule(k, self.drafter.propose(
+            self.scheduler, self.input_batch, k) if k and self.drafter else None)
         if out.is_empty:
             self._apply_changes(out)
             if during is not None:
@@ -474,18 +472,6 @@ class EngineCore:
                 for seq in self.requests.pop(request_id, ()):
                     self.scheduler.remove(seq)
                 outputs.request_outputs.append(output)
-
-    def _propose(self, k: int) -> dict[int, list[int]]:
-        """The host's drafts (at most k) for each sequence with a row in the persistent batch,
-        from the tokens it holds (a sequence it does not hold yet is prefilling)."""
-        batch = self.input_batch
-        if not batch.row_of:
-            return {}
-        seq_ids = list(batch.row_of)
-        rows = np.fromiter(batch.row_of.values(), np.int64, len(seq_ids))
-        drafts, counts = self.proposer.propose(batch.token_ids, batch.num_tokens, rows)
-        counts = np.minimum(counts, k)
-        return {seq_ids[i]: drafts[i, : counts[i]].tolist() for i in np.flatnonzero(counts)}
 
     def _choose_num_spec_tokens(self) -> int:
         if self.speculation is None:

@@ -132,27 +132,28 @@ def run_workload(llm: LLM, seed: int, num_requests: int = 40, echo: bool = False
         engine.step()
 
 
-@pytest.mark.parametrize("speculative", [None, "draft_model", "ngram"])
+@pytest.mark.parametrize("speculative", [None, "draft_model", "ngram", "suffix"])
 def test_the_persistent_batch_equals_a_rebuild_after_every_step(speculative: str | None
                                                                   ) -> None:
     target, draft = demo_model_dirs()
     spec = {"draft_model": {"model": draft, "num_speculative_tokens": 3},
             "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
                       "prompt_lookup_max": 3, "adaptive": False},
+            "suffix": {"method": "suffix", "num_speculative_tokens": 3, "adaptive": False},
             None: None}[speculative]
     # a pool of 24 blocks of 8 tokens for up to 8 sequences: preemptions
     llm = LLM(target, backend="fixed-tokens", max_model_len=128, block_size=8,
               num_gpu_blocks_override=24, max_num_seqs=8, max_num_batched_tokens=64,
               speculative_config=spec)
     steps = checked(llm.engine)
-    run_workload(llm, seed=3 if speculative else 1, echo=speculative == "ngram")
+    run_workload(llm, seed=3 if speculative else 1, echo=speculative in ("ngram", "suffix"))
     metrics = llm.get_metrics()
     assert len(steps) > 60
     assert metrics["num_preemptions_total"] > 0 and metrics["prefix_cache_hits"] > 0
     assert metrics["structured_output_requests_total"] > 0
     if speculative:
         assert metrics["spec_decode_num_draft_tokens"] > 0
-    if speculative == "ngram":  # found in the copies, and kept
+    if speculative in ("ngram", "suffix"):  # found in the copies, and kept
         assert 0 < metrics["spec_decode_num_accepted_tokens"] < metrics[
             "spec_decode_num_draft_tokens"]
     assert llm.engine.engine_core.input_batch.num_rows == 0  # every row freed

@@ -166,12 +166,15 @@ def test_draft_must_share_the_vocabulary(tiny_model, tmp_path) -> None:
         make_llm(tiny_model("llama"), "jax", tiny_model("draft"), k=0)
 
 
-# ---- n-gram prompt lookup: drafts from the host, verified by the target alone -----------------
+# ---- draft-free methods (n-gram, suffix): drafts from the host, verified by the target alone ---
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-         "prompt_lookup_max": 3, "adaptive": False}
+HOST_METHODS = {
+    "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+              "prompt_lookup_max": 3, "adaptive": False},
+    "suffix": {"method": "suffix", "num_speculative_tokens": 4, "adaptive": False},
+}
 # Prompts that repeat themselves (code to rewrite, a quote), where lookups find drafts.
-NGRAM_PROMPTS = [
+HOST_PROMPTS = [
     "def area(width, height):\n    return width * height\n\n# The same function, typed:\n"
     "def area(width: float, height: float) -> float:\n",
     "The cat sat on the mat. The dog sat on the rug. The cat sat on",
@@ -180,53 +183,57 @@ NGRAM_PROMPTS = [
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
-def ngram_pair(request) -> tuple[LLM, LLM]:
-    """(plain, n-gram) engines on the demo target, one backend."""
+def host_engines(request) -> dict[str, LLM]:
+    """Engines on the demo target, one backend: "plain" (no speculation) and one per method."""
     from pagedjax.model_loader.demo import demo_model_dirs
 
     target, _ = demo_model_dirs()
     kwargs = dict(backend=request.param, max_model_len=256, max_num_seqs=16,
                   num_gpu_blocks_override=96)
-    return LLM(target, **kwargs), LLM(target, speculative_config=NGRAM, **kwargs)
+    return {"plain": LLM(target, **kwargs),
+            **{m: LLM(target, speculative_config=c, **kwargs) for m, c in HOST_METHODS.items()}}
 
 
-def test_ngram_greedy_is_exact(ngram_pair) -> None:
+@pytest.mark.parametrize("method", list(HOST_METHODS))
+def test_host_drafts_greedy_is_exact(host_engines, method: str) -> None:
     """Greedy output equals the output without speculation: single and n = 2 completions, a
     structured choice, with drafts found and kept; nothing leaks."""
     from pagedjax.sampling_params import StructuredOutputsParams
 
-    plain, ngram = ngram_pair
+    plain, llm = host_engines["plain"], host_engines[method]
     params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
               SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, n=2),
               SamplingParams(temperature=0.0, max_tokens=16, structured_outputs=(
                   StructuredOutputsParams(choice=["The cat sat on the mat", "The dog"])))]
-    want = plain.generate(NGRAM_PROMPTS, params, use_tqdm=False)
-    got = ngram.generate(NGRAM_PROMPTS, params, use_tqdm=False)
+    want = plain.generate(HOST_PROMPTS, params, use_tqdm=False)
+    got = llm.generate(HOST_PROMPTS, params, use_tqdm=False)
     for mine, theirs in zip(got, want):
         assert [c.token_ids for c in mine.outputs] == [c.token_ids for c in theirs.outputs]
     assert got[2].outputs[0].text in ("The cat sat on the mat", "The dog")
-    metrics = ngram.get_metrics()
+    metrics = llm.get_metrics()
     assert metrics["spec_decode_num_accepted_tokens"] > 0
     assert metrics["spec_decode_num_draft_tokens"] > metrics["spec_decode_num_accepted_tokens"]
-    assert_no_leak(ngram)
+    assert_no_leak(llm)
 
 
-def test_ngram_samples_the_targets_distribution(ngram_pair) -> None:
+@pytest.mark.parametrize("method", list(HOST_METHODS))
+def test_host_drafts_sample_the_targets_distribution(host_engines, method: str) -> None:
     """Sampled at temperature 0.5 (seeded requests): the tokens at each of the first output
     positions are distributed as without speculation (a two-sample chi-square test per
     position, pooled over 300 requests), while drafts are accepted."""
     from scipy.stats import chi2_contingency
 
-    plain, ngram = ngram_pair
+    plain, llm = host_engines["plain"], host_engines[method]
     n, length = 300, 6
     prompt = ("import os\n\ndef main():\n    x = os.path.join(a, b)\n"
               "    y = os.path.join(c, d)\n    z = os.path.")
     params = [SamplingParams(temperature=0.5, seed=i, max_tokens=length, ignore_eos=True)
               for i in range(n)]
-    before = ngram.get_metrics()["spec_decode_num_accepted_tokens"]
-    runs = [[o.outputs[0].token_ids for o in llm.generate([prompt] * n, params, use_tqdm=False)]
-            for llm in (plain, ngram)]
-    assert ngram.get_metrics()["spec_decode_num_accepted_tokens"] > before + n // 10
+    before = llm.get_metrics()["spec_decode_num_accepted_tokens"]
+    runs = [[o.outputs[0].token_ids for o in engine.generate([prompt] * n, params,
+                                                             use_tqdm=False)]
+            for engine in (plain, llm)]
+    assert llm.get_metrics()["spec_decode_num_accepted_tokens"] > before + n // 10
     for j in range(1, length):  # position 0 is sampled before any draft exists
         tokens = sorted({run[i][j] for run in runs for i in range(n)})
         table = np.array([[sum(run[i][j] == t for i in range(n)) for t in tokens]
@@ -236,4 +243,23 @@ def test_ngram_samples_the_targets_distribution(ngram_pair) -> None:
         table = table[:, table.sum(axis=0) > 0]
         if table.shape[1] >= 2:
             assert chi2_contingency(table).pvalue > 1e-3, (j, table)
-    assert_no_leak(ngram)
+    assert_no_leak(llm)
+
+
+def test_suffix_decoding_drafts_from_earlier_outputs(host_engines) -> None:
+    """A task sent again (an agent's loop): the second time, the global tree holds the first
+    answer, so most of it comes as accepted drafts; the finished requests' trees are freed."""
+    plain, llm = host_engines["plain"], host_engines["suffix"]
+    prompt = "class Stack:\n    def __init__(self):\n"
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    want = plain.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    accepted = []
+    for _ in range(2):
+        before = llm.get_metrics()["spec_decode_num_accepted_tokens"]
+        assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == want
+        accepted.append(llm.get_metrics()["spec_decode_num_accepted_tokens"] - before)
+    assert accepted[1] >= max(2 * accepted[0], len(want) // 2), accepted
+    drafter = llm.engine.engine_core.drafter
+    llm.generate("x = 1", SamplingParams(max_tokens=2), use_tqdm=False)  # a step after them
+    assert drafter.proposer.num_cached_requests >= 2
+    assert_no_leak(llm)

@@ -4,9 +4,11 @@ set and batch size.
 Every request decodes --max-tokens greedy tokens from a prompt of a set the demo models never
 saw: `code` (cut from this Python's standard library source), `docs` (the project's docs/ as
 prose), `chat` (questions in chat turns), `edit` (a stdlib function, then the request to write it
-again: the answer copies its prompt, where n-gram lookups pay). For each backend, set and batch
-size B: no speculation (k = 0), each fixed k (`"adaptive": False`), the adaptive policy (k
-chosen per step up to --adaptive-k) and n-gram prompt lookup (k = --ngram-k, no draft model),
+again: the answer copies its prompt, where n-gram lookups pay), `repeat` (four tasks sent again
+and again with a new last line, as an agent does: suffix decoding's case). For each backend, set
+and batch size B: no speculation (k = 0), each fixed k (`"adaptive": False`), the adaptive
+policy (k chosen per step up to --adaptive-k), n-gram prompt lookup (k = --ngram-k) and suffix
+decoding (at most --suffix-k drafts; both without a draft model),
 with one LLM configuration for every B; the configurations take turns pass by pass, so that a
 drifting host slows them alike. "oracle" is the best fixed k of each case, found afterwards.
 As a user meets them: timed from LLM(...) with no warm-up, every pass counted (the mean; the
@@ -43,7 +45,7 @@ _DELTAS = ("spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
            "spec_decode_num_verifications")
 
 
-PROMPT_SETS = ("code", "docs", "chat", "edit")
+PROMPT_SETS = ("code", "docs", "chat", "edit", "repeat")
 _QUESTIONS = ("How do I read a file line by line?", "What is a good name for a cat?",
               "Explain what a hash table is.", "Why is the sky blue?",
               "Write a haiku about the sea.", "What should I cook tonight?",
@@ -99,9 +101,16 @@ def chat_prompts(tokenizer, num: int) -> list[list[int]]:
             for i in range(num)]
 
 
+def repeat_prompts(tokenizer, num: int) -> list[list[int]]:
+    """Agent-like requests: four tasks, each sent again and again with a different last line
+    (the same instructions, a new argument)."""
+    tasks = code_prompts(tokenizer, 4, length=48)
+    return [tasks[i % 4] + tokenizer.encode(f"\n# call {i}:\n") for i in range(num)]
+
+
 def prompt_set(name: str, tokenizer, num: int) -> list[list[int]]:
     makers = {"code": code_prompts, "docs": docs_prompts, "chat": chat_prompts,
-              "edit": edit_prompts}
+              "edit": edit_prompts, "repeat": repeat_prompts}
     return makers[name](tokenizer, num)
 
 
@@ -153,6 +162,9 @@ def configurations(args) -> list[tuple[str, int, dict | None]]:
             "method": "ngram", "num_speculative_tokens": args.ngram_k, "adaptive": False,
             "prompt_lookup_min": args.prompt_lookup_min,
             "prompt_lookup_max": args.prompt_lookup_max}))
+    if args.suffix_k:
+        configs.append((f"suffix k≤{args.suffix_k}", args.suffix_k, {
+            "method": "suffix", "num_speculative_tokens": args.suffix_k, "adaptive": False}))
     return [c for c in configs if not args.modes or any(c[0].startswith(m) for m in args.modes)]
 
 
@@ -266,6 +278,8 @@ def main() -> None:
     parser.add_argument("--ks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--adaptive-k", type=int, default=4, help="the adaptive policy's max k")
     parser.add_argument("--ngram-k", type=int, default=4, help="n-gram's k (0: no n-gram run)")
+    parser.add_argument("--suffix-k", type=int, default=8,
+                        help="suffix decoding's most drafts a step (0: no suffix run)")
     parser.add_argument("--prompt-lookup-min", type=int, default=2)
     parser.add_argument("--prompt-lookup-max", type=int, default=5)
     parser.add_argument("--prompt-sets", nargs="+", default=list(PROMPT_SETS),

@@ -38,14 +38,15 @@ pytestmark = pytest.mark.usefixtures("compile_at_startup")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "speculative"])
-def test_a_varied_workload_compiles_nothing_after_startup(tiny_model, speculative: bool) -> None:
+@pytest.mark.parametrize("speculative", [None, "draft_model", "suffix"])
+def test_a_varied_workload_compiles_nothing_after_startup(tiny_model, speculative: str | None
+                                                          ) -> None:
     """Prompts of 1 to max_model_len - 16 tokens, prefix-cache hits, n = 2, logprobs and
     prompt_logprobs, penalties, logit_bias, min_tokens, greedy and sampled rows, structured
     outputs (a choice, a regex), requests arriving while others run; speculative: an adaptive
-    draft."""
-    spec = ({"model": tiny_model("draft"), "num_speculative_tokens": 4} if speculative
-            else None)
+    draft, or adaptive suffix decoding (drafts from the host)."""
+    spec = {None: None, "draft_model": {"model": tiny_model("draft"), "num_speculative_tokens": 4},
+            "suffix": {"method": "suffix", "num_speculative_tokens": 4}}[speculative]
     llm = LLM(tiny_model("llama"), backend="jax", speculative_config=spec, **SMALL)
     compiled_at_startup = len(_COMPILES)
     vocab = ModelConfig.from_pretrained(tiny_model("llama")).vocab_size

@@ -114,18 +114,19 @@ def prompt_set(name: str, tokenizer, num: int) -> list[list[int]]:
     return makers[name](tokenizer, num)
 
 
-def timed_generate(llms: dict, groups: list[list[list[int]]], max_tokens: int,
-                   repeats: int) -> dict[str, tuple[float, int]]:
+def timed_generate(llms: dict, rounds: list[list[list[list[int]]]], max_tokens: int
+                   ) -> dict[str, tuple[float, int]]:
     """name -> mean seconds and output tokens of greedy batches run one after another (one per
-    group of prompts) on that LLM, over `repeats` rounds: every round counts, the first too. In
-    a round every LLM runs one pass, in turns, so that a host whose speed drifts (a shared
-    machine) slows them alike."""
+    group of prompts) on that LLM, over the rounds (each its own prompts: no round finds the
+    last round's answers in a suffix cache): every round counts, the first too. In a round
+    every LLM runs one pass, in turns, so that a host whose speed drifts (a shared machine)
+    slows them alike."""
     from pagedjax import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     seconds: dict[str, float] = dict.fromkeys(llms, 0.0)
     tokens: dict[str, int] = {}
-    for _ in range(repeats):
+    for groups in rounds:
         for name, llm in llms.items():
             start, tokens[name] = time.perf_counter(), 0
             for group in groups:
@@ -133,7 +134,7 @@ def timed_generate(llms: dict, groups: list[list[list[int]]], max_tokens: int,
                                        use_tqdm=False)
                 tokens[name] += sum(len(o.outputs[0].token_ids) for o in outputs)
             seconds[name] += time.perf_counter() - start
-    return {name: (s / repeats, tokens[name]) for name, s in seconds.items()}
+    return {name: (s / len(rounds), tokens[name]) for name, s in seconds.items()}
 
 
 def make_llm(model: str, backend: str, args, spec: dict | None = None,
@@ -176,12 +177,14 @@ def run_backend(backend: str, args) -> list[dict]:
     tokenizer = next(iter(llms.values())).get_tokenizer()
     rows = []
     for name in args.prompt_sets:
-        prompts = prompt_set(name, tokenizer, max(*args.batch_sizes, _MIN_PROMPTS))
+        size = max(*args.batch_sizes, _MIN_PROMPTS)
+        prompts = prompt_set(name, tokenizer, size * args.repeats)
         for b in args.batch_sizes:
-            pool = prompts[: max(b, _MIN_PROMPTS)]
-            groups = [pool[i : i + b] for i in range(0, len(pool), b)]
+            pools = [prompts[r * size : r * size + max(b, _MIN_PROMPTS)]
+                     for r in range(args.repeats)]
+            rounds = [[pool[i : i + b] for i in range(0, len(pool), b)] for pool in pools]
             before = {mode: llm.get_metrics() for mode, llm in llms.items()}
-            results = timed_generate(llms, groups, args.max_tokens, args.repeats)
+            results = timed_generate(llms, rounds, args.max_tokens)
             for mode, k, _ in configs:
                 row = _row(backend, b, mode, k, *results[mode], before[mode],
                            llms[mode].get_metrics())

@@ -57,6 +57,20 @@ class ModelConfig:
     # scores and logits capped to cap * tanh(x / cap) (Gemma 2); None: uncapped
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
+    # Mixture of experts (architectures.py): experts per sparse layer (0: a dense model), the
+    # k each token is routed to, each expert's MLP width, whether the k weights are
+    # renormalised to sum to 1, and which layers are sparse (None: every layer, if any expert)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    renormalize_topk: bool = False
+    moe_layers: tuple[bool, ...] | None = None
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether a layer's MLP is a mixture of experts."""
+        if not self.num_experts:
+            return False
+        return self.moe_layers is None or self.moe_layers[layer]
 
     @property
     def sm_scale(self) -> float:
@@ -70,7 +84,7 @@ class ModelConfig:
         """Llama's layer exactly (what the fused C++ CPU decoder layer computes)."""
         return (self.qk_norm is None and self.norm_layout == "pre" and self.hidden_act == "silu"
                 and self.residual_multiplier == 1.0 and self.norm_weight_offset == 0.0
-                and self.attn_logit_softcapping is None)
+                and self.attn_logit_softcapping is None and not self.num_experts)
 
     def sliding_window_of(self, layer: int) -> int | None:
         """The window of one layer's attention (None: it attends to the whole context)."""
@@ -110,6 +124,8 @@ class ModelConfig:
             variations["embedding_multiplier"] = float(cfg["hidden_size"]) ** 0.5
         if row.gemma_attention:
             variations.update(_gemma_attention(cfg, window, rope_theta))
+        if row.experts:
+            variations.update(_experts(cfg, row.renormalize_topk))
         multipliers = {}
         if row.multipliers:
             multipliers = dict(
@@ -144,6 +160,32 @@ class ModelConfig:
     def kv_bytes_per_block(self, block_size: int, dtype_bytes: int) -> int:
         """Bytes one KV block takes across all layers (keys and values)."""
         return 2 * self.num_layers * self.num_kv_heads * block_size * self.head_dim * dtype_bytes
+
+
+def _experts(cfg: dict, renormalize: bool | None) -> dict:
+    """A mixture of experts' fields from config.json (Qwen3-MoE, Mixtral, OLMoE, Granite-MoE
+    names, transformers v4 and v5)."""
+    num_experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    k = cfg.get("num_experts_per_tok")
+    if not num_experts or not k or not 1 <= k <= num_experts:
+        raise ValueError(f"a mixture of experts needs num_experts >= num_experts_per_tok >= 1; "
+                         f"config.json gives num_experts={num_experts!r}, "
+                         f"num_experts_per_tok={k!r}.")
+    if cfg.get("clip_qkv") is not None:
+        raise ValueError(f"clip_qkv={cfg['clip_qkv']!r} is not supported; use a checkpoint "
+                         "trained without it (clip_qkv: null).")
+    if cfg.get("shared_expert_intermediate_size") or cfg.get("n_shared_experts"):
+        raise ValueError("shared experts are not supported (Qwen2-MoE, DeepSeek); Qwen3-MoE, "
+                         "Mixtral, OLMoE and Granite-MoE are.")
+    num_layers, step = cfg["num_hidden_layers"], cfg.get("decoder_sparse_step") or 1
+    dense = set(cfg.get("mlp_only_layers") or ())
+    layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
+    return {"num_experts": int(num_experts), "num_experts_per_tok": int(k),
+            "moe_intermediate_size": int(cfg.get("moe_intermediate_size")
+                                         or cfg["intermediate_size"]),
+            "renormalize_topk": bool(cfg.get("norm_topk_prob", False)
+                                     if renormalize is None else renormalize),
+            "moe_layers": None if all(layers) else layers}
 
 
 def _gemma_attention(cfg: dict, window: int | None, global_theta: float) -> dict:
@@ -292,6 +334,11 @@ class EngineConfig:
                              f"tensor_parallel_size={self.tensor_parallel_size}; use "
                              f"dtype='float32' (the default on CPU) and one device, or "
                              f"quantization=None.")
+        if model_config.num_experts and (q is not None or self.tensor_parallel_size != 1):
+            raise ValueError(f"{model_config.architecture} (a mixture of experts) runs "
+                             f"unquantized on one device for now, not with quantization={q!r} "
+                             f"and tensor_parallel_size={self.tensor_parallel_size}; use "
+                             f"quantization=None and tensor_parallel_size=1.")
         if q == "gguf" and self.gguf_path is None:
             raise ValueError(f"quantization='gguf' keeps a GGUF file's blocks, but model="
                              f"{self.model!r} is no GGUF file; pass a .gguf file, or use "

@@ -7,7 +7,11 @@ Canonical names (Llama family), linear weights kept in HF's [out, in] layout:
         and input_layernorm, pre_feedforward_layernorm too (norm_layout "sandwich")
     layers.{i}.{q,k}_norm [D] (qk_norm "head") or [Hq * D], [Hkv * D] (qk_norm "full")
     layers.{i}.{q,k,v,o}_proj.weight, layers.{i}.{q,k,v}_proj.bias (attention_bias)
-    layers.{i}.{gate,up,down}_proj.weight
+    layers.{i}.{gate,up,down}_proj.weight (a dense layer)
+    layers.{i}.router.weight [E, H], layers.{i}.experts.gate_up_proj [E, 2I, H] (each expert's
+        gate rows, then its up rows), layers.{i}.experts.down_proj [E, H, I] (a mixture of
+        experts' layer: from per-expert tensors, Mixtral's w1/w3/w2, or the fused ones newer
+        transformers and Granite-MoE write)
 A checkpoint's fused projections (Phi-3's qkv_proj, gate_up_proj) are split into these.
 """
 
@@ -45,6 +49,20 @@ _LAYER_NORMS = {"pre": ("input_layernorm", "post_attention_layernorm"),
                 "post": ("post_attention_layernorm", "post_feedforward_layernorm"),
                 "sandwich": ("input_layernorm", "post_attention_layernorm",
                              "pre_feedforward_layernorm", "post_feedforward_layernorm")}
+
+
+_ROUTER_RE = re.compile(
+    r"model\.layers\.(\d+)\.(?:mlp\.gate|block_sparse_moe\.gate|block_sparse_moe\.router\.layer)"
+    r"\.weight$")
+_EXPERT_RE = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
+                        r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_FUSED_EXPERTS_RE = re.compile(
+    r"model\.layers\.(\d+)\.(?:mlp\.experts\.(gate_up_proj|down_proj)(?:\.weight)?"
+    r"|block_sparse_moe\.(input_linear|output_linear)\.weight)$")
+_EXPERT_PARTS = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up",
+                 "down_proj": "down", "w2": "down"}
+_FUSED_EXPERTS = {"gate_up_proj": "gate_up_proj", "input_linear": "gate_up_proj",
+                  "down_proj": "down_proj", "output_linear": "down_proj"}
 
 
 def canonical_name(hf_name: str) -> str | None:
@@ -93,12 +111,16 @@ def load_weights(model_dir: str | Path, config: ModelConfig) -> dict[str, np.nda
     fused projections split."""
     weights: dict[str, np.ndarray] = {}
     fused = architecture(config.architecture).fused_weights
+    experts: dict[tuple[int, str], dict[int, np.ndarray]] = {}  # (layer, part) → expert → W
     for path in checkpoint_files(model_dir):
         for hf_name, array in iter_safetensors(path):
+            if config.num_experts and _expert_weight(hf_name, array, weights, experts):
+                continue
             split = _split_fused(hf_name, array, fused, config)
             for name, part in split or [(canonical_name(hf_name), array)]:
                 if name is not None:
                     weights[name] = part
+    weights.update(_stack_experts(experts, config))
     if "lm_head" not in weights or config.tie_word_embeddings:
         weights["lm_head"] = weights.get("embed_tokens")
     missing = [n for n in expected_names(config) if weights.get(n) is None]
@@ -106,6 +128,41 @@ def load_weights(model_dir: str | Path, config: ModelConfig) -> dict[str, np.nda
         raise ValueError(f"checkpoint {str(model_dir)!r} lacks weights {missing[:4]}"
                          f"{' ...' if len(missing) > 4 else ''}; is it a {config.architecture}?")
     return weights
+
+
+def _expert_weight(hf_name: str, array: np.ndarray, weights: dict[str, np.ndarray],
+                   experts: dict[tuple[int, str], dict[int, np.ndarray]]) -> bool:
+    """Take a router or expert tensor (into weights, or experts to stack); False for others."""
+    if match := _ROUTER_RE.match(hf_name):
+        weights[f"layers.{match.group(1)}.router.weight"] = array
+    elif match := _EXPERT_RE.match(hf_name):
+        layer, expert, part = match.groups()
+        experts.setdefault((int(layer), _EXPERT_PARTS[part]), {})[int(expert)] = array
+    elif match := _FUSED_EXPERTS_RE.match(hf_name):
+        layer, v5_name, granite_name = match.groups()
+        weights[f"layers.{layer}.experts.{_FUSED_EXPERTS[v5_name or granite_name]}"] = array
+    else:
+        return False
+    return True
+
+
+def _stack_experts(experts: dict[tuple[int, str], dict[int, np.ndarray]],
+                   config: ModelConfig) -> dict[str, np.ndarray]:
+    """Per-expert tensors → layers.{i}.experts.gate_up_proj [E, 2I, H] and down_proj
+    [E, H, I]."""
+    out = {}
+    for layer in sorted({layer for layer, _ in experts}):
+        parts = {part: experts.get((layer, part), {}) for part in ("gate", "up", "down")}
+        if any(sorted(p) != list(range(config.num_experts)) for p in parts.values()):
+            raise ValueError(f"layer {layer} holds experts {sorted(parts['gate'])} (gate), "
+                             f"{sorted(parts['up'])} (up), {sorted(parts['down'])} (down); "
+                             f"config.json gives num_experts={config.num_experts}.")
+        out[f"layers.{layer}.experts.gate_up_proj"] = np.stack([
+            np.concatenate([parts["gate"][e], parts["up"][e]])
+            for e in range(config.num_experts)])
+        out[f"layers.{layer}.experts.down_proj"] = np.stack(
+            [parts["down"][e] for e in range(config.num_experts)])
+    return out
 
 
 _FUSED_RE = re.compile(r"model\.layers\.(\d+)\.(.+)\.weight$")
@@ -140,8 +197,12 @@ def expected_names(config: ModelConfig) -> list[str]:
     names = ["embed_tokens", "norm", "lm_head"]
     for i in range(config.num_layers):
         names += [f"layers.{i}.{n}" for n in layer_norm_names(config)]
-        names += [f"layers.{i}.{p}.weight" for p in
-                  ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")]
+        names += [f"layers.{i}.{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        if config.is_moe_layer(i):
+            names += [f"layers.{i}.router.weight", f"layers.{i}.experts.gate_up_proj",
+                      f"layers.{i}.experts.down_proj"]
+        else:
+            names += [f"layers.{i}.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
         if config.attention_bias:
             names += [f"layers.{i}.{p}.bias" for p in ("q_proj", "k_proj", "v_proj")]
     return names

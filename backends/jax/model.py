@@ -19,6 +19,7 @@ import numpy as np
 from pagedjax.backends.common import quantization
 from pagedjax.backends.common.attention_metadata import AttentionMetadata
 from pagedjax.backends.common.weight_quantizer import LM_HEAD, WeightQuantizer, projection_label
+from pagedjax.backends.jax.moe import FusedMoE
 from pagedjax.config import ModelConfig
 
 KVCache = tuple[jax.Array, jax.Array]  # k, v: [num_blocks, Hkv, block_size, D]
@@ -138,7 +139,8 @@ _FUSED = {"self_attn": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
 def pack_params(params: dict, tie_word_embeddings: bool,
                 quantizer: WeightQuantizer | None = None) -> dict:
     """{"params": ...} for the packed model: every linear kernel [in, out] packed for
-    PackedLinear, q/k/v and gate/up fused into one product each (qkv_proj, gate_up_proj), and a
+    PackedLinear, q/k/v and gate/up fused into one product each (qkv_proj, gate_up_proj; a
+    mixture of experts' layer keeps its MLP as it is: FusedMoE), and a
     tied LM head given its own packed copy of the embedding (as "lm_head"). quantizer: each
     fused projection and the head kept as the blocks it gives ("blocks" in place of "kernel";
     backends/common/weight_quantizer.py), packed where it gives none."""
@@ -167,7 +169,7 @@ def pack_params(params: dict, tie_word_embeddings: bool,
         if name.startswith("layers_"):
             i = int(name.removeprefix("layers_"))
             tree[name] = {**layer, **{block: fuse(layer[block], i, *_FUSED[block])
-                                      for block in _FUSED}}
+                                      for block in _FUSED if _FUSED[block][1][0] in layer[block]}}
     if "lm_head" in tree:
         tree["lm_head"] = packed(tree["lm_head"], LM_HEAD)
     elif tie_word_embeddings:
@@ -271,7 +273,8 @@ class DecoderLayer(nn.Module):
         cfg = self.config
         attention = Attention(cfg, self.dtype, self.attention_fn, self.write_kv_fn, self.packed,
                               self.layer, self.kv_scales, name="self_attn")
-        mlp = MLP(cfg, self.dtype, self.packed, name="mlp")
+        mlp = (FusedMoE(cfg, self.dtype, name="mlp") if cfg.is_moe_layer(self.layer)
+               else MLP(cfg, self.dtype, self.packed, name="mlp"))
 
         def norm(name: str) -> RMSNorm:
             return RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_weight_offset, name=name)

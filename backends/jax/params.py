@@ -116,6 +116,12 @@ def convert_weights(model_dir: str, config: ModelConfig, dtype: jnp.dtype, *,
         a = np.asarray(a)
         return np.ascontiguousarray(a.T if transpose else a, dtype=jnp.dtype(dtype))
 
+    def arr_experts(name: str):  # [E, out, in] → [E, in, out]
+        a = w[name]
+        if lazy:
+            return jnp.zeros((a.shape[0], a.shape[2], a.shape[1]), dtype)
+        return np.ascontiguousarray(np.asarray(a).transpose(0, 2, 1), dtype=jnp.dtype(dtype))
+
     def dense(prefix: str) -> dict:
         out = {"kernel": arr(f"{prefix}.weight", transpose=True)}
         if f"{prefix}.bias" in w:
@@ -134,10 +140,16 @@ def convert_weights(model_dir: str, config: ModelConfig, dtype: jnp.dtype, *,
         p = f"layers.{i}"
         attention = {name: dense(f"{p}.{name}") for name in _ATTN}
         attention.update({n: {"weight": arr(f"{p}.{n}")} for n in norms if n in _QK_NORMS})
+        if config.is_moe_layer(i):  # on one device (EngineConfig.validate)
+            mlp = {"router": dense(f"{p}.router"),
+                   "gate_up_proj": arr_experts(f"{p}.experts.gate_up_proj"),  # [E, H, 2I]
+                   "down_proj": arr_experts(f"{p}.experts.down_proj")}  # [E, I, H]
+        else:
+            mlp = {name: dense(f"{p}.{name}") for name in _MLP}
         params[f"layers_{i}"] = {
             **{n: {"weight": arr(f"{p}.{n}")} for n in norms if n not in _QK_NORMS},
             "self_attn": attention,
-            "mlp": {name: dense(f"{p}.{name}") for name in _MLP},
+            "mlp": mlp,
         }
     return {"params": params}
 

@@ -26,6 +26,7 @@ from pagedjax.backends.common.weight_quantizer import (
     projection_label,
 )
 from pagedjax.backends.common.weights import layer_norm_names
+from pagedjax.backends.torch.moe import FusedMoE
 from pagedjax.backends.torch.parallel import Shard
 from pagedjax.config import ModelConfig
 from pagedjax.kernels_cuda import (
@@ -276,7 +277,7 @@ class DecoderLayer(nn.Module):
                 setattr(self, name, RMSNorm(config.hidden_size, config.rms_norm_eps,
                                             config.norm_weight_offset))
         self.self_attn = Attention(config, ops, shard, layer)
-        self.mlp = MLP(config, shard)
+        self.mlp = FusedMoE(config, shard) if config.is_moe_layer(layer) else MLP(config, shard)
         self.fused = False  # the whole layer as one C++ op (`fuse`)
         self.qtypes: list[int] | None = None  # its projections' GGML types (None: all packed)
 

@@ -123,12 +123,17 @@ def _fused_state_dict(weights: dict[str, np.ndarray], config: ModelConfig,
                  kv(f"{v}.bias")])
         state[f"{layer}.self_attn.o_proj.weight"] = shard.cut(
             weights[f"{layer}.o_proj.weight"], "o_proj", q_rows).T
-        state[f"{layer}.mlp.gate_up_proj.weight"] = np.concatenate(
-            [shard.cut(weights[f"{layer}.{p}_proj.weight"], f"{p}_proj", inter)
-             for p in ("gate", "up")]
-        ).T  # [H, 2I / shards]
-        state[f"{layer}.mlp.down_proj.weight"] = shard.cut(
-            weights[f"{layer}.down_proj.weight"], "down_proj", inter).T
+        if config.is_moe_layer(i):  # on one device (EngineConfig.validate)
+            state[f"{layer}.mlp.router.weight"] = weights[f"{layer}.router.weight"].T  # [H, E]
+            for name in ("gate_up_proj", "down_proj"):  # [E, 2I, H], [E, H, I]
+                state[f"{layer}.mlp.{name}"] = weights[f"{layer}.experts.{name}"]
+        else:
+            state[f"{layer}.mlp.gate_up_proj.weight"] = np.concatenate(
+                [shard.cut(weights[f"{layer}.{p}_proj.weight"], f"{p}_proj", inter)
+                 for p in ("gate", "up")]
+            ).T  # [H, 2I / shards]
+            state[f"{layer}.mlp.down_proj.weight"] = shard.cut(
+                weights[f"{layer}.down_proj.weight"], "down_proj", inter).T
         for norm in layer_norm_names(config):
             module = f"self_attn.{norm}" if norm in ("q_norm", "k_norm") else norm
             state[f"{layer}.{module}.weight"] = weights[f"{layer}.{norm}"]

@@ -2,8 +2,9 @@
 
 Both backends hold one decoder definition (Llama's) whose variations are switched by the fields
 of `ModelConfig`; a row says which variation an architecture uses and how its checkpoint names
-its weights. Adding a Llama-like family is a row here, a `make_tiny_checkpoint` entry and a
-greedy-parity test (tests/model_loader/test_architectures.py).
+its weights. A mixture of experts is a variation too: its layers' MLP is a router and experts.
+Adding a Llama-like family is a row here, a `make_tiny_checkpoint` entry and a greedy-parity
+test (tests/e2e/test_hf_parity.py).
 """
 
 from __future__ import annotations
@@ -41,6 +42,13 @@ class Architecture:
     # softmax scale is query_pre_attn_scalar ** -0.5, sliding layers may have their own rope
     # base, and attn_logit_softcapping / final_logit_softcapping cap scores and logits (Gemma)
     gemma_attention: bool = False
+    # A mixture of experts replaces the MLP (in every layer, or as config.json's
+    # decoder_sparse_step / mlp_only_layers say): the router's softmax over all experts, its
+    # top k, renormalised to sum to 1 where renormalize_topk says (None: config.json's
+    # norm_topk_prob, default False). Top-k of the logits then a softmax over the k (Mixtral,
+    # Granite-MoE) is the same as renormalising.
+    experts: bool = False
+    renormalize_topk: bool | None = None
 
     def __post_init__(self) -> None:  # a mistyped row fails at import, not in a model
         assert self.qk_norm in QK_NORMS, self.qk_norm
@@ -65,6 +73,13 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Phi3ForCausalLM": Architecture("phi3", fused_weights={
         "self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"),
         "mlp.gate_up_proj": ("gate_proj", "up_proj")}),
+    # mixtures of experts
+    "Qwen3MoeForCausalLM": Architecture("qwen3_moe", qk_norm="head",
+                                        window_flag="use_sliding_window", experts=True),
+    "MixtralForCausalLM": Architecture("mixtral", experts=True, renormalize_topk=True),
+    "OlmoeForCausalLM": Architecture("olmoe", qk_norm="full", experts=True),
+    "GraniteMoeForCausalLM": Architecture("granitemoe", multipliers=True, experts=True,
+                                          renormalize_topk=True),
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 ARCHITECTURE_BY_MODEL_TYPE = {a.model_type: name for name, a in ARCHITECTURES.items()}

@@ -67,7 +67,21 @@ TINY_ARCHITECTURES: dict[str, tuple[str, str, dict]] = {
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {
         "head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 24,
         "layer_types": ["sliding_attention", "full_attention"], "initializer_range": 0.02}),
+    # Mixtures of experts: 8 experts, top 2; router weights scaled (ROUTER_SCALE) so that the
+    # top-k margins stand well above float32 noise. Qwen3-MoE: its first layer dense.
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
+        "layer_types": None, "head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32, "norm_topk_prob": True, "mlp_only_layers": [0]}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {
+        "num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32}),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", {
+        "num_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32}),
+    "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM", {
+        "num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32,
+        "embedding_multiplier": 6.0, "residual_multiplier": 0.5, "attention_multiplier": 0.1,
+        "logits_scaling": 2.0}),
 }
+ROUTER_SCALE = 4.0  # the mixtures of experts' router weights, times this after the random init
 
 
 def make_tiny_checkpoint(out_dir: str | Path, architecture: str = "llama", *, seed: int = 0,
@@ -87,6 +101,11 @@ def make_tiny_checkpoint(out_dir: str | Path, architecture: str = "llama", *, se
     config = getattr(transformers, config_name)(**kwargs)
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config).to(torch.float32).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight",
+                              "router.layer.weight")):
+                param.mul_(ROUTER_SCALE)
     out_dir = Path(out_dir)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)

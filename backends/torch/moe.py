@@ -1,0 +1,81 @@
+"""A mixture of experts' MLP on the torch backend (Qwen3-MoE, Mixtral, OLMoE, Granite-MoE).
+
+The router scores every expert; each token goes to its top k, weighted by the softmax (over all
+experts, renormalised over the k where the architecture says: `moe_routing`). The experts then
+run as two grouped matrix products over the step's T * k (token, expert) pairs sorted by
+expert (`torch.nn.functional.grouped_mm`: each expert's weights read once per step, an expert
+no token chose skipped, no shape that depends on the routing), and each pair's output, times
+its weight, is added back into its token's row.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedjax.backends.torch.parallel import Shard
+from pagedjax.config import ModelConfig
+from pagedjax.kernels_cuda import silu_and_mul
+
+
+def moe_routing(logits: torch.Tensor, k: int, renormalize: bool
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] → (weights [T, k] float32, experts [T, k] int64): the softmax over
+    all experts (float32), its top k, divided by their sum where renormalize."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, experts = torch.topk(probs, k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, experts
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (rows sorted by group) @ w [G, K, N] per group → [M, N]; offsets [G] int32: the
+    end row of each group. torch's grouped GEMM where its 16-byte alignment holds, else a loop
+    over the groups (which reads the offsets on the host)."""
+    aligned = all(n * x.element_size() % 16 == 0 for n in (w.shape[1], w.shape[2]))
+    if aligned and x.dtype in (torch.float32, torch.bfloat16):
+        return F.grouped_mm(x, w, offs=offsets)
+    out = x.new_empty(x.shape[0], w.shape[2])
+    start = 0
+    for g, end in enumerate(offsets.tolist()):
+        out[start:end] = x[start:end] @ w[g]
+        start = end
+    return out
+
+
+class FusedMoE(nn.Module):
+    """router [H, E] (a Linear), experts' gate_up_proj [E, 2I, H] and down_proj [E, H, I]
+    (the checkpoint's layout, read transposed)."""
+
+    def __init__(self, config: ModelConfig, shard: Shard) -> None:
+        from pagedjax.backends.torch.model import Linear
+
+        super().__init__()
+        e, inter, h = config.num_experts, config.moe_intermediate_size, config.hidden_size
+        self.shard, self.top_k, self.renormalize = shard, config.num_experts_per_tok, (
+            config.renormalize_topk)
+        self.hidden_act = config.hidden_act
+        self.router = Linear(h, e)
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * inter, h))
+        self.down_proj = nn.Parameter(torch.empty(e, h, inter))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] → [T, H]."""
+        weights, experts = moe_routing(self.router(x), self.top_k, self.renormalize)  # [T, k]
+        flat = experts.flatten()  # [T * k]: pair p is token p // k's choice p % k
+        order = torch.argsort(flat, stable=True)  # pairs sorted by expert
+        tokens = order // self.top_k
+        offsets = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).cumsum(0).to(
+            torch.int32)  # [E] each expert's end row
+        gate_up = grouped_mm(x.index_select(0, tokens), self.gate_up_proj.transpose(1, 2),
+                             offsets)  # [T * k, 2I]
+        if self.hidden_act == "silu":
+            h = silu_and_mul(gate_up)
+        else:  # gelu_tanh
+            gate, up = gate_up.chunk(2, dim=-1)
+            h = F.gelu(gate, approximate="tanh") * up
+        y = grouped_mm(h, self.down_proj.transpose(1, 2), offsets)  # [T * k, H]
+        y = y * weights.flatten().index_select(0, order)[:, None].to(y.dtype)
+        return self.shard.all_reduce(torch.zeros_like(x).index_add_(0, tokens, y))

@@ -63,6 +63,10 @@ TINY_MODELS = {
     "phi3": ("phi3", {"sliding_window": 24}),
     "gemma2": ("gemma2", {}),
     "gemma3": ("gemma3", {}),
+    "qwen3_moe": ("qwen3_moe", {"tie_word_embeddings": True}),
+    "mixtral": ("mixtral", {}),
+    "olmoe": ("olmoe", {}),
+    "granitemoe": ("granitemoe", {}),
     # A much smaller random model with the same tokenizer: a low-acceptance draft for "llama".
     "draft": ("llama", {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1}),
 }

@@ -104,7 +104,7 @@ def make_tiny_checkpoint(out_dir: str | Path, architecture: str = "llama", *, se
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight",
-                              "router.layer.weight")):
+                              "block_sparse_moe.router.weight", "router.layer.weight")):
                 param.mul_(ROUTER_SCALE)
     out_dir = Path(out_dir)
     model.save_pretrained(out_dir)

@@ -13,7 +13,7 @@ from tests.support.hf_reference import hf_greedy
 from tests.support.prompts import make_prompts
 
 ARCHITECTURES = ["llama", "mistral", "qwen2", "qwen3", "olmo2", "granite", "phi3", "gemma2",
-                 "gemma3"]
+                 "gemma3", "qwen3_moe", "mixtral", "olmoe", "granitemoe"]
 MAX_TOKENS = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 # "whole": one step prefills everything, so the first pass computes every block and a second

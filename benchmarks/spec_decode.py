@@ -7,8 +7,9 @@ prose), `chat` (questions in chat turns), `edit` (a stdlib function, then the re
 again: the answer copies its prompt, where n-gram lookups pay), `repeat` (four tasks sent again
 and again with a new last line, as an agent does: suffix decoding's case). For each backend, set
 and batch size B: no speculation (k = 0), each fixed k (`"adaptive": False`), the adaptive
-policy (k chosen per step up to --adaptive-k), n-gram prompt lookup (k = --ngram-k) and suffix
-decoding (at most --suffix-k drafts; both without a draft model),
+policy (k chosen per step up to --adaptive-k), n-gram prompt lookup (k ≤ --ngram-k) and suffix
+decoding (at most --suffix-k drafts; both without a draft model, the policy adaptive as it is
+by default),
 with one LLM configuration for every B; the configurations take turns pass by pass, so that a
 drifting host slows them alike. "oracle" is the best fixed k of each case, found afterwards.
 As a user meets them: timed from LLM(...) with no warm-up, every pass counted (the mean; the
@@ -158,14 +159,15 @@ def configurations(args) -> list[tuple[str, int, dict | None]]:
                  for k in args.ks),
                (f"adaptive≤{args.adaptive_k}", args.adaptive_k,
                 {**draft, "num_speculative_tokens": args.adaptive_k, "adaptive": True})]
+    # the draft-free methods as users get them: the adaptive policy on (their default)
     if args.ngram_k:
-        configs.append((f"ngram k={args.ngram_k}", args.ngram_k, {
-            "method": "ngram", "num_speculative_tokens": args.ngram_k, "adaptive": False,
+        configs.append((f"ngram k≤{args.ngram_k}", args.ngram_k, {
+            "method": "ngram", "num_speculative_tokens": args.ngram_k,
             "prompt_lookup_min": args.prompt_lookup_min,
             "prompt_lookup_max": args.prompt_lookup_max}))
     if args.suffix_k:
         configs.append((f"suffix k≤{args.suffix_k}", args.suffix_k, {
-            "method": "suffix", "num_speculative_tokens": args.suffix_k, "adaptive": False}))
+            "method": "suffix", "num_speculative_tokens": args.suffix_k}))
     return [c for c in configs if not args.modes or any(c[0].startswith(m) for m in args.modes)]
 
 

@@ -41,7 +41,7 @@ _CSRC = Path(__file__).parent / "csrc"
 # under cuda/.
 _CPU_SOURCES = ("ops.cpp", *(f"cpu/torch/{name}.cpp" for name in (
     "attention_cpu", "linear_cpu", "rotary_cpu", "norm_act_cpu", "decoder_layer_cpu",
-    "filter_cpu", "logits_cpu", "token_mask_cpu", "quant_linear_cpu")))
+    "filter_cpu", "logits_cpu", "token_mask_cpu", "quant_linear_cpu", "moe_cpu")))
 _CUDA_SOURCES = ("cuda/attention_cuda.cu", "cuda/write_kv_cuda.cu", "cuda/norm_act_cuda.cu")
 DEFAULT_CUDA_ARCHS = "8.0;9.0+PTX"  # A100 and H100 SASS; PTX that newer GPUs JIT-compile
 _MIN_CAPABILITY = (8, 0)  # cp.async and bf16 paths
@@ -243,6 +243,37 @@ def linear(
     if ops_backend() == "reference":
         return reference.linear(x, packed_weight, bias, out_features)
     return torch.ops.pagedjax.linear(x, packed_weight, bias, out_features)
+
+
+def pack_moe_weights(gate_up_proj: torch.Tensor, down_proj: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A mixture of experts' gate_up_proj [E, 2I, H] and down_proj [E, H, I] (the checkpoint's
+    [out, in] per expert) → (w13 [E, ceil(2I / 16), H, 16], w2 [E, ceil(H / 16), I, 16]): each
+    expert's x @ gate_up and x @ down weights packed as pack_linear_weight packs one."""
+    def pack(w: torch.Tensor) -> torch.Tensor:  # [E, out, in] → [E, ceil(out / 16), in, 16]
+        experts, out_features, in_features = w.shape
+        padded = torch.nn.functional.pad(w, (0, 0, 0, -out_features % LINEAR_TILE))
+        return padded.view(experts, -1, LINEAR_TILE, in_features).transpose(2, 3).contiguous()
+
+    return pack(gate_up_proj), pack(down_proj)
+
+
+def moe_experts(
+    x: torch.Tensor,  # [T, H] float32
+    topk_ids: torch.Tensor,  # [T, k] int32 or int64: each token's experts
+    topk_weights: torch.Tensor,  # [T, k] float32: their weights
+    w13_packed: torch.Tensor,  # [E, ceil(2I / 16), H, 16] from pack_moe_weights
+    w2_packed: torch.Tensor,  # [E, ceil(H / 16), I, 16]
+    intermediate_size: int,  # I
+) -> torch.Tensor:  # [T, H]
+    """A mixture of experts' expert block on the CPU, float32: each token's sum, in expert order,
+    of weight * (silu(x @ gate) * (x @ up)) @ down over its k experts (the C++ op; the reference
+    when the extension is not built)."""
+    if ops_backend() == "reference":
+        return reference.moe_experts(x, topk_ids, topk_weights, w13_packed, w2_packed,
+                                     intermediate_size)
+    return torch.ops.pagedjax.moe_experts(x, topk_ids, topk_weights, w13_packed, w2_packed,
+                                          intermediate_size)
 
 
 def quant_linear(

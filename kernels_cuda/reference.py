@@ -103,6 +103,26 @@ def linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | No
     return out if bias is None else out + bias
 
 
+def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                w13_packed: torch.Tensor, w2_packed: torch.Tensor,
+                intermediate_size: int) -> torch.Tensor:
+    """x [T, H] through each token's k experts (topk_ids, topk_weights [T, k]) → [T, H]: from
+    zeros, expert by expert in order (HF's loop), weight * (silu(x @ gate) * (x @ up)) @ down
+    added into its tokens' rows; w13 [E, ceil(2I / 16), H, 16], w2 [E, ceil(H / 16), I, 16]
+    packed per expert as pack_linear_weight packs a weight."""
+    hidden, inter = x.shape[1], intermediate_size
+    y = torch.zeros_like(x)
+    for e in range(w13_packed.shape[0]):
+        tokens, choice = torch.nonzero(topk_ids == e, as_tuple=True)
+        if tokens.numel() == 0:
+            continue
+        gate_up = linear(x[tokens], w13_packed[e], None, 2 * inter)  # [n, 2I]
+        act = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        out = linear(act, w2_packed[e], None, hidden)  # [n, H]
+        y.index_add_(0, tokens, out * topk_weights[tokens, choice][:, None])
+    return y
+
+
 _BLOCK_BYTES = {8: 34, 2: 18, 3: 20}  # GGML's Q8_0, Q4_0, Q4_1: 32 weights a block
 
 

@@ -4,7 +4,7 @@ framework-free kernels the torch backend runs on CPU (`kernels_cuda/csrc/cpu/ker
 handlers are `kernels_cuda/csrc/cpu/xla_ffi/cpu_ffi.cpp`; a top-k for the logprobs (XLA's CPU
 TopK sorts every row); and a whole Llama decoder layer in one call (`decoder_layer`: the layer
 `cpu/kernels/decoder_layer_kernel.h` composes, which the torch op `pagedjax::decoder_layer` runs
-too).
+too); and a mixture of experts' expert block (`moe_experts`, `cpu/kernels/moe_experts_kernel.h`).
 
 The library is compiled on first use with the system's C++ compiler (`$CXX`, else `c++`) and
 cached per source, compiler and jaxlib version in pagedjax's cache folder (pagedjax/cache.py:
@@ -42,11 +42,13 @@ TOP_K_TARGET = "pagedjax_top_k_f32"
 FILTER_TARGET = "pagedjax_filter_logits_f32"
 DECODER_LAYER_TARGET = "pagedjax_decoder_layer_f32"
 LOGITS_STATS_TARGET = "pagedjax_logits_stats_f32"
+MOE_EXPERTS_TARGET = "pagedjax_moe_experts_f32"
 _SYMBOLS = {TARGET: "PagedjaxRaggedPagedAttentionF32", LINEAR_TARGET: "PagedjaxLinearF32",
             QUANT_LINEAR_TARGET: "PagedjaxQuantLinearF32",
             TOP_K_TARGET: "PagedjaxTopKF32", FILTER_TARGET: "PagedjaxFilterLogitsF32",
             DECODER_LAYER_TARGET: "PagedjaxDecoderLayerF32",
-            LOGITS_STATS_TARGET: "PagedjaxLogitsStatsF32"}
+            LOGITS_STATS_TARGET: "PagedjaxLogitsStatsF32",
+            MOE_EXPERTS_TARGET: "PagedjaxMoeExpertsF32"}
 _HANDLERS = "cpu/xla_ffi/cpu_ffi.cpp"  # under csrc/: the one source compiled
 _HEADERS = ("attention_shape.h", "cpu/kernels/*.h")  # under csrc/: what it includes
 LINEAR_TILE = 16  # columns per packed tile (linear_cpu_kernel.h)
@@ -170,6 +172,33 @@ def linear(x: jax.Array, packed: jax.Array, out_features: int,
     if padded != out_features:
         y = y[:, :out_features]
     return y.reshape(*x.shape[:-1], out_features)
+
+
+def pack_moe_weights(gate_up: jax.Array, down: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """A mixture of experts' gate_up [E, H, 2I] and down [E, I, H] (per expert [in, out]) →
+    (w13 [E, ceil(2I / 16), H, 16], w2 [E, ceil(H / 16), I, 16]): each expert's weight packed
+    as pack_linear_weight packs one (the torch op's layout)."""
+    return jax.vmap(pack_linear_weight)(gate_up), jax.vmap(pack_linear_weight)(down)
+
+
+def moe_experts(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w13: jax.Array,
+                w2: jax.Array, intermediate_size: int,
+                num_rows: jax.Array | None = None) -> jax.Array:
+    """A mixture of experts' expert block: x [T, H] float32 → y [T, H], each token's sum, in
+    expert order, of weight * (silu(x @ gate) * (x @ up)) @ down over its k experts
+    (topk_ids [T, k] int32, topk_weights [T, k] float32; w13, w2 from pack_moe_weights), by the
+    C++ kernel the torch op pagedjax::moe_experts runs (the same bits). num_rows (int32 scalar):
+    only the first num_rows tokens are computed, the rest are zeros (a step's padding rows, whose
+    routes would wake experts no real token chose); None: all. Call `available()` first."""
+    if x.dtype != jnp.float32 or w13.dtype != jnp.float32 or w2.dtype != jnp.float32:
+        raise ValueError(f"the C++ CPU moe_experts takes float32; got x {x.dtype}, weights "
+                         f"{w13.dtype}, {w2.dtype}")
+    call = jax.ffi.ffi_call(MOE_EXPERTS_TARGET, jax.ShapeDtypeStruct(x.shape, jnp.float32),
+                            vmap_method="sequential")
+    n = x.shape[0] if num_rows is None else num_rows
+    return call(x, topk_ids.astype(jnp.int32), topk_weights.astype(jnp.float32), w13, w2,
+                jnp.asarray(n, jnp.int32).reshape(1),
+                intermediate_size=np.int64(intermediate_size))
 
 
 def quant_linear(x: jax.Array, blocks: jax.Array, in_features: int,

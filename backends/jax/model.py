@@ -9,6 +9,7 @@ jitted step can donate them.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import flax.linen as nn
@@ -140,11 +141,17 @@ def pack_params(params: dict, tie_word_embeddings: bool,
                 quantizer: WeightQuantizer | None = None) -> dict:
     """{"params": ...} for the packed model: every linear kernel [in, out] packed for
     PackedLinear, q/k/v and gate/up fused into one product each (qkv_proj, gate_up_proj; a
-    mixture of experts' layer keeps its MLP as it is: FusedMoE), and a
+    mixture of experts' experts packed for cpu_ffi.moe_experts as gate_up_packed and
+    down_packed, its router for PackedLinear: `experts`), and a
     tied LM head given its own packed copy of the embedding (as "lm_head"). quantizer: each
     fused projection and the head kept as the blocks it gives ("blocks" in place of "kernel";
     backends/common/weight_quantizer.py), packed where it gives none."""
     from pagedjax.backends.jax import cpu_ffi
+
+    def experts(block: dict) -> dict:  # a FusedMoE's params, packed
+        w13, w2 = cpu_ffi.pack_moe_weights(block["gate_up_proj"], block["down_proj"])
+        router = {"kernel": cpu_ffi.pack_linear_weight(block["router"]["kernel"])}
+        return {"router": router, "gate_up_packed": w13, "down_packed": w2}
 
     def packed(layer: dict, label: str) -> dict:
         kept = quantizer(label, np.asarray(layer["kernel"]).T) if quantizer else None
@@ -170,6 +177,8 @@ def pack_params(params: dict, tie_word_embeddings: bool,
             i = int(name.removeprefix("layers_"))
             tree[name] = {**layer, **{block: fuse(layer[block], i, *_FUSED[block])
                                       for block in _FUSED if _FUSED[block][1][0] in layer[block]}}
+            if "router" in layer["mlp"]:
+                tree[name]["mlp"] = experts(layer["mlp"])
     if "lm_head" in tree:
         tree["lm_head"] = packed(tree["lm_head"], LM_HEAD)
     elif tie_word_embeddings:
@@ -273,8 +282,12 @@ class DecoderLayer(nn.Module):
         cfg = self.config
         attention = Attention(cfg, self.dtype, self.attention_fn, self.write_kv_fn, self.packed,
                               self.layer, self.kv_scales, name="self_attn")
-        mlp = (FusedMoE(cfg, self.dtype, name="mlp") if cfg.is_moe_layer(self.layer)
-               else MLP(cfg, self.dtype, self.packed, name="mlp"))
+        if cfg.is_moe_layer(self.layer):  # packed: the padding rows wake no expert
+            moe = FusedMoE(cfg, self.dtype, self.packed, name="mlp")
+            mlp = functools.partial(moe, num_rows=meta.query_start_loc[-1] if self.packed
+                                    else None)
+        else:
+            mlp = MLP(cfg, self.dtype, self.packed, name="mlp")
 
         def norm(name: str) -> RMSNorm:
             return RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_weight_offset, name=name)

@@ -5,7 +5,10 @@ The router scores every expert; each token goes to its top k, weighted by the so
 experts, renormalised over the k where the architecture says: `moe_routing`). The experts run
 as two `jax.lax.ragged_dot`s over the step's T * k (token, expert) pairs sorted by expert
 (static shapes: the group sizes are data), and each pair's output, times its weight, is added
-back into its token's row.
+back into its token's row. Packed (CPU, float32, one device: `pack_params`), the experts run
+as one C++ call instead, `cpu_ffi.moe_experts`: each chosen expert's products on the packed
+linear's blocks, where ragged_dot computed every expert densely on the CPU (benchmarks/moe.py's
+decode step from 24x its dense twin's time to 0.9-1.1x).
 """
 
 from __future__ import annotations
@@ -29,26 +32,34 @@ def moe_routing(logits: jax.Array, k: int, renormalize: bool) -> tuple[jax.Array
 
 class FusedMoE(nn.Module):
     """params: router {"kernel" [H, E]}, gate_up_proj [E, H, 2I] (each expert's gate columns,
-    then its up columns), down_proj [E, I, H]."""
+    then its up columns), down_proj [E, I, H]; packed (pack_params), the router's kernel
+    [ceil(E / 16), H, 16] (PackedLinear's), gate_up_packed [E, ceil(2I / 16), H, 16] and
+    down_packed [E, ceil(H / 16), I, 16] (cpu_ffi.pack_moe_weights)."""
 
     config: ModelConfig
     dtype: jnp.dtype
+    packed: bool = False
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """x [T, H] → [T, H]."""
-        from pagedjax.backends.jax.model import Dense, matmul_precision
+    def __call__(self, x: jax.Array, num_rows: jax.Array | None = None) -> jax.Array:
+        """x [T, H] → [T, H]. num_rows (int32 scalar, packed only): the rows after it are
+        padding, left at zero instead of waking the experts their routes name."""
+        from pagedjax.backends.jax.model import dense, matmul_precision
 
         cfg = self.config
         e, inter, k = cfg.num_experts, cfg.moe_intermediate_size, cfg.num_experts_per_tok
+        x = x.astype(self.dtype)
+        # packed: the router too (PackedLinear; XLA's dot of a decode step's [1, H] x [H, E]
+        # took ~60 us longer than the C++ linear's)
+        logits = dense(e, "router", self.dtype, packed=self.packed)(x)  # [T, E]
+        weights, experts = moe_routing(logits, k, cfg.renormalize_topk)  # [T, k]
+        if self.packed:
+            return self._packed_experts(x, weights, experts, num_rows)
         precision = matmul_precision(self.dtype)
         gate_up_proj = self.param("gate_up_proj", nn.initializers.zeros,
                                   (e, cfg.hidden_size, 2 * inter), self.dtype)
         down_proj = self.param("down_proj", nn.initializers.zeros,
                                (e, inter, cfg.hidden_size), self.dtype)
-        x = x.astype(self.dtype)
-        weights, experts = moe_routing(Dense(e, self.dtype, name="router")(x), k,
-                                       cfg.renormalize_topk)  # [T, k]
         flat = experts.reshape(-1)  # [T * k]: pair p is token p // k's choice p % k
         order = jnp.argsort(flat, stable=True)  # pairs sorted by expert
         tokens = order // k
@@ -60,3 +71,20 @@ class FusedMoE(nn.Module):
         y = jax.lax.ragged_dot(act * up, down_proj, group_sizes, precision=precision)  # [T*k, H]
         y = y * weights.reshape(-1)[order][:, None].astype(y.dtype)
         return jnp.zeros_like(x).at[tokens].add(y)
+
+    def _packed_experts(self, x: jax.Array, weights: jax.Array, experts: jax.Array,
+                        num_rows: jax.Array | None) -> jax.Array:
+        """The experts as one cpu_ffi.moe_experts call over the packed params: x [T, H],
+        weights and experts [T, k] → [T, H]."""
+        from pagedjax.backends.jax import cpu_ffi
+
+        cfg = self.config
+        e, inter, hidden = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        # the C++ block has SiLU only: every mixture-of-experts architecture's activation
+        assert cfg.hidden_act == "silu", cfg.hidden_act
+        tile = cpu_ffi.LINEAR_TILE
+        w13 = self.param("gate_up_packed", nn.initializers.zeros,
+                         (e, -(-2 * inter // tile), hidden, tile), self.dtype)
+        w2 = self.param("down_packed", nn.initializers.zeros,
+                        (e, -(-hidden // tile), inter, tile), self.dtype)
+        return cpu_ffi.moe_experts(x, experts, weights, w13, w2, inter, num_rows)

@@ -423,10 +423,11 @@ class LlamaForCausalLM(nn.Module):
 
     def pack_linears(self) -> None:
         """CPU float32: every projection (and the LM head, tied or not) on the packed
-        `pagedjax::linear` op. A tied head gets its own packed copy of the embedding. On one
-        device each decoder layer then runs as one C++ op."""
+        `pagedjax::linear` op, and each mixture of experts' experts on `pagedjax::moe_experts`
+        (FusedMoE.pack). A tied head gets its own packed copy of the embedding. On one device
+        each decoder layer then runs as one C++ op."""
         for module in self.modules():
-            if isinstance(module, Linear):
+            if isinstance(module, (Linear, FusedMoE)):
                 module.pack()
         if self.lm_head is None:
             self.lm_head = Linear.packed_from(self.embed_tokens.weight.T)

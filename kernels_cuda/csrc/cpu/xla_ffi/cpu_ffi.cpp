@@ -1,8 +1,9 @@
 // The XLA FFI handlers of the C++ CPU kernels (../kernels/, no torch headers), in float32 (KV
 // caches float32 or float8_e4m3fn: an FP8 KV cache, with per-layer k_scale / v_scale): the
 // JAX backend's attention (attention_cpu_kernel.h), packed linear (linear_cpu_kernel.h),
-// quantized linear (quant_linear_kernel.h: weights in GGML blocks), top-k,
-// samplers' passes and whole decoder layer (decoder_layer_kernel.h) on CPU. Built and registered
+// quantized linear (quant_linear_kernel.h: weights in GGML blocks), mixture-of-experts block
+// (moe_experts_kernel.h), top-k, samplers' passes and whole decoder layer
+// (decoder_layer_kernel.h) on CPU. Built and registered
 // by backends/jax/cpu_ffi.py. Parallel on XLA's own intra-op thread pool: an OpenMP team of its
 // own, started from an XLA thread, made libgomp count more threads than cores and stop spinning,
 // which slowed every torch op in the process (RESULTS.md).
@@ -25,6 +26,7 @@
 #include "../kernels/filter_cpu_kernel.h"
 #include "../kernels/linear_cpu_kernel.h"
 #include "../kernels/logits_cpu_kernel.h"
+#include "../kernels/moe_experts_kernel.h"
 #include "../kernels/quant_linear_kernel.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -165,6 +167,37 @@ ffi::Error linear_f32(ffi::ThreadPool pool,
   cpu_linear::linear(PoolParallel{pool}, x.typed_data(), K, M, packed.typed_data(), K, num_tiles,
                      nullptr, y->typed_data(), ldy);
   std::fill(y->typed_data() + M * ldy, y->typed_data() + xd[0] * ldy, 0.f);
+  return ffi::Error::Success();
+}
+
+// A mixture of experts' expert block (moe_experts_kernel.h, the torch op pagedjax::moe_experts's
+// kernel) → y [T, H]; rows [num_rows, T) of y are zeros, not computed (a step's padding rows,
+// whose routes would otherwise wake experts no real token chose).
+ffi::Error moe_experts_f32(ffi::ThreadPool pool,
+                           ffi::Buffer<ffi::F32> x,             // [T, H]
+                           ffi::Buffer<ffi::S32> topk_ids,      // [T, k]
+                           ffi::Buffer<ffi::F32> topk_weights,  // [T, k]
+                           ffi::Buffer<ffi::F32> w13,           // [E, ceil(2I / 16), H, 16]
+                           ffi::Buffer<ffi::F32> w2,            // [E, ceil(H / 16), I, 16]
+                           ffi::Buffer<ffi::S32> num_rows,      // [1]: clamped to [0, T]
+                           ffi::ResultBuffer<ffi::F32> y,       // [T, H]
+                           int64_t intermediate_size) {
+  const char* op = "moe_experts (FFI)";
+  auto dims = [](auto buffer) {
+    const auto d = buffer.dimensions();
+    return std::vector<int64_t>(d.begin(), d.end());
+  };
+  std::string error = cpu_moe::shape_error(op, dims(x), dims(topk_ids), dims(topk_weights),
+                                           dims(w13), dims(w2), intermediate_size);
+  if (error.empty() && dims(*y) != dims(x)) error = std::string(op) + ": y must be x's shape";
+  if (!error.empty()) return ffi::Error::InvalidArgument(error);
+  const auto xd = x.dimensions();
+  const cpu_moe::MoeExperts<int32_t> experts{
+      xd[1], intermediate_size, w13.dimensions()[0], topk_ids.dimensions()[1], x.typed_data(),
+      topk_ids.typed_data(), topk_weights.typed_data(), w13.typed_data(), w2.typed_data()};
+  const int64_t rows = std::clamp<int64_t>(num_rows.typed_data()[0], 0, xd[0]);
+  if (error = experts.error(op, rows); !error.empty()) return ffi::Error::InvalidArgument(error);
+  experts.run(PoolParallel{pool}, rows, xd[0], y->typed_data());
   return ffi::Error::Success();
 }
 
@@ -480,6 +513,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxDecoderLayerF32, pagedjax::decoder_layer_f
                                   .Attr<ffi::Span<const int64_t>>("qtypes")
                                   .Attr<float>("k_scale")
                                   .Attr<float>("v_scale"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxMoeExpertsF32, pagedjax::moe_experts_f32,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // topk_ids
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // topk_weights
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // w13
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // w2
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // num_rows
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // y
+                                  .Attr<int64_t>("intermediate_size"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxQuantLinearF32, pagedjax::quant_linear_f32,
                               ffi::Ffi::Bind()

@@ -17,6 +17,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from pagedjax.backends.jax.linear import dense, matmul_precision
 from pagedjax.config import ModelConfig
 
 
@@ -44,8 +45,6 @@ class FusedMoE(nn.Module):
     def __call__(self, x: jax.Array, num_rows: jax.Array | None = None) -> jax.Array:
         """x [T, H] → [T, H]. num_rows (int32 scalar, packed only): the rows after it are
         padding, left at zero instead of waking the experts their routes name."""
-        from pagedjax.backends.jax.model import dense, matmul_precision
-
         cfg = self.config
         e, inter, k = cfg.num_experts, cfg.moe_intermediate_size, cfg.num_experts_per_tok
         x = x.astype(self.dtype)

@@ -53,16 +53,15 @@ class FusedMoE(nn.Module):
     (the checkpoint's layout, read transposed); once packed, gate_up_proj [E, ceil(2I / 16), H,
     16] and down_proj [E, ceil(H / 16), I, 16] (pack_moe_weights)."""
 
-    def __init__(self, config: ModelConfig, shard: Shard) -> None:
-        from pagedjax.backends.torch.model import Linear
-
+    def __init__(self, config: ModelConfig, shard: Shard, router: nn.Module) -> None:
+        """router: x [T, H] → logits [T, E] (the model's Linear, packed with its others)."""
         super().__init__()
         e, inter, h = config.num_experts, config.moe_intermediate_size, config.hidden_size
         self.shard, self.top_k, self.renormalize = shard, config.num_experts_per_tok, (
             config.renormalize_topk)
         self.hidden_act = config.hidden_act
         self.intermediate_size = inter
-        self.router = Linear(h, e)
+        self.router = router
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * inter, h))
         self.down_proj = nn.Parameter(torch.empty(e, h, inter))
         self.packed = False  # the experts run as pagedjax::moe_experts (`pack`)

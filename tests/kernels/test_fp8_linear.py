@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from pagedjax.backends.common import quantization as quant
-from pagedjax.backends.jax.model import fp8_dot
-from pagedjax.backends.torch.model import fp8_linear
+from pagedjax.backends.jax.linear import fp8_dot
+from pagedjax.backends.torch.linear import fp8_linear
 
 
 def numpy_model(x: np.ndarray, q_w: np.ndarray, w_scale: np.ndarray) -> np.ndarray:

@@ -210,13 +210,14 @@ def test_the_models_packed_expert_blocks_equal_their_unpacked_ones(backend: str)
     gate_up = block.experts.gate_up_proj.detach()  # [E, 2I, H]
     down = block.experts.down_proj.detach()  # [E, H, I]
     if backend == "torch":
+        from pagedjax.backends.torch.linear import Linear
         from pagedjax.backends.torch.moe import FusedMoE
         from pagedjax.backends.torch.parallel import Shard
 
         outs = []
         for packed in (False, True):
             with torch.device("meta"):
-                ours = FusedMoE(config, Shard())
+                ours = FusedMoE(config, Shard(), Linear(config.hidden_size, config.num_experts))
             ours.load_state_dict({"router.weight": router, "gate_up_proj": gate_up,
                                   "down_proj": down}, assign=True)
             if packed:

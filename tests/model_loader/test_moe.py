@@ -71,11 +71,12 @@ def test_the_expert_block_equals_hfs(backend: str, renormalize: bool) -> None:
     down = block.experts.down_proj.detach().numpy()  # [E, H, I]
     config = moe_config(hf_config, renormalize)
     if backend == "torch":
+        from pagedjax.backends.torch.linear import Linear
         from pagedjax.backends.torch.moe import FusedMoE
         from pagedjax.backends.torch.parallel import Shard
 
         with torch.device("meta"):
-            ours = FusedMoE(config, Shard())
+            ours = FusedMoE(config, Shard(), Linear(config.hidden_size, config.num_experts))
         ours.load_state_dict({"router.weight": torch.from_numpy(router.T.copy()),
                               "gate_up_proj": torch.from_numpy(gate_up),
                               "down_proj": torch.from_numpy(down)}, assign=True)

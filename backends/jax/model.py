@@ -95,10 +95,9 @@ def pack_params(params: dict, tie_word_embeddings: bool,
     for name, layer in tree.items():
         if name.startswith("layers_"):
             i = int(name.removeprefix("layers_"))
-            tree[name] = {**layer, **{block: fuse(layer[block], i, *_FUSED[block])
-                                      for block in _FUSED if _FUSED[block][1][0] in layer[block]}}
-            if "router" in layer["mlp"]:
-                tree[name]["mlp"] = experts(layer["mlp"])
+            tree[name] = {**layer, **{
+                block: experts(layer[block]) if "router" in layer[block]  # a FusedMoE's
+                else fuse(layer[block], i, *_FUSED[block]) for block in _FUSED}}
     if "lm_head" in tree:
         tree["lm_head"] = packed(tree["lm_head"], LM_HEAD)
     elif tie_word_embeddings:

@@ -82,5 +82,5 @@ class SuffixDrafter:
 
 def make_host_drafter(config: SpeculativeConfig) -> HostDrafter | None:
     """The drafter of a host method; None for a draft model."""
-    return {"ngram": NgramDrafter, "suffix": SuffixDrafter}.get(config.method, lambda c: None)(
-        config)
+    drafter = {"ngram": NgramDrafter, "suffix": SuffixDrafter}.get(config.method)
+    return None if drafter is None else drafter(config)

@@ -46,13 +46,11 @@ class NgramProposer:
         # An occurrence ending at p leaves at least one token to propose: p < length - 1.
         alive = pos[None, :] < (lengths - 1)[:, None]  # [R, P]
         run = np.zeros((rows, width - 1), np.int64)
-        for j in range(self.max_n):
-            if j >= width - 1:
-                break
+        for j in range(min(self.max_n, width - 1)):
             last = tokens[row_index, np.maximum(lengths - 1 - j, 0)]  # [R]: token j from the end
             earlier = np.zeros((rows, width - 1), bool)
             earlier[:, j:] = tokens[:, : width - 1 - j] == last[:, None]  # tokens[p - j]
-            alive &= earlier & (j < lengths - 1)[:, None]
+            alive &= earlier
             if not alive.any():
                 break
             run += alive

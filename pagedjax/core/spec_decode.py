@@ -116,7 +116,7 @@ class SpeculativeConfig:
         low = high if low is None else low
         high = low if high is None else high
         for name, value in (("prompt_lookup_min", low), ("prompt_lookup_max", high)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not _is_int(value) or value < 1:
                 raise ValueError(f"speculative_config {name}={value!r} must be an integer "
                                  ">= 1.")
         if low > high:
@@ -177,7 +177,7 @@ class SpeculativeConfig:
 
 def _num_speculative_tokens(config: dict) -> int:
     k = config.get("num_speculative_tokens", 4)
-    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+    if not _is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
         raise ValueError(f"num_speculative_tokens={k!r} must be an integer in "
                          f"[1, {MAX_SPECULATIVE_TOKENS}].")
     return k

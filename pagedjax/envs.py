@@ -10,6 +10,8 @@
 - PAGEDJAX_FREEZE_GC_HEAP=0: an engine leaves the garbage collector's heap alone at startup.
 - PAGEDJAX_ENGINE_CORE_PROCESS=0/1: the engine core in a process of its own or not, where the
   caller does not say (AsyncLLM: in its own by default; LLM: in this one).
+- PAGEDJAX_TEST_FAIL_STEP_AFTER=N (tests only): an engine core in its own process raises after
+  N good steps, as a bug in a step would (the server's failure path); 0 or unset: never.
 """
 
 from __future__ import annotations
@@ -38,12 +40,24 @@ def _optional_flag(name: str) -> bool | None:
     return _flag(name, False) if os.environ.get(name, "").strip() else None
 
 
+def _int(name: str, default: int) -> int:
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not an integer; set it to one, or unset it."
+                         ) from None
+
+
 environment_variables: dict[str, Callable[[], Any]] = {
     "PAGEDJAX_CACHE_DIR": _cache_dir,
     "PAGEDJAX_DISABLE_COMPILE_CACHE": lambda: _flag("PAGEDJAX_DISABLE_COMPILE_CACHE", False),
     "PAGEDJAX_COMPILE_AT_STARTUP": lambda: _flag("PAGEDJAX_COMPILE_AT_STARTUP", True),
     "PAGEDJAX_FREEZE_GC_HEAP": lambda: _flag("PAGEDJAX_FREEZE_GC_HEAP", True),
     "PAGEDJAX_ENGINE_CORE_PROCESS": lambda: _optional_flag("PAGEDJAX_ENGINE_CORE_PROCESS"),
+    "PAGEDJAX_TEST_FAIL_STEP_AFTER": lambda: _int("PAGEDJAX_TEST_FAIL_STEP_AFTER", 0),
 }
 
 

@@ -31,6 +31,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from pagedjax import envs
 from pagedjax.config import EngineConfig, ModelConfig
 from pagedjax.core.beam_search import BeamSearchParams
 from pagedjax.engine.core_messages import EngineCoreOutputs, EngineCoreRequest, FinishSequence
@@ -84,6 +85,7 @@ class EngineCoreProc:
                          ABORT: msgspec.msgpack.Decoder(list[str]),
                          FINISH: msgspec.msgpack.Decoder(list[FinishSequence])}
         self.encoder = msgspec.msgpack.Encoder()
+        self.fail_after_steps = envs.PAGEDJAX_TEST_FAIL_STEP_AFTER  # a test's injected failure
         try:
             from pagedjax.engine.core import EngineCore
             from pagedjax.engine.llm_engine import engine_limits
@@ -101,7 +103,7 @@ class EngineCoreProc:
     def run(self) -> None:
         poller = zmq.Poller()
         poller.register(self.input, zmq.POLLIN)
-        last_metrics = time.monotonic()
+        last_metrics, num_steps = time.monotonic(), 0
         try:
             while True:
                 busy, arrived = self.core.has_unfinished_requests(), False
@@ -113,6 +115,10 @@ class EngineCoreProc:
                     return  # the frontend is gone
                 if not self.core.has_unfinished_requests():
                     continue
+                num_steps += 1
+                if num_steps > self.fail_after_steps > 0:
+                    raise RuntimeError(f"PAGEDJAX_TEST_FAIL_STEP_AFTER={self.fail_after_steps}: "
+                                       "this step fails on purpose")
                 outputs = self.core.step()
                 now = time.monotonic()
                 # the metrics go out when requests come, finish, or now and then

@@ -20,7 +20,10 @@ import pagedjax
 from pagedjax.engine.async_llm import AsyncEngineArgs, AsyncLLM
 from pagedjax.engine.stat_loggers import PrometheusStatLogger
 from pagedjax.entrypoints.chat_utils import load_chat_template
+from pagedjax.entrypoints.openai.body_limit import BodyLimitMiddleware
+from pagedjax.entrypoints.openai.connection_limits import guarded_h11
 from pagedjax.entrypoints.openai.errors import error_body, install_error_handlers
+from pagedjax.entrypoints.openai.prompt_limits import default_max_request_body_bytes
 from pagedjax.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -30,6 +33,7 @@ from pagedjax.entrypoints.openai.protocol import (
 from pagedjax.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedjax.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedjax.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from pagedjax.entrypoints.openai.shutdown import DrainingServer, OpenResponses
 
 logger = logging.getLogger("pagedjax")
 
@@ -42,6 +46,8 @@ class ServerConfig:
     api_key: str | None = None
     chat_template: str | None = None  # overrides the tokenizer's
     trust_request_chat_template: bool = False
+    # a 413 past it; None: default_max_request_body_bytes(max_model_len)
+    max_request_body_bytes: int | None = dataclasses.field(default=None, kw_only=True)
 
 
 class APIKeyMiddleware:
@@ -69,6 +75,10 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
     install_error_handlers(app)
     if config.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_body_bytes
+                       or default_max_request_body_bytes(engine.config.max_model_len))
+    app.state.open_responses = OpenResponses()  # what a shutdown ends (shutdown.py)
+    app.add_middleware(app.state.open_responses.middleware)
     _add_info_routes(app, engine, config.served_model_names)
     _add_generation_routes(app, engine, config)
     return app
@@ -120,7 +130,7 @@ def _add_generation_routes(app: FastAPI, engine: AsyncLLM, config: ServerConfig)
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest) -> dict:
-        return tokenization.tokenize(request)
+        return await tokenization.tokenize(request)
 
     @app.post("/detokenize")
     async def detokenize(request: DetokenizeRequest) -> dict:
@@ -159,13 +169,18 @@ def run_server(args: argparse.Namespace) -> None:
     names = args.served_model_name or [engine_args.model]
     config = ServerConfig(names, args.api_key, load_chat_template(args.chat_template),
                           args.trust_request_chat_template)
+    config.max_request_body_bytes = args.max_request_body_bytes
     engine = make_engine(engine_args, names, log_stats=not args.disable_log_stats,
                          log_stats_interval=args.log_stats_interval)
     try:
         app = build_app(engine, config)
         logger.info("Serving %s as %s on http://%s:%d", engine_args.model, names, args.host,
                     args.port)
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                    timeout_keep_alive=5)
+        uvicorn_config = uvicorn.Config(
+            app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+            timeout_keep_alive=5, http=guarded_h11(args.request_read_timeout,
+                                                   args.max_connections))
+        DrainingServer(uvicorn_config, app.state.open_responses, args.shutdown_timeout).run()
     finally:
         engine.shutdown()
+        logger.info("The engine is shut down.")

@@ -4,6 +4,8 @@ EngineArgs.add_cli_args). Kept free of heavy imports: every `pagedjax` command b
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from typing import Any
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -31,4 +33,28 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="seconds between periodic log lines")
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=("critical", "error", "warning", "info", "debug", "trace"))
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="seconds open requests get to finish after SIGTERM/SIGINT; then "
+                             "streams end with an error event and the server exits")
+    parser.add_argument("--max-request-body-bytes", type=_positive(int), default=None,
+                        help="413 for a larger request body (default: 256 bytes per token of "
+                             "--max-model-len, at least 8 MiB)")
+    parser.add_argument("--request-read-timeout", type=_positive(float), default=30.0,
+                        help="seconds a request has to arrive whole (headers and body); then "
+                             "408 and the connection closes")
+    parser.add_argument("--max-connections", type=_positive(int), default=None,
+                        help="503 for requests past this many open connections (default: "
+                             "4096, or fewer under a lower open-files limit)")
     return parser
+
+
+def _positive(kind: type) -> Callable[[str], Any]:
+    """An argparse type: a number of `kind` above 0."""
+
+    def parse(text: str) -> Any:
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"{text} is not above 0; give a positive number")
+        return value
+
+    return parse

@@ -1,7 +1,8 @@
 """Errors in OpenAI's JSON shape: {"error": {"message", "type", "param", "code"}}.
 
 A client's mistake is a 4xx with a message that names the value and the fix; the engine keeps
-serving. A 5xx means a bug or a dead engine, and its body never carries a traceback.
+serving. A 5xx means a bug or a dead engine: its body says so in a few words and never carries
+a traceback or the engine's own error (file paths, native build paths); the log has those.
 """
 
 from __future__ import annotations
@@ -22,7 +23,12 @@ logger = logging.getLogger("pagedjax")
 
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
           404: "invalid_request_error", 405: "invalid_request_error",
+          408: "invalid_request_error", 413: "invalid_request_error",
           503: "server_error", 500: "server_error"}
+# what clients read when the engine is gone: a 503 for a new request (and /health), a 500 for
+# one the engine was serving when it failed
+ENGINE_DEAD = "the engine is not running; see the server log."
+ENGINE_FAILED = "the engine failed while serving this request; see the server log."
 
 
 class OpenAIError(Exception):
@@ -70,7 +76,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(EngineDeadError)
     async def _engine_dead(request: Request, e: EngineDeadError) -> JSONResponse:
-        return OpenAIError(503, f"the engine is not running: {e}").response()
+        return OpenAIError(503, ENGINE_DEAD).response()
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception) -> JSONResponse:

@@ -1,22 +1,31 @@
 """What the completion and chat endpoints share: the model check, prompt lengths against the
-context, starting generations, aborting them when the client goes away, and SSE framing."""
+context, tokenizing off the event loop, starting generations, aborting them when the client goes
+away, and SSE framing."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from fastapi.responses import StreamingResponse
 from starlette.requests import Request
 
 from pagedjax.engine.async_llm import AsyncLLM, EngineDeadError
-from pagedjax.entrypoints.openai.errors import OpenAIError, bad_request, error_body
+from pagedjax.entrypoints.openai.errors import (
+    ENGINE_FAILED,
+    OpenAIError,
+    bad_request,
+    error_body,
+)
+from pagedjax.entrypoints.openai.prompt_limits import max_prompt_chars
 from pagedjax.entrypoints.openai.protocol import SamplingFields
 from pagedjax.entrypoints.openai.sampling import to_sampling_params
 from pagedjax.model_loader.tokenizer import default_sampling_kwargs
@@ -35,6 +44,10 @@ class OpenAIServing:
         self.max_model_len = engine.config.max_model_len
         self.vocab_size = engine.model_config.vocab_size
         self.defaults = default_sampling_kwargs(engine.config.model)
+        # longer text cannot fit the context: refused without tokenizing (None: no bound)
+        self.max_prompt_chars = max_prompt_chars(self.tokenizer, self.max_model_len)
+        # one thread, so that the event loop never waits on a long prompt's tokenization
+        self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="pagedjax-tokenize")
 
     @property
     def model_name(self) -> str:
@@ -51,6 +64,28 @@ class OpenAIServing:
             raise OpenAIError(400, "this model has no tokenizer: send the prompt as token ids.",
                               param="prompt")
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    async def encode_async(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """encode() on the tokenizer's thread, after the character bound."""
+        self.check_prompt_chars(len(text), "prompt")
+        return await self.in_tokenizer_thread(self.encode, text, add_special_tokens)
+
+    async def in_tokenizer_thread(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """fn(*args, **kwargs) on the tokenizer's thread (tokenization, chat templates)."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._tokenizer_thread, functools.partial(fn, *args, **kwargs))
+
+    def check_prompt_chars(self, num_chars: int, what: str) -> None:
+        """A 400 for text too long to fit the context whatever its tokens, before tokenizing
+        it (prompt_limits.py)."""
+        if self.max_prompt_chars is not None and num_chars > self.max_prompt_chars:
+            limit = self.max_model_len
+            raise OpenAIError(
+                400, f"This model's maximum context length is {limit} tokens. However, your "
+                     f"{what} has {num_chars} characters, more than any text of {limit} tokens "
+                     f"has ({self.max_prompt_chars}). Please reduce the length of the {what}.",
+                param="messages" if what == "messages" else "prompt",
+                code="context_length_exceeded")
 
     def max_tokens_for(self, num_prompt_tokens: int, max_tokens: int | None,
                        what: str) -> int:
@@ -102,7 +137,9 @@ class OpenAIServing:
 
     @contextlib.asynccontextmanager
     async def abort_on_disconnect(self, raw_request: Request, request_ids: list[str]):
-        """Abort the requests as soon as the client disconnects (within one engine step)."""
+        """Abort the requests as soon as the client disconnects (within one engine step); an
+        engine that fails meanwhile fails them with a 500 whose message names no internals (the
+        log has the engine's error)."""
 
         async def watch() -> None:
             while (await raw_request.receive())["type"] != "http.disconnect":
@@ -112,20 +149,26 @@ class OpenAIServing:
         watcher = asyncio.create_task(watch())
         try:
             yield
+        except EngineDeadError:
+            raise OpenAIError(500, ENGINE_FAILED) from None
         finally:
             watcher.cancel()
 
 
 def event_stream(events: AsyncIterator[str]) -> StreamingResponse:
     """SSE of `events`; a failure after the headers went out (a dead engine) ends the stream
-    with an error event in OpenAI's shape and [DONE], never a traceback."""
+    with an error event in OpenAI's shape and [DONE], never a traceback nor an internal
+    message."""
 
     async def guarded() -> AsyncIterator[str]:
         try:
             async for event in events:
                 yield event
-        except EngineDeadError as e:
-            yield sse(error_body(503, f"the engine is not running: {e}"))
+        except OpenAIError as e:
+            yield sse(error_body(e.status, e.message, e.param, e.code))
+            yield SSE_DONE
+        except EngineDeadError:
+            yield sse(error_body(500, ENGINE_FAILED))
             yield SSE_DONE
         except Exception as e:
             logger.exception("internal error while streaming")

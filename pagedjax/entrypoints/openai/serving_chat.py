@@ -13,6 +13,7 @@ from pagedjax.engine.async_llm import AsyncLLM
 from pagedjax.entrypoints.chat_utils import apply_chat_template
 from pagedjax.entrypoints.openai.errors import OpenAIError, bad_request
 from pagedjax.entrypoints.openai.logprobs import chat_logprobs, prompt_logprobs_json
+from pagedjax.entrypoints.openai.prompt_limits import message_chars
 from pagedjax.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedjax.entrypoints.openai.serving import (
     SSE_DONE,
@@ -51,15 +52,22 @@ class OpenAIServingChat(OpenAIServing):
         except ValueError as e:
             raise bad_request(e) from None
 
+    async def render_async(self, messages: list[dict[str, Any]], **kwargs: Any
+                           ) -> dict[str, Any]:
+        """render() on the tokenizer's thread, after the character bound (serving.py)."""
+        self.check_prompt_chars(message_chars(messages), "messages")
+        return await self.in_tokenizer_thread(self.render, messages, **kwargs)
+
     async def create_chat_completion(self, request: ChatCompletionRequest,
                                      raw_request: Request) -> Response:
         self.check_model(request.model)
         if request.top_logprobs is not None and not request.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs=true.", param="top_logprobs")
-        prompt = self.render(request.messages, chat_template=request.chat_template,
-                             add_generation_prompt=request.add_generation_prompt,
-                             continue_final_message=request.continue_final_message,
-                             chat_template_kwargs=request.chat_template_kwargs)
+        prompt = await self.render_async(
+            request.messages, chat_template=request.chat_template,
+            add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
+            chat_template_kwargs=request.chat_template_kwargs)
         max_tokens = (request.max_completion_tokens if request.max_completion_tokens is not None
                       else request.max_tokens)
         params = self.sampling_params(

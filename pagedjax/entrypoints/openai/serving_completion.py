@@ -34,7 +34,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.echo and request.logprobs is not None:
             raise OpenAIError(400, "echo with logprobs needs prompt logprobs, which this server "
                                    "does not return; drop one of them.", param="echo")
-        prompts = self._prompts(request.prompt)
+        prompts = await self._prompts(request.prompt)
         params = [self.sampling_params(
             request, logprobs=request.logprobs,
             max_tokens=self.max_tokens_for(len(p["prompt_token_ids"]), request.max_tokens,
@@ -51,8 +51,9 @@ class OpenAIServingCompletion(OpenAIServing):
                 finals[prompt_index] = output
         return JSONResponse(stream.response(finals))
 
-    def _prompts(self, prompt: Any) -> list[dict[str, Any]]:
-        """Each prompt as {"prompt": text or None, "prompt_token_ids": ids}."""
+    async def _prompts(self, prompt: Any) -> list[dict[str, Any]]:
+        """Each prompt as {"prompt": text or None, "prompt_token_ids": ids}, the texts tokenized
+        on the tokenizer's thread."""
         if isinstance(prompt, str):
             prompt = [prompt]
         elif prompt and isinstance(prompt[0], int):
@@ -60,8 +61,9 @@ class OpenAIServingCompletion(OpenAIServing):
         if not prompt:
             raise OpenAIError(400, "prompt=[] is empty; give at least one prompt.",
                               param="prompt")
-        return [{"prompt": p, "prompt_token_ids": self.encode(p)} if isinstance(p, str)
-                else {"prompt": None, "prompt_token_ids": p} for p in prompt]
+        return [{"prompt": p, "prompt_token_ids": await self.encode_async(p)}
+                if isinstance(p, str) else {"prompt": None, "prompt_token_ids": p}
+                for p in prompt]
 
 
 class _CompletionStream:

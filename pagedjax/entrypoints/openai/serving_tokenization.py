@@ -13,19 +13,20 @@ class OpenAIServingTokenization:
     def __init__(self, chat: OpenAIServingChat) -> None:
         self.chat = chat  # its tokenizer, chat template and model check
 
-    def tokenize(self, request: TokenizeRequest) -> dict[str, Any]:
+    async def tokenize(self, request: TokenizeRequest) -> dict[str, Any]:
+        """On the tokenizer's thread, after the character bound (serving.py)."""
         chat = self.chat
         chat.check_model(request.model)
         if (request.prompt is None) == (request.messages is None):
             raise OpenAIError(400, "give exactly one of prompt and messages.", param="prompt")
         if request.messages is not None:
-            tokens = chat.render(
+            tokens = (await chat.render_async(
                 request.messages, chat_template=request.chat_template,
                 add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
-                chat_template_kwargs=request.chat_template_kwargs)["prompt_token_ids"]
+                chat_template_kwargs=request.chat_template_kwargs))["prompt_token_ids"]
         else:
-            tokens = chat.encode(request.prompt, request.add_special_tokens)
+            tokens = await chat.encode_async(request.prompt, request.add_special_tokens)
         return {"count": len(tokens), "max_model_len": chat.max_model_len, "tokens": tokens}
 
     def detokenize(self, request: DetokenizeRequest) -> dict[str, Any]:

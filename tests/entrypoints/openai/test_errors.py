@@ -12,6 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pagedjax.entrypoints.openai.errors import ENGINE_DEAD, ENGINE_FAILED
 from pagedjax.entrypoints.openai.protocol import sampling_param_names
 from tests.entrypoints.openai.conftest import MODEL_NAME, start_server
 
@@ -160,7 +161,7 @@ def test_a_valid_request_succeeds_after_the_bad_ones(server) -> None:
     assert free == total
 
 
-def test_a_failing_engine_answers_503_and_never_a_traceback(chat_model) -> None:
+def test_a_failing_engine_answers_5xx_and_never_its_internals(chat_model) -> None:
     server = start_server(chat_model, backend="torch", max_model_len=MAX_MODEL_LEN,
                           num_gpu_blocks_override=16, multiprocess=False)
     try:
@@ -173,10 +174,11 @@ def test_a_failing_engine_answers_503_and_never_a_traceback(chat_model) -> None:
         error = json.loads(text.split("data: ")[1])
         assert_error_shape(error) and error["error"]["type"] == "server_error"
         assert text.endswith("data: [DONE]\n\n") and "Traceback" not in text
+        assert error["error"]["message"] == ENGINE_FAILED  # the log has "injected failure"
         for method, path, body in (("POST", CMPL, completion()), ("POST", CHAT, chat()),
                                    ("GET", "/health", None)):
             status, error = request(server, method, path, body)
-            assert status == 503 and "injected failure" in error["error"]["message"]
+            assert (status, error["error"]["message"]) == (503, ENGINE_DEAD)
             assert_error_shape(error)
     finally:
         server.stop()
@@ -209,7 +211,7 @@ def test_a_killed_engine_core_fails_its_streams_and_the_server_turns_unhealthy(
             assert time.monotonic() < deadline, "/health stayed healthy"
             time.sleep(0.05)
         status, error = request(server, "POST", CMPL, completion())
-        assert status == 503 and "exited" in error["error"]["message"]
+        assert (status, error["error"]["message"]) == (503, ENGINE_DEAD)
         assert_error_shape(error)
     finally:
         server.stop()

@@ -303,6 +303,10 @@ class EngineConfig:
     # float8 e4m3 with a float32 scale per layer for k and for v (the checkpoint's
     # self_attn.k_scale / v_scale, else 1.0): half the bytes of bf16, twice the blocks.
     kv_cache_dtype: str = "auto"
+    # The model's reasoning format (vLLM's --reasoning-parser: "deepseek_r1", "qwen3"): a
+    # structured output constrains the answer after the reasoning, not the reasoning itself;
+    # the server and LLM.chat split the two with it.
+    reasoning_parser: str | None = None
     # Set by the engine: the GGUF file `model` was converted from (None: not a GGUF source)
     gguf_path: str | None = None
 

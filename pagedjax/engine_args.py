@@ -58,6 +58,9 @@ _FLAGS: dict[str, tuple[str, dict]] = {
     "kv_cache_dtype": ("KV cache storage: auto (the model's dtype) or fp8 / fp8_e4m3 (float8 "
                        "e4m3 with a per-layer scale: half bf16's bytes, twice the blocks)",
                        {"choices": KV_CACHE_DTYPES}),
+    "reasoning_parser": ("the model's reasoning format (deepseek_r1, qwen3): structured outputs "
+                         "constrain the answer after </think>; the server fills "
+                         "reasoning_content", {}),
 }
 
 

@@ -31,6 +31,10 @@ class CompletionOutput:
     logprobs: Logprobs | None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    # LLM.chat with a reasoning parser (LLM(reasoning_parser=...)): text split into the
+    # reasoning and the answer after it (the server's reasoning_content and content)
+    reasoning_content: str | None = None
+    content: str | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

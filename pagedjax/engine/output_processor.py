@@ -43,6 +43,9 @@ class CompletionState:
     cumulative_logprob: float | None
     token_ids: list[int] = field(default_factory=list)  # output tokens
     num_detokenized: int = 0  # of token_ids
+    # Ended by a stop token (EOS, stop_token_ids): its text is not output (vLLM's), unless
+    # include_stop_str_in_output; it stays in token_ids
+    stop_token_untexted: bool = False
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_sent_tokens: int = 0  # DELTA: what earlier outputs carried
@@ -138,6 +141,9 @@ class OutputProcessor:
               finishes: list[FinishSequence]) -> None:
         """A completion's new tokens: logprobs, text (every step: stop strings), the end."""
         completion.token_ids += out.new_token_ids
+        if (isinstance(out.stop_reason, int) and out.finish_reason == "stop"
+                and not state.params.include_stop_str_in_output):
+            completion.stop_token_untexted = True
         if out.logprobs is not None:
             self._add_logprobs(completion, out)
         if out.finish_reason == "abort":
@@ -155,7 +161,8 @@ class OutputProcessor:
         """The text of the completion's new tokens; with stop strings, one token at a time
         (a stop may end at any of them): the stop string it ends at, the completion cut
         there, or None."""
-        new_tokens = completion.token_ids[completion.num_detokenized :]
+        start = completion.num_detokenized
+        new_tokens = completion.token_ids[start : _text_end(completion)]
         completion.num_detokenized = len(completion.token_ids)
         params, detokenizer = state.params, completion.detokenizer
         start_time = time.perf_counter()
@@ -174,7 +181,7 @@ class OutputProcessor:
                 if hit is not None:
                     stop, cut = hit
                     detokenizer.truncate(detokenizer.num_chars - len(window) + cut)
-                    num_output = len(completion.token_ids) - len(new_tokens) + j + 1
+                    num_output = start + j + 1
                     del completion.token_ids[num_output:]
                     completion.num_detokenized = num_output
                     if completion.logprobs is not None:
@@ -245,7 +252,8 @@ class OutputProcessor:
         detokenizer = completion.detokenizer
         if completion.num_detokenized < len(completion.token_ids):  # sent at its end
             start_time = time.perf_counter()
-            detokenizer.append(completion.token_ids[completion.num_detokenized :])
+            detokenizer.append(completion.token_ids[completion.num_detokenized :
+                                                    _text_end(completion)])
             completion.num_detokenized = len(completion.token_ids)
             self.detokenize_seconds += time.perf_counter() - start_time
         logprobs = completion.logprobs
@@ -267,3 +275,8 @@ class OutputProcessor:
             index=completion.index, text=text, token_ids=token_ids,
             cumulative_logprob=completion.cumulative_logprob, logprobs=logprobs,
             finish_reason=completion.finish_reason, stop_reason=completion.stop_reason)
+
+
+def _text_end(completion: CompletionState) -> int:
+    """Where a completion's text ends in its token_ids (before a stop token)."""
+    return len(completion.token_ids) - completion.stop_token_untexted

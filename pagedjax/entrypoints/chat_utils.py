@@ -10,15 +10,29 @@ from typing import Any
 ChatMessage = dict[str, Any]
 
 
+# Templates pagedjax ships, by name (--chat-template NAME): hermes_tool_use (ChatML with
+# Hermes-style tool calls, for SmolLM2-Instruct and other ChatML models without tools).
+SHIPPED_TEMPLATES = Path(__file__).resolve().parent / "chat_templates"
+
+
+def shipped_chat_templates() -> list[str]:
+    return sorted(p.stem for p in SHIPPED_TEMPLATES.glob("*.jinja"))
+
+
 def load_chat_template(chat_template: str | None) -> str | None:
-    """A Jinja template given inline or as a file path (vLLM's --chat-template)."""
+    """A Jinja template given inline, as a file path, or by the name of one pagedjax ships
+    (vLLM's --chat-template)."""
     if chat_template is None:
         return None
     if "{" not in chat_template:
         path = Path(chat_template)
         if not path.is_file():
-            raise ValueError(f"chat_template={chat_template!r} is neither a file nor a Jinja "
-                             "template; pass a path to a .jinja file or the template itself.")
+            path = SHIPPED_TEMPLATES / f"{chat_template}.jinja"
+        if not path.is_file():
+            raise ValueError(f"chat_template={chat_template!r} is neither a file, a Jinja "
+                             f"template nor a shipped template ({shipped_chat_templates()}); "
+                             "pass a path to a .jinja file, the template itself, or one of "
+                             "those names.")
         return path.read_text()
     return chat_template
 

@@ -119,20 +119,35 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, chat_template: str | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict[str, Any] | None = None,
+             tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, each rendered by the
-        tokenizer's chat template (or `chat_template`: a Jinja template or a file path)."""
+        tokenizer's chat template (or `chat_template`: a Jinja template, a file path, or a
+        shipped template's name), with `tools` (OpenAI's function tools) passed to it. With a
+        reasoning parser, each completion's text is also split into `reasoning_content` and
+        `content`."""
         if self.engine is None:
             raise RuntimeError("this LLM was shut down; make a new one")
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         template = load_chat_template(chat_template)
+        if tools is not None:
+            chat_template_kwargs = {**(chat_template_kwargs or {}), "tools": tools}
         prompts = [apply_chat_template(self.engine.tokenizer, conversation,
                                        chat_template=template,
                                        add_generation_prompt=add_generation_prompt,
                                        continue_final_message=continue_final_message,
                                        chat_template_kwargs=chat_template_kwargs)
                    for conversation in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        name = self.engine.config.reasoning_parser
+        if name is not None:
+            from pagedjax.reasoning import ReasoningParserManager
+
+            parser = ReasoningParserManager.get_reasoning_parser(name)(self.engine.tokenizer)
+            for completion in (c for output in outputs for c in output.outputs):
+                completion.reasoning_content, completion.content = (
+                    parser.extract_reasoning_content(completion.text, None))
+        return outputs
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

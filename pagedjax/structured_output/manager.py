@@ -19,6 +19,10 @@ bitmask, and the tokens a step may keep.
   sampled row that drops tokens moves its random counter past the step's (`Sequence.rng_offset`),
   so the new draw is independent of the dropped one.
 - A matcher that has finished its grammar ends its completion (finish_reason "stop").
+- With a reasoning parser (`EngineConfig.reasoning_parser`, vLLM's), a completion reasons
+  unconstrained and the grammar applies to the answer after it: from the token after the
+  parser's end token (`</think>`), or from the first token where the prompt already closed
+  the reasoning (a template that turned thinking off). Until then its rows allow every token.
 """
 
 from __future__ import annotations
@@ -55,8 +59,13 @@ PARALLEL_MASK_ROWS = 16
 
 class StructuredOutputManager:
     def __init__(self, tokenizer: Any | None, vocab_size: int,
-                 eos_token_ids: tuple[int, ...]) -> None:
+                 eos_token_ids: tuple[int, ...],
+                 reasoning_token_ids: tuple[int | None, int] | None = None) -> None:
+        """reasoning_token_ids: (start, end) token ids of the reasoning parser's markers
+        (start None where the tokenizer has no single token for it); None: no reasoning."""
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self._reasoning = reasoning_token_ids
+        self._thinking: set[int] = set()  # seq ids still reasoning: their grammar waits
         self.width = bitmask_width(vocab_size)
         self._eos_token_ids = eos_token_ids
         self._compiler: GrammarCompiler | None = None  # on the first constrained request
@@ -136,6 +145,7 @@ class StructuredOutputManager:
             if seq.is_finished:
                 del self._matchers[seq_id]
                 self._failed.discard(seq_id)
+                self._thinking.discard(seq_id)
                 live = self._request_seqs[seq.request_id]
                 live.discard(seq_id)
                 if not live:
@@ -155,12 +165,31 @@ class StructuredOutputManager:
             return entry[1]
         matcher = self._grammars[seq.request_id].deep_copy()
         output = seq.token_ids[seq.num_prompt_tokens :]
+        if self._reasoning is not None:
+            answer_start = self._answer_start(seq)
+            if answer_start is None:
+                self._thinking.add(seq.seq_id)
+                output = []
+            else:
+                output = output[answer_start:]
         if output and not matcher.consume_tokens(output):
             logger.warning("completion %d's output is outside its grammar: %s", seq.seq_id,
                            matcher.get_error())
         self._matchers[seq.seq_id] = (seq, matcher)
         self._request_seqs.setdefault(seq.request_id, set()).add(seq.seq_id)
         return matcher
+
+    def _answer_start(self, seq: Sequence) -> int | None:
+        """Where seq's answer starts in its output (past the reasoning); None while it is
+        still reasoning. A prompt whose last end marker follows its last start marker has
+        closed the reasoning itself (0)."""
+        start_id, end_id = self._reasoning
+        prompt = seq.token_ids[: seq.num_prompt_tokens]
+        last_end = _last_index(prompt, end_id)
+        if last_end >= 0 and last_end > _last_index(prompt, start_id):
+            return 0
+        output = seq.token_ids[seq.num_prompt_tokens :]
+        return output.index(end_id) + 1 if end_id in output else None
 
     def bitmask(self, seqs: list[Sequence]) -> np.ndarray | None:
         """[len(seqs), W] int32 allowed tokens of a step's sample rows (-1: all, for rows
@@ -172,13 +201,17 @@ class StructuredOutputManager:
         for r, seq in enumerate(seqs):
             if not self.is_constrained(seq):
                 continue
-            if mask is None:
+            if mask is None:  # (a step with a reasoning row is constrained too: accept
+                # must see its tokens, and the next step's mask depends on them)
                 mask = np.full((len(seqs), self.width), -1, np.int32)
+            matcher = self._matcher(seq)
+            if seq.seq_id in self._thinking:
+                continue  # still reasoning: its row allows every token
             row = ahead_rows.get(seq.seq_id)
             if row is not None:
                 pending.append((r, row, seq))
             else:
-                rows.append((self._matcher(seq), r))
+                rows.append((matcher, r))
         self._pending = pending
         if mask is None:
             self._take_ahead()  # no constrained row this step: the rows filled ahead are stale
@@ -218,7 +251,8 @@ class StructuredOutputManager:
         outputs and schedules and prepares the next one meanwhile, and `finish_bitmask` takes
         the rows. Until then nothing else calls those matchers."""
         live = [(seq.seq_id, entry[1]) for seq in seqs
-                if not seq.is_finished and (entry := self._matchers.get(seq.seq_id))]
+                if not seq.is_finished and (entry := self._matchers.get(seq.seq_id))
+                and seq.seq_id not in self._thinking]
         if len(live) < AHEAD_MIN_ROWS or self._filler is None:
             return
         self._take_ahead()  # a job not taken (no step since): its rows are stale
@@ -250,20 +284,30 @@ class StructuredOutputManager:
                 continue
             matcher = self._matcher(seq)
             tokens = sampled.tokens(r)
-            if len(tokens) == 1:  # sampled under the mask (consume_token: the cheaper call)
+            num_free = 0  # tokens of the reasoning, before the grammar applies
+            if seq_id in self._thinking:
+                end_id = self._reasoning[1]
+                if end_id not in tokens:
+                    continue
+                self._thinking.discard(seq_id)
+                num_free = tokens.index(end_id) + 1
+                tokens = tokens[num_free:]
+                if not tokens:
+                    continue
+            if len(tokens) == 1 and not num_free:  # sampled under the mask: the cheaper call
                 num_kept = int(matcher.consume_token(tokens[0]))
             else:
                 num_kept = matcher.try_consume_tokens(tokens)
             if num_kept == len(tokens):
                 continue
-            if num_kept == 0:  # the first token was sampled under the mask: never here
+            if num_kept == 0 and not num_free:  # sampled under the mask: never here
                 logger.warning("completion %d sampled token %d outside its grammar (%s); it "
                                "stops", seq_id, tokens[0], matcher.get_error())
                 num_kept = 1
                 self._failed.add(seq_id)
             self.num_tokens_rejected += len(tokens) - num_kept
             if sampled.num_tokens is not None:  # a row of one token is never cut
-                sampled.num_tokens[r] = num_kept
+                sampled.num_tokens[r] = num_free + num_kept
             if not seq.sampling_params.is_greedy:
                 seq.rng_offset += num_spec_tokens + 1  # past every counter the step used
             cut.append(seq)
@@ -297,3 +341,13 @@ class StructuredOutputManager:
             self._filler.shutdown()
         if self._compiler is not None:
             self._compiler.shutdown()
+
+
+def _last_index(token_ids: list[int], token_id: int | None) -> int:
+    """The last position of token_id in token_ids; -1 if absent (or None)."""
+    if token_id is None:
+        return -1
+    for i in range(len(token_ids) - 1, -1, -1):
+        if token_ids[i] == token_id:
+            return i
+    return -1

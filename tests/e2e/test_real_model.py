@@ -5,6 +5,8 @@ answering through the chat template; `pagedjax serve` answering the official ope
 
 from __future__ import annotations
 
+import json
+
 import openai
 import pytest
 
@@ -94,17 +96,33 @@ def test_generate_chats_with_the_named_model(smollm2_dir, capsys) -> None:
     assert f"--- prompt: {QUESTION!r} [0] (stop)\n{QUESTION}\n" in out and "Paris" in out
 
 
-def test_serve_answers_a_chat_completion(smollm2_dir, tmp_path) -> None:
-    """`pagedjax serve FILE.gguf` in a subprocess (its conversion found in the cache)."""
-    args = ["--backend", "torch", "--served-model-name", "smollm2", "--max-model-len", "128",
-            "--num-gpu-blocks-override", "8", "--uvicorn-log-level", "warning"]
+def test_serve_answers_a_chat_completion_and_calls_tools(smollm2_dir, tmp_path) -> None:
+    """`pagedjax serve FILE.gguf` in a subprocess (its conversion found in the cache), as
+    docs/tool_calling.md starts it: the shipped tool-use template and the hermes parser."""
+    args = ["--backend", "torch", "--served-model-name", "smollm2", "--max-model-len", "512",
+            "--num-gpu-blocks-override", "48", "--uvicorn-log-level", "warning",
+            "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+            "--chat-template", "hermes_tool_use"]
+    tools = [{"type": "function", "function": {
+        "name": "get_weather", "description": "Get the current weather in a city.",
+        "parameters": {"type": "object",
+                       "properties": {"city": {"type": "string", "maxLength": 24}},
+                       "required": ["city"], "additionalProperties": False}}}]
     with serve_process(smollm2_instruct_gguf(), args, tmp_path / "serve.log") as (url, _):
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
         reply = client.chat.completions.create(
             model="smollm2", max_tokens=MAX_TOKENS, temperature=0,
             messages=[{"role": "user", "content": QUESTION}])
+        called = client.chat.completions.create(
+            model="smollm2", max_tokens=48, temperature=0, tools=tools, tool_choice="required",
+            parallel_tool_calls=False,
+            messages=[{"role": "user", "content": "What is the weather in Paris?"}])
     assert "Paris" in reply.choices[0].message.content
     assert reply.choices[0].finish_reason == "stop"
+    assert called.choices[0].finish_reason == "tool_calls", called.choices[0].to_dict()
+    (call,) = called.choices[0].message.tool_calls
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
 
 
 @pytest.mark.parametrize("backend", ["jax", "torch"])

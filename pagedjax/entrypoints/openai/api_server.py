@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server (FastAPI + uvicorn) over an AsyncLLM: `pagedjax serve`.
 
-Endpoints: POST /v1/completions, /v1/chat/completions, /tokenize, /detokenize; GET /v1/models,
-/health, /metrics (Prometheus), /version.
+Endpoints: POST /v1/completions, /v1/chat/completions, /v1/responses, /tokenize, /detokenize;
+GET /v1/models, /health, /metrics (Prometheus), /version.
 """
 
 from __future__ import annotations
@@ -28,12 +28,15 @@ from pagedjax.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    ResponsesRequest,
     TokenizeRequest,
 )
 from pagedjax.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedjax.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedjax.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedjax.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagedjax.entrypoints.openai.shutdown import DrainingServer, OpenResponses
+from pagedjax.entrypoints.openai.tool_parsers import ToolParserManager
 
 logger = logging.getLogger("pagedjax")
 
@@ -48,6 +51,15 @@ class ServerConfig:
     trust_request_chat_template: bool = False
     # a 413 past it; None: default_max_request_body_bytes(max_model_len)
     max_request_body_bytes: int | None = dataclasses.field(default=None, kw_only=True)
+    enable_auto_tool_choice: bool = False  # tool_choice "auto": the model's calls are parsed
+    tool_call_parser: str | None = None  # with which ToolParser (tool_parsers/)
+
+    def __post_init__(self) -> None:
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser: one of "
+                             f"{ToolParserManager.names()}.")
+        if self.tool_call_parser is not None:
+            ToolParserManager.get_tool_parser(self.tool_call_parser)  # names the known ones
 
 
 class APIKeyMiddleware:
@@ -116,8 +128,10 @@ def _add_generation_routes(app: FastAPI, engine: AsyncLLM, config: ServerConfig)
     names = config.served_model_names
     completions = OpenAIServingCompletion(engine, names)
     chat = OpenAIServingChat(engine, names, config.chat_template,
-                             config.trust_request_chat_template)
+                             config.trust_request_chat_template,
+                             config.enable_auto_tool_choice, config.tool_call_parser)
     tokenization = OpenAIServingTokenization(chat)
+    responses = OpenAIServingResponses(chat)
 
     @app.post("/v1/completions")
     async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
@@ -127,6 +141,10 @@ def _add_generation_routes(app: FastAPI, engine: AsyncLLM, config: ServerConfig)
     async def create_chat_completion(request: ChatCompletionRequest,
                                      raw_request: Request) -> Response:
         return await chat.create_chat_completion(request, raw_request)
+
+    @app.post("/v1/responses")
+    async def create_response(request: ResponsesRequest, raw_request: Request) -> Response:
+        return await responses.create_response(request, raw_request)
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest) -> dict:
@@ -138,7 +156,12 @@ def _add_generation_routes(app: FastAPI, engine: AsyncLLM, config: ServerConfig)
 
 
 def engine_args_from_cli(args: argparse.Namespace) -> AsyncEngineArgs:
+    from pagedjax.model_loader.demo import SMOLLM2_INSTRUCT, smollm2_instruct_dir
+
     args.model = args.model or args.model_tag
+    if args.model == SMOLLM2_INSTRUCT:  # the shipped chat model, as `generate` takes it
+        args.model = smollm2_instruct_dir()
+        args.served_model_name = args.served_model_name or [SMOLLM2_INSTRUCT]
     if not args.model:
         raise ValueError("no model: pass a checkpoint directory, `pagedjax serve MODEL_DIR`.")
     if args.speculative_model:
@@ -168,7 +191,8 @@ def run_server(args: argparse.Namespace) -> None:
                         datefmt="%m-%d %H:%M:%S")
     names = args.served_model_name or [engine_args.model]
     config = ServerConfig(names, args.api_key, load_chat_template(args.chat_template),
-                          args.trust_request_chat_template)
+                          args.trust_request_chat_template, args.enable_auto_tool_choice,
+                          args.tool_call_parser)
     config.max_request_body_bytes = args.max_request_body_bytes
     engine = make_engine(engine_args, names, log_stats=not args.disable_log_stats,
                          log_stats_interval=args.log_stats_interval)

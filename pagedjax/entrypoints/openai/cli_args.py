@@ -23,6 +23,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="a Jinja chat template (file or inline) over the tokenizer's")
     parser.add_argument("--trust-request-chat-template", action="store_true",
                         help="let requests bring their own chat_template")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='parse tool calls from the model\'s text (tool_choice "auto"); '
+                             "needs --tool-call-parser")
+    parser.add_argument("--tool-call-parser", default=None,
+                        help="the model's tool-call format: hermes, llama3_json, pythonic")
     parser.add_argument("--speculative-model", default=None,
                         help="draft checkpoint (short for --speculative-config)")
     parser.add_argument("--num-speculative-tokens", type=int, default=4,

@@ -42,6 +42,34 @@ class ResponseFormat(BaseModel):
     json_schema: JsonSchemaResponseFormat | None = None
 
 
+class FunctionDefinition(BaseModel):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class ChatCompletionToolsParam(BaseModel):
+    """One of `tools`: {"type": "function", "function": {"name", "description", "parameters"}}."""
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class ChatCompletionNamedFunction(BaseModel):
+    name: str
+
+
+class ChatCompletionNamedToolChoiceParam(BaseModel):
+    """tool_choice naming a function: {"type": "function", "function": {"name": ...}}."""
+
+    type: Literal["function"] = "function"
+    function: ChatCompletionNamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | ChatCompletionNamedToolChoiceParam
+
+
 class SamplingFields(OpenAIBaseModel):
     """What both endpoints take besides the prompt: OpenAI's fields, then vLLM's extras."""
 
@@ -93,6 +121,35 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # tool calling (OpenAI's): tool_choice defaults to "auto" with tools, "none" without
+    tools: list[ChatCompletionToolsParam] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = True
+
+
+class ResponsesRequest(OpenAIBaseModel):
+    """POST /v1/responses (OpenAI's Responses API): what this server reads of it. `input` is
+    text or a list of items (messages, function_call, function_call_output); `tools` are flat
+    {"type": "function", "name", "parameters"}; `text.format` is response_format's twin."""
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = True
+    stream: bool | None = False
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    text: dict[str, Any] | None = None
+    previous_response_id: str | None = None
+    store: bool | None = None  # accepted; responses are not stored
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    # vLLM's extras that pass to sampling
+    top_k: int | None = None
+    seed: int | None = None
 
 
 class TokenizeRequest(BaseModel):
@@ -120,7 +177,7 @@ ENDPOINT_FIELDS = frozenset({
     "model", "prompt", "messages", "stream", "stream_options", "echo", "user", "max_tokens",
     "max_completion_tokens", "logprobs", "top_logprobs", "best_of", "add_generation_prompt",
     "continue_final_message", "chat_template", "chat_template_kwargs", "suffix",
-    "response_format", "structured_outputs",
+    "response_format", "structured_outputs", "tools", "tool_choice", "parallel_tool_calls",
 })
 
 

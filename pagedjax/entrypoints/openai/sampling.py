@@ -19,8 +19,7 @@ from pagedjax.sampling_params import SamplingParams, StructuredOutputsParams
 # Values that change nothing, accepted whether or not SamplingParams has the field yet.
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
-    "logit_bias": ({},), "prompt_logprobs": (None,), "tools": (None, []),
-    "tool_choice": (None, "none"),
+    "logit_bias": ({},), "prompt_logprobs": (None,),
 }
 _STRUCTURED_FIELDS = frozenset(f.name for f in dataclasses.fields(StructuredOutputsParams))
 
@@ -37,9 +36,12 @@ def _convert(name: str, value: Any) -> Any:
 
 
 def to_sampling_params(request: SamplingFields, *, max_tokens: int | None,
-                       logprobs: int | None, defaults: dict[str, Any]) -> SamplingParams:
+                       logprobs: int | None, defaults: dict[str, Any],
+                       structured_outputs: StructuredOutputsParams | None = None
+                       ) -> SamplingParams:
     """SamplingParams for the request; `defaults` (the model's generation_config) fill what the
-    request leaves out. Raises OpenAIError(400) naming a bad or unsupported field."""
+    request leaves out; `structured_outputs` (a forced tool call's) over the request's own.
+    Raises OpenAIError(400) naming a bad or unsupported field."""
     supported = sampling_param_names()
     kwargs = {k: v for k, v in defaults.items() if k != "max_tokens"}
     given = set(request.model_fields_set) | set(request.model_extra or {})
@@ -55,7 +57,7 @@ def to_sampling_params(request: SamplingFields, *, max_tokens: int | None,
         raise OpenAIError(400, f"best_of={request.best_of} is not supported; leave it out or "
                                "set it to n.", param="best_of")
     kwargs.update(max_tokens=max_tokens, logprobs=logprobs,
-                  structured_outputs=structured_outputs_params(request))
+                  structured_outputs=structured_outputs or structured_outputs_params(request))
     try:
         return SamplingParams(**kwargs)
     except (ValueError, TypeError) as e:

@@ -30,7 +30,11 @@ from pagedjax.entrypoints.openai.protocol import SamplingFields
 from pagedjax.entrypoints.openai.sampling import to_sampling_params
 from pagedjax.model_loader.tokenizer import default_sampling_kwargs
 from pagedjax.outputs import RequestOutput
-from pagedjax.sampling_params import RequestOutputKind, SamplingParams
+from pagedjax.sampling_params import (
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 T = TypeVar("T")
 logger = logging.getLogger("pagedjax")
@@ -108,12 +112,15 @@ class OpenAIServing:
         return max_tokens
 
     def sampling_params(self, request: SamplingFields, *, max_tokens: int,
-                        logprobs: int | None) -> SamplingParams:
+                        logprobs: int | None,
+                        structured_outputs: StructuredOutputsParams | None = None
+                        ) -> SamplingParams:
         if request.stream_options is not None and not request.stream:
             raise OpenAIError(400, "Stream options can only be defined when `stream=True`.",
                               param="stream_options")
         params = to_sampling_params(request, max_tokens=max_tokens, logprobs=logprobs,
-                                    defaults=self.defaults)
+                                    defaults=self.defaults,
+                                    structured_outputs=structured_outputs)
         params.output_kind = (RequestOutputKind.DELTA if request.stream
                               else RequestOutputKind.FINAL_ONLY)
         return params

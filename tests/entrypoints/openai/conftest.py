@@ -72,16 +72,29 @@ class Server:
 
 
 def start_server(model: str, *, api_key: str | None = None, multiprocess: bool | None = None,
-                 **engine_kwargs) -> Server:
+                 server_config: dict | None = None, **engine_kwargs) -> Server:
     """multiprocess=False: the engine core on a thread of the test process (a test that
-    reaches into it); by default in a process of its own, as `pagedjax serve` runs it."""
+    reaches into it); by default in a process of its own, as `pagedjax serve` runs it.
+    server_config: ServerConfig's other fields (tool calling, a chat template)."""
     recorder = FinishedRecorder()
     engine = AsyncLLM.from_engine_args(
         AsyncEngineArgs(model=model, **engine_kwargs), multiprocess=multiprocess,
         log_stats=False,
         stat_loggers=[lambda config: PrometheusStatLogger(MODEL_NAME, config.max_model_len),
                       lambda config: recorder])
-    app = build_app(engine, ServerConfig([MODEL_NAME], api_key=api_key))
+    app = build_app(engine, ServerConfig([MODEL_NAME], api_key=api_key,
+                                         **(server_config or {})))
+    try:
+        url, server, thread = serve_app(app)
+    except RuntimeError:
+        engine.shutdown()
+        raise
+    return Server(url, engine, recorder, api_key, server, thread)
+
+
+def serve_app(app) -> tuple[str, uvicorn.Server, threading.Thread]:
+    """(URL, server, thread) of uvicorn serving app on 127.0.0.1 and a port the OS picked;
+    stop it with `server.should_exit = True` and a join."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -91,7 +104,6 @@ def start_server(model: str, *, api_key: str | None = None, multiprocess: bool |
     deadline = time.monotonic() + 60
     while not server.started:
         if time.monotonic() > deadline or not thread.is_alive():
-            engine.shutdown()
             raise RuntimeError("the test server did not start")
         time.sleep(0.05)
-    return Server(f"http://127.0.0.1:{port}", engine, recorder, api_key, server, thread)
+    return f"http://127.0.0.1:{port}", server, thread

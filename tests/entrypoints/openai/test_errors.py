@@ -108,8 +108,9 @@ CASES = [
     ("top_logprobs above 20", CHAT, chat(logprobs=True, top_logprobs=30), 400, "logprobs", ""),
     ("max_completion_tokens past the context", CHAT, chat(max_completion_tokens=100), 400,
      "messages", "maximum context length"),
-    ("tools", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400,
-     "tools", "tools"),
+    ("auto tools without a parser", CHAT,
+     chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tool_choice",
+     "--enable-auto-tool-choice"),
     ("a chat template in the request", CHAT, chat(chat_template="{{ 1 }}"), 400,
      "chat_template", "trust-request-chat-template"),
 ]

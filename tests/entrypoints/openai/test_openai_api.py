@@ -175,6 +175,11 @@ def test_vllm_extras_in_the_body(server, client) -> None:
     assert stopped.choices[0].finish_reason == "stop"
     assert stopped.choices[0].to_dict()["stop_reason"] == stop_id
     assert stopped.usage.completion_tokens == position + 1
+    # the stop token's text is not output (vLLM's), unless include_stop_str_in_output
+    assert stopped.choices[0].text == "".join(tokens[:position])
+    kept = greedy(client, PROMPTS[1], extra_body={"ignore_eos": True, "stop_token_ids": [stop_id],
+                                                  "include_stop_str_in_output": True})
+    assert kept.choices[0].text == "".join(tokens[: position + 1])
 
 
 def test_echo_several_prompts_and_token_ids(server, client) -> None:

@@ -9,10 +9,11 @@ sends what a stream held back at its end, from the whole-text split.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Sequence
+from typing import Any
 
 from pagedjax.entrypoints.openai.tool_parsers.abstract_tool_parser import DeltaMessage
+from pagedjax.utils.registry import Registry
 
 
 def single_token_id(tokenizer: Any, token: str) -> int | None:
@@ -70,29 +71,12 @@ class ReasoningParser:
         raise NotImplementedError
 
 
-T = TypeVar("T", bound=type[ReasoningParser])
+class _ReasoningParsers(Registry[type[ReasoningParser]]):
+    """Reasoning parsers by the name `--reasoning-parser` gives (vLLM's
+    ReasoningParserManager)."""
+
+    def get_reasoning_parser(self, name: str) -> type[ReasoningParser]:
+        return self.get(name)
 
 
-class ReasoningParserManager:
-    """Reasoning parsers by the name `--reasoning-parser` gives."""
-
-    reasoning_parsers: dict[str, type[ReasoningParser]] = {}
-
-    @classmethod
-    def register_module(cls, name: str) -> Callable[[T], T]:
-        def register(parser_cls: T) -> T:
-            cls.reasoning_parsers[name] = parser_cls
-            return parser_cls
-
-        return register
-
-    @classmethod
-    def names(cls) -> list[str]:
-        return sorted(cls.reasoning_parsers)
-
-    @classmethod
-    def get_reasoning_parser(cls, name: str) -> type[ReasoningParser]:
-        if name not in cls.reasoning_parsers:
-            raise ValueError(f"reasoning parser {name!r} is not known; choose one of "
-                             f"{cls.names()}.")
-        return cls.reasoning_parsers[name]
+ReasoningParserManager = _ReasoningParsers("reasoning parser")

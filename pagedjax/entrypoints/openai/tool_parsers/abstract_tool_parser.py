@@ -12,9 +12,11 @@ end from the whole-text parse.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
+
+from pagedjax.utils.registry import Registry
 
 if TYPE_CHECKING:
     from pagedjax.entrypoints.openai.protocol import ChatCompletionRequest
@@ -129,29 +131,11 @@ class ToolParser:
         raise NotImplementedError
 
 
-T = TypeVar("T", bound=type[ToolParser])
+class _ToolParsers(Registry[type[ToolParser]]):
+    """Tool parsers by the name `--tool-call-parser` gives (vLLM's ToolParserManager)."""
+
+    def get_tool_parser(self, name: str) -> type[ToolParser]:
+        return self.get(name)
 
 
-class ToolParserManager:
-    """Tool parsers by the name `--tool-call-parser` gives."""
-
-    tool_parsers: dict[str, type[ToolParser]] = {}
-
-    @classmethod
-    def register_module(cls, name: str) -> Callable[[T], T]:
-        def register(parser_cls: T) -> T:
-            cls.tool_parsers[name] = parser_cls
-            return parser_cls
-
-        return register
-
-    @classmethod
-    def names(cls) -> list[str]:
-        return sorted(cls.tool_parsers)
-
-    @classmethod
-    def get_tool_parser(cls, name: str) -> type[ToolParser]:
-        if name not in cls.tool_parsers:
-            raise ValueError(f"tool call parser {name!r} is not known; choose one of "
-                             f"{cls.names()}.")
-        return cls.tool_parsers[name]
+ToolParserManager = _ToolParsers("tool call parser")

@@ -75,9 +75,6 @@ class Hermes2ProToolParser(StreamingToolParser):
 
     def __init__(self, tokenizer: Any = None) -> None:
         super().__init__(tokenizer)
-        self._pos = 0  # where the state reads on
-        self._scan: JsonCallScan | None = None  # the call being read
-        self._index = -1  # its index
 
     def adjust_request(self, request: ChatCompletionRequest) -> ChatCompletionRequest:
         return keep_special_tokens(request)
@@ -105,24 +102,7 @@ class Hermes2ProToolParser(StreamingToolParser):
             return None
         if text[i] != "{":
             return self._end_calls()
-        self._read, self._scan = self._read_call, JsonCallScan(i)
-        self._index += 1
-        return ""
-
-    def _read_call(self, text: str, deltas: Deltas) -> str | None:
-        scan, index = self._scan, self._index
-        scan.advance(text)
-        if scan.error:
-            return self._end_calls()
-        if not scan.done:
-            deltas.append(self._calls.update(index, scan.name(), scan.arguments(text)))
-            return None
-        call = scan.finish(text)
-        if call is None:
-            return self._end_calls()
-        deltas.append(self._calls.update(index, call.name, call.arguments))
-        self._read, self._pos = self._read_after_call, scan.end
-        return ""
+        return self._begin_call(JsonCallScan(i), self._read_after_call)
 
     def _read_after_call(self, text: str, deltas: Deltas) -> str | None:
         after, i = _after_call(text, self._pos)

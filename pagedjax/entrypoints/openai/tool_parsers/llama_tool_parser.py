@@ -68,8 +68,6 @@ class Llama3JsonToolParser(StreamingToolParser):
 
     def __init__(self, tokenizer: Any = None) -> None:
         super().__init__(tokenizer)
-        self._scan: JsonCallScan | None = None  # the call being read
-        self._index = -1  # its index
 
     def adjust_request(self, request: ChatCompletionRequest) -> ChatCompletionRequest:
         return keep_special_tokens(request)
@@ -96,33 +94,12 @@ class Llama3JsonToolParser(StreamingToolParser):
             return None
         if start < 0:
             return self._end_calls()
-        self._begin_call(start)
-        return ""
-
-    def _begin_call(self, start: int) -> None:
-        self._read, self._scan = self._read_call, _scan(start)
-        self._index += 1
-
-    def _read_call(self, text: str, deltas: Deltas) -> str | None:
-        scan, index = self._scan, self._index
-        scan.advance(text)
-        if scan.error:
-            return self._end_calls()
-        if not scan.done:
-            deltas.append(self._calls.update(index, scan.name(), scan.arguments(text)))
-            return None
-        call = scan.finish(text)
-        if call is None:
-            return self._end_calls()
-        deltas.append(self._calls.update(index, call.name, call.arguments))
-        self._read = self._read_separator
-        return ""
+        return self._begin_call(_scan(start), self._read_separator)
 
     def _read_separator(self, text: str, deltas: Deltas) -> str | None:
-        start = _next_call_start(text, self._scan.end)
+        start = _next_call_start(text, self._pos)
         if start is None:
             return None
         if start < 0:
             return self._end_calls()
-        self._begin_call(start)
-        return ""
+        return self._begin_call(_scan(start), self._read_separator)

@@ -63,9 +63,6 @@ class RequiredToolCallParser(StreamingToolParser):
 
     def __init__(self, tokenizer: Any = None) -> None:
         super().__init__(tokenizer)
-        self._scan: JsonCallScan | None = None  # the call being read
-        self._index = -1  # its index
-        self._pos = 0
 
     def extract_tool_calls(self, model_output: str,
                            request: ChatCompletionRequest) -> ExtractedToolCallInformation:
@@ -100,24 +97,7 @@ class RequiredToolCallParser(StreamingToolParser):
             return None
         if start < 0:
             return self._end_calls()
-        self._read, self._scan = self._read_call, JsonCallScan(start, ARGUMENT_KEYS)
-        self._index += 1
-        return ""
-
-    def _read_call(self, text: str, deltas: Deltas) -> str | None:
-        scan, index = self._scan, self._index
-        scan.advance(text)
-        if scan.error:
-            return self._end_calls()
-        if not scan.done:
-            deltas.append(self._calls.update(index, scan.name(), scan.arguments(text)))
-            return None
-        call = scan.finish(text)
-        if call is None:
-            return self._end_calls()
-        deltas.append(self._calls.update(index, call.name, call.arguments))
-        self._read, self._pos = self._read_element, scan.end
-        return ""
+        return self._begin_call(JsonCallScan(start, ARGUMENT_KEYS), self._read_element)
 
 
 class NamedToolCallParser(ToolParser):

@@ -15,6 +15,7 @@ from pagedjax.entrypoints.openai.tool_parsers.abstract_tool_parser import (
     ToolParser,
     make_tool_call_id,
 )
+from pagedjax.entrypoints.openai.tool_parsers.json_call import JsonCallScan
 
 Deltas = list[DeltaToolCall | None]
 
@@ -96,6 +97,10 @@ class StreamingToolParser(ToolParser):
         self._content = ContentStreamer()
         self._calls = ToolCallStreamer()
         self._read: Callable[[str, Deltas], str | None] = self._read_start
+        self._pos = 0  # where the state reads on
+        self._scan: JsonCallScan | None = None  # the JSON call being read
+        self._index = -1  # its index
+        self._after_call: Callable[[str, Deltas], str | None] = self._read_stopped
 
     def _read_start(self, text: str, deltas: Deltas) -> str | None:
         raise NotImplementedError
@@ -114,6 +119,29 @@ class StreamingToolParser(ToolParser):
         while (step := self._read(current_text, deltas)) is not None:
             content += step
         return delta_message(content, deltas)
+
+    def _begin_call(self, scan: JsonCallScan,
+                    then: Callable[[str, Deltas], str | None]) -> str:
+        """Read the next call with `scan` (its name, then its arguments as they come); state
+        `then` reads on from where it ends (`self._pos`)."""
+        self._read, self._scan, self._after_call = self._read_call, scan, then
+        self._index += 1
+        return ""
+
+    def _read_call(self, text: str, deltas: Deltas) -> str | None:
+        scan, index = self._scan, self._index
+        scan.advance(text)
+        if scan.error:
+            return self._end_calls()
+        if not scan.done:
+            deltas.append(self._calls.update(index, scan.name(), scan.arguments(text)))
+            return None
+        call = scan.finish(text)
+        if call is None:
+            return self._end_calls()
+        deltas.append(self._calls.update(index, call.name, call.arguments))
+        self._read, self._pos = self._after_call, scan.end
+        return ""
 
     def _end_calls(self) -> str:
         """No (more) calls follow, or the text is no call after all: all of it is content if

@@ -57,7 +57,7 @@ from pagedjax.engine.stats import StepTimings
 from pagedjax.engine.step_costs import step_costs
 from pagedjax.model_loader.gguf import gguf_file, resolve_model_source
 from pagedjax.model_loader.tokenizer import load_eos_token_ids, load_tokenizer
-from pagedjax.reasoning.token_ids import reasoning_token_ids
+from pagedjax.reasoning.token_ids import engine_reasoning_parser
 from pagedjax.rng import derive_seed
 from pagedjax.sampling_params import RequestOutputKind
 from pagedjax.structured_output import StructuredOutputManager
@@ -88,7 +88,7 @@ class EngineCore:
         TensorParallelPlan.for_model(self.model_config, config.tensor_parallel_size)  # it splits
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
         self.eos_token_ids = load_eos_token_ids(config.model, self.tokenizer)
-        reasoning_ids = reasoning_token_ids(config.reasoning_parser, self.tokenizer)  # checked
+        reasoner = engine_reasoning_parser(config.reasoning_parser, self.tokenizer)  # checked
         spec_config = draft_model_config = None
         if config.speculative_config is not None:  # the runners read the typed one
             spec_config = config.speculative_config = SpeculativeConfig.from_dict(
@@ -122,8 +122,7 @@ class EngineCore:
                                       max_model_len=config.max_model_len,
                                       eos_token_ids=self.eos_token_ids)
         self.structured_output = StructuredOutputManager(
-            self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
-            reasoning_ids)
+            self.tokenizer, self.model_config.vocab_size, self.eos_token_ids, reasoner)
         self._next_seq_id = 0
         self._num_arrivals = 0
         self.policy_context = PolicyContext(self.scheduler, self._new_seq_id, self._rng_seed,

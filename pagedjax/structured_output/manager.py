@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import os
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -40,6 +40,9 @@ from pagedjax.core.sequence import Sequence
 from pagedjax.sampling_params import SamplingParams
 from pagedjax.structured_output.grammar import GrammarCompiler, grammar_key
 from pagedjax.structured_output.mask_filler import FillJob, MaskFiller
+
+if TYPE_CHECKING:
+    from pagedjax.reasoning import ReasoningParser
 
 logger = logging.getLogger(__name__)
 
@@ -60,11 +63,11 @@ PARALLEL_MASK_ROWS = 16
 class StructuredOutputManager:
     def __init__(self, tokenizer: Any | None, vocab_size: int,
                  eos_token_ids: tuple[int, ...],
-                 reasoning_token_ids: tuple[int | None, int] | None = None) -> None:
-        """reasoning_token_ids: (start, end) token ids of the reasoning parser's markers
-        (start None where the tokenizer has no single token for it); None: no reasoning."""
+                 reasoner: ReasoningParser | None = None) -> None:
+        """reasoner: the engine's reasoning parser (its end marker one token); None: no
+        reasoning."""
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
-        self._reasoning = reasoning_token_ids
+        self._reasoner = reasoner
         self._thinking: set[int] = set()  # seq ids still reasoning: their grammar waits
         self.width = bitmask_width(vocab_size)
         self._eos_token_ids = eos_token_ids
@@ -165,7 +168,7 @@ class StructuredOutputManager:
             return entry[1]
         matcher = self._grammars[seq.request_id].deep_copy()
         output = seq.token_ids[seq.num_prompt_tokens :]
-        if self._reasoning is not None:
+        if self._reasoner is not None:
             answer_start = self._answer_start(seq)
             if answer_start is None:
                 self._thinking.add(seq.seq_id)
@@ -183,11 +186,9 @@ class StructuredOutputManager:
         """Where seq's answer starts in its output (past the reasoning); None while it is
         still reasoning. A prompt whose last end marker follows its last start marker has
         closed the reasoning itself (0)."""
-        start_id, end_id = self._reasoning
-        prompt = seq.token_ids[: seq.num_prompt_tokens]
-        last_end = _last_index(prompt, end_id)
-        if last_end >= 0 and last_end > _last_index(prompt, start_id):
+        if self._reasoner.is_reasoning_end(seq.token_ids[: seq.num_prompt_tokens]):
             return 0
+        end_id = self._reasoner.end_token_id
         output = seq.token_ids[seq.num_prompt_tokens :]
         return output.index(end_id) + 1 if end_id in output else None
 
@@ -286,7 +287,7 @@ class StructuredOutputManager:
             tokens = sampled.tokens(r)
             num_free = 0  # tokens of the reasoning, before the grammar applies
             if seq_id in self._thinking:
-                end_id = self._reasoning[1]
+                end_id = self._reasoner.end_token_id
                 if end_id not in tokens:
                     continue
                 self._thinking.discard(seq_id)
@@ -342,12 +343,3 @@ class StructuredOutputManager:
         if self._compiler is not None:
             self._compiler.shutdown()
 
-
-def _last_index(token_ids: list[int], token_id: int | None) -> int:
-    """The last position of token_id in token_ids; -1 if absent (or None)."""
-    if token_id is None:
-        return -1
-    for i in range(len(token_ids) - 1, -1, -1):
-        if token_ids[i] == token_id:
-            return i
-    return -1

@@ -9,6 +9,7 @@ import pytest
 
 from pagedjax.core.scheduler_output import SampledTokens
 from pagedjax.core.sequence import Sequence
+from pagedjax.reasoning.token_ids import engine_reasoning_parser
 from pagedjax.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedjax.structured_output import StructuredOutputManager
 from pagedjax.structured_output.grammar import grammar_key
@@ -52,7 +53,7 @@ def test_the_grammar_waits_for_the_end_of_the_reasoning(think_tokenizer) -> None
     yes = think_tokenizer.encode("yes", add_special_tokens=False)
     free = think_tokenizer.encode("zzz", add_special_tokens=False)
     manager = StructuredOutputManager(think_tokenizer, len(think_tokenizer), (0,),
-                                      (start_id, end_id))
+                                      engine_reasoning_parser("deepseek_r1", think_tokenizer))
     seq = ready_seq(manager, [5, 6, start_id])
     mask = allowed(manager, seq)
     assert mask is None or (mask == -1).all()  # reasoning: every token allowed
@@ -79,7 +80,7 @@ def test_the_grammar_waits_for_the_end_of_the_reasoning(think_tokenizer) -> None
 def test_a_prompt_that_closed_the_reasoning_is_constrained_at_once(think_tokenizer) -> None:
     start_id, end_id = think_tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
     manager = StructuredOutputManager(think_tokenizer, len(think_tokenizer), (0,),
-                                      (start_id, end_id))
+                                      engine_reasoning_parser("deepseek_r1", think_tokenizer))
     seq = ready_seq(manager, [5, start_id, 9, end_id, 6])
     mask = allowed(manager, seq)
     assert mask is not None and not (mask == -1).all()

@@ -139,8 +139,6 @@ class ChoiceParser:
                 if function is None or not function.name:
                     continue  # a parser's arguments before its name: never sent alone
                 sent = self.sent_calls[call.index] = _SentCall(call.id or "", function.name)
-            elif function is not None:
-                function.name = None  # a name goes once
             if function is not None and function.arguments:
                 sent.arguments += function.arguments
             calls.append(call.to_dict())

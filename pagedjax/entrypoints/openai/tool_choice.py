@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -139,8 +140,6 @@ def check_tool_schemas(tools: list[ChatCompletionToolsParam] | None) -> None:
 def tool_messages_for_template(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Assistant `tool_calls` with their arguments as objects (OpenAI sends JSON text; chat
     templates index into them), as vLLM passes them."""
-    import json
-
     out = []
     for message in messages:
         calls = message.get("tool_calls") if isinstance(message, dict) else None

@@ -17,7 +17,12 @@ SUPPORTED_QUANT_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "
                          "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 GGUF_EXTRA = 'pip install "pagedjax[gguf]" (in a checkout: pip install -e ".[gguf]")'
 # Bumped when the conversion's output changes: older cached conversions are then redone.
-_CONVERSION_VERSION = 1
+_CONVERSION_VERSION = 2
+# GGUF architectures (llama.cpp's names) whose transformers model type is spelled otherwise
+_MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+# GGUF metadata transformers' reader leaves out, by the config field it is: without it a
+# Qwen3-MoE's experts get Qwen3MoeConfig's default width
+_CONFIG_GAPS = {"expert_feed_forward_length": "moe_intermediate_size"}
 
 
 def gguf_file(model: str | os.PathLike) -> Path | None:
@@ -92,11 +97,13 @@ def check_gguf(path: Path) -> str:
     field = reader.fields.get("general.architecture")
     if field is None:
         raise ValueError(f"{str(path)!r} has no general.architecture: not a model GGUF file.")
-    architecture = bytes(field.parts[field.data[0]]).decode()
+    architecture = field.contents()
     supported = supported_gguf_architectures()
-    if architecture.replace("-", "_") not in supported:
+    if architecture not in supported:
         raise ValueError(f"{str(path)!r} is a {architecture!r} model; pagedjax loads GGUF "
-                         f"architectures {', '.join(supported)}.")
+                         f"architectures {', '.join(supported)}. Load a Hugging Face checkpoint "
+                         "of it instead if its architecture is in docs/models.md.")
+    _check_experts(path, reader, architecture)
     types = {tensor.tensor_type.name for tensor in reader.tensors}
     unsupported = sorted(types - set(SUPPORTED_QUANT_TYPES))
     if unsupported:
@@ -107,15 +114,36 @@ def check_gguf(path: Path) -> str:
             frozenset({"BF16"}): "bfloat16"}.get(frozenset(halves), "float32")
 
 
+def _check_experts(path: Path, reader, architecture: str) -> None:
+    """Refuse a mixture of experts in an architecture whose transformers GGUF config has no
+    experts (llama.cpp writes Mixtral as 'llama' with an expert count): it would be read as a
+    dense model without MLP weights. Said here, from the metadata, before any dequantizing."""
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    field = reader.fields.get(f"{architecture}.expert_count")
+    num_experts = int(field.contents()) if field is not None else 0
+    model_type = _MODEL_TYPES.get(architecture, architecture)
+    if num_experts and "expert_count" not in GGUF_CONFIG_MAPPING[model_type]:
+        moe = [a for a in supported_gguf_architectures()
+               if "expert_count" in GGUF_CONFIG_MAPPING[_MODEL_TYPES.get(a, a)]]
+        raise ValueError(f"{str(path)!r} is a mixture of {num_experts} experts in GGUF "
+                         f"architecture {architecture!r} (llama.cpp writes Mixtral so), which "
+                         "transformers' GGUF reader cannot convert; load the model's Hugging "
+                         "Face checkpoint directory instead. GGUF mixtures of experts that "
+                         f"load: {', '.join(moe)}.")
+
+
 def supported_gguf_architectures() -> list[str]:
-    """GGUF architecture names (transformers' model types) that both transformers' GGUF reader
-    and pagedjax (config.SUPPORTED_ARCHITECTURES) take."""
+    """GGUF architecture names (llama.cpp's) that both transformers' GGUF reader and pagedjax
+    (config.SUPPORTED_ARCHITECTURES) take."""
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     from pagedjax.config import SUPPORTED_ARCHITECTURES
 
-    return sorted(model_type for model_type, cls in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()
+    gguf_names = {model_type: name for name, model_type in _MODEL_TYPES.items()}
+    return sorted(gguf_names.get(model_type, model_type)
+                  for model_type, cls in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()
                   if cls in SUPPORTED_ARCHITECTURES and model_type in GGUF_SUPPORTED_ARCHITECTURES)
 
 
@@ -127,13 +155,24 @@ def _require_gguf_packages() -> None:
 
 
 def _write_hf_checkpoint(path: Path, out_dir: Path, dtype: str) -> None:
-    """transformers' GGUF reader, dequantized, saved by save_pretrained (without the GGUF
-    quantization_config, so the checkpoint loads as a plain one)."""
+    """transformers' GGUF reader, dequantized (with the config fields it leaves out), saved by
+    save_pretrained (without the GGUF quantization_config, so the checkpoint loads as a plain
+    one)."""
     import torch
+    from gguf import GGUFReader
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    fields = GGUFReader(path).fields
+    architecture = fields["general.architecture"].contents()
+    gaps = {config_field: fields[f"{architecture}.{key}"].contents()
+            for key, config_field in _CONFIG_GAPS.items() if f"{architecture}.{key}" in fields}
     folder, name = str(path.parent), path.name
-    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    loaded, info = AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=name, dtype=torch.float32, output_loading_info=True, **gaps)
+    if missing := sorted(info["missing_keys"]):  # else saved with random weights
+        raise ValueError(f"transformers' GGUF reader found no weights in {str(path)!r} for "
+                         f"{', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}; load "
+                         "the model's Hugging Face checkpoint directory instead.")
     config = loaded.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config

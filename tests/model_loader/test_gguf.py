@@ -17,7 +17,7 @@ from pagedjax.config import ModelConfig
 from pagedjax.entrypoints.cli import main
 from pagedjax.model_loader.gguf import convert_gguf, resolve_model_source
 from pagedjax.testing.checkpoints import make_tiny_checkpoint
-from tests.support.gguf_files import write_llama_gguf
+from tests.support.gguf_files import write_gguf
 
 MAX_TOKENS = 8
 TEXT = "def main(argv):\n    return 0  # héllo"
@@ -31,7 +31,7 @@ def hf_dir(tmp_path_factory, tokenizer) -> Path:
 
 @pytest.fixture(scope="module")
 def gguf_path(hf_dir, tmp_path_factory) -> Path:
-    return write_llama_gguf(hf_dir, tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+    return write_gguf(hf_dir, tmp_path_factory.mktemp("gguf") / "tiny.gguf")
 
 
 def _hf_greedy_from_gguf(path: Path, prompts: list[list[int]]) -> list[list[int]]:
@@ -104,16 +104,16 @@ def test_convert_writes_a_loadable_checkpoint(gguf_path, hf_dir, tmp_path, capsy
 
 
 def test_an_all_float16_gguf_is_saved_in_float16(hf_dir, tmp_path) -> None:
-    path = write_llama_gguf(hf_dir, tmp_path / "half.gguf", dtype=np.float16)
+    path = write_gguf(hf_dir, tmp_path / "half.gguf", dtype=np.float16)
     out = convert_gguf(path, tmp_path / "hf")
     assert json.loads((out / "config.json").read_text())["dtype"] == "float16"
 
 
 def test_unsupported_architecture_and_tensor_type_are_refused(hf_dir, tmp_path) -> None:
-    gpt2 = write_llama_gguf(hf_dir, tmp_path / "gpt2.gguf", architecture="gpt2")
+    gpt2 = write_gguf(hf_dir, tmp_path / "gpt2.gguf", architecture="gpt2")
     with pytest.raises(ValueError, match=r"is a 'gpt2' model; .*llama"):
         resolve_model_source(str(gpt2))
-    int8 = write_llama_gguf(hf_dir, tmp_path / "int8.gguf", first_tensor_dtype=np.int8)
+    int8 = write_gguf(hf_dir, tmp_path / "int8.gguf", first_tensor_dtype=np.int8)
     with pytest.raises(ValueError, match=r"type I8, which cannot be dequantized; .*Q4_K"):
         convert_gguf(int8, tmp_path / "out")
     assert not (tmp_path / "out").exists()

@@ -338,11 +338,10 @@ class EngineConfig:
                              f"tensor_parallel_size={self.tensor_parallel_size}; use "
                              f"dtype='float32' (the default on CPU) and one device, or "
                              f"quantization=None.")
-        if model_config.num_experts and (q is not None or self.tensor_parallel_size != 1):
+        if model_config.num_experts and q is not None:
             raise ValueError(f"{model_config.architecture} (a mixture of experts) runs "
-                             f"unquantized on one device for now, not with quantization={q!r} "
-                             f"and tensor_parallel_size={self.tensor_parallel_size}; use "
-                             f"quantization=None and tensor_parallel_size=1.")
+                             f"unquantized for now, not with quantization={q!r}; use "
+                             f"quantization=None.")
         if q == "gguf" and self.gguf_path is None:
             raise ValueError(f"quantization='gguf' keeps a GGUF file's blocks, but model="
                              f"{self.model!r} is no GGUF file; pass a .gguf file, or use "

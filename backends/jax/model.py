@@ -20,7 +20,7 @@ import numpy as np
 from pagedjax.backends.common.attention_metadata import AttentionMetadata
 from pagedjax.backends.common.weight_quantizer import LM_HEAD, WeightQuantizer, projection_label
 from pagedjax.backends.jax.linear import dense, matmul_precision
-from pagedjax.backends.jax.moe import FusedMoE
+from pagedjax.backends.jax.moe import ExpertsFn, FusedMoE, routed_experts
 from pagedjax.config import ModelConfig
 
 KVCache = tuple[jax.Array, jax.Array]  # k, v: [num_blocks, Hkv, block_size, D]
@@ -69,7 +69,8 @@ def pack_params(params: dict, tie_word_embeddings: bool,
     from pagedjax.backends.jax import cpu_ffi
 
     def experts(block: dict) -> dict:  # a FusedMoE's params, packed
-        w13, w2 = cpu_ffi.pack_moe_weights(block["gate_up_proj"], block["down_proj"])
+        gate_up = jnp.concatenate([block["gate_proj"], block["up_proj"]], axis=-1)  # [E, H, 2I]
+        w13, w2 = cpu_ffi.pack_moe_weights(gate_up, block["down_proj"])
         router = {"kernel": cpu_ffi.pack_linear_weight(block["router"]["kernel"])}
         return {"router": router, "gate_up_packed": w13, "down_packed": w2}
 
@@ -194,6 +195,7 @@ class DecoderLayer(nn.Module):
     packed: bool = False
     layer: int = 0  # its index
     kv_scales: tuple[float, float] = (1.0, 1.0)
+    experts_fn: ExpertsFn = routed_experts  # a mixture of experts' (per device under TP)
 
     @nn.compact
     def __call__(self, x: jax.Array, kv_cache: KVCache,
@@ -202,7 +204,7 @@ class DecoderLayer(nn.Module):
         attention = Attention(cfg, self.dtype, self.attention_fn, self.write_kv_fn, self.packed,
                               self.layer, self.kv_scales, name="self_attn")
         if cfg.is_moe_layer(self.layer):  # packed: the padding rows wake no expert
-            moe = FusedMoE(cfg, self.dtype, self.packed, name="mlp")
+            moe = FusedMoE(cfg, self.dtype, self.packed, self.experts_fn, name="mlp")
             mlp = functools.partial(moe, num_rows=meta.query_start_loc[-1] if self.packed
                                     else None)
         else:
@@ -238,13 +240,14 @@ class LlamaForCausalLM(nn.Module):
     write_kv_fn: WriteKVFn
     packed: bool = False
     kv_cache_scales: KVCacheScales = None  # not None: the KV cache is float8_e4m3fn
+    experts_fn: ExpertsFn = routed_experts  # a mixture of experts' (per device under TP)
 
     def setup(self) -> None:
         cfg = self.config
         self.embed_tokens = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype,
                                      param_dtype=self.dtype)
         self.layers = [DecoderLayer(cfg, self.dtype, self.attention_fn, self.write_kv_fn,
-                                    self.packed, i, self.layer_kv_scales(i))
+                                    self.packed, i, self.layer_kv_scales(i), self.experts_fn)
                        for i in range(cfg.num_layers)]
         self.norm = RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_weight_offset)
         # packed and tied: pack_params gives the head its own copy of the embedding

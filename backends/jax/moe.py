@@ -2,16 +2,21 @@
 semantics of backends/torch/moe.py.
 
 The router scores every expert; each token goes to its top k, weighted by the softmax (over all
-experts, renormalised over the k where the architecture says: `moe_routing`). The experts run
-as two `jax.lax.ragged_dot`s over the step's T * k (token, expert) pairs sorted by expert
-(static shapes: the group sizes are data), and each pair's output, times its weight, is added
-back into its token's row. Packed (CPU, float32, one device: `pack_params`), the experts run
-as one C++ call instead, `cpu_ffi.moe_experts`: each chosen expert's products on the packed
-linear's blocks, where ragged_dot computed every expert densely on the CPU (benchmarks/moe.py's
-decode step from 24x its dense twin's time to 0.9-1.1x).
+experts, renormalised over the k where the architecture says: `moe_routing`). The experts run as
+`jax.lax.ragged_dot`s over the step's T * k (token, expert) pairs sorted by expert (static shapes:
+the group sizes are data), and each pair's output, times its weight, is added back into its token's
+row. Gate and up are two weights, not one fused [E, H, 2I]: under tensor parallelism each splits by
+column (each device holds its share of every expert's intermediate dimension,
+backends/jax/parallel.py) and XLA partitions the products, with one all-reduce after down_proj, as
+for a dense MLP. Packed (CPU, float32, one device: `pack_params`), the experts run as one C++ call
+instead, `cpu_ffi.moe_experts`: each chosen expert's products on the packed linear's blocks, where
+ragged_dot computed every expert densely on the CPU (benchmarks/moe.py's decode step from 24x its
+dense twin's time to 0.9-1.1x).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import flax.linen as nn
 import jax
@@ -31,15 +36,39 @@ def moe_routing(logits: jax.Array, k: int, renormalize: bool) -> tuple[jax.Array
     return weights, experts
 
 
+ExpertsFn = Callable[..., jax.Array]  # routed_experts, or its per-device form under TP
+
+
+def routed_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_proj: jax.Array,
+                   up_proj: jax.Array, down_proj: jax.Array, *, hidden_act: str) -> jax.Array:
+    """x [T, H], weights and experts [T, k] (moe_routing's), gate_proj and up_proj [E, H, I],
+    down_proj [E, I, H] → [T, H]: each token's sum over its k experts of weight * expert(x)."""
+    k = experts.shape[1]
+    precision = matmul_precision(x.dtype)
+    flat = experts.reshape(-1)  # [T * k]: pair p is token p // k's choice p % k
+    order = jnp.argsort(flat, stable=True)  # pairs sorted by expert
+    tokens = order // k
+    group_sizes = jnp.bincount(flat, length=gate_proj.shape[0]).astype(jnp.int32)  # [E]
+    rows = x[tokens]  # [T * k, H]
+    gate, up = (jax.lax.ragged_dot(rows, w, group_sizes, precision=precision)
+                for w in (gate_proj, up_proj))  # [T * k, I] each
+    act = nn.silu(gate) if hidden_act == "silu" else nn.gelu(gate, approximate=True)
+    y = jax.lax.ragged_dot(act * up, down_proj, group_sizes, precision=precision)  # [T*k, H]
+    y = y * weights.reshape(-1)[order][:, None].astype(y.dtype)
+    return jnp.zeros_like(x).at[tokens].add(y)
+
+
 class FusedMoE(nn.Module):
-    """params: router {"kernel" [H, E]}, gate_up_proj [E, H, 2I] (each expert's gate columns,
-    then its up columns), down_proj [E, I, H]; packed (pack_params), the router's kernel
-    [ceil(E / 16), H, 16] (PackedLinear's), gate_up_packed [E, ceil(2I / 16), H, 16] and
-    down_packed [E, ceil(H / 16), I, 16] (cpu_ffi.pack_moe_weights)."""
+    """params: router {"kernel" [H, E]}, gate_proj and up_proj [E, H, I], down_proj [E, I, H];
+    packed (pack_params), the router's kernel [ceil(E / 16), H, 16] (PackedLinear's),
+    gate_up_packed [E, ceil(2I / 16), H, 16] and down_packed [E, ceil(H / 16), I, 16]
+    (cpu_ffi.pack_moe_weights). experts_fn: routed_experts, or under tensor parallelism its
+    per-device form (backends/jax/parallel.py's per_shard_experts)."""
 
     config: ModelConfig
     dtype: jnp.dtype
     packed: bool = False
+    experts_fn: ExpertsFn = routed_experts
 
     @nn.compact
     def __call__(self, x: jax.Array, num_rows: jax.Array | None = None) -> jax.Array:
@@ -54,22 +83,13 @@ class FusedMoE(nn.Module):
         weights, experts = moe_routing(logits, k, cfg.renormalize_topk)  # [T, k]
         if self.packed:
             return self._packed_experts(x, weights, experts, num_rows)
-        precision = matmul_precision(self.dtype)
-        gate_up_proj = self.param("gate_up_proj", nn.initializers.zeros,
-                                  (e, cfg.hidden_size, 2 * inter), self.dtype)
+        gate_proj, up_proj = (self.param(name, nn.initializers.zeros,
+                                         (e, cfg.hidden_size, inter), self.dtype)
+                              for name in ("gate_proj", "up_proj"))
         down_proj = self.param("down_proj", nn.initializers.zeros,
                                (e, inter, cfg.hidden_size), self.dtype)
-        flat = experts.reshape(-1)  # [T * k]: pair p is token p // k's choice p % k
-        order = jnp.argsort(flat, stable=True)  # pairs sorted by expert
-        tokens = order // k
-        group_sizes = jnp.bincount(flat, length=e).astype(jnp.int32)  # [E]
-        gate_up = jax.lax.ragged_dot(x[tokens], gate_up_proj, group_sizes,
-                                     precision=precision)  # [T * k, 2I]
-        gate, up = gate_up[:, :inter], gate_up[:, inter:]
-        act = nn.silu(gate) if cfg.hidden_act == "silu" else nn.gelu(gate, approximate=True)
-        y = jax.lax.ragged_dot(act * up, down_proj, group_sizes, precision=precision)  # [T*k, H]
-        y = y * weights.reshape(-1)[order][:, None].astype(y.dtype)
-        return jnp.zeros_like(x).at[tokens].add(y)
+        return self.experts_fn(x, weights, experts, gate_proj, up_proj, down_proj,
+                               hidden_act=cfg.hidden_act)
 
     def _packed_experts(self, x: jax.Array, weights: jax.Array, experts: jax.Array,
                         num_rows: jax.Array | None) -> jax.Array:

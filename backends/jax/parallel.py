@@ -22,6 +22,10 @@ from pagedjax.distributed.tensor_parallel import COLUMN, LINEAR_SPLITS, TensorPa
 AXIS = "tp"
 
 
+EXPERT_COLUMNS = P(None, None, AXIS)  # a mixture of experts' gate / up [E, H, I]
+EXPERT_ROWS = P(None, AXIS, None)  # its down [E, I, H]
+
+
 def _rules() -> tuple[tuple[str, P], ...]:
     """Parameter path (".../self_attn/q_proj/kernel") → partition spec, from LINEAR_SPLITS. Flax
     kernels are [in, out]: column-parallel layers split `out` (and their bias), row-parallel
@@ -31,6 +35,8 @@ def _rules() -> tuple[tuple[str, P], ...]:
         rules.append((rf"{name}/kernel$", P(None, AXIS) if split == COLUMN else P(AXIS, None)))
         if split == COLUMN:
             rules.append((rf"{name}/bias$", P(AXIS)))
+    # a mixture of experts' experts, [E, in, out] (the router stays whole)
+    rules += [(r"mlp/(gate|up)_proj$", EXPERT_COLUMNS), (r"mlp/down_proj$", EXPERT_ROWS)]
     return tuple(rules)
 
 
@@ -87,6 +93,27 @@ def per_shard(attention_fn: Callable, write_kv_fn: Callable, mesh: Mesh | None,
                              )(k, v, k_cache, v_cache, slot_mapping)
 
     return attention, write_kv
+
+
+def per_shard_experts(experts_fn: Callable, mesh: Mesh | None,
+                      plan: TensorParallelPlan) -> Callable:
+    """A mixture of experts' routed_experts run on each device's share of every expert's
+    intermediate columns, its partial sums all-reduced once they are combined per token ([T, H],
+    as after a dense MLP's down_proj; XLA's own partitioning reduces the [T * k, H] pairs
+    before combining them, k times the bytes)."""
+    if mesh is None or not plan.shard_heads:
+        return experts_fn
+
+    def experts(x, weights, ids, gate_proj, up_proj, down_proj, **static):
+        def local(*args):
+            return jax.lax.psum(experts_fn(*args, **static), AXIS)
+
+        return jax.shard_map(local, mesh=mesh, check_vma=False,
+                             in_specs=(REPLICATED, REPLICATED, REPLICATED, EXPERT_COLUMNS,
+                                       EXPERT_COLUMNS, EXPERT_ROWS), out_specs=REPLICATED,
+                             )(x, weights, ids, gate_proj, up_proj, down_proj)
+
+    return experts
 
 
 _SHAPE = re.compile(r"(\w+)\[([\d,]*)\]")

@@ -22,7 +22,15 @@ from pagedjax.backends.common.weight_quantizer import WeightQuantizer
 from pagedjax.backends.common.weights import layer_norm_names, load_weights, repeat_kv_heads
 from pagedjax.backends.jax.attention import resolve_attention, uses_cpu_linear
 from pagedjax.backends.jax.model import KVCache, LlamaForCausalLM, pack_params
-from pagedjax.backends.jax.parallel import KV_CACHE, REPLICATED, param_specs, per_shard, shardings
+from pagedjax.backends.jax.moe import routed_experts
+from pagedjax.backends.jax.parallel import (
+    KV_CACHE,
+    REPLICATED,
+    param_specs,
+    per_shard,
+    per_shard_experts,
+    shardings,
+)
 from pagedjax.config import EngineConfig, ModelConfig
 from pagedjax.distributed.tensor_parallel import TensorParallelPlan
 
@@ -116,11 +124,13 @@ def convert_weights(model_dir: str, config: ModelConfig, dtype: jnp.dtype, *,
         a = np.asarray(a)
         return np.ascontiguousarray(a.T if transpose else a, dtype=jnp.dtype(dtype))
 
-    def arr_experts(name: str):  # [E, out, in] → [E, in, out]
+    def arr_experts(name: str, rows: slice = slice(None)):  # [E, out, in] → [E, in, out]
         a = w[name]
         if lazy:
-            return jnp.zeros((a.shape[0], a.shape[2], a.shape[1]), dtype)
-        return np.ascontiguousarray(np.asarray(a).transpose(0, 2, 1), dtype=jnp.dtype(dtype))
+            out = len(range(a.shape[1])[rows])
+            return jnp.zeros((a.shape[0], a.shape[2], out), dtype)
+        return np.ascontiguousarray(np.asarray(a)[:, rows].transpose(0, 2, 1),
+                                    dtype=jnp.dtype(dtype))
 
     def dense(prefix: str) -> dict:
         out = {"kernel": arr(f"{prefix}.weight", transpose=True)}
@@ -140,9 +150,11 @@ def convert_weights(model_dir: str, config: ModelConfig, dtype: jnp.dtype, *,
         p = f"layers.{i}"
         attention = {name: dense(f"{p}.{name}") for name in _ATTN}
         attention.update({n: {"weight": arr(f"{p}.{n}")} for n in norms if n in _QK_NORMS})
-        if config.is_moe_layer(i):  # on one device (EngineConfig.validate)
+        if config.is_moe_layer(i):  # gate and up apart: each splits by column under TP
+            inter, gate_up = config.moe_intermediate_size, f"{p}.experts.gate_up_proj"
             mlp = {"router": dense(f"{p}.router"),
-                   "gate_up_proj": arr_experts(f"{p}.experts.gate_up_proj"),  # [E, H, 2I]
+                   "gate_proj": arr_experts(gate_up, slice(0, inter)),  # [E, H, I]
+                   "up_proj": arr_experts(gate_up, slice(inter, 2 * inter)),  # [E, H, I]
                    "down_proj": arr_experts(f"{p}.experts.down_proj")}  # [E, I, H]
         else:
             mlp = {name: dense(f"{p}.{name}") for name in _MLP}
@@ -202,7 +214,7 @@ class DeviceModel:
             scales = tuple(kv_cache_scales(model_dir, model_config.num_layers))
         module = LlamaForCausalLM(shard_config, dtype,
                                   *per_shard(attention_fn, write_kv_fn, mesh, plan), packed,
-                                  scales)
+                                  scales, per_shard_experts(routed_experts, mesh, plan))
         params, source = load_params(model_dir, model_config, dtype, plan=plan, mesh=mesh)
         if config.quantization in ("int8", "gguf") and not packed:
             raise ValueError(f"quantization={config.quantization!r} runs on the C++ CPU kernels "

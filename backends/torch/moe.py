@@ -50,13 +50,15 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch
 
 class FusedMoE(nn.Module):
     """router [H, E] (a Linear), experts' gate_up_proj [E, 2I, H] and down_proj [E, H, I]
-    (the checkpoint's layout, read transposed); once packed, gate_up_proj [E, ceil(2I / 16), H,
+    (the checkpoint's layout, read transposed; under tensor parallelism I is this rank's share,
+    and the output is all-reduced); once packed, gate_up_proj [E, ceil(2I / 16), H,
     16] and down_proj [E, ceil(H / 16), I, 16] (pack_moe_weights)."""
 
     def __init__(self, config: ModelConfig, shard: Shard, router: nn.Module) -> None:
         """router: x [T, H] → logits [T, E] (the model's Linear, packed with its others)."""
         super().__init__()
-        e, inter, h = config.num_experts, config.moe_intermediate_size, config.hidden_size
+        e, h = config.num_experts, config.hidden_size
+        inter = shard.part(config.moe_intermediate_size)  # this rank's share of each expert
         self.shard, self.top_k, self.renormalize = shard, config.num_experts_per_tok, (
             config.renormalize_topk)
         self.hidden_act = config.hidden_act
@@ -81,8 +83,8 @@ class FusedMoE(nn.Module):
         """x [T, H] → [T, H]."""
         weights, experts = moe_routing(self.router(x), self.top_k, self.renormalize)  # [T, k]
         if self.packed:
-            return moe_experts(x, experts, weights, self.gate_up_proj, self.down_proj,
-                               self.intermediate_size)
+            return self.shard.all_reduce(moe_experts(
+                x, experts, weights, self.gate_up_proj, self.down_proj, self.intermediate_size))
         flat = experts.flatten()  # [T * k]: pair p is token p // k's choice p % k
         order = torch.argsort(flat, stable=True)  # pairs sorted by expert
         tokens = order // self.top_k

@@ -46,10 +46,11 @@ class Shard:
         part = vocab_size // self.size
         return self.rank * part, (self.rank + 1) * part
 
-    def cut(self, array, layer: str, n_per_rank: int):
+    def cut(self, array, layer: str, n_per_rank: int, stacked: bool = False):
         """This rank's n_per_rank outputs or inputs of a canonical weight [out, in] (or bias
-        [out]) of a linear layer, as LINEAR_SPLITS splits it (q_proj, o_proj, ...)."""
-        axis = LINEAR_SPLITS[layer]
+        [out]) of a linear layer, as LINEAR_SPLITS splits it (q_proj, o_proj, ...); stacked:
+        of each weight in a stack [E, out, in] (a mixture of experts' experts)."""
+        axis = LINEAR_SPLITS[layer] + stacked
         start = self.rank * n_per_rank if self.size > 1 else 0
         index = [slice(None)] * array.ndim
         index[axis] = slice(start, start + n_per_rank)

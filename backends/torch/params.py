@@ -123,10 +123,16 @@ def _fused_state_dict(weights: dict[str, np.ndarray], config: ModelConfig,
                  kv(f"{v}.bias")])
         state[f"{layer}.self_attn.o_proj.weight"] = shard.cut(
             weights[f"{layer}.o_proj.weight"], "o_proj", q_rows).T
-        if config.is_moe_layer(i):  # on one device (EngineConfig.validate)
+        if config.is_moe_layer(i):  # each expert cut as a dense MLP is; the router whole
             state[f"{layer}.mlp.router.weight"] = weights[f"{layer}.router.weight"].T  # [H, E]
-            for name in ("gate_up_proj", "down_proj"):  # [E, 2I, H], [E, H, I]
-                state[f"{layer}.mlp.{name}"] = weights[f"{layer}.experts.{name}"]
+            moe_inter, experts = shard.part(config.moe_intermediate_size), f"{layer}.experts"
+            gate, up = np.split(np.asarray(weights[f"{experts}.gate_up_proj"]), 2, axis=1)
+            state[f"{layer}.mlp.gate_up_proj"] = np.concatenate(
+                [shard.cut(w, "gate_proj", moe_inter, stacked=True) for w in (gate, up)],
+                axis=1)  # [E, 2I / shards, H]
+            state[f"{layer}.mlp.down_proj"] = shard.cut(
+                weights[f"{experts}.down_proj"], "down_proj", moe_inter,
+                stacked=True)  # [E, H, I / shards]
         else:
             state[f"{layer}.mlp.gate_up_proj.weight"] = np.concatenate(
                 [shard.cut(weights[f"{layer}.{p}_proj.weight"], f"{p}_proj", inter)

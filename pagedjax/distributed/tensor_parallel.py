@@ -1,11 +1,13 @@
 """Tensor parallelism, decided once for both backends: how a model splits over N devices.
 
-Megatron-style: attention heads and MLP columns split (column-parallel q/k/v and gate/up,
-row-parallel o and down, one all-reduce after each of the latter), the LM head split by
-vocabulary when it divides. KV heads split too; when there are fewer KV heads than devices, each
-is stored N / num_kv_heads times so every device holds the KV heads its query heads read (vLLM's
-rule): KV memory per device then stays that of one KV head, at N / num_kv_heads times the total.
-The scheduler and block manager are unchanged: every device holds every block, for its heads.
+Megatron-style: attention heads and MLP columns split (column-parallel q/k/v and gate/up, row-
+parallel o and down, one all-reduce after each of the latter), the LM head split by vocabulary when
+it divides. A mixture of experts splits each expert as a dense MLP (every device holds its share of
+every expert's intermediate columns; the router is whole), so its tokens never leave their device.
+KV heads split too; when there are fewer KV heads than devices, each is stored N / num_kv_heads
+times so every device holds the KV heads its query heads read (vLLM's rule): KV memory per device
+then stays that of one KV head, at N / num_kv_heads times the total. The scheduler and block
+manager are unchanged: every device holds every block, for its heads.
 
 This is the one place that says which weight splits how (LINEAR_SPLITS); each backend lays it
 out its own way: JAX as partition specs (backends/jax/parallel.py), torch by cutting each rank's
@@ -92,4 +94,6 @@ def _indivisible(config: ModelConfig, size: int) -> str | None:
         return f"num_key_value_heads={hkv} neither divides nor is a multiple of {size}"
     if inter % size:
         return f"intermediate_size={inter} is not a multiple of {size}"
+    if config.num_experts and config.moe_intermediate_size % size:
+        return f"moe_intermediate_size={config.moe_intermediate_size} is not a multiple of {size}"
     return None

@@ -42,9 +42,10 @@ def assert_same_greedy(got: list[dict], want: list[dict]) -> None:
             assert g["tokens"] == w["tokens"]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3_moe"])
 def test_jax_tp_1_2_4_give_the_same_tokens(tiny_model, arch: str) -> None:
-    """4 query heads, 2 KV heads: TP=2 splits both, TP=4 repeats each KV head twice."""
+    """4 query heads, 2 KV heads: TP=2 splits both, TP=4 repeats each KV head twice. A mixture
+    of experts (with a dense layer first) splits each expert's intermediate columns."""
     out = on_cpu_devices("greedy", model=tiny_model(arch), sizes=[1, 2, 4], prompts=PROMPTS)
     assert_same_greedy(out["2"], out["1"])
     assert_same_greedy(out["4"], out["1"])
@@ -72,11 +73,13 @@ def test_jax_speculative_decoding_under_tp(tiny_model) -> None:
     assert replicated["2_drafts"] > 0
 
 
-def test_jax_step_all_reduces_what_the_plan_counts(tiny_model) -> None:
-    """Two [T, H] all-reduces per layer (after o_proj and down_proj); the rest (sampling over
-    vocabulary-split logits, in the sampler's branches) carries one value per row or per logit
-    entry: never a vocabulary's or a hidden state's worth."""
-    out = on_cpu_devices("comm", model=tiny_model("llama"), size=2)
+@pytest.mark.parametrize("arch", ["llama", "mixtral"])
+def test_jax_step_all_reduces_what_the_plan_counts(tiny_model, arch: str) -> None:
+    """Two [T, H] all-reduces per layer (after o_proj and down_proj, a mixture of experts' too:
+    its tokens never leave their device); the rest (sampling over vocabulary-split logits, in
+    the sampler's branches) carries one value per row or per logit entry: never a vocabulary's
+    or a hidden state's worth."""
+    out = on_cpu_devices("comm", model=tiny_model(arch), size=2)
     t, h = out["num_tokens"], out["hidden_size"]
     layer_reduces = [s for s in out["all_reduces"] if s == ["f32", [t, h]]]
     assert len(layer_reduces) == 2 * out["num_layers"]
@@ -94,10 +97,12 @@ def test_bad_tensor_parallel_sizes(tiny_model, tmp_path) -> None:
 
 def test_torch_tp_2_gives_the_same_tokens_and_its_workers_exit(tiny_model) -> None:
     """TP=2 through the public LLM: rank 0 here, rank 1 a process the engine starts (gloo); with
-    and without a draft (split like the target); the worker exits when the engine is closed."""
+    and without a draft (split like the target), a mixture of experts with one; the worker exits
+    when the engine is closed."""
     from tests.support.tp_scenarios import greedy
 
-    for arch, draft in (("qwen2", None), ("llama", tiny_model("draft"))):
+    for arch, draft in (("qwen2", None), ("llama", tiny_model("draft")),
+                        ("mixtral", tiny_model("draft"))):
         out = greedy(tiny_model(arch), [1, 2], PROMPTS, draft=draft, backend="torch",
                      keep_workers=True)
         assert_same_greedy(out[2], out[1])

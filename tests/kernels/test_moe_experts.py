@@ -230,8 +230,9 @@ def test_the_models_packed_expert_blocks_equal_their_unpacked_ones(backend: str)
         from pagedjax.backends.jax.model import pack_params
         from pagedjax.backends.jax.moe import FusedMoE
 
+        gate, up = np.split(gate_up.numpy().transpose(0, 2, 1), 2, axis=-1)  # [E, H, I] each
         mlp = {"router": {"kernel": jnp.asarray(router.numpy())},
-               "gate_up_proj": jnp.asarray(gate_up.numpy().transpose(0, 2, 1)),
+               "gate_proj": jnp.asarray(gate), "up_proj": jnp.asarray(up),
                "down_proj": jnp.asarray(down.numpy().transpose(0, 2, 1))}
         unpacked = np.asarray(FusedMoE(config, jnp.float32).apply({"params": mlp},
                                                                  jnp.asarray(x.numpy())))

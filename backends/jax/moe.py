@@ -16,6 +16,7 @@ dense twin's time to 0.9-1.1x).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import flax.linen as nn
@@ -40,22 +41,45 @@ ExpertsFn = Callable[..., jax.Array]  # routed_experts, or its per-device form u
 
 
 def routed_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_proj: jax.Array,
-                   up_proj: jax.Array, down_proj: jax.Array, *, hidden_act: str) -> jax.Array:
+                   up_proj: jax.Array, down_proj: jax.Array, *, hidden_act: str,
+                   form: str | None = None) -> jax.Array:
     """x [T, H], weights and experts [T, k] (moe_routing's), gate_proj and up_proj [E, H, I],
-    down_proj [E, I, H] → [T, H]: each token's sum over its k experts of weight * expert(x)."""
-    k = experts.shape[1]
+    down_proj [E, I, H] → [T, H]: each token's sum over its k experts of weight * expert(x).
+
+    Two forms (EXPERT_FORMS), chosen by the step's static shape unless `form` names one: with
+    no more (token, expert) pairs than experts (a decode step), "gathered": the chosen experts'
+    weights gathered and multiplied per pair (reads T * k experts, where a grouped product may
+    read all E); otherwise "grouped": the pairs sorted by expert and run as ragged_dots."""
+    form = form or ("gathered" if experts.size <= gate_proj.shape[0] else "grouped")
+    act = nn.silu if hidden_act == "silu" else functools.partial(nn.gelu, approximate=True)
+    return EXPERT_FORMS[form](x, weights, experts, gate_proj, up_proj, down_proj, act)
+
+
+def _gathered(x, weights, experts, gate_proj, up_proj, down_proj, act) -> jax.Array:
+    precision = matmul_precision(x.dtype)
+    gate, up = (jnp.einsum("th,tkhi->tki", x, w[experts], precision=precision)
+                for w in (gate_proj, up_proj))  # [T, k, I] each
+    y = jnp.einsum("tki,tkih->tkh", act(gate) * up, down_proj[experts],
+                   precision=precision)  # [T, k, H]
+    return jnp.einsum("tkh,tk->th", y, weights.astype(y.dtype))
+
+
+def _grouped(x, weights, experts, gate_proj, up_proj, down_proj, act) -> jax.Array:
     precision = matmul_precision(x.dtype)
     flat = experts.reshape(-1)  # [T * k]: pair p is token p // k's choice p % k
     order = jnp.argsort(flat, stable=True)  # pairs sorted by expert
-    tokens = order // k
+    tokens = order // experts.shape[1]
     group_sizes = jnp.bincount(flat, length=gate_proj.shape[0]).astype(jnp.int32)  # [E]
     rows = x[tokens]  # [T * k, H]
     gate, up = (jax.lax.ragged_dot(rows, w, group_sizes, precision=precision)
                 for w in (gate_proj, up_proj))  # [T * k, I] each
-    act = nn.silu(gate) if hidden_act == "silu" else nn.gelu(gate, approximate=True)
-    y = jax.lax.ragged_dot(act * up, down_proj, group_sizes, precision=precision)  # [T*k, H]
+    y = jax.lax.ragged_dot(act(gate) * up, down_proj, group_sizes,
+                           precision=precision)  # [T * k, H]
     y = y * weights.reshape(-1)[order][:, None].astype(y.dtype)
     return jnp.zeros_like(x).at[tokens].add(y)
+
+
+EXPERT_FORMS: dict[str, Callable[..., jax.Array]] = {"gathered": _gathered, "grouped": _grouped}
 
 
 class FusedMoE(nn.Module):

@@ -56,10 +56,12 @@ def moe_config(hf_config, renormalize: bool) -> ModelConfig:
         moe_intermediate_size=hf_config.moe_intermediate_size, renormalize_topk=renormalize)
 
 
+@pytest.mark.parametrize("rows", [23, 3])  # 3 * top 2 < 8 experts: the gathered (decode) form
 @pytest.mark.parametrize("renormalize", [False, True])
 @pytest.mark.parametrize("backend", ["torch", "jax"])
-def test_the_expert_block_equals_hfs(backend: str, renormalize: bool) -> None:
+def test_the_expert_block_equals_hfs(backend: str, renormalize: bool, rows: int) -> None:
     hf_config, block, x = hf_block(renormalize)
+    x = x[:rows]
     with torch.no_grad():
         want = block(x[None])[0].numpy()
         router_logits = x @ block.gate.weight.T
@@ -93,6 +95,44 @@ def test_the_expert_block_equals_hfs(backend: str, renormalize: bool) -> None:
         got = np.asarray(FusedMoE(config, jnp.float32).apply({"params": params},
                                                              jnp.asarray(x.numpy())))
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("rows", [3, 23])
+@pytest.mark.parametrize("backend", ["torch", "jax"])
+def test_every_expert_form_equals_float64_math(backend: str, rows: int) -> None:
+    """routed_experts' forms (gathered, grouped; torch's per-expert loop), each forced at a
+    decode step's rows and a prefill's, against the experts in float64."""
+    rng = np.random.default_rng(rows)
+    e, k, h, inter = 8, 2, 64, 32
+    x = rng.standard_normal((rows, h)).astype(np.float32)
+    gate_up = (rng.standard_normal((e, 2 * inter, h)) * 0.2).astype(np.float32)  # [E, 2I, H]
+    down = (rng.standard_normal((e, h, inter)) * 0.2).astype(np.float32)  # [E, H, I]
+    experts = np.stack([rng.choice(e, k, replace=False) for _ in range(rows)]).astype(np.int32)
+    weights = rng.uniform(0.1, 1.0, (rows, k)).astype(np.float32)
+    want = np.zeros((rows, h))
+    for t, (ids, ws) in enumerate(zip(experts, weights, strict=True)):
+        for j, w in zip(ids, ws, strict=True):
+            gate, up = np.split(gate_up[j].astype(np.float64) @ x[t], 2)
+            want[t] += w * (down[j] @ (gate / (1 + np.exp(-gate)) * up))
+    if backend == "torch":
+        from pagedjax.backends.torch.moe import EXPERT_FORMS, routed_experts
+
+        args = [torch.from_numpy(a) for a in (x, weights, experts.astype(np.int64), gate_up,
+                                              down)]
+        got = {form: routed_experts(*args, "silu", form).numpy() for form in EXPERT_FORMS}
+    else:
+        import jax.numpy as jnp
+
+        from pagedjax.backends.jax.moe import EXPERT_FORMS, routed_experts
+
+        gate, up = np.split(gate_up.transpose(0, 2, 1), 2, axis=-1)  # [E, H, I] each
+        args = [jnp.asarray(a) for a in (x, weights, experts, gate, up,
+                                         down.transpose(0, 2, 1))]
+        got = {form: np.asarray(routed_experts(*args, hidden_act="silu", form=form))
+               for form in EXPERT_FORMS}
+    assert len(got) >= 2
+    for form, out in got.items():
+        np.testing.assert_allclose(out, want, atol=2e-5, rtol=1e-5, err_msg=form)
 
 
 @pytest.mark.parametrize("name", MOE)

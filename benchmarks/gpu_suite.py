@@ -10,13 +10,15 @@ parity with HF; async scheduling, branch-free and donated-output steps against t
 branched engine, on the device), decode steps at batch 1/16/64 on both backends (jax with its
 optimized HLO dumped and archived, torch asynchronous then synchronous, then both with
 quantization="fp8"), XLA command-buffer flag A/B, the attention kernels against JAX's op,
-speculation at batch 1 and 32, and the 8B shape at batch 1.
+speculation at batch 1 and 32, a mixture of experts' expert block per form at Qwen3-30B-A3B's
+shape (benchmarks/moe_layer.py), and the 8B shape at batch 1.
 
 The other parts (in the order a first run should take them):
 - environment: `pagedjax doctor` (which builds the CUDA ops once and caches them), pip list;
 - correctness: the kernel tests with the gpu-marked ones (Pallas compiled vs the float64 oracle,
   the CUDA op on device tensors with NaN-poisoned pools), then greedy parity jax/torch/HF in
-  float32 (exact) and bf16 (top-5 rule) on tiny models, and the backend test files;
+  float32 (exact) and bf16 (top-5 rule) on tiny models (a mixture of experts among them), and
+  the backend test files;
 - kernels: benchmarks/kernels.py, B 1/8/64 x context 512/2048/8192, JAX then torch;
 - throughput, latency (`pagedjax bench throughput|latency`): on a Llama-3.2-1B-shaped random
   bf16 checkpoint made here;
@@ -24,7 +26,9 @@ The other parts (in the order a first run should take them):
 - decode_step, decode_step_8b: decode steps at batch 1/16/64 against the bandwidth floor, with
   the host share, a profile of the device time and (jax) the step's executable timed alone
   (dispatch, back to back, synced), on the 1B and a Llama-3-8B-shaped checkpoint;
-- core_process: the offline engine's decode step with its core in the process or in its own.
+- core_process: the offline engine's decode step with its core in the process or in its own;
+- moe_layer: benchmarks/moe_layer.py, a mixture of experts' expert block per form (kernel
+  choice) at Qwen3-30B-A3B's shape, JAX then torch.
 
 Every step is a subprocess (JAX and torch never share one, XLA's allocator keeps what it
 freed) under a timeout; a part's timeouts add up to under 9 minutes. Logs go to OUT/PART/STEP.log
@@ -131,6 +135,15 @@ def kernels_steps(ctx: Context) -> list[Step]:
             for fw in ("jax", "torch")]
 
 
+def moe_layer_steps(ctx: Context, out: Path | None = None) -> list[Step]:
+    """A mixture of experts' expert block per form at Qwen3-30B-A3B's shape, one framework per
+    process (on a GPU: 1, 8, 64 and 512 tokens)."""
+    sweep = ("--tokens", "1", "3", "--repeats", "2") if ctx.dry_run else ()
+    script, out = str(BENCHMARKS / "moe_layer.py"), str(out or ctx.out / "moe_layer")
+    return [Step(f"moe_layer_{fw}", (script, "--framework", fw, *sweep, "--out", out), 90)
+            for fw in ("jax", "torch")]
+
+
 def _make_model_step(ctx: Context, shape: str = "1b", timeout_s: int = 150) -> Step:
     argv = (str(Path(__file__)), "--make-model", str(ctx.model_dir(shape)), "--shape", shape)
     name = "make_model" if shape == "1b" else f"make_model_{shape}"
@@ -229,7 +242,7 @@ def all_steps(ctx: Context) -> list[Step]:
         Step("doctor", ("-m", "pagedjax.entrypoints.cli", "doctor", "--json"), 150,
              "doctor.json"),
         Step("kernel_gpu_tests", _pytest(part / "kernel_gpu_tests.xml", *kernel_tests), 120),
-        Step("engine_gpu_tests", _pytest(part / "engine_gpu_tests.xml", *engine_tests), 150),
+        Step("engine_gpu_tests", _pytest(part / "engine_gpu_tests.xml", *engine_tests), 210),
         _make_model_step(ctx, "1b", 60),
         decode_step("decode_step_jax", "jax", "--profile", "--probe", timeout_s=120,
                     env=(("XLA_FLAGS", dump_flags),)),
@@ -248,6 +261,7 @@ def all_steps(ctx: Context) -> list[Step]:
         *(Step(f"spec_decode_{backend}", (str(BENCHMARKS / "spec_decode.py"), "--backends",
                                           backend, *spec, "--out", str(part / "spec_decode")),
                timeout_s) for backend, timeout_s in (("torch", 60), ("jax", 150))),
+        *moe_layer_steps(ctx, part / "moe_layer"),
         _make_model_step(ctx, "8b", 150),
         decode_step("decode_step_8b_jax", "jax", timeout_s=200, model_dir=model_8b,
                     batch_sizes=("1",)),
@@ -269,6 +283,7 @@ PARTS: dict[str, Callable[[Context], list[Step]]] = {
     "decode_step": decode_step_steps,
     "decode_step_8b": decode_step_8b_steps,
     "core_process": core_process_steps,
+    "moe_layer": moe_layer_steps,
     "all": all_steps,
 }
 

@@ -48,7 +48,7 @@ def test_every_part_fits_its_budget_one_framework_per_process(tmp_path, dry_run)
 # the part each test checks, in the order they run
 TEST_PARTS = {"test_environment": "environment", "test_correctness": "correctness",
               "test_kernels": "kernels", "test_spec_decode": "spec_decode",
-              "test_decode_step": "decode_step"}
+              "test_decode_step": "decode_step", "test_moe_layer": "moe_layer"}
 
 
 @pytest.fixture(scope="module")
@@ -191,3 +191,19 @@ def test_decode_step(suite_out, part_runs):
             assert row["step ms"] > 0 and row["floor ms"] > 0 and 0 < row["host share %"] < 100
             assert row["weights GB"] > 0 and row["KV GB"] > 0
             assert row["profile"] and all(k["us/step"] > 0 for k in row["profile"])
+
+
+def test_moe_layer(suite_out, part_runs):
+    """Each framework's expert-block forms ran, agree with the grouped form, and the form the
+    model picks is marked (gathered for 1 token x top 2 <= 8 experts, grouped past it)."""
+    records = _part(part_runs, "moe_layer")
+    assert [r["step"] for r in records] == ["moe_layer_jax", "moe_layer_torch"]
+    for framework, forms in (("jax", {"gathered", "grouped"}),
+                             ("torch", {"gathered", "grouped", "loop"})):
+        rows = _json(f"moe_layer_{framework}_*.json",
+                     suite_out / "moe_layer" / "moe_layer")["results"]
+        assert {r["form"] for r in rows} == forms
+        assert all(r["status"] == "ok" and r["us"] > 0 for r in rows), rows
+        assert all(r["max_abs_diff_vs_grouped"] < 1e-5 for r in rows)
+        chosen = {r["tokens"]: r["form"] for r in rows if r["model_choice"]}
+        assert chosen == {1: "gathered", 3: "gathered"}

@@ -1,5 +1,6 @@
-"""Greedy parity of both backends with HF transformers on a tiny model, on whatever device each
-backend picks (the GPU when there is one: gpu_suite.py's correctness part runs this file there).
+"""Greedy parity of both backends with HF transformers on a tiny model and a tiny mixture of
+experts, on whatever device each backend picks (the GPU when there is one: gpu_suite.py's
+correctness part runs this file there).
 
 float32: token-identical to HF's float32 greedy. bfloat16 weights and caches: greedy may drift
 from float32, but the first token where it does is among bf16's top 5 at that position.
@@ -17,10 +18,10 @@ MAX_TOKENS = 12
 PROMPT_LENS = (1, 17, 40)
 
 
-@pytest.fixture(scope="module")
-def model_and_reference(tiny_model) -> tuple[str, list[list[int]], list[list[int]]]:
+@pytest.fixture(scope="module", params=["llama", "qwen3_moe"])
+def model_and_reference(tiny_model, request) -> tuple[str, list[list[int]], list[list[int]]]:
     """(checkpoint, prompts, HF float32 greedy continuations)."""
-    model_dir = tiny_model("llama")
+    model_dir = tiny_model(request.param)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(1, 500, n).tolist() for n in PROMPT_LENS]
     return model_dir, prompts, hf_greedy(model_dir, prompts, MAX_TOKENS)

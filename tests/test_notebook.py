@@ -27,5 +27,5 @@ def test_the_notebook_runs_and_its_saved_copy_has_its_pictures() -> None:
     assert not errors
     pictures = [c for c in notebook.cells if c.cell_type == "code"
                 and any("image/png" in o.get("data", {}) for o in c.outputs)]
-    assert len(pictures) == 6  # block tables, copy-on-write, beams, drafts, benchmark,
-    # structured mask
+    assert len(pictures) == 7  # block tables, copy-on-write, beams, drafts, benchmark,
+    # structured mask, expert load

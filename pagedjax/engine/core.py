@@ -27,7 +27,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from pagedjax.cache import compile_at_startup
-from pagedjax.config import EngineConfig, ModelConfig
+from pagedjax.config import EngineConfig, ModelConfig, quantized_experts_error
 from pagedjax.core.batch import ModelInput, ModelOutput
 from pagedjax.core.beam_search import BeamSearch
 from pagedjax.core.block_manager import BlockManager
@@ -55,7 +55,7 @@ from pagedjax.engine.core_messages import (
 from pagedjax.engine.overlap import Launched, StepOverlap
 from pagedjax.engine.stats import StepTimings
 from pagedjax.engine.step_costs import step_costs
-from pagedjax.model_loader.gguf import gguf_file, resolve_model_source
+from pagedjax.model_loader.gguf import gguf_experts, gguf_file, resolve_model_source
 from pagedjax.model_loader.tokenizer import load_eos_token_ids, load_tokenizer
 from pagedjax.reasoning.token_ids import engine_reasoning_parser
 from pagedjax.rng import derive_seed
@@ -73,6 +73,10 @@ class EngineCore:
         source = gguf_file(config.model)
         if source is not None:
             config.gguf_path = str(source)
+            architecture, num_experts = gguf_experts(source)
+            if num_experts and config.quantization is not None:  # before a long conversion
+                raise ValueError(quantized_experts_error(f"{source.name} ({architecture})",
+                                                         config.quantization))
             if config.quantization is None:
                 logger.info("%s: dequantized to float32 at load; quantization='gguf' keeps its "
                             "Q8_0/Q4_0/Q4_1 blocks (torch backend, CPU)", source.name)

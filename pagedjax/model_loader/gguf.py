@@ -133,6 +133,18 @@ def _check_experts(path: Path, reader, architecture: str) -> None:
                          f"load: {', '.join(moe)}.")
 
 
+def gguf_experts(path: str | os.PathLike) -> tuple[str, int]:
+    """(architecture, expert count: 0 for a dense model) from a GGUF file's metadata."""
+    _require_gguf_packages()
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+    field = reader.fields.get("general.architecture")
+    architecture = field.contents() if field is not None else ""
+    count = reader.fields.get(f"{architecture}.expert_count")
+    return architecture, int(count.contents()) if count is not None else 0
+
+
 def supported_gguf_architectures() -> list[str]:
     """GGUF architecture names (llama.cpp's) that both transformers' GGUF reader and pagedjax
     (config.SUPPORTED_ARCHITECTURES) take."""

@@ -85,7 +85,12 @@ def test_mixtral_and_unsupported_moe_ggufs_are_refused(tiny_model, moe_dir, tmp_
     assert not (tmp_path / "out").exists()
 
 
-def test_a_moe_gguf_with_quantization_is_refused(moe_files) -> None:
-    with pytest.raises(ValueError, match=r"Qwen3MoeForCausalLM \(a mixture of experts\) runs "
+def test_a_moe_gguf_with_quantization_is_refused(moe_files, monkeypatch) -> None:
+    """From the file's metadata, before the (on a large file, long) conversion starts."""
+    def no_conversion(*args):
+        raise AssertionError("converted before refusing")
+
+    monkeypatch.setattr("pagedjax.model_loader.gguf.convert_gguf", no_conversion)
+    with pytest.raises(ValueError, match=r"\(qwen3moe\) \(a mixture of experts\) runs "
                                          r"unquantized.*quantization=None"):
         LLM(str(moe_files["Q8_0"][0]), backend="torch", quantization="gguf")

@@ -120,8 +120,7 @@ def _check_experts(path: Path, reader, architecture: str) -> None:
     dense model without MLP weights. Said here, from the metadata, before any dequantizing."""
     from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
-    field = reader.fields.get(f"{architecture}.expert_count")
-    num_experts = int(field.contents()) if field is not None else 0
+    num_experts = _expert_count(reader, architecture)
     model_type = _MODEL_TYPES.get(architecture, architecture)
     if num_experts and "expert_count" not in GGUF_CONFIG_MAPPING[model_type]:
         moe = [a for a in supported_gguf_architectures()
@@ -141,8 +140,12 @@ def gguf_experts(path: str | os.PathLike) -> tuple[str, int]:
     reader = GGUFReader(path)
     field = reader.fields.get("general.architecture")
     architecture = field.contents() if field is not None else ""
-    count = reader.fields.get(f"{architecture}.expert_count")
-    return architecture, int(count.contents()) if count is not None else 0
+    return architecture, _expert_count(reader, architecture)
+
+
+def _expert_count(reader, architecture: str) -> int:
+    field = reader.fields.get(f"{architecture}.expert_count")
+    return int(field.contents()) if field is not None else 0
 
 
 def supported_gguf_architectures() -> list[str]:

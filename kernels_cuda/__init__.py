@@ -1,12 +1,13 @@
 """Torch custom ops of pagedjax: ragged paged attention and the KV-cache write (CUDA + C++ CPU),
 and the CPU ops of the rest of a decoder layer (linear over packed weights or quantized blocks,
-rotary embedding, RMSNorm with the residual add, SiLU-and-mul, a mixture of experts' expert
-block)."""
+rotary embedding, RMSNorm with the residual add, SiLU-and-mul, a mixture of experts' routing
+and expert block)."""
 
 from pagedjax.kernels_cuda.ops import (
     fused_add_rms_norm,
     linear,
     moe_experts,
+    moe_routing,
     ops_backend,
     pack_linear_weight,
     pack_moe_weights,
@@ -18,6 +19,6 @@ from pagedjax.kernels_cuda.ops import (
     write_kv,
 )
 
-__all__ = ["fused_add_rms_norm", "linear", "moe_experts", "ops_backend", "pack_linear_weight",
-           "pack_moe_weights", "quant_linear", "ragged_paged_attention", "rms_norm",
-           "rotary_embedding_", "silu_and_mul", "write_kv"]
+__all__ = ["fused_add_rms_norm", "linear", "moe_experts", "moe_routing", "ops_backend",
+           "pack_linear_weight", "pack_moe_weights", "quant_linear", "ragged_paged_attention",
+           "rms_norm", "rotary_embedding_", "silu_and_mul", "write_kv"]

@@ -276,6 +276,17 @@ def moe_experts(
                                           intermediate_size)
 
 
+def moe_routing(logits: torch.Tensor, k: int, renormalize: bool
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] → (weights [T, k] float32, experts [T, k] int64): the softmax over
+    all experts (float32), its top k (ties to the lower expert), divided by their sum where
+    renormalize. On the CPU in float32 the C++ op (the fused decoder layer's routing, so the
+    two paths choose the same experts with the same bits), else the reference."""
+    if logits.dtype == torch.float32 and logits.device.type == "cpu" and _has_op(logits):
+        return torch.ops.pagedjax.moe_routing(logits.contiguous(), k, renormalize)
+    return reference.moe_routing(logits, k, renormalize)
+
+
 def quant_linear(
     x: torch.Tensor,  # [M, K] float32, rows contiguous
     blocks: torch.Tensor,  # [N, K / 32 * block bytes] uint8, GGML's (common/quantization.py)

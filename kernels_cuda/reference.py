@@ -123,6 +123,17 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     return y
 
 
+def moe_routing(logits: torch.Tensor, k: int, renormalize: bool
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] → (weights [T, k] float32, experts [T, k] int64): the softmax over
+    all experts (float32), its top k, divided by their sum where renormalize."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, experts = torch.topk(probs, k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, experts
+
+
 _BLOCK_BYTES = {8: 34, 2: 18, 3: 20}  # GGML's Q8_0, Q4_0, Q4_1: 32 weights a block
 
 

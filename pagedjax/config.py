@@ -80,11 +80,13 @@ class ModelConfig:
         return self.head_dim**-0.5
 
     @property
-    def plain_decoder_layer(self) -> bool:
-        """Llama's layer exactly (what the fused C++ CPU decoder layer computes)."""
-        return (self.qk_norm is None and self.norm_layout == "pre" and self.hidden_act == "silu"
-                and self.residual_multiplier == 1.0 and self.norm_weight_offset == 0.0
-                and self.attn_logit_softcapping is None and not self.num_experts)
+    def fusable_decoder_layer(self) -> bool:
+        """What the fused C++ CPU decoder layer computes: Llama's layer, with Qwen3's per-head
+        q/k norms and mixture-of-experts MLPs (SiLU) allowed; not OLMo 2's whole-projection
+        q/k norms, other norm layouts, multipliers, norm offsets or soft-capping."""
+        return (self.qk_norm in (None, "head") and self.norm_layout == "pre"
+                and self.hidden_act == "silu" and self.residual_multiplier == 1.0
+                and self.norm_weight_offset == 0.0 and self.attn_logit_softcapping is None)
 
     def sliding_window_of(self, layer: int) -> int | None:
         """The window of one layer's attention (None: it attends to the whole context)."""

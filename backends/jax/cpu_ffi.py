@@ -2,7 +2,7 @@
 framework-free kernels the torch backend runs on CPU (`kernels_cuda/csrc/cpu/kernels/`:
 `attention_cpu_kernel.h`, `linear_cpu_kernel.h`, ...), in float32, as CPU custom calls whose
 handlers are `kernels_cuda/csrc/cpu/xla_ffi/cpu_ffi.cpp`; a top-k for the logprobs (XLA's CPU
-TopK sorts every row); and a whole Llama decoder layer in one call (`decoder_layer`: the layer
+TopK sorts every row); and a whole decoder layer in one call (`decoder_layer`: the layer
 `cpu/kernels/decoder_layer_kernel.h` composes, which the torch op `pagedjax::decoder_layer` runs
 too); and a mixture of experts' expert block (`moe_experts`, `cpu/kernels/moe_experts_kernel.h`).
 
@@ -221,18 +221,25 @@ def quant_linear(x: jax.Array, blocks: jax.Array, in_features: int,
     return y.reshape(*x.shape[:-1], blocks.shape[0])
 
 
+_NONE = np.zeros(0, np.float32)  # an absent weight of the layer
+
+
 class DecoderLayerWeights(NamedTuple):
-    """One plain (Llama) decoder layer's float32 weights, each projection packed by
-    pack_linear_weight or kept as GGML blocks (uint8 [out, in / 32 * block bytes]:
-    quant_linear's)."""
+    """One decoder layer's float32 weights (ModelConfig.fusable_decoder_layer), each dense
+    projection packed by pack_linear_weight or kept as GGML blocks (uint8 [out, in / 32 * block
+    bytes]: quant_linear's); with a router, the MLP is a mixture of experts whose gate_up and
+    down are pack_moe_weights' w13 and w2 (packed float32 only)."""
 
     input_norm: jax.Array  # [H]
     qkv: jax.Array  # [ceil((Hq + 2 Hkv) D / 16), H, 16], or blocks
     qkv_bias: jax.Array  # [(Hq + 2 Hkv) D], or [0]: none
     o: jax.Array  # [ceil(H / 16), Hq D, 16], or blocks
     post_norm: jax.Array  # [H]
-    gate_up: jax.Array  # [ceil(2 I / 16), H, 16], or blocks
-    down: jax.Array  # [ceil(H / 16), I, 16], or blocks
+    gate_up: jax.Array  # [ceil(2 I / 16), H, 16], or blocks; experts: [E, ceil(2I / 16), H, 16]
+    down: jax.Array  # [ceil(H / 16), I, 16], or blocks; experts: [E, ceil(H / 16), I, 16]
+    q_norm: jax.Array = _NONE  # [D]: each q head's RMSNorm (Qwen3), or [0]: none
+    k_norm: jax.Array = _NONE  # [D]: each k head's, or [0]
+    router: jax.Array = _NONE  # [ceil(E / 16), H, 16] packed, or [0]: a dense MLP
 
     def qtypes(self, in_features: tuple[int, int, int, int]) -> np.ndarray:
         """int64 [4]: the GGML type of qkv, o, gate_up and down (0: packed float32), given
@@ -262,13 +269,18 @@ def decoder_layer(
     sliding_window: int | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    top_k: int = 0,
+    renormalize: bool = False,
 ) -> tuple[jax.Array, jax.Array, tuple[jax.Array, jax.Array]]:
-    """A whole Llama decoder layer (ModelConfig.plain_decoder_layer) in one C++ call, as the
-    torch op pagedjax::decoder_layer computes it: (output [T, H], residual stream [T, H], the
-    KV caches with this step's keys and values written in place). One custom call where XLA
-    compiled ~20 kernels a layer: a step compiles in a fraction of the time, and runs the glue
-    (norms, rope, residual adds, silu) in C++. The caches are float32, or float8_e4m3fn (an
-    FP8 KV cache: k / k_scale and v / v_scale stored). Call `available()` first."""
+    """A whole decoder layer (ModelConfig.fusable_decoder_layer: Llama's, with per-head q/k
+    norms and a mixture of experts where `weights` has them) in one C++ call, as the torch op
+    pagedjax::decoder_layer computes it: (output [T, H], residual stream [T, H], the KV caches
+    with this step's keys and values written in place). One custom call where XLA compiled ~20
+    kernels a layer: a step compiles in a fraction of the time, and runs the glue (norms, rope,
+    residual adds, silu, routing) in C++. With a router, intermediate_size is each expert's and
+    each token runs its top_k experts (renormalize: their weights divided by their sum). The
+    caches are float32, or float8_e4m3fn (an FP8 KV cache: k / k_scale and v / v_scale
+    stored). Call `available()` first."""
     k_cache, v_cache = kv_cache
     hidden, head_dim = x.shape[1], k_cache.shape[3]
     qtypes = weights.qtypes((hidden, num_q_heads * head_dim, hidden, intermediate_size))
@@ -280,14 +292,17 @@ def decoder_layer(
     call = jax.ffi.ffi_call(DECODER_LAYER_TARGET, out_types, vmap_method="sequential",
                             input_output_aliases={9: 2, 10: 3})
     int32 = functools.partial(jnp.asarray, dtype=jnp.int32)
+    w = weights
     out, stream, k_cache, v_cache = call(
-        x, x if residual is None else residual, *weights, k_cache, v_cache, cos, sin,
-        int32(slot_mapping), int32(kv_lens), int32(block_tables), int32(query_start_loc),
-        num_q_heads=np.int64(num_q_heads), intermediate_size=np.int64(intermediate_size),
-        eps=np.float32(eps), sm_scale=np.float32(sm_scale),
-        sliding_window=np.int64(sliding_window or 0),
+        x, x if residual is None else residual, w.input_norm, w.qkv, w.qkv_bias, w.o,
+        w.post_norm, w.gate_up, w.down, k_cache, v_cache, cos, sin, int32(slot_mapping),
+        int32(kv_lens), int32(block_tables), int32(query_start_loc), w.q_norm, w.k_norm,
+        w.router, num_q_heads=np.int64(num_q_heads),
+        intermediate_size=np.int64(intermediate_size), eps=np.float32(eps),
+        sm_scale=np.float32(sm_scale), sliding_window=np.int64(sliding_window or 0),
         has_residual=np.int64(residual is not None), qtypes=qtypes, k_scale=np.float32(k_scale),
-        v_scale=np.float32(v_scale))
+        v_scale=np.float32(v_scale), top_k=np.int64(top_k),
+        renormalize=np.int64(renormalize))
     return out, stream, (k_cache, v_cache)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import flax.linen as nn
 import jax
@@ -22,6 +23,9 @@ from pagedjax.backends.common.weight_quantizer import LM_HEAD, WeightQuantizer, 
 from pagedjax.backends.jax.linear import dense, matmul_precision
 from pagedjax.backends.jax.moe import ExpertsFn, FusedMoE, routed_experts
 from pagedjax.config import ModelConfig
+
+if TYPE_CHECKING:
+    from pagedjax.backends.jax.cpu_ffi import DecoderLayerWeights
 
 KVCache = tuple[jax.Array, jax.Array]  # k, v: [num_blocks, Hkv, block_size, D]
 # An fp8 KV cache's (k_scale, v_scale) per layer (kv_cache_scales.py); None: the model's dtype
@@ -279,10 +283,10 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def fused_layers(self) -> bool:
-        """Each decoder layer one C++ call (`cpu_ffi.decoder_layer`): packed, Llama's layer
-        exactly, one rope table."""
+        """Each decoder layer one C++ call (`cpu_ffi.decoder_layer`): packed, a layer the call
+        computes (ModelConfig.fusable_decoder_layer), one rope table."""
         cfg = self.config
-        return (self.packed and cfg.plain_decoder_layer
+        return (self.packed and cfg.fusable_decoder_layer
                 and not any(cfg.local_rope(i) for i in range(cfg.num_layers)))
 
     def _fused_layers(self, x: jax.Array, kv_caches: list[KVCache],
@@ -295,22 +299,37 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = meta.rope_cos[meta.positions], meta.rope_sin[meta.positions]  # [T, D]
         residual, new_caches = None, []
         for i, cache in enumerate(kv_caches):
-            layer = params[f"layers_{i}"]
-            attn, mlp = layer["self_attn"], layer["mlp"]
-            weight = lambda p: p.get("kernel", p.get("blocks"))  # packed, or kept as blocks
-            weights = cpu_ffi.DecoderLayerWeights(
-                layer["input_layernorm"]["weight"], weight(attn["qkv_proj"]),
-                attn["qkv_proj"].get("bias", jnp.zeros(0, jnp.float32)),
-                weight(attn["o_proj"]), layer["post_attention_layernorm"]["weight"],
-                weight(mlp["gate_up_proj"]), weight(mlp["down_proj"]))
+            moe = cfg.is_moe_layer(i)
             x, residual, cache = cpu_ffi.decoder_layer(
-                x, residual, weights, cache, cos, sin, meta.slot_mapping, meta.kv_lens,
-                meta.block_tables, meta.query_start_loc, num_q_heads=cfg.num_q_heads,
-                intermediate_size=cfg.intermediate_size, eps=cfg.rms_norm_eps,
-                sm_scale=cfg.sm_scale, sliding_window=cfg.sliding_window_of(i),
-                k_scale=self.layer_kv_scales(i)[0], v_scale=self.layer_kv_scales(i)[1])
+                x, residual, self._fused_weights(params[f"layers_{i}"]), cache, cos, sin,
+                meta.slot_mapping, meta.kv_lens, meta.block_tables, meta.query_start_loc,
+                num_q_heads=cfg.num_q_heads,
+                intermediate_size=cfg.moe_intermediate_size if moe else cfg.intermediate_size,
+                eps=cfg.rms_norm_eps, sm_scale=cfg.sm_scale,
+                sliding_window=cfg.sliding_window_of(i), k_scale=self.layer_kv_scales(i)[0],
+                v_scale=self.layer_kv_scales(i)[1], top_k=cfg.num_experts_per_tok if moe else 0,
+                renormalize=cfg.renormalize_topk)
             new_caches.append(cache)
         return x + residual, new_caches
+
+    @staticmethod
+    def _fused_weights(layer: dict) -> DecoderLayerWeights:
+        """One layer's packed params (pack_params) as `cpu_ffi.decoder_layer` takes them."""
+        from pagedjax.backends.jax import cpu_ffi
+
+        attn, mlp = layer["self_attn"], layer["mlp"]
+        weight = lambda p: p.get("kernel", p.get("blocks"))  # packed, or kept as blocks
+        if "router" in mlp:  # a FusedMoE's: the experts in gate_up's and down's place
+            gate_up, down = mlp["gate_up_packed"], mlp["down_packed"]
+            moe = {"router": mlp["router"]["kernel"]}
+        else:
+            gate_up, down, moe = weight(mlp["gate_up_proj"]), weight(mlp["down_proj"]), {}
+        norms = ({"q_norm": attn["q_norm"]["weight"], "k_norm": attn["k_norm"]["weight"]}
+                 if "q_norm" in attn else {})
+        return cpu_ffi.DecoderLayerWeights(
+            layer["input_layernorm"]["weight"], weight(attn["qkv_proj"]),
+            attn["qkv_proj"].get("bias", jnp.zeros(0, jnp.float32)), weight(attn["o_proj"]),
+            layer["post_attention_layernorm"]["weight"], gate_up, down, **norms, **moe)
 
     def logits(self, hidden: jax.Array, num_rows: jax.Array | None = None) -> jax.Array:
         """hidden [R, H] (rows of __call__'s output) → float32 logits [R, V]. num_rows (int32

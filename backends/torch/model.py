@@ -190,13 +190,16 @@ class DecoderLayer(nn.Module):
 
     def fuse(self) -> None:
         """Run the layer as `pagedjax::decoder_layer` (CPU, float32, one device; projections
-        packed or kept quantized): the same ops in the same order, with one call from Python
-        instead of ~12 plus their glue."""
+        packed or kept quantized, a mixture of experts' packed): the same ops in the same order,
+        with one call from Python instead of ~12-14 plus their glue."""
+        if isinstance(self.mlp, FusedMoE) and not self.mlp.packed:
+            return
         self.fused = True
-        projections = (self.self_attn.qkv_proj, self.self_attn.o_proj, self.mlp.gate_up_proj,
-                       self.mlp.down_proj)
+        projections = (self.self_attn.qkv_proj, self.self_attn.o_proj,
+                       *((self.mlp.gate_up_proj, self.mlp.down_proj)
+                         if isinstance(self.mlp, MLP) else ()))
         qtypes = [p.qtype or 0 for p in projections]
-        self.qtypes = qtypes if any(qtypes) else None
+        self.qtypes = qtypes + [0] * (4 - len(qtypes)) if any(qtypes) else None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                 sin: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
@@ -204,15 +207,7 @@ class DecoderLayer(nn.Module):
         """x: the previous layer's output [T, H]; residual: the stream before it (None in the
         first layer, whose x is the embedding) → this layer's (output, residual stream)."""
         if self.fused:
-            attn, mlp, cfg = self.self_attn, self.mlp, self.self_attn.config
-            return torch.ops.pagedjax.decoder_layer(
-                x, residual, self.input_layernorm.weight, attn.qkv_proj.weight,
-                attn.qkv_proj.bias, attn.o_proj.weight, self.post_attention_layernorm.weight,
-                mlp.gate_up_proj.weight, mlp.down_proj.weight, *kv_cache, cos, sin,
-                meta.slot_mapping, meta.kv_lens, meta.block_tables, meta.query_start_loc,
-                attn.num_q_heads, attn.num_kv_heads, mlp.intermediate_size,
-                self.input_layernorm.eps, cfg.sm_scale, attn.sliding_window,
-                meta.max_query_len, self.qtypes, attn.k_scale, attn.v_scale)
+            return self._fused(x, residual, cos, sin, kv_cache, meta)
         if self.config.norm_layout != "pre":  # the sublayers' outputs are normalised
             sandwich = self.config.norm_layout == "sandwich"  # their inputs too (Gemma)
             stream = x if residual is None else x + residual
@@ -228,6 +223,25 @@ class DecoderLayer(nn.Module):
         x = self._scaled(self.self_attn(x, cos, sin, kv_cache, meta))
         x, residual = self.post_attention_layernorm(x, residual)
         return self._scaled(self.mlp(x)), residual
+
+    def _fused(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+               sin: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward as one `pagedjax::decoder_layer` call (`fuse`)."""
+        attn, mlp, cfg = self.self_attn, self.mlp, self.config
+        if isinstance(mlp, FusedMoE):  # the experts' packed weights in gate_up's and down's place
+            gate_up, down, router = mlp.gate_up_proj, mlp.down_proj, mlp.router.weight
+            moe = (router, mlp.top_k, mlp.renormalize)
+        else:
+            gate_up, down, moe = mlp.gate_up_proj.weight, mlp.down_proj.weight, (None, 0, False)
+        norms = (attn.q_norm.weight, attn.k_norm.weight) if cfg.qk_norm else (None, None)
+        return torch.ops.pagedjax.decoder_layer(
+            x, residual, self.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias,
+            attn.o_proj.weight, self.post_attention_layernorm.weight, gate_up, down, *kv_cache,
+            cos, sin, meta.slot_mapping, meta.kv_lens, meta.block_tables, meta.query_start_loc,
+            attn.num_q_heads, attn.num_kv_heads, mlp.intermediate_size, self.input_layernorm.eps,
+            cfg.sm_scale, attn.sliding_window, meta.max_query_len, self.qtypes, attn.k_scale,
+            attn.v_scale, *norms, *moe)
 
     def _scaled(self, x: torch.Tensor) -> torch.Tensor:
         """A sublayer's output as the residual stream adds it (Granite scales it)."""
@@ -294,7 +308,7 @@ class LlamaForCausalLM(nn.Module):
     def keep_quantized(self, quantizer: WeightQuantizer) -> None:
         """Each projection and the LM head (a tied one: a copy of the embedding) as the blocks
         `quantizer` keeps for it (backends/common/weight_quantizer.py), or packed float32 where
-        it keeps none; then each plain decoder layer one C++ op."""
+        it keeps none; then each decoder layer one C++ op (where fusable)."""
         for i, layer in enumerate(self.layers):
             for name, module in (("qkv_proj", layer.self_attn.qkv_proj),
                                  ("o_proj", layer.self_attn.o_proj),
@@ -321,9 +335,10 @@ class LlamaForCausalLM(nn.Module):
                 self.lm_head.pack()
 
     def fuse_layers(self) -> None:
-        """On one device each plain decoder layer runs as one C++ op (DecoderLayer.fuse), where
-        the ops are built (ops_backend() loads them)."""
-        if (self.shard.size == 1 and self.config.plain_decoder_layer
+        """On one device each decoder layer runs as one C++ op (DecoderLayer.fuse), where the
+        ops are built (ops_backend() loads them) and the layer is one the op computes
+        (ModelConfig.fusable_decoder_layer)."""
+        if (self.shard.size == 1 and self.config.fusable_decoder_layer
                 and ops_backend() != "reference"):
             for layer in self.layers:
                 layer.fuse()

@@ -10,7 +10,9 @@ weights are gathered and multiplied per pair instead (`routed_experts`' forms). 
 float32 (`pack`, as the dense projections are packed) the experts run as one C++ op instead,
 `pagedjax::moe_experts`: each chosen expert's products on the packed linear's blocks
 (kernels_cuda/csrc/cpu/kernels/moe_experts_kernel.h): benchmarks/moe.py's decode step from 2.4x its
-dense twin's time to 1.2x.
+dense twin's time to 1.2x. There the routing is a C++ op too (`pagedjax::moe_routing`), the one the
+fused decoder layer runs (model.py's DecoderLayer.fuse: router, routing and experts inside the
+layer's one call), so the two paths give the same bits.
 """
 
 from __future__ import annotations
@@ -24,18 +26,7 @@ from torch import nn
 
 from pagedjax.backends.torch.parallel import Shard
 from pagedjax.config import ModelConfig
-from pagedjax.kernels_cuda import moe_experts, pack_moe_weights, silu_and_mul
-
-
-def moe_routing(logits: torch.Tensor, k: int, renormalize: bool
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits [T, E] → (weights [T, k] float32, experts [T, k] int64): the softmax over
-    all experts (float32), its top k, divided by their sum where renormalize."""
-    probs = torch.softmax(logits.float(), dim=-1)
-    weights, experts = torch.topk(probs, k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, experts
+from pagedjax.kernels_cuda import moe_experts, moe_routing, pack_moe_weights, silu_and_mul
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,

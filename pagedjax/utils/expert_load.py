@@ -6,14 +6,15 @@ received while an `LLM` generated, and a heatmap of it.
     >>> load.counts                                     # [num_moe_layers, num_experts]
     >>> plot_expert_load(load, num_prompts=len(prompts))
 
-A forward hook on each layer's router recounts the top k of its logits (`moe_routing`, the
-experts FusedMoE then runs). Every token the engine computes is counted once per layer: prompt
-tokens at prefill, each generated token when it is fed back (the last one never is), and, with
-speculative decoding, every verified draft position, accepted or not; a preempted sequence's
-recomputed tokens again. Tokens found in the prefix cache are not computed, so not counted.
-The padding rows of a step are not counted: the torch runner's eager steps run only the step's
-real tokens (StepBody's num_tokens); a CUDA graph replays padded shapes without calling Python
-hooks, so it is refused (enforce_eager=True runs every step eagerly).
+A forward hook on each layer's router recounts the top k of its logits (`moe_routing`, the experts
+FusedMoE then runs); a decoder layer fused into one C++ op (the CPU's float32 path) runs as its
+modules while recording (the same bits), so that the hook is called. Every token the engine computes
+is counted once per layer: prompt tokens at prefill, each generated token when it is fed back (the
+last one never is), and, with speculative decoding, every verified draft position, accepted or not;
+a preempted sequence's recomputed tokens again. Tokens found in the prefix cache are not computed,
+so not counted. The padding rows of a step are not counted: the torch runner's eager steps run only
+the step's real tokens (StepBody's num_tokens); a CUDA graph replays padded shapes without calling
+Python hooks, so it is refused (enforce_eager=True runs every step eagerly).
 """
 
 from __future__ import annotations
@@ -53,9 +54,9 @@ class ExpertLoad:
         return self.counts / np.maximum(totals, 1)
 
 
-def _moe_layers(llm: LLM) -> tuple[list[int], list[Any], Any]:
-    """(decoder layer indices, their FusedMoE modules, the model config) of llm's target model,
-    or a ValueError saying why its routing cannot be recorded."""
+def _moe_layers(llm: LLM) -> tuple[list[int], list[Any], Any, list[Any]]:
+    """(decoder layer indices, their FusedMoE modules, the model config, the decoder layers) of
+    llm's target model, or a ValueError saying why its routing cannot be recorded."""
     from pagedjax.engine.llm_engine import LLMEngine
 
     engine = getattr(llm, "engine", None)
@@ -79,7 +80,7 @@ def _moe_layers(llm: LLM) -> tuple[list[int], list[Any], Any]:
     module = runner.models[0].module  # the target (a draft's routing is not recorded)
     moe = [(i, layer.mlp) for i, layer in enumerate(module.layers)
            if isinstance(layer.mlp, FusedMoE)]
-    return [i for i, _ in moe], [m for _, m in moe], model_config
+    return [i for i, _ in moe], [m for _, m in moe], model_config, list(module.layers)
 
 
 @contextmanager
@@ -91,7 +92,7 @@ def record_expert_load(llm: LLM) -> Iterator[ExpertLoad]:
 
     from pagedjax.backends.torch.moe import moe_routing
 
-    layers, modules, model_config = _moe_layers(llm)
+    layers, modules, model_config, decoder_layers = _moe_layers(llm)
     num_experts = model_config.num_experts
     device = modules[0].gate_up_proj.device
     running = torch.zeros(len(layers), num_experts, dtype=torch.int64, device=device)
@@ -104,6 +105,9 @@ def record_expert_load(llm: LLM) -> Iterator[ExpertLoad]:
 
     handles = [moe.router.register_forward_hook(hook(row, moe))
                for row, moe in enumerate(modules)]
+    fused = [layer for layer in decoder_layers if layer.fused]
+    for layer in fused:  # its modules' forward, the same bits, calls the hooks
+        layer.fused = False
     load = ExpertLoad(Path(llm.engine.config.model).name, layers,
                       model_config.num_experts_per_tok,
                       np.zeros((len(layers), num_experts), dtype=np.int64))
@@ -112,6 +116,8 @@ def record_expert_load(llm: LLM) -> Iterator[ExpertLoad]:
     finally:
         for handle in handles:
             handle.remove()
+        for layer in fused:
+            layer.fused = True
         load.counts = running.cpu().numpy()
 
 

@@ -195,19 +195,24 @@ def test_reference_attention_matches_ops(checkpoints: dict[str, Path], runs) -> 
     _assert_logprobs_close(run, ops_run)
 
 
-@pytest.mark.parametrize("arch", ["mistral", "qwen2"])  # a sliding window; q/k/v bias, tied head
-def test_fused_decoder_layer_is_bit_identical(checkpoints: dict[str, Path], runs, arch: str,
-                                              monkeypatch) -> None:
+# a sliding window; q/k/v bias and a tied head; per-head q/k norms, experts and a dense layer
+# (mlp_only_layers); experts without q/k norms
+@pytest.mark.parametrize("arch", ["mistral", "qwen2", "qwen3_moe", "mixtral"])
+def test_fused_decoder_layer_is_bit_identical(checkpoints: dict[str, Path], runs, tiny_model,
+                                              arch: str, monkeypatch) -> None:
     """On the CPU in float32 each decoder layer runs as one C++ op (`pagedjax::decoder_layer`):
-    the same ops in the same order as the layer module by module, so the same tokens and the
-    same logprob bits, sampled rows included."""
-    llm = LLM(str(checkpoints[arch]), backend="torch", **BASIC)
+    the same ops in the same order as the layer module by module (q/k norms, router, routing
+    and experts included), so the same tokens and the same logprob bits, sampled rows
+    included."""
+    path = checkpoints[arch] if arch in checkpoints else Path(tiny_model(arch))
+    llm = LLM(str(path), backend="torch", **BASIC)
     assert all(layer.fused for layer in llm.engine.runner.models[0].module.layers)
     llm.shutdown()
-    monkeypatch.setattr(DecoderLayer, "fuse", lambda self: None)
     _, prompts, params = WORKLOADS["basic"]
-    unfused = _run(checkpoints[arch], "torch", BASIC, prompts, params)
-    fused = runs(arch, "torch", "basic")
+    fused = (runs(arch, "torch", "basic") if arch in checkpoints
+             else _run(path, "torch", BASIC, prompts, params))
+    monkeypatch.setattr(DecoderLayer, "fuse", lambda self: None)
+    unfused = _run(path, "torch", BASIC, prompts, params)
     assert fused.token_ids == unfused.token_ids
     assert fused.logprobs == unfused.logprobs
 

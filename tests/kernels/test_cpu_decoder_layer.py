@@ -21,13 +21,13 @@ def built() -> None:
 
 
 def _case(rng: np.random.Generator, *, hidden: int, num_q_heads: int, num_kv_heads: int,
-          head_dim: int, intermediate: int, bias: bool) -> dict:
-    """A ragged batch (decodes, a prefill, a chunk over a cached prefix, a padding row) with
-    random layer weights, caches, rope rows and the slots of each query token."""
-    q_lens, kv_lens = [1, 1, 9, 4], [17, 1, 9, 30]
-    ragged = make_ragged_case(rng, q_lens, kv_lens, num_q_heads=num_q_heads,
+          head_dim: int, intermediate: int, bias: bool, q_lens: tuple[int, ...] = (1, 1, 9, 4),
+          kv_lens: tuple[int, ...] = (17, 1, 9, 30), num_padding_rows: int = 1) -> dict:
+    """A ragged batch (by default decodes, a prefill, a chunk over a cached prefix, a padding
+    row) with random layer weights, caches, rope rows and the slots of each query token."""
+    ragged = make_ragged_case(rng, list(q_lens), list(kv_lens), num_q_heads=num_q_heads,
                               num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=8,
-                              num_padding_rows=1)
+                              num_padding_rows=num_padding_rows)
     slots = []
     for s, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens)):
         for pos in range(kv_len - q_len, kv_len):
@@ -206,18 +206,22 @@ def test_a_layer_over_quantized_blocks_is_the_torch_ops_bits() -> None:
         _run(c, False, None, {**blocks, "o": blocks["o"][:-1]})
 
 
-def test_the_jax_model_fuses_plain_layers_only() -> None:
-    """Llama-shaped layers of a packed model run as one FFI call each; a layer with anything
-    else (here q/k norms) stays XLA's ops."""
+def test_the_jax_model_fuses_the_layers_the_call_computes() -> None:
+    """Llama-shaped layers of a packed model, with Qwen3's per-head q/k norms or experts too,
+    run as one FFI call each; a layer with anything else (here OLMo 2's whole-projection q/k
+    norms after the sublayers, Granite-MoE's multipliers) stays XLA's ops."""
     from pagedjax.backends.jax.model import LlamaForCausalLM
     from pagedjax.config import ModelConfig
 
     base = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
             "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128,
-            "rms_norm_eps": EPS, "max_position_embeddings": 64, "head_dim": 16}
-    llama = ModelConfig.from_dict({**base, "architectures": ["LlamaForCausalLM"]})
-    qwen3 = ModelConfig.from_dict({**base, "architectures": ["Qwen3ForCausalLM"]})
-    make = lambda config, packed: LlamaForCausalLM(config, jnp.float32, None, None, packed)  # noqa: E731
-    assert make(llama, True).fused_layers
-    assert not make(llama, False).fused_layers
-    assert not make(qwen3, True).fused_layers
+            "rms_norm_eps": EPS, "max_position_embeddings": 64, "head_dim": 16,
+            "num_experts": 4, "num_experts_per_tok": 2, "residual_multiplier": 0.5}
+    config = lambda arch: ModelConfig.from_dict({**base, "architectures": [arch]})  # noqa: E731
+    make = lambda arch, packed: LlamaForCausalLM(config(arch), jnp.float32, None, None, packed)  # noqa: E731
+    for arch in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+                 "MixtralForCausalLM"):
+        assert make(arch, True).fused_layers, arch
+    assert not make("LlamaForCausalLM", False).fused_layers
+    for arch in ("Olmo2ForCausalLM", "OlmoeForCausalLM", "GraniteMoeForCausalLM"):
+        assert not make(arch, True).fused_layers, arch

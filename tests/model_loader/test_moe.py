@@ -188,7 +188,7 @@ def test_moe_config_fields(tiny_model) -> None:
     qwen = ModelConfig.from_pretrained(tiny_model("qwen3_moe"))
     assert (qwen.num_experts, qwen.num_experts_per_tok, qwen.moe_intermediate_size) == (8, 2, 32)
     assert qwen.renormalize_topk and qwen.moe_layers == (False, True)  # mlp_only_layers [0]
-    assert not qwen.plain_decoder_layer  # no fused C++ layer
+    assert qwen.fusable_decoder_layer  # one fused C++ call a layer on the CPU
     assert ModelConfig.from_pretrained(tiny_model("mixtral")).renormalize_topk
     assert not ModelConfig.from_pretrained(tiny_model("olmoe")).renormalize_topk
     cfg = json.loads((Path(tiny_model("olmoe")) / "config.json").read_text())

@@ -1,12 +1,17 @@
-// One Llama decoder layer (ModelConfig.plain_decoder_layer) on the CPU in float32 (its
-// projections packed, or kept quantized: Projection), composed once
-// for both bindings: the torch op pagedjax::decoder_layer (../torch/decoder_layer_cpu.cpp) and
-// the JAX FFI handler (../xla_ffi/cpu_ffi.cpp), so the two backends' CPU paths compute the same
-// bits. The kernels are the torch ops' (linear, norm, rotary, attention), called in the order of
-// backends/torch/model.py's DecoderLayer, so the layer is that module's op-by-op bits too:
+// One decoder layer of the Llama family on the CPU in float32 (ModelConfig.fusable_decoder_layer:
+// Llama's layer, with Qwen3's per-head q/k norms and a mixture of experts' MLP where the model
+// has them; its projections packed, or kept quantized: Projection), composed once for both
+// bindings: the torch op pagedjax::decoder_layer (../torch/decoder_layer_cpu.cpp) and the JAX FFI
+// handler (../xla_ffi/cpu_ffi.cpp), so the two backends' CPU paths compute the same bits. The
+// kernels are the torch ops' (linear, norm, rotary, attention, moe_routing, moe_experts), called
+// in the order of backends/torch/model.py's DecoderLayer, so the layer is that module's
+// op-by-op bits too:
 //   stream = x + residual (x alone in the first layer); h = rms_norm(stream)
-//   q, k, v = h @ qkv (+ bias); q, k rotated; k, v written to the caches at slot_mapping
-//   stream += attention(q, caches) @ o; out = (silu(gate) * up)(rms_norm(stream) @ gate_up) @ down
+//   q, k, v = h @ qkv (+ bias); each q and k head rms_norm'ed (q_norm, k_norm: Qwen3); q, k
+//   rotated; k, v written to the caches at slot_mapping
+//   stream += attention(q, caches) @ o; h = rms_norm(stream)
+//   out = (silu(gate) * up)(h @ gate_up) @ down, or with experts: each token's top k of the
+//   softmax of h @ router (route_rows), through their experts (MoeExperts)
 // Plain pointers and sizes only: the bindings check their tensors' or buffers' shapes and
 // dtypes, call error(), then run().
 #pragma once
@@ -20,6 +25,7 @@
 #include "attention_cpu_kernel.h"
 #include "fp8_e4m3.h"
 #include "linear_cpu_kernel.h"
+#include "moe_experts_kernel.h"
 #include "norm_act_cpu_kernel.h"
 #include "parallel.h"
 #include "quant_linear_kernel.h"
@@ -70,6 +76,16 @@ struct Projection {
   }
 };
 
+// A mixture of experts' MLP (moe_experts_kernel.h), each expert's width I, SiLU.
+struct Experts {
+  Projection router;            // E outputs, packed
+  const float* w13 = nullptr;   // [E, ceil(2I / 16), H, 16]: each expert's gate_up packed
+  const float* w2 = nullptr;    // [E, ceil(H / 16), I, 16]: each expert's down packed
+  int64_t num_experts = 0;      // E; 0: the layer's MLP is dense
+  int64_t top_k = 0;            // k
+  bool renormalize = false;     // the k weights divided by their sum
+};
+
 // The layer's weights: the norms' in float32, the projections packed or kept quantized.
 struct Weights {
   const float* input_norm;  // [H]
@@ -77,15 +93,18 @@ struct Weights {
   const float* qkv_bias;    // [(Hq + 2 Hkv) D], or null: none
   Projection o;             // H outputs
   const float* post_norm;   // [H]
-  Projection gate_up;       // 2 I outputs
-  Projection down;          // H outputs
+  Projection gate_up;       // 2 I outputs (a dense MLP's)
+  Projection down;          // H outputs (a dense MLP's)
+  const float* q_norm = nullptr;  // [D]: each q head's RMSNorm weight (Qwen3); null: none
+  const float* k_norm = nullptr;  // [D]: each k head's (with q_norm)
+  Experts experts;                // num_experts > 0: the MLP (gate_up, down unused)
 };
 
 template <typename index_t>  // slot_mapping's: int32_t or int64_t
 struct DecoderLayer {
   const AttentionShape& shape;  // T query rows (padding included), Hq; the caches', the tables'
   int64_t hidden;               // H
-  int64_t intermediate;         // I
+  int64_t intermediate;         // I: the dense MLP's, or each expert's
   double eps;
   float sm_scale;
   int64_t sliding_window;  // 0: none
@@ -105,12 +124,22 @@ struct DecoderLayer {
   // `rows` rows ("" when nothing).
   std::string error(int64_t rows) const {
     const Weights& w = weights;
+    const Experts& ex = w.experts;
+    const bool moe = ex.num_experts > 0;
     for (const std::string& error :
          {w.qkv.error("qkv", hidden, q_size() + 2 * kv_size()), w.o.error("o", q_size(), hidden),
-          w.gate_up.error("gate_up", hidden, 2 * intermediate),
-          w.down.error("down", intermediate, hidden)}) {
+          moe ? "" : w.gate_up.error("gate_up", hidden, 2 * intermediate),
+          moe ? "" : w.down.error("down", intermediate, hidden),
+          moe ? ex.router.error("router", hidden, ex.num_experts) : ""}) {
       if (!error.empty()) return error;
     }
+    if (moe && (ex.router.blocks || !ex.w13 || !ex.w2 || ex.top_k < 1 ||
+                ex.top_k > ex.num_experts)) {
+      return "decoder_layer: experts need a packed router, packed w13 and w2 and top_k=" +
+             std::to_string(ex.top_k) + " in [1, num_experts=" +
+             std::to_string(ex.num_experts) + "]";
+    }
+    if (!w.q_norm != !w.k_norm) return "decoder_layer: q_norm and k_norm come together";
     if (std::string error = cpu_attention::metadata_error(shape, batch); !error.empty()) {
       return error;
     }
@@ -136,20 +165,16 @@ struct DecoderLayer {
   template <typename Parallel, typename cache_t>
   void run(const Parallel& par, int64_t rows, float* out, float* stream, cache_t* k_cache,
            cache_t* v_cache) const {
-    const int64_t T = shape.num_tokens, H = hidden, I = intermediate, D = shape.head_dim;
-    const int64_t R = rows, Hq = shape.num_q_heads, Hkv = shape.num_kv_heads;
-    const int64_t q_width = q_size(), kv_width = kv_size();
+    const int64_t T = shape.num_tokens, H = hidden, R = rows, q_width = q_size();
     const Weights& w = weights;
     // Scratch rows, each product's output as wide as its padded tiles, in one buffer kept by the
     // calling thread and grown as needed: fresh allocations of a prefill's megabytes in every
     // layer (page faults, zeroing) cost more than the glue itself.
-    const int64_t qkv_width = q_width + 2 * kv_width;
+    const int64_t qkv_width = q_width + 2 * kv_size();
     const int64_t ld_qkv = w.qkv.width(qkv_width), ld_o = w.o.width(H);
-    const int64_t ld_gu = w.gate_up.width(2 * I), ld_down = w.down.width(H);
     static thread_local std::vector<float> scratch;
-    const int64_t widths[] = {H, ld_qkv, q_width, ld_o, ld_gu, I, ld_down};
-    int64_t total = w.qkv_bias ? ld_qkv : 0;
-    for (const int64_t width : widths) total += R * width;
+    const int64_t total = R * (H + ld_qkv + q_width + ld_o) + (w.qkv_bias ? ld_qkv : 0) +
+                          mlp_scratch(R);
     if (static_cast<int64_t>(scratch.size()) < total) scratch.resize(total);
     float* next = scratch.data();
     auto take = [&](int64_t size) {
@@ -161,24 +186,15 @@ struct DecoderLayer {
     float* const qkv = take(R * ld_qkv);
     float* const attn = take(R * q_width);
     float* const o = take(R * ld_o);
-    float* const gate_up = take(R * ld_gu);
-    float* const act = take(R * I);
-    float* const down = take(R * ld_down);
     const float* bias = nullptr;  // zero-padded to whole tiles, as run_tiles reads it
     if (w.qkv_bias) {
       float* padded = take(ld_qkv);
-      std::fill(std::copy(w.qkv_bias, w.qkv_bias + qkv_width, padded),
-                padded + ld_qkv, 0.f);
+      std::fill(std::copy(w.qkv_bias, w.qkv_bias + qkv_width, padded), padded + ld_qkv, 0.f);
       bias = padded;
     }
-    auto for_rows = [&](int64_t width, const auto& row_fn) {
-      par.for_range(R, cpu_parallel::row_grain(width), [&](int64_t r0, int64_t r1) {
-        for (int64_t r = r0; r < r1; ++r) row_fn(r);
-      });
-    };
 
     // stream = x + residual (one rounded add per element); h = rms_norm(stream)
-    for_rows(H, [&](int64_t r) {
+    for_rows(par, R, H, [&](int64_t r) {
       float* s = stream + r * H;
       const float* xr = x + r * H;
       if (residual) {
@@ -190,10 +206,63 @@ struct DecoderLayer {
       cpu_norm::normalize_row(s, w.input_norm, h + r * H, H, eps);
     });
     w.qkv.apply(par, h, H, R, H, qkv_width, bias, qkv, ld_qkv);
-    // rope of q and k, then k and v into the caches
-    const int64_t block_size = shape.block_size;
-    for_rows(ld_qkv, [&](int64_t t) {
+    write_heads(par, R, qkv, ld_qkv, k_cache, v_cache);
+    AttentionShape computed = shape;  // the query rows [0, R)
+    computed.num_tokens = R;
+    const cpu_attention::CpuAttention<float, float, cache_t> attention{
+        computed, batch, qkv, ld_qkv, shape.head_dim, k_cache, v_cache, attn, sm_scale,
+        std::max<int64_t>(sliding_window, 0), /*soft_cap=*/0.f, k_scale, v_scale};
+    cpu_attention::run_items(par, attention);
+    w.o.apply(par, attn, q_width, R, q_width, H, nullptr, o, ld_o);
+    // stream = o + stream; h = rms_norm(stream)
+    for_rows(par, R, H, [&](int64_t r) {
+      float* s = stream + r * H;
+      const float* orow = o + r * ld_o;
+      for (int64_t i = 0; i < H; ++i) s[i] = orow[i] + s[i];
+      cpu_norm::normalize_row(s, w.post_norm, h + r * H, H, eps);
+    });
+    if (w.experts.num_experts > 0) {
+      moe_mlp(par, h, R, next, out);
+    } else {
+      dense_mlp(par, h, R, next, out);
+    }
+    std::fill(out + R * H, out + T * H, 0.f);
+    std::fill(stream + R * H, stream + T * H, 0.f);
+  }
+
+ private:
+  template <typename Parallel, typename RowFn>
+  static void for_rows(const Parallel& par, int64_t rows, int64_t width, const RowFn& row_fn) {
+    par.for_range(rows, cpu_parallel::row_grain(width), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) row_fn(r);
+    });
+  }
+
+  // The floats of scratch the MLP of R rows takes.
+  int64_t mlp_scratch(int64_t R) const {
+    const Weights& w = weights;
+    if (w.experts.num_experts > 0) {  // the router's logits, the k weights
+      return R * (w.experts.router.width(w.experts.num_experts) + w.experts.top_k);
+    }
+    return R * (w.gate_up.width(2 * intermediate) + intermediate + w.down.width(hidden));
+  }
+
+  // Each of R rows of qkv [R, ld_qkv]: its q and k heads normalised (q_norm, k_norm) and rotated
+  // in place, then its k and v heads written to the caches at its slot (none for padding).
+  template <typename Parallel, typename cache_t>
+  void write_heads(const Parallel& par, int64_t R, float* qkv, int64_t ld_qkv, cache_t* k_cache,
+                   cache_t* v_cache) const {
+    const int64_t D = shape.head_dim, Hq = shape.num_q_heads, Hkv = shape.num_kv_heads;
+    const int64_t q_width = q_size(), kv_width = kv_size(), block_size = shape.block_size;
+    const Weights& w = weights;
+    for_rows(par, R, ld_qkv, [&](int64_t t) {
       float* row = qkv + t * ld_qkv;
+      if (w.q_norm) {  // each head as the rms_norm op normalises a row of D
+        for (int64_t head = 0; head < Hq + Hkv; ++head) {
+          float* v = row + head * D;
+          cpu_norm::normalize_row(v, head < Hq ? w.q_norm : w.k_norm, v, D, eps);
+        }
+      }
       cpu_norm::rotate_heads(row, Hq + Hkv, D, D, cos + t * D, sin + t * D);
       const int64_t slot = slot_mapping[t];
       if (slot < 0) return;  // a padding row
@@ -205,35 +274,50 @@ struct DecoderLayer {
         fp8::store_row(k_row + kv_width, v_cache + dst, D, v_scale);
       }
     });
-    AttentionShape computed = shape;  // the query rows [0, R)
-    computed.num_tokens = R;
-    const cpu_attention::CpuAttention<float, float, cache_t> attention{
-        computed, batch, qkv, ld_qkv, D, k_cache, v_cache, attn, sm_scale,
-        std::max<int64_t>(sliding_window, 0), /*soft_cap=*/0.f, k_scale, v_scale};
-    cpu_attention::run_items(par, attention);
-    w.o.apply(par, attn, q_width, R, q_width, H, nullptr, o, ld_o);
-    // stream = o + stream; h = rms_norm(stream)
-    for_rows(H, [&](int64_t r) {
-      float* s = stream + r * H;
-      const float* orow = o + r * ld_o;
-      for (int64_t i = 0; i < H; ++i) s[i] = orow[i] + s[i];
-      cpu_norm::normalize_row(s, w.post_norm, h + r * H, H, eps);
-    });
+  }
+
+  // out [R, H] = (silu(gate) * up)(h @ gate_up) @ down, over mlp_scratch(R) floats of scratch.
+  template <typename Parallel>
+  void dense_mlp(const Parallel& par, const float* h, int64_t R, float* scratch,
+                 float* out) const {
+    const Weights& w = weights;
+    const int64_t H = hidden, I = intermediate;
+    const int64_t ld_gu = w.gate_up.width(2 * I), ld_down = w.down.width(H);
+    float* const gate_up = scratch;
+    float* const act = gate_up + R * ld_gu;
+    float* const down = act + R * I;
     w.gate_up.apply(par, h, H, R, H, 2 * I, nullptr, gate_up, ld_gu);
-    for_rows(I, [&](int64_t r) {
+    for_rows(par, R, I, [&](int64_t r) {
       const float* row = gate_up + r * ld_gu;
       cpu_norm::silu_and_mul_row(row, row + I, act + r * I, I);
     });
     if (ld_down == H) {  // straight into out
       w.down.apply(par, act, I, R, I, H, nullptr, out, H);
-    } else {
-      w.down.apply(par, act, I, R, I, H, nullptr, down, ld_down);
-      for (int64_t r = 0; r < R; ++r) {
-        std::copy(down + r * ld_down, down + r * ld_down + H, out + r * H);
-      }
+      return;
     }
-    std::fill(out + R * H, out + T * H, 0.f);
-    std::fill(stream + R * H, stream + T * H, 0.f);
+    w.down.apply(par, act, I, R, I, H, nullptr, down, ld_down);
+    for (int64_t r = 0; r < R; ++r) {
+      std::copy(down + r * ld_down, down + r * ld_down + H, out + r * H);
+    }
+  }
+
+  // out [R, H]: each row's top k experts of the softmax of h @ router (route_rows), through
+  // them (MoeExperts), over mlp_scratch(R) floats of scratch.
+  template <typename Parallel>
+  void moe_mlp(const Parallel& par, const float* h, int64_t R, float* scratch,
+               float* out) const {
+    const Experts& ex = weights.experts;
+    const int64_t E = ex.num_experts, k = ex.top_k, ld = ex.router.width(E);
+    float* const logits = scratch;
+    float* const topk_weights = logits + R * ld;
+    static thread_local std::vector<int32_t> topk_ids;
+    if (static_cast<int64_t>(topk_ids.size()) < R * k) topk_ids.resize(R * k);
+    ex.router.apply(par, h, hidden, R, hidden, E, nullptr, logits, ld);
+    cpu_moe::route_rows(par, logits, ld, R, E, k, ex.renormalize, topk_weights,
+                        topk_ids.data());
+    const cpu_moe::MoeExperts<int32_t> experts{hidden, intermediate, E, k, h, topk_ids.data(),
+                                               topk_weights, ex.w13, ex.w2};
+    experts.run(par, R, R, out);
   }
 };
 

@@ -21,6 +21,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -76,6 +77,47 @@ inline std::string shape_error(const std::string& op, const std::vector<int64_t>
                w2);
   }
   return "";
+}
+
+// The routing of rows tokens (the torch op pagedjax::moe_routing's and the fused decoder layer's,
+// so that the op-by-op path and the fused one choose the same experts with the same weights):
+// each row of logits [rows, ld] (its first E router logits) → its k experts ids [rows, k] and
+// weights [rows, k]: the softmax over all E in float32 (the max subtracted, exp, the sum in
+// expert order, each divided by it), its k largest, largest first, ties to the lower expert
+// (jax.lax.top_k's order; torch.topk leaves ties' order unspecified: with float logits they
+// have measure zero, and within the k only the order of the sum below would change, as the
+// experts' block adds in expert order), divided by their sum (largest first) where renormalize.
+// Overwrites logits' first E columns with the probabilities. A NaN never leaves an id unset.
+template <typename Parallel, typename index_t>
+void route_rows(const Parallel& par, float* logits, int64_t ld, int64_t rows, int64_t E,
+                int64_t k, bool renormalize, float* weights, index_t* ids) {
+  par.for_range(rows, cpu_parallel::row_grain(E * 8), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      float* p = logits + r * ld;
+      float max = p[0], sum = 0.f;
+      for (int64_t e = 1; e < E; ++e) max = std::max(max, p[e]);
+      for (int64_t e = 0; e < E; ++e) sum += (p[e] = std::exp(p[e] - max));
+      for (int64_t e = 0; e < E; ++e) p[e] /= sum;
+      float* w = weights + r * k;
+      index_t* id = ids + r * k;
+      int64_t n = 0;  // kept so far, sorted: w[0] >= w[1] >= ...
+      for (int64_t e = 0; e < E; ++e) {
+        if (n == k && !(p[e] > w[k - 1])) continue;  // not above the k-th
+        int64_t j = std::min(n, k - 1);  // slide smaller ones down; equal ones stay ahead
+        for (; j > 0 && p[e] > w[j - 1]; --j) {
+          w[j] = w[j - 1];
+          id[j] = id[j - 1];
+        }
+        w[j] = p[e];
+        id[j] = static_cast<index_t>(e);
+        n = std::min(n + 1, k);
+      }
+      if (!renormalize) continue;
+      float total = 0.f;
+      for (int64_t j = 0; j < k; ++j) total += w[j];
+      for (int64_t j = 0; j < k; ++j) w[j] /= total;
+    }
+  });
 }
 
 // One expert's rows of the grouped pairs: [first, first + rows).

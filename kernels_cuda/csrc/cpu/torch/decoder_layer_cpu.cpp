@@ -1,11 +1,13 @@
-// One Llama decoder layer of the CPU float32 path as a single torch op: the layer that
-// ../kernels/decoder_layer_kernel.h composes (the JAX FFI handler runs the same), which is
+// One decoder layer of the CPU float32 path as a single torch op: the layer that
+// ../kernels/decoder_layer_kernel.h composes (Llama's, with Qwen3's per-head q/k norms and a
+// mixture of experts' MLP where given; the JAX FFI handler runs the same), which is
 // backends/torch/model.py's DecoderLayer op by op (so the same bits) without one Python call per
 // op. This file checks the tensors and hands their pointers over.
 //
 // Why: at a few rows the ops' kernels are the smaller part of a layer; most of a 1-token forward
 // was the per-op path from Python (argument parsing, boxing, the nn.Module calls and views around
-// ~12 ops a layer). One op cuts the draft's forward by about a third (RESULTS.md).
+// ~12 ops a layer, ~14 with q/k norms and experts). One op cuts the draft's forward by about a
+// third (RESULTS.md).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
@@ -61,11 +63,33 @@ void check_int32(const char* name, const at::Tensor& t, int64_t dim) {
               t.scalar_type(), " ", t.sizes());
 }
 
+// The experts of a mixture-of-experts MLP: the router packed for pagedjax::linear [ceil(E / 16),
+// H, 16], w13 [E, ceil(2I / 16), H, 16] and w2 [E, ceil(H / 16), I, 16] packed by
+// pack_moe_weights (pagedjax::moe_experts's).
+cpu_layer::Experts experts(const at::Tensor& router, const at::Tensor& w13, const at::Tensor& w2,
+                           int64_t H, int64_t I, int64_t top_k, bool renormalize) {
+  TORCH_CHECK(w13.dim() == 4 && w13.size(0) >= 1, kOp,
+              ": with router_weight, gate_up_weight must be the experts' w13 [E, ceil(2I / 16), "
+              "H, 16], got ", w13.sizes());
+  const int64_t E = w13.size(0);
+  check_packed("router_weight", router, H, E);
+  check_float("gate_up_weight (w13)", w13,
+              {E, (2 * I + cpu_linear::kTile - 1) / cpu_linear::kTile, H, cpu_linear::kTile});
+  check_float("down_weight (w2)", w2,
+              {E, (H + cpu_linear::kTile - 1) / cpu_linear::kTile, I, cpu_linear::kTile});
+  TORCH_CHECK(top_k >= 1 && top_k <= E, kOp, ": top_k=", top_k, " must be in [1, num_experts=",
+              E, "]");
+  return {cpu_layer::Projection::of_packed(router.data_ptr<float>(), router.size(0)),
+          w13.data_ptr<float>(), w2.data_ptr<float>(), E, top_k, renormalize};
+}
+
 // x [T, H]: the previous layer's output (the embedding in the first layer, residual None)
 // → (this layer's output [T, H], the residual stream [T, H]). Weights packed for
 // pagedjax::linear, or (qtypes[i] != 0) GGML blocks for pagedjax::quant_linear; norms' weights
 // [H]; k_cache/v_cache [N, Hkv, bs, D] (float32, or float8_e4m3fn with k_scale / v_scale)
-// written at slot_mapping.
+// written at slot_mapping. q_norm, k_norm [D] (Qwen3): each q and k head normalised before
+// rope. router_weight (a mixture of experts, packed float32 only): the MLP is the experts,
+// gate_up_weight and down_weight their w13 and w2, intermediate_size each expert's.
 // Every row is computed, padding rows (past query_start_loc[S]) included, as the ops would.
 std::tuple<at::Tensor, at::Tensor> decoder_layer_cpu(
     const at::Tensor& x, const OptTensor& residual, const at::Tensor& input_norm,
@@ -76,7 +100,8 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer_cpu(
     const at::Tensor& block_tables, const at::Tensor& query_start_loc, int64_t num_q_heads,
     int64_t num_kv_heads, int64_t intermediate_size, double eps, double sm_scale,
     std::optional<int64_t> sliding_window, std::optional<int64_t> /*max_query_len: CUDA-only*/,
-    at::OptionalIntArrayRef qtypes, double k_scale, double v_scale) {
+    at::OptionalIntArrayRef qtypes, double k_scale, double v_scale, const OptTensor& q_norm,
+    const OptTensor& k_norm, const OptTensor& router_weight, int64_t top_k, bool renormalize) {
   TORCH_CHECK(x.dim() == 2, kOp, ": x must be [num_tokens, hidden], got ", x.sizes());
   TORCH_CHECK(k_cache.dim() == 4, kOp, ": k_cache must be [N, Hkv, bs, D], got ",
               k_cache.sizes());
@@ -96,9 +121,21 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer_cpu(
   const cpu_layer::Projection qkv = projection("qkv_weight", qkv_weight, H, qkv_size, qtype(0));
   if (qkv_bias) check_float("qkv_bias", *qkv_bias, {qkv_size});
   const cpu_layer::Projection o = projection("o_weight", o_weight, q_size, H, qtype(1));
-  const cpu_layer::Projection gate_up =
-      projection("gate_up_weight", gate_up_weight, H, 2 * I, qtype(2));
-  const cpu_layer::Projection down = projection("down_weight", down_weight, I, H, qtype(3));
+  cpu_layer::Projection gate_up, down;
+  cpu_layer::Experts moe;
+  if (router_weight) {
+    TORCH_CHECK(qtype(2) == 0 && qtype(3) == 0, kOp, ": the experts are packed float32 only");
+    moe = experts(*router_weight, gate_up_weight, down_weight, H, I, top_k, renormalize);
+  } else {
+    gate_up = projection("gate_up_weight", gate_up_weight, H, 2 * I, qtype(2));
+    down = projection("down_weight", down_weight, I, H, qtype(3));
+  }
+  TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), kOp,
+              ": q_norm and k_norm come together");
+  if (q_norm) {
+    check_float("q_norm", *q_norm, {D});
+    check_float("k_norm", *k_norm, {D});
+  }
   const bool fp8_cache = k_cache.scalar_type() == at::kFloat8_e4m3fn;
   if (fp8_cache) {  // an FP8 KV cache: k / k_scale, v / v_scale stored as e4m3
     TORCH_CHECK(v_cache.scalar_type() == at::kFloat8_e4m3fn && k_cache.is_contiguous() &&
@@ -131,9 +168,16 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer_cpu(
 
   const AttentionShape shape = cpu_attention::attention_shape(T, num_q_heads, k_cache.sizes(),
                                                               block_tables.sizes());
-  const cpu_layer::Weights weights{input_norm.data_ptr<float>(), qkv,
-                                   qkv_bias ? qkv_bias->data_ptr<float>() : nullptr, o,
-                                   post_norm.data_ptr<float>(), gate_up, down};
+  const cpu_layer::Weights weights{input_norm.data_ptr<float>(),
+                                   qkv,
+                                   qkv_bias ? qkv_bias->data_ptr<float>() : nullptr,
+                                   o,
+                                   post_norm.data_ptr<float>(),
+                                   gate_up,
+                                   down,
+                                   q_norm ? q_norm->data_ptr<float>() : nullptr,
+                                   k_norm ? k_norm->data_ptr<float>() : nullptr,
+                                   moe};
   const cpu_attention::RaggedBatch batch{kv_lens.data_ptr<int32_t>(),
                                          block_tables.data_ptr<int32_t>(),
                                          query_start_loc.data_ptr<int32_t>()};
@@ -169,7 +213,8 @@ TORCH_LIBRARY_FRAGMENT(pagedjax, m) {
       "Tensor slot_mapping, Tensor kv_lens, Tensor block_tables, Tensor query_start_loc, "
       "int num_q_heads, int num_kv_heads, int intermediate_size, float eps, float sm_scale, "
       "int? sliding_window, int? max_query_len, int[]? qtypes=None, float k_scale=1.0, "
-      "float v_scale=1.0) -> (Tensor, Tensor)");
+      "float v_scale=1.0, Tensor? q_norm=None, Tensor? k_norm=None, Tensor? router_weight=None, "
+      "int top_k=0, bool renormalize=False) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(pagedjax, CPU, m) { m.impl("decoder_layer", &pagedjax::decoder_layer_cpu); }

@@ -1,8 +1,11 @@
 // A mixture of experts' expert block on the CPU in float32 as one torch op:
 //   moe_experts(x [T, H], topk_ids [T, k], topk_weights [T, k], w13_packed, w2_packed,
 //               intermediate_size) -> y [T, H]
-// the kernel of ../kernels/moe_experts_kernel.h (the JAX FFI handler runs the same). This file
-// checks the tensors and hands their pointers over.
+// the kernel of ../kernels/moe_experts_kernel.h (the JAX FFI handler runs the same), and its
+// routing as another:
+//   moe_routing(logits [T, E], top_k, renormalize) -> (topk_weights [T, k], topk_ids [T, k])
+// (route_rows: the fused decoder layer's, so the op-by-op layer chooses its experts' bits). This
+// file checks the tensors and hands their pointers over.
 //
 // Why: torch's grouped_mm over the sorted pairs ran a Qwen3-MoE decode step at 2.4x its dense
 // twin's time on CPU; this runs each chosen expert's products on the packed linear's blocks, an
@@ -11,6 +14,7 @@
 #include <torch/library.h>
 
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -78,14 +82,49 @@ at::Tensor moe_experts_meta(const at::Tensor& x, const at::Tensor& topk_ids,
   return at::empty_like(x);
 }
 
+void check_routing_args(const at::Tensor& logits, int64_t top_k) {
+  TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() == 2 && logits.is_contiguous(),
+              "pagedjax::moe_routing: logits must be a contiguous float32 [num_tokens, "
+              "num_experts], got ", logits.scalar_type(), " ", logits.sizes());
+  TORCH_CHECK(top_k >= 1 && top_k <= logits.size(1), "pagedjax::moe_routing: top_k=", top_k,
+              " must be in [1, num_experts=", logits.size(1), "]");
+}
+
+// logits [T, E] → (weights [T, k] float32, ids [T, k] int64: torch.topk's dtype).
+std::tuple<at::Tensor, at::Tensor> moe_routing_cpu(const at::Tensor& logits, int64_t top_k,
+                                                   bool renormalize) {
+  check_routing_args(logits, top_k);
+  const int64_t T = logits.size(0), E = logits.size(1);
+  at::Tensor probs = logits.clone();  // route_rows overwrites its rows
+  at::Tensor weights = at::empty({T, top_k}, logits.options());
+  at::Tensor ids = at::empty({T, top_k}, logits.options().dtype(at::kLong));
+  cpu_moe::route_rows(TorchParallel{}, probs.data_ptr<float>(), E, T, E, top_k, renormalize,
+                      weights.data_ptr<float>(), ids.data_ptr<int64_t>());
+  return {weights, ids};
+}
+
+std::tuple<at::Tensor, at::Tensor> moe_routing_meta(const at::Tensor& logits, int64_t top_k,
+                                                    bool /*renormalize*/) {
+  check_routing_args(logits, top_k);
+  return {at::empty({logits.size(0), top_k}, logits.options()),
+          at::empty({logits.size(0), top_k}, logits.options().dtype(at::kLong))};
+}
+
 }  // namespace
 }  // namespace pagedjax
 
 TORCH_LIBRARY_FRAGMENT(pagedjax, m) {
   m.def("moe_experts(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13_packed, "
         "Tensor w2_packed, int intermediate_size) -> Tensor");
+  m.def("moe_routing(Tensor logits, int top_k, bool renormalize) -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(pagedjax, CPU, m) { m.impl("moe_experts", &pagedjax::moe_experts_cpu); }
+TORCH_LIBRARY_IMPL(pagedjax, CPU, m) {
+  m.impl("moe_experts", &pagedjax::moe_experts_cpu);
+  m.impl("moe_routing", &pagedjax::moe_routing_cpu);
+}
 
-TORCH_LIBRARY_IMPL(pagedjax, Meta, m) { m.impl("moe_experts", &pagedjax::moe_experts_meta); }
+TORCH_LIBRARY_IMPL(pagedjax, Meta, m) {
+  m.impl("moe_experts", &pagedjax::moe_experts_meta);
+  m.impl("moe_routing", &pagedjax::moe_routing_meta);
+}

@@ -3,7 +3,7 @@
 // JAX backend's attention (attention_cpu_kernel.h), packed linear (linear_cpu_kernel.h),
 // quantized linear (quant_linear_kernel.h: weights in GGML blocks), mixture-of-experts block
 // (moe_experts_kernel.h), top-k, samplers' passes and whole decoder layer
-// (decoder_layer_kernel.h) on CPU. Built and registered
+// (decoder_layer_kernel.h: dense or with experts) on CPU. Built and registered
 // by backends/jax/cpu_ffi.py. Parallel on XLA's own intra-op thread pool: an OpenMP team of its
 // own, started from an XLA thread, made libgomp count more threads than cores and stop spinning,
 // which slowed every torch op in the process (RESULTS.md).
@@ -331,12 +331,36 @@ ffi::Error filter_logits_f32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 }
 
 
-// One Llama decoder layer as one call (decoder_layer_kernel.h composes it; the torch op
-// pagedjax::decoder_layer runs the same) → (out [T, H], stream [T, H], k_cache, v_cache): the
-// caches are updated in place (the outputs alias them; copied first where XLA gave fresh
-// buffers). The rows after the last sequence's (query_start_loc[S], padding up to the step's
-// bucket) are not computed: zeros in out and stream, as the torch op's eager step never runs
-// them.
+// The experts of the decoder layer's MLP (router non-empty): router packed float32 [ceil(E / 16),
+// H, 16], w13 [E, ceil(2I / 16), H, 16], w2 [E, ceil(H / 16), I, 16]; "" or what is wrong.
+std::string experts(const ffi::Buffer<ffi::F32>& router, const ffi::AnyBuffer& w13,
+                    const ffi::AnyBuffer& w2, int64_t H, int64_t I, int64_t top_k,
+                    int64_t renormalize, cpu_layer::Experts* ex) {
+  const auto rd = router.dimensions(), ad = w13.dimensions(), bd = w2.dimensions();
+  const int64_t tile = cpu_linear::kTile, E = ad.size() == 4 ? ad[0] : 0;
+  if (w13.element_type() != ffi::F32 || w2.element_type() != ffi::F32 || E < 1 ||
+      ad[1] != (2 * I + tile - 1) / tile || ad[2] != H || ad[3] != tile || bd.size() != 4 ||
+      bd[0] != E || bd[1] != (H + tile - 1) / tile || bd[2] != I || bd[3] != tile ||
+      rd.size() != 3 || rd[0] != (E + tile - 1) / tile || rd[1] != H || rd[2] != tile) {
+    return "decoder_layer (FFI): experts must be packed float32: router [ceil(E / 16), H, 16], "
+           "w13 [E, ceil(2I / 16), H, 16], w2 [E, ceil(H / 16), I, 16]";
+  }
+  if (top_k < 1 || top_k > E) {
+    return "decoder_layer (FFI): top_k=" + std::to_string(top_k) + " must be in [1, " +
+           std::to_string(E) + "]";
+  }
+  *ex = {cpu_layer::Projection::of_packed(router.typed_data(), rd[0]),
+         static_cast<const float*>(w13.untyped_data()),
+         static_cast<const float*>(w2.untyped_data()), E, top_k, renormalize != 0};
+  return "";
+}
+
+// One decoder layer as one call (decoder_layer_kernel.h composes it: Llama's, with per-head q/k
+// norms and experts where given; the torch op pagedjax::decoder_layer runs the same) → (out
+// [T, H], stream [T, H], k_cache, v_cache): the caches are updated in place (the outputs alias
+// them; copied first where XLA gave fresh buffers). The rows after the last sequence's
+// (query_start_loc[S], padding up to the step's bucket) are not computed: zeros in out and
+// stream, as the torch op's eager step never runs them.
 ffi::Error decoder_layer_f32(
     ffi::ThreadPool pool,
     ffi::Buffer<ffi::F32> x,                // [T, H]
@@ -358,6 +382,9 @@ ffi::Error decoder_layer_f32(
     ffi::Buffer<ffi::S32> kv_lens,          // [S]
     ffi::Buffer<ffi::S32> block_tables,     // [S, M]
     ffi::Buffer<ffi::S32> query_start_loc,  // [S+1]
+    ffi::Buffer<ffi::F32> q_norm,           // [D], or [0]: none (with k_norm)
+    ffi::Buffer<ffi::F32> k_norm,           // [D], or [0]
+    ffi::Buffer<ffi::F32> router,           // [ceil(E / 16), H, 16], or [0]: a dense MLP
     ffi::ResultBuffer<ffi::F32> out,        // [T, H]
     ffi::ResultBuffer<ffi::F32> stream,     // [T, H]
     ffi::Result<ffi::AnyBuffer> k_out,      // [N, Hkv, bs, D]: k_cache's buffer
@@ -367,7 +394,9 @@ ffi::Error decoder_layer_f32(
     int64_t has_residual,    // 0: the first layer (x is the embedding)
     ffi::Span<const int64_t> qtypes,  // qkv, o, gate_up, down: 0 packed, else GGML type
     float k_scale,                    // an fp8 cache stores k / k_scale, v / v_scale
-    float v_scale) {
+    float v_scale,
+    int64_t top_k,        // with a router: each token's experts
+    int64_t renormalize) {  // with a router: their weights divided by their sum
   const auto xd = x.dimensions(), cd = k_cache.dimensions(), td = block_tables.dimensions();
   if (xd.size() != 2 || cd.size() != 4 || td.size() != 2 || cd[1] <= 0 ||
       num_q_heads % cd[1] != 0 || cos.dimensions()[0] != xd[0] || cos.dimensions()[1] != cd[3] ||
@@ -386,20 +415,35 @@ ffi::Error decoder_layer_f32(
                                        "gate_up, down; 0: packed float32)");
   }
   cpu_layer::Projection qkv, o, gate_up, down;
+  cpu_layer::Experts moe;
+  const bool has_experts = router.element_count() > 0;
   for (const std::string& error :
        {projection("qkv_weight", qkv_weight, qtypes[0], H, qkv_size, &qkv),
         projection("o_weight", o_weight, qtypes[1], q_size, H, &o),
-        projection("gate_up_weight", gate_up_weight, qtypes[2], H, 2 * I, &gate_up),
-        projection("down_weight", down_weight, qtypes[3], I, H, &down)}) {
+        has_experts ? experts(router, gate_up_weight, down_weight, H, I, top_k, renormalize, &moe)
+                    : projection("gate_up_weight", gate_up_weight, qtypes[2], H, 2 * I, &gate_up),
+        has_experts ? "" : projection("down_weight", down_weight, qtypes[3], I, H, &down)}) {
     if (!error.empty()) return ffi::Error::InvalidArgument(error);
+  }
+  const int64_t norms = static_cast<int64_t>(q_norm.element_count());
+  if (norms != static_cast<int64_t>(k_norm.element_count()) || (norms != 0 && norms != D)) {
+    return ffi::Error::InvalidArgument("decoder_layer (FFI): q_norm and k_norm must both be "
+                                       "[head_dim] or both [0]");
   }
   const AttentionShape shape = cpu_attention::attention_shape(xd[0], num_q_heads, cd, td);
   const cpu_layer::DecoderLayer<int32_t> layer{
       shape, H, I, eps, sm_scale, sliding_window, x.typed_data(),
       has_residual ? residual.typed_data() : nullptr,
-      cpu_layer::Weights{input_norm.typed_data(), qkv,
-                         qkv_bias.element_count() > 0 ? qkv_bias.typed_data() : nullptr, o,
-                         post_norm.typed_data(), gate_up, down},
+      cpu_layer::Weights{input_norm.typed_data(),
+                         qkv,
+                         qkv_bias.element_count() > 0 ? qkv_bias.typed_data() : nullptr,
+                         o,
+                         post_norm.typed_data(),
+                         gate_up,
+                         down,
+                         norms ? q_norm.typed_data() : nullptr,
+                         norms ? k_norm.typed_data() : nullptr,
+                         moe},
       cos.typed_data(), sin.typed_data(), slot_mapping.typed_data(),
       cpu_attention::RaggedBatch{kv_lens.typed_data(), block_tables.typed_data(),
                                  query_start_loc.typed_data()},
@@ -500,6 +544,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxDecoderLayerF32, pagedjax::decoder_layer_f
                                   .Arg<ffi::Buffer<ffi::S32>>()   // kv_lens
                                   .Arg<ffi::Buffer<ffi::S32>>()   // block_tables
                                   .Arg<ffi::Buffer<ffi::S32>>()   // query_start_loc
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // q_norm
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // k_norm
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // router
                                   .Ret<ffi::Buffer<ffi::F32>>()   // out
                                   .Ret<ffi::Buffer<ffi::F32>>()   // stream
                                   .Ret<ffi::AnyBuffer>()          // k_cache
@@ -512,7 +559,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxDecoderLayerF32, pagedjax::decoder_layer_f
                                   .Attr<int64_t>("has_residual")
                                   .Attr<ffi::Span<const int64_t>>("qtypes")
                                   .Attr<float>("k_scale")
-                                  .Attr<float>("v_scale"));
+                                  .Attr<float>("v_scale")
+                                  .Attr<int64_t>("top_k")
+                                  .Attr<int64_t>("renormalize"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxMoeExpertsF32, pagedjax::moe_experts_f32,
                               ffi::Ffi::Bind()

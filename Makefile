@@ -33,8 +33,10 @@ run: install
 lint: install
 	$(PY) -m ruff check .
 
+# Two workers (pytest-xdist), each file on one of them: XLA compiles and much of the Python are
+# one thread, and servers and subprocesses wait; the second worker fills that time.
 test: lint
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2 --dist loadfile
 
 # The edit loop (about a minute on 2 cores): the core, sampling, the step's contract, the CPU
 # ops, the vLLM-API surface, imports and docs. `make test` runs everything.

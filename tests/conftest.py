@@ -8,11 +8,16 @@ import tempfile
 from pathlib import Path
 
 # On a CPU-only machine XLA's LLVM optimisations make up most of a compile and change no float
-# result (no fast-math), and the suite compiles hundreds of step shapes: skip them. Set before
+# result (no fast-math), and the suite compiles hundreds of step shapes: skip them; emit fusions
+# the classic way (XLA:CPU's MLIR fusion emitters take twice the compile time for the same
+# results: tests/kernels/test_pallas_attention.py's _FAST_COMPILE), one LLVM module a compile
+# (split across threads it costs more CPU, and the suite's workers use both cores). Set before
 # jax is imported; a GPU machine keeps its defaults.
-if not Path("/dev/nvidiactl").exists():
+if not Path("/dev/nvidiactl").exists():  # test_tensor_parallel.py's FAKE_DEVICES: the same
     os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 "
-                                       "--xla_llvm_disable_expensive_passes=true")
+                                       "--xla_llvm_disable_expensive_passes=true "
+                                       "--xla_cpu_use_fusion_emitters=false "
+                                       "--xla_cpu_parallel_codegen_split_count=1")
 # The session's own cache folder (compiled steps, step costs, the FFI library): engines of the
 # same configuration share their compiled steps across tests, and nothing outside the run leaks
 # in. Subprocesses the tests start inherit it.
@@ -22,6 +27,10 @@ os.environ.setdefault("PAGEDJAX_CACHE_DIR", tempfile.mkdtemp(prefix="pagedjax-te
 # closed set itself (compile-once, the engine's layouts, the server's metrics, adaptive
 # speculation) turn startup compiles back on with the `compile_at_startup` fixture.
 os.environ.setdefault("PAGEDJAX_COMPILE_AT_STARTUP", "0")
+# Threads waiting in torch's OpenMP regions sleep instead of spinning (~0.2 s each time by
+# default): with both cores busy (two workers, a server beside a client) spinning threads burned
+# a third of the suite's CPU. Set before torch is imported; results are the same.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # Nor do engines freeze the garbage collector's heap at startup (a full collection first, ~0.2 s
 # an engine over the suite's hundreds): tests/engine/test_gc_heap.py turns it back on.
 os.environ.setdefault("PAGEDJAX_FREEZE_GC_HEAP", "0")

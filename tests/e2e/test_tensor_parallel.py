@@ -16,7 +16,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 FAKE_DEVICES = ("--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0 "
-                "--xla_llvm_disable_expensive_passes=true")
+                "--xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false "
+                "--xla_cpu_parallel_codegen_split_count=1")  # conftest.py's, 4 devices
 PROMPTS = [np.random.default_rng(0).integers(1, 500, n).tolist() for n in (3, 17, 40)]
 
 

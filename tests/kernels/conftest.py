@@ -19,7 +19,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_unconfigure(config):
-    nvcc_check.stop(config.stash.get(nvcc_check.COMPILES, []))
+    nvcc_check.stop(config.stash.get(nvcc_check.COMPILES, None))
 
 
 @pytest.fixture

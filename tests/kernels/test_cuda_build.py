@@ -105,14 +105,15 @@ def test_a_second_process_reuses_the_cached_build():
 @pytest.mark.nvcc
 @pytest.mark.skipif(not nvcc_check.can_compile(),
                     reason="needs the CUDA toolkit (nvcc) and a C++ compiler")
-def test_cuda_sources_compile_for_sm80_and_sm90(request, tmp_path):
+def test_cuda_sources_compile_for_sm80_and_sm90(request):
     """nvcc compiles every .cu file for the build's archs; no GPU needed. The compiles started
-    in the background when the session was collected (conftest.py); this test runs last and
-    waits for them."""
+    in the background when the session was collected (conftest.py), or earlier for the same
+    sources, headers and flags (nvcc_check.py); this test runs last and waits for them."""
     compiles = (request.config.stash.get(nvcc_check.COMPILES, None)
-                or nvcc_check.start_compiles(tmp_path))
-    for c in compiles:
-        returncode, stderr = c.wait(timeout=1800)
-        assert returncode == 0, f"{c.command[2]}:\n{stderr[-4000:]}"
-        fatbin = c.output.read_bytes()  # the object's fat binary names each SASS arch
+                or nvcc_check.start_compiles())
+    results = nvcc_check.results(compiles, timeout=1800)
+    assert sorted(results) == sorted(ops._CUDA_SOURCES)
+    for name, result in results.items():
+        assert result["returncode"] == 0, f"{name}:\n{result['stderr'][-4000:]}"
+        fatbin = Path(result["object"]).read_bytes()  # its fat binary names each SASS arch
         assert b"sm_80" in fatbin and b"sm_90" in fatbin

@@ -11,10 +11,14 @@ import sys
 
 import pytest
 
-# SmolLM2's GGUF file converted to a checkpoint in the session's cache folder (~45 s, one thread)
+# SmolLM2's GGUF file converted to a checkpoint in the session's cache folder (~45 s, one thread),
+# once: the workers of `pytest -n 2` share that folder, and the second waits for the first.
 SMOLLM2_CONVERSION = pytest.StashKey[subprocess.Popen]()
-_CONVERT_SMOLLM2 = ("from pagedjax.model_loader.demo import smollm2_instruct_dir; "
-                    "smollm2_instruct_dir()")
+_CONVERT_SMOLLM2 = ("import fcntl; from pagedjax.cache import cache_dir; "
+                    "from pagedjax.model_loader.demo import smollm2_instruct_dir; "
+                    "cache_dir().mkdir(parents=True, exist_ok=True); "
+                    "lock = open(cache_dir() / 'smollm2.lock', 'w'); "
+                    "fcntl.flock(lock, fcntl.LOCK_EX); smollm2_instruct_dir()")
 
 
 def start_low_priority(argv: list[str], **kwargs) -> subprocess.Popen:

@@ -45,6 +45,11 @@ class BlockManager:
         self._hash_to_block: dict[int, int] = {}
         # Registered blocks: block id -> (chain hash, its token ids), checked on every hit.
         self._cached: dict[int, tuple[int, tuple[int, ...]]] = {}
+        # Registered blocks whose draft-model KV is computed too (speculative decoding: the
+        # draft's cache takes the same block ids), and per seq how many of its leading blocks
+        # cache_draft_blocks has looked at: a hit on them spares the draft's catch-up as well.
+        self._draft_cached: set[int] = set()
+        self._draft_marked: dict[int, int] = {}
         self._tables: dict[int, list[int]] = {}
         # Per seq: chain hashes of its leading full blocks hashed so far (cache_blocks' progress).
         self._seq_hashes: dict[int, list[int]] = {}
@@ -202,6 +207,26 @@ class BlockManager:
                 self._hash_to_block[block_hash] = block_id
                 self._cached[block_id] = (block_hash, tokens)
 
+    def cache_draft_blocks(self, seq_id: int, num_draft_computed_tokens: int) -> None:
+        """Mark the seq's registered blocks among its leading num_draft_computed_tokens //
+        block_size as holding the draft's KV too (its blocks registered by another seq's
+        duplicate computation stay unmarked: the registered copy's draft KV is that seq's)."""
+        if not self.enable_prefix_caching or seq_id not in self._tables:
+            return
+        table, hashes = self._tables[seq_id], self._seq_hashes[seq_id]
+        end = min(num_draft_computed_tokens // self.block_size, len(hashes))
+        for i in range(self._draft_marked.get(seq_id, 0), end):
+            if self._hash_to_block.get(hashes[i]) == table[i]:
+                self._draft_cached.add(table[i])
+        self._draft_marked[seq_id] = max(end, self._draft_marked.get(seq_id, 0))
+
+    def num_draft_computed_blocks(self, computed_blocks: Sequence[int]) -> int:
+        """How many of get_computed_blocks' leading hits hold the draft's KV too."""
+        for n, block_id in enumerate(computed_blocks):
+            if block_id not in self._draft_cached:
+                return n
+        return len(computed_blocks)
+
     def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
         """Share all of the parent's blocks with the child (parallel sampling, beam search)."""
         if self._tables.get(child_seq_id):
@@ -223,6 +248,7 @@ class BlockManager:
         """Release all of the seq's blocks (tail first, so its tail is evicted before its head)."""
         table = self._tables.pop(seq_id, None)
         self._seq_hashes.pop(seq_id, None)
+        self._draft_marked.pop(seq_id, None)
         self._changed_from.pop(seq_id, None)
         self.forked.discard(seq_id)
         if table is not None:
@@ -242,6 +268,9 @@ class BlockManager:
         del table[num_kept:]
         self._release(reversed(released))
         del self._seq_hashes[seq_id][num_tokens // self.block_size :]
+        if seq_id in self._draft_marked:
+            self._draft_marked[seq_id] = min(self._draft_marked[seq_id],
+                                             num_tokens // self.block_size)
 
     def _check_allocate_args(
         self,
@@ -281,6 +310,7 @@ class BlockManager:
         return block_id
 
     def _uncache(self, block_id: int) -> None:
+        self._draft_cached.discard(block_id)
         block_hash, _ = self._cached.pop(block_id)
         mapped = self._hash_to_block.pop(block_hash)
         assert mapped == block_id, f"hash of block {block_id} maps to block {mapped}"

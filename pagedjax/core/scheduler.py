@@ -344,10 +344,13 @@ class Scheduler:
             hits = ([] if seq.needs_prompt_logprobs
                     else self.block_manager.get_computed_blocks(seq.token_ids))
             num_computed = len(hits) * self.block_manager.block_size
+            # the draft's KV is in the leading hits its catch-up computed too (the rest: again)
+            num_draft_computed = (self.block_manager.num_draft_computed_blocks(hits)
+                                  * self.block_manager.block_size if self.has_draft else 0)
             num_new = min(seq.num_tokens - num_computed, self._budget(step))
             if not self._take_logit_entries(seq, num_computed + num_new):
                 break
-            num_spec = self._num_spec_tokens(step, seq, num_computed, num_new, 0)
+            num_spec = self._num_spec_tokens(step, seq, num_computed, num_new, num_draft_computed)
             allocated = self._allocate_with_drafts(seq, num_computed, num_new, num_spec, hits)
             while allocated is None and self._park_idle(step.preempted_seq_ids):
                 allocated = self._allocate_with_drafts(seq, num_computed, num_new, num_spec,
@@ -357,8 +360,8 @@ class Scheduler:
             self.waiting.popleft()
             if seq.num_output_tokens == 0:
                 seq.num_cached_tokens = num_computed
-            # Cached blocks hold the target's KV; the draft's may be missing: it recomputes.
-            seq.num_computed_tokens, seq.num_draft_computed_tokens = num_computed, 0
+            seq.num_computed_tokens, seq.num_draft_computed_tokens = (num_computed,
+                                                                      num_draft_computed)
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.arrival)
             seats += 1 + seq.num_pending_forks
@@ -538,6 +541,8 @@ class Scheduler:
             self.block_manager.truncate(seq.seq_id, seq.num_tokens)
         self.block_manager.cache_blocks(seq.seq_id, seq.token_ids, computed)
         seq.num_full_blocks_cached = computed // self.block_manager.block_size
+        if self.has_draft:  # (num_draft_computed_tokens <= computed, as just set)
+            self.block_manager.cache_draft_blocks(seq.seq_id, seq.num_draft_computed_tokens)
 
     def append_tokens(self, seq: Sequence, token_ids: list[int]) -> None:
         """Append tokens a request policy picked to seq, finishing it at the first token-level

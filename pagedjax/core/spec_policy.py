@@ -16,6 +16,13 @@ before 0 where they tie, the better rate first), measuring its time and, draftin
 acceptance of its positions: a wrong seed or a change in the prompts is found, at a cost of at
 most one step in PROBE_EVERY. Otherwise a k > 0 must promise MIN_GAIN over k = 0 (a step's time
 varies with context length and batch fill).
+
+A draft model falls behind in k = 0 steps (it runs only in speculative shapes), and a sequence
+drafts only where it can catch up on k + 1 tokens (Scheduler._num_spec_tokens): a probe after a
+k = 0 streak would pay a speculative shape that catches up and measures no acceptance. So with a
+draft model a due probe waits for a step where some sequence's draft is current (a prompt just
+computed, the draft catching up with it, or drafts just verified) — at most FORCE_PROBE_AFTER
+steps, then it runs anyway. Drafts the host proposes (n-gram, suffix) never fall behind.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ class AdaptiveSpeculation:
     OUTLIER = 4.0  # a period over this many times its cell's estimate is an idle gap: dropped
     MIN_GAIN = 1.03
     PROBE_EVERY = 32  # every this many steps, the least measured k
+    FORCE_PROBE_AFTER = 4 * PROBE_EVERY  # a probe waiting for a current draft runs anyway
 
     def __init__(self, config: SpeculativeConfig, shapes: StepShapes,
                  costs: StepCosts | None) -> None:
@@ -52,7 +60,10 @@ class AdaptiveSpeculation:
         self.steps_per_k = [0] * (self.max_k + 1)  # steps run with each k
         self._drafted = [0.0] * self.max_k
         self._accepted = [0.0] * self.max_k
-        self._num_choices = 0
+        self._since_probe = 0  # steps since the last probe
+        self._probing = False  # the latest choice was a probe
+        # steps since one that left some sequence's draft current (a draft model's lag)
+        self._steps_since_current = 0
         # (bucket, k) → decayed (sum of measured seconds, their weight)
         self._measured: dict[tuple[int, int], tuple[float, float]] = {}
         # k → decayed (sum of log(measured / table) over its cells, weight)
@@ -65,11 +76,11 @@ class AdaptiveSpeculation:
         if not self.adaptive:
             self.k = self.max_k
             return self.k
-        self._num_choices += 1
         bucket = self.shapes.seq_bucket(num_seqs)
         rate = {k: self.expected_tokens(k) / self.seconds(bucket, k)
                 for k in (0, *self.shapes.spec_ks)}
-        if self._num_choices % self.PROBE_EVERY == 0:  # the least measured k at this bucket
+        self._probing = self._probe_due()
+        if self._probing:  # the least measured k at this bucket
             measured = {k: self._measured.get((bucket, k), (0.0, 0.0))[1] for k in rate}
             best = min(rate, key=lambda k: (measured[k], k == 0, -rate[k]))
         else:
@@ -78,6 +89,15 @@ class AdaptiveSpeculation:
                 best = 0
         self.k = best
         return best
+
+    def _probe_due(self) -> bool:
+        """PROBE_EVERY steps since the last probe, and (a draft model) some sequence can draft
+        at the smallest compiled k, or the probe has waited FORCE_PROBE_AFTER steps."""
+        if self._since_probe + 1 < self.PROBE_EVERY:
+            return False
+        return (not self.shapes.draft_model
+                or self._steps_since_current <= min(self.shapes.spec_ks)
+                or self._since_probe + 1 >= self.FORCE_PROBE_AFTER)
 
     def expected_tokens(self, k: int) -> float:
         """Tokens per sequence and step with k drafts: 1 + sum_{j<k} P(first j + 1 accepted)."""
@@ -100,16 +120,25 @@ class AdaptiveSpeculation:
     # ---- learning ------------------------------------------------------------------------
 
     def observe(self, out: SchedulerOutput, sampled: SampledTokens,
-                seconds: float | None = None) -> None:
+                seconds: float | None = None, shape_k: int | None = None) -> None:
         """Record a step: how many of its drafts were accepted, per position, and (seconds) the
         engine's period for it, where every sequence decoded one token (a step with a prompt
-        chunk is no sample of t(k))."""
+        chunk is no sample of t(k)). shape_k: the k of the shape the step ran (None: the drafts
+        it proposed). The two differ where the draft only caught up: a speculative shape that
+        proposed nothing costs t(shape_k), and counted as t(0) it made k = 0 look slow."""
         self.steps_per_k[out.num_spec_tokens] += 1
         self._observe_acceptance(out, sampled)
-        if (self.adaptive and seconds is not None and seconds > 0 and out.seq_ids
-                and max(out.num_new_tokens) == 1):
+        decode = bool(out.seq_ids) and max(out.num_new_tokens) == 1
+        # a probe counts where it ran as a decode step (a prompt's step proposes nothing)
+        self._since_probe = 0 if self._probing and decode else self._since_probe + 1
+        self._probing = False
+        if out.num_spec_tokens or (not decode and any(out.num_draft_tokens)):
+            self._steps_since_current = 0  # drafts verified, or a prompt caught up with
+        else:
+            self._steps_since_current += 1
+        if self.adaptive and seconds is not None and seconds > 0 and decode:
             self._observe_seconds(self.shapes.seq_bucket(len(out.seq_ids)),
-                                  out.num_spec_tokens, seconds)
+                                  out.num_spec_tokens if shape_k is None else shape_k, seconds)
 
     def _observe_acceptance(self, out: SchedulerOutput, sampled: SampledTokens) -> None:
         verified = verified_drafts(out, sampled)

@@ -186,6 +186,35 @@ def test_duplicate_content_stays_unregistered_and_frees_plainly() -> None:
     assert bm.get_computed_blocks([1, 2, 3]) == [0]
 
 
+def test_draft_marks_cover_registered_blocks_the_draft_computed_until_evicted() -> None:
+    """cache_draft_blocks marks the leading blocks the draft computed that are registered (a
+    duplicate's copy stays unmarked); a hit's draft blocks are the leading marked ones; an
+    evicted block loses its mark, and a rolled-back seq marks its rewritten blocks again."""
+    bm = BlockManager(8, 2)
+    run_prompt(bm, 0, [1, 2, 3, 4, 5])  # blocks [0, 1, 2]; 0 and 1 registered
+    bm.allocate_slots(1, 0, 3)  # the same prompt head computed at once: block 3 a duplicate
+    bm.cache_blocks(1, [1, 2, 3], 3)
+    bm.cache_draft_blocks(1, 3)
+    assert bm.num_draft_computed_blocks(bm.get_computed_blocks([1, 2, 3, 4, 5])) == 0
+    bm.cache_draft_blocks(0, 3)  # the draft computed 3 of the 4 cached tokens: block 0
+    hits = bm.get_computed_blocks([1, 2, 3, 4, 5])
+    assert hits == [0, 1] and bm.num_draft_computed_blocks(hits) == 1
+    bm.cache_draft_blocks(0, 5)
+    assert bm.num_draft_computed_blocks(hits) == 2
+    bm.truncate(0, 2)  # rolled back to block 0: block 1 leaves seq 0 (its mark stays: cached)
+    bm.allocate_slots(0, 2, 2)
+    bm.cache_blocks(0, [1, 2, 9, 9], 4)  # rewritten: a new block, unmarked until the draft
+    assert bm.num_draft_computed_blocks(bm.get_computed_blocks([1, 2, 9, 9, 9])) == 1
+    bm.cache_draft_blocks(0, 4)
+    assert bm.num_draft_computed_blocks(bm.get_computed_blocks([1, 2, 9, 9, 9])) == 2
+    bm.free(0)
+    bm.free(1)
+    bm.allocate_slots(2, 0, 16)  # every block: the cached ones evicted, their marks gone
+    bm.free(2)
+    run_prompt(bm, 3, [1, 2, 3])
+    assert bm.num_draft_computed_blocks(bm.get_computed_blocks([1, 2, 3])) == 0
+
+
 def test_prefix_cache_metrics_count_tokens() -> None:
     bm = BlockManager(10, 4)
     run_prompt(bm, 0, list(range(10)))  # queries 10, hits 0

@@ -121,6 +121,28 @@ def test_a_decode_step_catches_the_draft_up_on_k_plus_one_tokens() -> None:
     assert out.num_spec_tokens == 4 and len(draft_tokens(sched, out, 0)) == 4
 
 
+def test_a_prefix_hit_spares_the_draft_what_its_catch_up_computed_before() -> None:
+    """The draft's KV takes the target's block ids: a cached block whose draft KV was
+    computed too spares the draft's catch-up on it; one the draft never reached (it lags after
+    k = 0 steps) it computes again."""
+    sched = make_scheduler(64, budget=64, prefix_caching=True, has_draft=True)
+    add(sched, 0, 9)  # blocks [1-4], [5-8] full after its prompt
+    out = sched.schedule(0)
+    assert draft_tokens(sched, out, 0) == list(range(1, 10))
+    update(sched, out, {0: [20]})
+    for _ in range(4):  # k = 0: the target fills block 3 ([9, 20, 20, 20]), the draft lags
+        update(sched, sched.schedule(0), {0: [20]})
+    assert sched.seqs[0].num_computed_tokens == 13
+    assert sched.seqs[0].num_draft_computed_tokens == 9
+    twin = add(sched, 1, 14)  # the same 9 tokens, then others: three blocks hit
+    twin.token_ids[9:13] = [20, 20, 20, 20]
+    out = sched.schedule(0)
+    i = out.seq_ids.index(1)
+    assert out.num_computed_tokens[i] == 12  # the target: three blocks from the cache
+    assert out.draft_start_pos[i] == 8  # the draft: the two its catch-up computed
+    assert draft_tokens(sched, out, i) == [9, 20, 20, 20, 20, 14]
+
+
 def test_max_num_seqs_and_fcfs() -> None:
     sched = make_scheduler(64, max_num_seqs=2, budget=100)
     for i in range(3):

@@ -16,10 +16,10 @@ def config(tmp_path, k: int = 4, adaptive: bool = True) -> SpeculativeConfig:
                                         "adaptive": adaptive})
 
 
-def shapes(k: int = 4) -> StepShapes:
+def shapes(k: int = 4, draft_model: bool = True) -> StepShapes:
     return StepShapes.for_engine(max_num_seqs=64, max_num_batched_tokens=256,
                                  max_blocks_per_seq=8, max_model_len=128,
-                                 num_speculative_tokens=k)
+                                 num_speculative_tokens=k, draft_model=draft_model)
 
 
 def costs(seconds: callable, k: int = 4) -> dict[int, dict[int, float]]:
@@ -28,9 +28,10 @@ def costs(seconds: callable, k: int = 4) -> dict[int, dict[int, float]]:
     return {s: {j: seconds(j, s) for j in (0, *table.spec_ks)} for s in table.seq_buckets}
 
 
-def policy_for(tmp_path, seconds: callable, k: int = 4, adaptive: bool = True
-               ) -> AdaptiveSpeculation:
-    return AdaptiveSpeculation(config(tmp_path, k, adaptive), shapes(k),
+def policy_for(tmp_path, seconds: callable, k: int = 4, adaptive: bool = True,
+               draft_model: bool = True) -> AdaptiveSpeculation:
+    """draft_model=False: the host proposes the drafts (never behind, so probes never wait)."""
+    return AdaptiveSpeculation(config(tmp_path, k, adaptive), shapes(k, draft_model),
                                costs(seconds, k) if adaptive else None)
 
 
@@ -57,12 +58,35 @@ def simulate(policy: AdaptiveSpeculation, num_seqs: int, steps: int, accepted: i
 
 
 def test_drafts_that_are_never_accepted_are_switched_off(tmp_path) -> None:
-    policy = policy_for(tmp_path, lambda k, s: 1.0 + 0.2 * k)
+    policy = policy_for(tmp_path, lambda k, s: 1.0 + 0.2 * k, draft_model=False)
     chosen = simulate(policy, 32, 200, accepted=0)
     assert chosen[0] == 4  # unmeasured positions promise everything: the first step drafts
     assert policy.expected_tokens(4) == pytest.approx(1.0)
     # then k = 0, bar one drafting step every PROBE_EVERY that keeps acceptance measured
     assert chosen[-64:].count(0) == 64 - 64 // policy.PROBE_EVERY
+
+
+def mixed_step(num_seqs: int) -> SchedulerOutput:
+    """A step that computes a prompt chunk of 16 tokens per sequence, the draft catching up."""
+    return SchedulerOutput(seq_ids=list(range(num_seqs)), num_computed_tokens=[0] * num_seqs,
+                           num_new_tokens=[16] * num_seqs, num_draft_tokens=[16] * num_seqs,
+                           num_batched_tokens=16 * num_seqs)
+
+
+def test_a_draft_models_probe_waits_for_a_sequence_whose_draft_is_current(tmp_path) -> None:
+    """k = 0 steps leave a draft model behind: a due probe waits for a step that leaves some
+    draft current (a prompt computed, its draft catching up) and runs in the next, or runs
+    anyway after FORCE_PROBE_AFTER steps."""
+    policy = policy_for(tmp_path, lambda k, s: 1.0 + 0.2 * k)
+    chosen = simulate(policy, 32, 60, accepted=0)
+    assert chosen[0] == 4 and chosen[1:] == [0] * 59  # due at 32, but every draft is behind
+    policy.choose(32)
+    policy.observe(mixed_step(32), SampledTokens.from_lists({i: [0] for i in range(32)}))
+    assert policy.choose(32) > 0  # the probe, while the new prompts' drafts are current
+    policy.observe(decode_step(32, policy.k), SampledTokens.from_lists(
+        {i: [0] for i in range(32)}))
+    chosen = simulate(policy, 32, policy.FORCE_PROBE_AFTER, accepted=0)
+    assert chosen[:-1] == [0] * (policy.FORCE_PROBE_AFTER - 1) and chosen[-1] > 0
 
 
 def test_cheap_drafts_that_are_always_accepted_use_every_slot(tmp_path) -> None:
@@ -171,7 +195,7 @@ def test_drafting_is_turned_off_where_the_steps_show_it_cannot_pay(tmp_path) -> 
     """The table promises nearly free drafts, the engine's steps cost 0.6 of a step per draft
     (a large batch): with one draft in two accepted, the policy leaves k = 0 but for its
     probes."""
-    policy = policy_for(tmp_path, lambda k, s: 1.0 + 0.02 * k)
+    policy = policy_for(tmp_path, lambda k, s: 1.0 + 0.02 * k, draft_model=False)
     truth = lambda k, s: 1.0 + 0.6 * k  # noqa: E731
     chosen = simulate(policy, 32, 300, accepted=1, seconds=truth)
     assert chosen[-128:].count(0) == 128 - 128 // policy.PROBE_EVERY
@@ -191,3 +215,16 @@ def test_it_converges_to_the_best_fixed_k(tmp_path, accepted: int) -> None:
 
     best = max(rate([k]) for k in (0, *shapes().spec_ks))
     assert rate(chosen[-100:]) >= 0.97 * best
+
+
+def test_a_step_whose_draft_only_caught_up_is_timed_as_the_shape_it_ran(tmp_path) -> None:
+    """A decode step where no sequence could draft (the draft behind after k = 0 steps) but
+    the draft caught up ran a k = 4 shape: its period is a sample of t(4), not of t(0)."""
+    policy = policy_for(tmp_path, lambda k, s: 1.0 + 0.25 * k)
+    caught_up = decode_step(8, 0)  # proposed nothing
+    for _ in range(20):
+        policy.observe(caught_up, SampledTokens.from_lists({i: [0] for i in range(8)}),
+                       seconds=3.0, shape_k=4)
+    assert policy.seconds(8, 4) == pytest.approx(3.0, rel=0.05)
+    assert policy.seconds(8, 0) == pytest.approx(1.0)  # the table's, untouched
+    assert policy.steps_per_k == [20, 0, 0, 0, 0]

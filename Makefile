@@ -33,10 +33,12 @@ run: install
 lint: install
 	$(PY) -m ruff check .
 
-# Two workers (pytest-xdist), each file on one of them: XLA compiles and much of the Python are
-# one thread, and servers and subprocesses wait; the second worker fills that time.
+# PYTEST_ARGS="-n 2 --dist loadfile": two pytest-xdist workers, each file on one of them
+# (about 8 min instead of ~15 on 2 cores); not the default yet: under two workers, test_load.py's
+# dropped-stream test once timed out on its aborts (docs/architecture.md).
+PYTEST_ARGS ?=
 test: lint
-	$(PY) -m pytest -n 2 --dist loadfile
+	$(PY) -m pytest $(PYTEST_ARGS)
 
 # The edit loop (about a minute on 2 cores): the core, sampling, the step's contract, the CPU
 # ops, the vLLM-API surface, imports and docs. `make test` runs everything.

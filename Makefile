@@ -34,7 +34,7 @@ lint: install
 	$(PY) -m ruff check .
 
 # PYTEST_ARGS="-n 2 --dist loadfile": two pytest-xdist workers, each file on one of them
-# (about 8 min instead of ~15 on 2 cores); not the default yet: under two workers, test_load.py's
+# (about 8 min instead of ~12 on 2 cores); not the default yet: under two workers, test_load.py's
 # dropped-stream test once timed out on its aborts (docs/architecture.md).
 PYTEST_ARGS ?=
 test: lint

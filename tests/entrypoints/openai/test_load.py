@@ -126,7 +126,13 @@ def test_dropped_streams_are_aborted_and_the_others_are_exact(server) -> None:
     assert len(kept) == 90
     assert all(text == expected[prompt] and n == 12 for prompt, text, n in kept)
     abort = "pagedjax:request_success_total{finished_reason=abort}"
-    assert wait_until(lambda: counted(server.metrics(), before, abort) == 10)
+    length = "pagedjax:request_success_total{finished_reason=length}"
+    others = lambda: [(f.finish_reason, f.num_generation_tokens)  # noqa: E731
+                      for f in server.recorder.finished[num_finished_before:]
+                      if f.num_generation_tokens != 12]
+    assert wait_until(lambda: counted(server.metrics(), before, abort) == 10), (
+        f"aborts {counted(server.metrics(), before, abort)}, lengths "
+        f"{counted(server.metrics(), before, length)}; finished, not of 12 tokens: {others()}")
     after = server.metrics()
     assert counted(after, before, "pagedjax:request_success_total{finished_reason=length}") == 100
     aborted = [f for f in server.recorder.finished[num_finished_before:]

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+import anyio
 from fastapi.responses import StreamingResponse
 from starlette.requests import Request
 
@@ -144,9 +145,11 @@ class OpenAIServing:
 
     @contextlib.asynccontextmanager
     async def abort_on_disconnect(self, raw_request: Request, request_ids: list[str]):
-        """Abort the requests as soon as the client disconnects (within one engine step); an
-        engine that fails meanwhile fails them with a 500 whose message names no internals (the
-        log has the engine's error)."""
+        """Abort the requests as soon as the client disconnects (within one engine step), and
+        whenever the code inside stops early: a stream closed or cancelled (Starlette's own
+        disconnect listener cancels a streaming response, and may do so before this watcher
+        sees the disconnect) or an error. An engine that fails meanwhile fails them with a 500
+        whose message names no internals (the log has the engine's error)."""
 
         async def watch() -> None:
             while (await raw_request.receive())["type"] != "http.disconnect":
@@ -158,6 +161,10 @@ class OpenAIServing:
             yield
         except EngineDeadError:
             raise OpenAIError(500, ENGINE_FAILED) from None
+        except BaseException:
+            for request_id in request_ids:  # no await: this may run while being cancelled
+                self.engine.abort_request(request_id)
+            raise
         finally:
             watcher.cancel()
 
@@ -169,8 +176,9 @@ def event_stream(events: AsyncIterator[str]) -> StreamingResponse:
 
     async def guarded() -> AsyncIterator[str]:
         try:
-            async for event in events:
-                yield event
+            async with contextlib.aclosing(events):  # closed with guarded(): aborts its requests
+                async for event in events:
+                    yield event
         except OpenAIError as e:
             yield sse(error_body(e.status, e.message, e.param, e.code))
             yield SSE_DONE
@@ -183,7 +191,22 @@ def event_stream(events: AsyncIterator[str]) -> StreamingResponse:
                                       "server log"))
             yield SSE_DONE
 
-    return StreamingResponse(guarded(), media_type="text/event-stream")
+    return ClosingStreamingResponse(guarded(), media_type="text/event-stream")
+
+
+class ClosingStreamingResponse(StreamingResponse):
+    """A StreamingResponse that closes its body however the stream ends. When a client goes
+    away, Starlette cancels the response wherever it waits (often in `send`, between two of the
+    body's items) and leaves the body's generator suspended for the garbage collector, which
+    can take long to finalise it (a reference cycle through the cancellation's traceback):
+    the requests inside would run on for a client that is gone."""
+
+    async def stream_response(self, send: Callable[..., Any]) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            with anyio.CancelScope(shield=True):  # runs inside the cancelled task
+                await self.body_iterator.aclose()
 
 
 def random_id(prefix: str) -> str:

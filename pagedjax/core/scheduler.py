@@ -59,6 +59,7 @@ class Scheduler:
         self.host_drafts = host_drafts  # drafts come from the host's proposer (schedule())
         self.speculates = has_draft or host_drafts
         self._proposals: Mapping[int, list[int]] = {}
+        self._prefill_drafts = True  # schedule()'s
         self.waiting: deque[Sequence] = deque()
         self.parked: dict[int, Sequence] = {}  # preempted with nothing to compute, by seq id
         self.running: list[Sequence] = []  # sorted by arrival
@@ -141,13 +142,16 @@ class Scheduler:
     # ---- schedule ----------------------------------------------------------------------------
 
     def schedule(self, num_spec_tokens: int = 0,
-                 proposals: Mapping[int, list[int]] | None = None) -> SchedulerOutput:
+                 proposals: Mapping[int, list[int]] | None = None,
+                 prefill_drafts: bool = True) -> SchedulerOutput:
         """This step's batch; with num_spec_tokens k > 0, up to k draft slots per sequence.
         proposals (host drafts): seq id → the drafts the host proposes for it (its slots are
-        the first min(k, len) of them)."""
+        the first min(k, len) of them). prefill_drafts=False (a draft model, while drafting does
+        not pay): the draft catches up on no new prompt but a sentinel's (`_catches_up`)."""
         assert not num_spec_tokens or self.speculates
         step = SchedulerOutput(num_spec_tokens=num_spec_tokens)
         self._proposals = proposals or {}
+        self._prefill_drafts = prefill_drafts
         self._draft_budget = self.max_num_batched_tokens if self.has_draft else 0
         self._entries_budget = self.max_logit_entries
         self._scores_prompt = False  # some sequence scores prompt tokens (prompt_logprobs)
@@ -264,10 +268,21 @@ class Scheduler:
         draft_start = seq.num_draft_computed_tokens
         step.draft_start_pos.append(draft_start)
         num_catch_up = 0
-        if self._draft_budget and self._drafts_left(seq) > 0:
+        if self._draft_budget and self._drafts_left(seq) > 0 and self._catches_up(seq):
             num_catch_up = min(end - draft_start, self._draft_budget)
             self._draft_budget -= num_catch_up
         step.num_draft_tokens.append(num_catch_up)
+
+    SENTINEL_EVERY = 8  # one sequence in this many keeps its draft current while none drafts
+
+    def _catches_up(self, seq: Sequence) -> bool:
+        """Whether the draft computes seq's tokens this step. While drafting does not pay
+        (schedule's prefill_drafts=False) a prompt's draft prefill would buy nothing: only
+        sentinels (every SENTINEL_EVERY-th sequence) and drafts past their prompt catch up,
+        so that the policy's probes still find current drafts to measure acceptance on. The
+        others catch up once drafting pays again (k + 1 tokens a decode step)."""
+        return (self._prefill_drafts or seq.seq_id % self.SENTINEL_EVERY == 0
+                or seq.num_draft_computed_tokens >= seq.num_prompt_tokens)
 
     def _schedule_decodes(self, step: SchedulerOutput) -> bool:
         """The common step in bulk: every running sequence computes its one new token, none

@@ -23,6 +23,10 @@ k = 0 streak would pay a speculative shape that catches up and measures no accep
 draft model a due probe waits for a step where some sequence's draft is current (a prompt just
 computed, the draft catching up with it, or drafts just verified) — at most FORCE_PROBE_AFTER
 steps, then it runs anyway. Drafts the host proposes (n-gram, suffix) never fall behind.
+
+While its choice outside probes is k = 0 (`drafts_pay` False), a draft model's prefill of a new
+prompt would buy nothing: the scheduler then catches the draft up on sentinel sequences' prompts
+only (Scheduler._catches_up), which keep the probes' acceptance measured.
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ class AdaptiveSpeculation:
         self._accepted = [0.0] * self.max_k
         self._since_probe = 0  # steps since the last probe
         self._probing = False  # the latest choice was a probe
+        self._chosen = self.max_k  # the latest choice outside a probe
         # steps since one that left some sequence's draft current (a draft model's lag)
         self._steps_since_current = 0
         # (bucket, k) → decayed (sum of measured seconds, their weight)
@@ -87,8 +92,15 @@ class AdaptiveSpeculation:
             best = max(self.shapes.spec_ks, key=rate.__getitem__)
             if rate[best] < self.MIN_GAIN * rate[0]:
                 best = 0
+            self._chosen = best
         self.k = best
         return best
+
+    @property
+    def drafts_pay(self) -> bool:
+        """Whether the latest choice outside a probe drafted (True before any, and with a
+        fixed k)."""
+        return not self.adaptive or self._chosen > 0
 
     def _probe_due(self) -> bool:
         """PROBE_EVERY steps since the last probe, and (a draft model) some sequence can draft

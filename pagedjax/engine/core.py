@@ -302,8 +302,10 @@ class EngineCore:
             self.structured_output.release()  # the completions finished or aborted since
         stamps = [time.perf_counter()]
         k = self._choose_num_spec_tokens()
-        out = self.scheduler.schedule(k, self.drafter.propose(
-            self.scheduler, self.input_batch, k) if k and self.drafter else None)
+        out = self.scheduler.schedule(
+            k, self.drafter.propose(self.scheduler, self.input_batch, k)
+            if k and self.drafter else None,
+            prefill_drafts=self.speculation is None or self.speculation.drafts_pay)
         if out.is_empty:
             self._apply_changes(out)
             if during is not None:

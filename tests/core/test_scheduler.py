@@ -121,6 +121,30 @@ def test_a_decode_step_catches_the_draft_up_on_k_plus_one_tokens() -> None:
     assert out.num_spec_tokens == 4 and len(draft_tokens(sched, out, 0)) == 4
 
 
+def test_while_drafting_does_not_pay_only_sentinels_prefill_the_draft() -> None:
+    """prefill_drafts=False (the policy's choice is k = 0): a new prompt's draft prefill is
+    skipped but for sentinels (every SENTINEL_EVERY-th sequence); drafts past their prompt keep
+    catching up. Once drafting pays, a skipped prompt's draft catches up k + 1 tokens a decode
+    step, and the sequence drafts once current."""
+    sched = make_scheduler(64, budget=64, has_draft=True)
+    sentinel = Scheduler.SENTINEL_EVERY
+    add(sched, sentinel, 4)  # a sentinel
+    add(sched, sentinel + 1, 4)
+    out = sched.schedule(0, prefill_drafts=False)
+    assert out.seq_ids == [sentinel, sentinel + 1]
+    assert draft_tokens(sched, out, 0) == [1, 2, 3, 4] and draft_tokens(sched, out, 1) == []
+    update(sched, out, {sentinel: [5], sentinel + 1: [5]})
+    out = sched.schedule(0, prefill_drafts=True)  # a decode step with k = 0: no catch-up
+    assert out.num_draft_tokens == [0, 0]
+    update(sched, out, {sentinel: [5], sentinel + 1: [5]})
+    out = sched.schedule(2, prefill_drafts=True)  # drafting pays again
+    assert draft_tokens(sched, out, 0) == [5, 5]  # 2 behind: caught up, and drafts
+    assert out.num_spec_tokens_per_seq == [2, 0]
+    assert draft_tokens(sched, out, 1) == [1, 2, 3]  # 6 behind: k + 1 of them, no drafts
+    update(sched, out, {sentinel: [5], sentinel + 1: [5]})
+    assert sched.seqs[sentinel + 1].num_draft_computed_tokens == 3
+
+
 def test_a_prefix_hit_spares_the_draft_what_its_catch_up_computed_before() -> None:
     """The draft's KV takes the target's block ids: a cached block whose draft KV was
     computed too spares the draft's catch-up on it; one the draft never reached (it lags after

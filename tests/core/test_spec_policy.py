@@ -89,6 +89,20 @@ def test_a_draft_models_probe_waits_for_a_sequence_whose_draft_is_current(tmp_pa
     assert chosen[:-1] == [0] * (policy.FORCE_PROBE_AFTER - 1) and chosen[-1] > 0
 
 
+def test_drafts_pay_follows_the_choice_outside_probes(tmp_path) -> None:
+    """The scheduler prefills the draft on every prompt only while drafts_pay: True before any
+    step and with a fixed k, False once the policy settles on k = 0 (its probes, which draft,
+    leave it False), True again when drafting wins."""
+    assert policy_for(tmp_path, None, adaptive=False).drafts_pay
+    policy = policy_for(tmp_path, lambda k, s: 1.0 + 0.2 * k, draft_model=False)
+    assert policy.drafts_pay
+    chosen = simulate(policy, 32, 100, accepted=0)
+    assert chosen[-1] == 0 and not policy.drafts_pay
+    assert any(k > 0 for k in chosen[-64:])  # the probes drafted meanwhile
+    chosen = simulate(policy, 32, 200, accepted=4)  # every draft accepted from now on
+    assert chosen[-1] > 0 and policy.drafts_pay
+
+
 def test_cheap_drafts_that_are_always_accepted_use_every_slot(tmp_path) -> None:
     policy = policy_for(tmp_path, lambda k, s: 1.0 + 0.1 * k)
     chosen = simulate(policy, 1, 50, accepted=4)

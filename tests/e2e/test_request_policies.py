@@ -27,8 +27,8 @@ def record_schedule(llm: LLM) -> list[tuple[SchedulerOutput, list[str]]]:
     scheduler, log = llm.engine.scheduler, []
     schedule = scheduler.schedule
 
-    def recording_schedule(*args):
-        out = schedule(*args)
+    def recording_schedule(*args, **kwargs):
+        out = schedule(*args, **kwargs)
         log.append((out, [scheduler.seqs[seq_id].request_id for seq_id in out.seq_ids]))
         return out
 

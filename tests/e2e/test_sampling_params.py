@@ -162,8 +162,8 @@ def test_speculation_keeps_penalised_rows_exact_and_undrafted(tiny_model, backen
         llm = LLM(model, backend=backend, speculative_config=speculative_config, **CHUNKED)
         scheduler = llm.engine.scheduler
         schedule = scheduler.schedule
-        scheduler.schedule = lambda *args, schedule=schedule: scheduled.append(
-            schedule(*args)) or scheduled[-1]
+        scheduler.schedule = lambda *args, schedule=schedule, **kwargs: scheduled.append(
+            schedule(*args, **kwargs)) or scheduled[-1]
         scheduled.clear()
         results[name] = llm.generate(prompts, params, use_tqdm=False)
         assert_no_leak(llm)

@@ -45,6 +45,8 @@ _seq_id = attrgetter("seq_id")
 
 
 class Scheduler:
+    SENTINEL_EVERY = 8  # one sequence in this many keeps its draft current while none drafts
+
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int,
                  max_num_batched_tokens: int, stop_checker: StopChecker,
                  has_draft: bool = False, host_drafts: bool = False,
@@ -272,8 +274,6 @@ class Scheduler:
             num_catch_up = min(end - draft_start, self._draft_budget)
             self._draft_budget -= num_catch_up
         step.num_draft_tokens.append(num_catch_up)
-
-    SENTINEL_EVERY = 8  # one sequence in this many keeps its draft current while none drafts
 
     def _catches_up(self, seq: Sequence) -> bool:
         """Whether the draft computes seq's tokens this step. While drafting does not pay

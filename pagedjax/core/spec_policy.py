@@ -7,15 +7,22 @@ The policy picks the k with the most expected tokens per second, E(k) / t(k):
   drafted again; one never drafted counts as the last measured one, 1 before any);
 - t(k) the step's seconds at this batch bucket, as the engine measures them step by step (the
   period between two decode steps' outputs: host and device work alike). The startup table
-  (measure_step_costs: one context, synthetic batches) only seeds each estimate, as one
-  sample, times what the engine's steps with the same k at other buckets showed of the
-  table's error (the geometric mean of measured / table; none before any).
+  (measure_step_costs: one context, synthetic batches, the runner alone) only stands in for a
+  (bucket, k) the engine has not run yet, times what the engine's steps with the same k at
+  other buckets showed of the table's error (the geometric mean of measured / table; none
+  before any). Once measured, a cell's own steps are its estimate: the table's error varies
+  by bucket and by k alike (the demo pair on jax, batch 32 at a context of ~100: t(0) 0.6x the
+  table, t(2) 0.8x; at batch 1, t(0) 1.4x), so no correction of it decides for long.
 
+A k never measured at this bucket is tried there, at most once every EXPLORE_EVERY steps and
+EXPLORE_TRIES times (a try in a step that holds a prompt chunk measures nothing, and a new
+batch's prompts come first, at its bucket), k = 0 first: the reference every k > 0 must beat.
+So a new bucket's estimates are its own within a few steps (a batch of 32 lasts ~30).
 Every PROBE_EVERY steps the policy runs the k least measured at this bucket instead (a k > 0
 before 0 where they tie, the better rate first), measuring its time and, drafting, the
-acceptance of its positions: a wrong seed or a change in the prompts is found, at a cost of at
-most one step in PROBE_EVERY. Otherwise a k > 0 must promise MIN_GAIN over k = 0 (a step's time
-varies with context length and batch fill).
+acceptance of its positions: a change in the prompts or the host's speed is found, at a cost
+of at most one step in PROBE_EVERY. Otherwise a k > 0 must promise MIN_GAIN over k = 0 (a
+step's time varies with context length and batch fill).
 
 A draft model falls behind in k = 0 steps (it runs only in speculative shapes), and a sequence
 drafts only where it can catch up on k + 1 tokens (Scheduler._num_spec_tokens): a probe after a
@@ -48,9 +55,10 @@ class AdaptiveSpeculation:
 
     ACCEPTANCE_DECAY = 0.9  # per step that drafts a position: its last ~10 such steps count
     TIME_DECAY = 0.9  # per measured step of a cell: its last ~10 steps count
-    SEED_WEIGHT = 1.0  # the startup table's value counts as this many measured steps
     OUTLIER = 4.0  # a period over this many times its cell's estimate is an idle gap: dropped
     MIN_GAIN = 1.03
+    EXPLORE_EVERY = 4  # a k not yet measured at this bucket is tried at most this often,
+    EXPLORE_TRIES = 8  # and at most this many times
     PROBE_EVERY = 32  # every this many steps, the least measured k
     FORCE_PROBE_AFTER = 4 * PROBE_EVERY  # a probe waiting for a current draft runs anyway
 
@@ -65,6 +73,9 @@ class AdaptiveSpeculation:
         self._drafted = [0.0] * self.max_k
         self._accepted = [0.0] * self.max_k
         self._since_probe = 0  # steps since the last probe
+        self._since_explore = 0  # steps since the last try of a k not yet measured at its bucket
+        self._exploring = False  # the latest choice was one
+        self._tries: dict[tuple[int, int], int] = {}  # (bucket, k) → its tries
         self._probing = False  # the latest choice was a probe
         self._chosen = self.max_k  # the latest choice outside a probe
         # steps since one that left some sequence's draft current (a draft model's lag)
@@ -84,8 +95,14 @@ class AdaptiveSpeculation:
         bucket = self.shapes.seq_bucket(num_seqs)
         rate = {k: self.expected_tokens(k) / self.seconds(bucket, k)
                 for k in (0, *self.shapes.spec_ks)}
-        self._probing = self._probe_due()
-        if self._probing:  # the least measured k at this bucket
+        untried = [k for k in rate if self._measured and (bucket, k) not in self._measured
+                   and self._tries.get((bucket, k), 0) < self.EXPLORE_TRIES]  # none untimed
+        self._exploring = bool(untried) and self._since_explore + 1 >= self.EXPLORE_EVERY
+        self._probing = self._exploring or self._probe_due()
+        if self._exploring:
+            best = min(untried, key=lambda k: (k > 0, -rate[k]))  # k = 0: the reference
+            self._tries[bucket, best] = self._tries.get((bucket, best), 0) + 1
+        elif self._probing:  # the least measured k at this bucket
             measured = {k: self._measured.get((bucket, k), (0.0, 0.0))[1] for k in rate}
             best = min(rate, key=lambda k: (measured[k], k == 0, -rate[k]))
         else:
@@ -121,13 +138,13 @@ class AdaptiveSpeculation:
         return total
 
     def seconds(self, bucket: int, k: int) -> float:
-        """The estimate of t(k) at this bucket: the table's seed (corrected by the error its
-        measured cells of this k showed) as SEED_WEIGHT samples, with this cell's own
-        measurements."""
-        error_sum, error_weight = self._log_error.get(k, (0.0, 0.0))
-        seed = self.costs[bucket][k] * math.exp(error_sum / error_weight if error_weight else 0.0)
+        """The estimate of t(k) at this bucket: the decayed mean of this cell's measured steps;
+        before any, the table's, corrected by the error this k's measured cells showed."""
         total, weight = self._measured.get((bucket, k), (0.0, 0.0))
-        return (seed * self.SEED_WEIGHT + total) / (self.SEED_WEIGHT + weight)
+        if weight:
+            return total / weight
+        error_sum, error_weight = self._log_error.get(k, (0.0, 0.0))
+        return self.costs[bucket][k] * math.exp(error_sum / error_weight if error_weight else 0.0)
 
     # ---- learning ------------------------------------------------------------------------
 
@@ -143,7 +160,8 @@ class AdaptiveSpeculation:
         decode = bool(out.seq_ids) and max(out.num_new_tokens) == 1
         # a probe counts where it ran as a decode step (a prompt's step proposes nothing)
         self._since_probe = 0 if self._probing and decode else self._since_probe + 1
-        self._probing = False
+        self._since_explore = 0 if self._exploring else self._since_explore + 1
+        self._probing = self._exploring = False
         if out.num_spec_tokens or (not decode and any(out.num_draft_tokens)):
             self._steps_since_current = 0  # drafts verified, or a prompt caught up with
         else:

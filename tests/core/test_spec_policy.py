@@ -242,3 +242,19 @@ def test_a_step_whose_draft_only_caught_up_is_timed_as_the_shape_it_ran(tmp_path
     assert policy.seconds(8, 4) == pytest.approx(3.0, rel=0.05)
     assert policy.seconds(8, 0) == pytest.approx(1.0)  # the table's, untouched
     assert policy.steps_per_k == [20, 0, 0, 0, 0]
+
+
+def test_a_new_bucket_is_measured_before_one_buckets_error_decides_it(tmp_path) -> None:
+    """The engine adds host work the runner-only table leaves out (2 units a step): at batch 1
+    every k measures 1.6-3x its table, at batch 32 1.0-1.1x. After batch-1 steps, batch 32
+    tries each k once (k = 0 first) and then keeps k = 0 (its truth 34 against k = 2's 72 for
+    2 tokens) but for probes. Scaled by batch 1's errors (and the table's value weighing as a
+    sample beside the few measured ones), k = 0 looked 3x slower than it is and lost to k = 2
+    in most steps."""
+    table = lambda k, s: s * (1 + 0.6 * k)  # noqa: E731
+    truth = lambda k, s: table(k, s) + 2.0  # noqa: E731
+    policy = policy_for(tmp_path, table, draft_model=False)
+    simulate(policy, 1, 100, accepted=1, seconds=truth)
+    chosen = simulate(policy, 32, 100, accepted=1, seconds=truth)
+    assert chosen[0] == 0 and chosen.count(0) >= 100 - 100 // policy.PROBE_EVERY - 2
+    assert policy.seconds(32, 0) == pytest.approx(truth(0, 32), rel=0.1)

@@ -183,11 +183,13 @@ class Scheduler:
     def schedule_next(self, last: SchedulerOutput) -> SchedulerOutput | None:
         """Async scheduling: the decode step after `last`, scheduled while `last` runs. Each
         sequence computes the token `last` samples for it (read on the device: `input_rows`)
-        and samples the one after. None unless `last` decodes every running sequence, nobody
-        waits, none uses penalties (they count tokens the host has not seen), forks or drafts,
-        and the pool has the slots without preempting anyone. A sequence that `last` finishes
+        and samples the one after, with no drafts. None unless `last` decodes every running
+        sequence with no drafts and no draft model's work, nobody waits, none uses penalties
+        (they count tokens the host has not seen) or forks, and the pool has the slots without
+        preempting anyone. A sequence that `last` finishes
         computes one more row, which update() drops (its slot is freed before any reuse)."""
-        if (self.waiting or self.parked or self.speculates or last.forks
+        if (self.waiting or self.parked or last.forks or last.num_spec_tokens
+                or any(last.num_draft_tokens)
                 or len(last.seq_ids) != len(self.running)
                 or last.num_batched_tokens != len(last.seq_ids)):
             return None

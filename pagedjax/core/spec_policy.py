@@ -55,7 +55,9 @@ class AdaptiveSpeculation:
 
     ACCEPTANCE_DECAY = 0.9  # per step that drafts a position: its last ~10 such steps count
     TIME_DECAY = 0.9  # per measured step of a cell: its last ~10 steps count
-    OUTLIER = 4.0  # a period over this many times its cell's estimate is an idle gap: dropped
+    # a period over this many times its cell's measured estimate is an idle gap: dropped (over
+    # its square times the table's, in a cell not measured yet: the table may be far off)
+    OUTLIER = 4.0
     MIN_GAIN = 1.03
     EXPLORE_EVERY = 4  # a k not yet measured at this bucket is tried at most this often,
     EXPLORE_TRIES = 8  # and at most this many times
@@ -95,8 +97,7 @@ class AdaptiveSpeculation:
         bucket = self.shapes.seq_bucket(num_seqs)
         rate = {k: self.expected_tokens(k) / self.seconds(bucket, k)
                 for k in (0, *self.shapes.spec_ks)}
-        untried = [k for k in rate if self._measured and (bucket, k) not in self._measured
-                   and self._tries.get((bucket, k), 0) < self.EXPLORE_TRIES]  # none untimed
+        untried = self._untried(bucket)
         self._exploring = bool(untried) and self._since_explore + 1 >= self.EXPLORE_EVERY
         self._probing = self._exploring or self._probe_due()
         if self._exploring:
@@ -113,6 +114,34 @@ class AdaptiveSpeculation:
         self.k = best
         return best
 
+    def next_k_is_zero(self, num_seqs: int) -> bool:
+        """Whether the step after the one in flight (of num_seqs sequences) runs k = 0 whatever
+        that one yields, before observe() has seen it: drafting is off outside probes and
+        neither a probe nor a try of a k at this bucket is due within two steps. Async
+        scheduling then launches it without choose() (the engine's overlap.py); observe() still
+        sees it, and the next probe ends the run."""
+        if not self.adaptive or self._chosen:
+            return False
+        ahead = 1  # the step in flight, not observed yet
+        return (self._since_probe + 1 + ahead < self.PROBE_EVERY
+                and not (self._untried(self.shapes.seq_bucket(num_seqs))
+                         and self._since_explore + 1 + ahead >= self.EXPLORE_EVERY))
+
+    def _untried(self, bucket: int) -> list[int]:
+        """The ks not measured at this bucket with tries left (none while nothing is timed; a
+        k > 0 only where some sequence's draft is current, as for a probe)."""
+        if not self._measured:
+            return []
+        drafts = self._drafts_current()
+        return [k for k in (0, *self.shapes.spec_ks) if (bucket, k) not in self._measured
+                and self._tries.get((bucket, k), 0) < self.EXPLORE_TRIES and (drafts or not k)]
+
+    def _drafts_current(self) -> bool:
+        """Whether some sequence can draft at the smallest compiled k (always, without a
+        draft model)."""
+        return (not self.shapes.draft_model
+                or self._steps_since_current <= min(self.shapes.spec_ks))
+
     @property
     def drafts_pay(self) -> bool:
         """Whether the latest choice outside a probe drafted (True before any, and with a
@@ -124,9 +153,7 @@ class AdaptiveSpeculation:
         at the smallest compiled k, or the probe has waited FORCE_PROBE_AFTER steps."""
         if self._since_probe + 1 < self.PROBE_EVERY:
             return False
-        return (not self.shapes.draft_model
-                or self._steps_since_current <= min(self.shapes.spec_ks)
-                or self._since_probe + 1 >= self.FORCE_PROBE_AFTER)
+        return self._drafts_current() or self._since_probe + 1 >= self.FORCE_PROBE_AFTER
 
     def expected_tokens(self, k: int) -> float:
         """Tokens per sequence and step with k drafts: 1 + sum_{j<k} P(first j + 1 accepted)."""
@@ -185,9 +212,11 @@ class AdaptiveSpeculation:
                 self._accepted[j] += j < num_accepted
 
     def _observe_seconds(self, bucket: int, k: int, seconds: float) -> None:
-        if k not in (0, *self.shapes.spec_ks) or seconds > self.OUTLIER * self.seconds(bucket, k):
+        if k not in (0, *self.shapes.spec_ks):
             return
         total, weight = self._measured.get((bucket, k), (0.0, 0.0))
+        if seconds > self.OUTLIER * self.seconds(bucket, k) * (1 if weight else self.OUTLIER):
+            return
         self._measured[bucket, k] = (total * self.TIME_DECAY + seconds,
                                      weight * self.TIME_DECAY + 1)
         error_sum, error_weight = self._log_error.get(k, (0.0, 0.0))

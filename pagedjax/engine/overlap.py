@@ -3,9 +3,11 @@ host, its input tokens read on the device (vLLM's async scheduling), so that the
 between two steps (update, outputs, scheduling) runs while the device computes.
 
 Only decode steps of every running sequence qualify, with nobody waiting and no request policy,
-grammar, speculation, penalties, logit bias or banned tokens (those read tokens the host has
-not seen: Scheduler.schedule_next), on a runner that launches asynchronously and can read its
-inputs on the device. Any other step runs as before, after the one in flight is collected.
+grammar, drafts, penalties, logit bias or banned tokens (those read tokens the host has not
+seen: Scheduler.schedule_next), on a runner that launches asynchronously and can read its
+inputs on the device. With speculation, that is while the policy drafts nothing
+(AdaptiveSpeculation.next_k_is_zero): its next probe ends the run. Any other step runs as
+before, after the one in flight is collected.
 """
 
 from __future__ import annotations
@@ -75,8 +77,15 @@ class StepOverlap:
         core, model_input = self.core, launched.model_input
         return (core.config.async_scheduling and core.runner.async_launch
                 and core.runner.async_scheduling and not launched.policies
-                and not launched.constrained and core.speculation is None
+                and not launched.constrained and self._no_drafts_next(launched.out)
                 and model_input.layout.decode and model_input.entries is None)
+
+    def _no_drafts_next(self, last: SchedulerOutput) -> bool:
+        """No speculation; or `last` ran no draft (nor a draft model's work) and the policy's
+        next k is 0 whatever `last` yields."""
+        spec = self.core.speculation
+        return spec is None or (not last.num_spec_tokens and not any(last.num_draft_tokens)
+                                and spec.next_k_is_zero(len(last.seq_ids)))
 
     def step_ahead(self, outputs: EngineCoreOutputs,
                    during: Callable[[], Any] | None) -> EngineCoreOutputs:
@@ -85,7 +94,7 @@ class StepOverlap:
         core, last = self.core, self.take()
         stamps = [time.perf_counter()]
         out = None
-        if not core.structured_output.has_waiting:
+        if not core.structured_output.has_waiting and self._no_drafts_next(last.out):
             out = core.scheduler.schedule_next(last.out)
         stamps.append(time.perf_counter())
         model_input = core._prepare(out) if out is not None else None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 from pagedjax.core.scheduler_output import SampledTokens, SchedulerOutput
@@ -194,8 +196,8 @@ def test_a_wrong_table_is_corrected_by_the_steps_the_engine_runs(tmp_path) -> No
     """The startup table says drafts cost 0.5 of a step each, the engine's steps show 0.05
     (the torch runs issue 47 measured): with 3 of 4 drafts accepted at batch 1, the policy
     starts at k = 0 but its probes measure the truth and it settles on k = 4, as a fixed k = 4
-    would, bar its probes of the least measured k; the error it learned of k = 4 moves that k's
-    other buckets too."""
+    would, bar its probes of the least measured k; the error it learned of k = 4 moves that
+    k's other buckets too."""
     policy = policy_for(tmp_path, lambda k, s: 1.0 + 0.5 * k)
     truth = lambda k, s: 1.0 + 0.05 * k  # noqa: E731
     chosen = simulate(policy, 1, 200, accepted=3, seconds=truth)
@@ -256,5 +258,33 @@ def test_a_new_bucket_is_measured_before_one_buckets_error_decides_it(tmp_path) 
     policy = policy_for(tmp_path, table, draft_model=False)
     simulate(policy, 1, 100, accepted=1, seconds=truth)
     chosen = simulate(policy, 32, 100, accepted=1, seconds=truth)
+    # off k = 0 only for the probes and the tries of k = 2 and k = 4
     assert chosen[0] == 0 and chosen.count(0) >= 100 - 100 // policy.PROBE_EVERY - 2
     assert policy.seconds(32, 0) == pytest.approx(truth(0, 32), rel=0.1)
+
+
+def test_the_next_k_is_zero_while_drafting_is_off_and_nothing_is_due(tmp_path) -> None:
+    """Async scheduling may launch the step after the one in flight without choose() only
+    where choose() would give 0: drafting off outside probes, no probe due and no untried k at
+    the bucket within two steps. A fixed k, and a policy that drafts, never qualify."""
+    fixed = policy_for(tmp_path, lambda k, s: 1.0 + 0.5 * k, adaptive=False)
+    assert not fixed.next_k_is_zero(8)
+    truth = lambda k, s: 1.0 + 0.5 * k  # noqa: E731
+    policy = policy_for(tmp_path, truth, draft_model=False)
+    assert not policy.next_k_is_zero(8)  # it drafts k = 4 until it learns otherwise
+    simulate(policy, 8, 100, accepted=0, seconds=truth)
+    assert policy.drafts_pay is False
+    promised, k = [], policy.choose(8)
+    for _ in range(2 * policy.PROBE_EVERY):  # as the engine runs: step k in flight
+        promise = policy.next_k_is_zero(8)  # for the step after it
+        policy.observe(decode_step(8, k), SampledTokens.from_lists({i: [0] for i in range(8)}),
+                       truth(k, 8))
+        if promise:  # launched ahead, without choose(), which would have said 0
+            assert copy.deepcopy(policy).choose(8) == 0
+            k = 0
+        else:
+            k = policy.choose(8)
+        promised.append(promise)
+    # not promised: the probes (every PROBE_EVERY) and the step before each
+    assert promised.count(False) <= 2 * 2
+    assert not policy.next_k_is_zero(16)  # a bucket not run yet: its ks are tried first

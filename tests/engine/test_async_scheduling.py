@@ -5,9 +5,13 @@ aborted or finishing mid-flight leak nothing."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from pagedjax import EngineArgs, LLMEngine, SamplingParams
+from pagedjax.core.spec_decode import SpeculativeConfig
+from pagedjax.core.spec_policy import AdaptiveSpeculation
 
 PROMPTS = ["def f(x):", "class A:", "import os", "for i in range(3):", "x = [1, 2", "y ="]
 
@@ -27,7 +31,8 @@ def params(i: int) -> SamplingParams:
                           stop=["\n\n"] if i == 2 else None, logprobs=1 if i == 3 else None)
 
 
-def run(engine: LLMEngine, late: int = 3, abort_at: int = 5) -> tuple[dict, int]:
+def run(engine: LLMEngine, late: int = 3, abort_at: int = 5,
+        params: Callable[[int], SamplingParams] = params) -> tuple[dict, int]:
     """PROMPTS[:late] at once, the rest added after `late` steps, request "0" aborted at step
     abort_at → ({request id: (text, token ids, finish reason)}, steps launched ahead)."""
     launched_ahead = 0
@@ -76,6 +81,40 @@ def test_outputs_match_the_synchronous_engine(tiny_model, backend: str,
     assert results[True] == results[False]
     assert results[True]["0"][2] == "abort"
     assert len(results[True]["3"][1]) == 24  # max_tokens, with logprobs on
+
+
+def test_a_speculative_engine_runs_ahead_while_its_policy_drafts_nothing(tiny_model) -> None:
+    """A draft that is never accepted (the random "draft" beside "llama"), and a step-time table
+    (the tests build none) where drafts cost a quarter of a step each, and steps timed as
+    scripted (k = 2 3x k = 0's): the policy drafts until it has measured the acceptance, then
+    keeps k = 0 bar its probes and tries, and those k = 0 steps launch ahead as a plain
+    engine's do. Greedy outputs equal the synchronous engine's; nothing leaks."""
+    results, ahead = {}, {}
+    for on in (False, True):
+        engine = make_engine(tiny_model("llama"), on, backend="jax", speculative_config={
+            "model": tiny_model("draft"), "num_speculative_tokens": 2})
+        core = engine.engine_core
+        shapes = core.speculation.shapes
+        config = SpeculativeConfig.from_dict({"model": tiny_model("draft"),
+                                              "num_speculative_tokens": 2})
+        table = {s: {k: 2e-3 * (1 + 0.25 * k) for k in (0, *shapes.spec_ks)}
+                 for s in shapes.seq_buckets}
+        core.speculation = AdaptiveSpeculation(config, shapes, table)
+        observe = core.speculation.observe  # steps timed as scripted: k = 0 the fastest
+
+        def scripted(out, sampled, seconds=None, shape_k=None, observe=observe):
+            seconds = None if seconds is None else 1e-3 * (1 + 2 * (shape_k or 0))
+            observe(out, sampled, seconds, shape_k)
+
+        core.speculation.observe = scripted
+        results[on], ahead[on] = run(engine, params=lambda i: SamplingParams(
+            temperature=0.0, max_tokens=[60, 2, 40, 50, 1, 30][i], ignore_eos=True))
+        steps_per_k = core.speculation.steps_per_k
+        assert steps_per_k[0] > 0 and steps_per_k[2] > 0  # k = 2 first, then probes only
+        engine.shutdown()
+    assert ahead[False] == 0 and ahead[True] >= 30  # of ~50 k = 0 steps
+    assert results[True] == results[False]
+    assert results[True].keys() == {str(i) for i in range(6)}
 
 
 def test_a_step_in_flight_is_collected_before_adds_aborts_and_shutdown(tiny_model) -> None:

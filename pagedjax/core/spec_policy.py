@@ -122,10 +122,10 @@ class AdaptiveSpeculation:
         sees it, and the next probe ends the run."""
         if not self.adaptive or self._chosen:
             return False
-        ahead = 1  # the step in flight, not observed yet
-        return (self._since_probe + 1 + ahead < self.PROBE_EVERY
-                and not (self._untried(self.shapes.seq_bucket(num_seqs))
-                         and self._since_explore + 1 + ahead >= self.EXPLORE_EVERY))
+        ahead = 1  # the step in flight (a decode step with k = 0), not observed yet
+        return not (self._probe_due(ahead)
+                    or (self._untried(self.shapes.seq_bucket(num_seqs))
+                        and self._since_explore + 1 + ahead >= self.EXPLORE_EVERY))
 
     def _untried(self, bucket: int) -> list[int]:
         """The ks not measured at this bucket with tries left (none while nothing is timed; a
@@ -148,12 +148,14 @@ class AdaptiveSpeculation:
         fixed k)."""
         return not self.adaptive or self._chosen > 0
 
-    def _probe_due(self) -> bool:
+    def _probe_due(self, ahead: int = 0) -> bool:
         """PROBE_EVERY steps since the last probe, and (a draft model) some sequence can draft
-        at the smallest compiled k, or the probe has waited FORCE_PROBE_AFTER steps."""
-        if self._since_probe + 1 < self.PROBE_EVERY:
+        at the smallest compiled k, or the probe has waited FORCE_PROBE_AFTER steps. ahead: k = 0
+        decode steps not observed yet (they only make drafts less current)."""
+        since = self._since_probe + 1 + ahead
+        if since < self.PROBE_EVERY:
             return False
-        return self._drafts_current() or self._since_probe + 1 >= self.FORCE_PROBE_AFTER
+        return self._drafts_current() or since >= self.FORCE_PROBE_AFTER
 
     def expected_tokens(self, k: int) -> float:
         """Tokens per sequence and step with k drafts: 1 + sum_{j<k} P(first j + 1 accepted)."""

@@ -288,3 +288,9 @@ def test_the_next_k_is_zero_while_drafting_is_off_and_nothing_is_due(tmp_path) -
     # not promised: the probes (every PROBE_EVERY) and the step before each
     assert promised.count(False) <= 2 * 2
     assert not policy.next_k_is_zero(16)  # a bucket not run yet: its ks are tried first
+    # a draft model's due probe waits for a current draft: the k = 0 steps run ahead meanwhile
+    policy = policy_for(tmp_path, truth)
+    simulate(policy, 8, 200, accepted=0, seconds=truth)
+    for _ in range(policy.PROBE_EVERY):
+        assert policy.next_k_is_zero(8)
+        assert simulate(policy, 8, 1, accepted=0, seconds=truth) == [0]

@@ -18,10 +18,12 @@ A k never measured at this bucket is tried there, at most once every EXPLORE_EVE
 EXPLORE_TRIES times (a try in a step that holds a prompt chunk measures nothing, and a new
 batch's prompts come first, at its bucket), k = 0 first: the reference every k > 0 must beat.
 So a new bucket's estimates are its own within a few steps (a batch of 32 lasts ~30).
-Every PROBE_EVERY steps the policy runs the k least measured at this bucket instead (a k > 0
-before 0 where they tie, the better rate first), measuring its time and, drafting, the
-acceptance of its positions: a change in the prompts or the host's speed is found, at a cost
-of at most one step in PROBE_EVERY. Otherwise a k > 0 must promise MIN_GAIN over k = 0 (a
+Every PROBE_EVERY steps the policy runs the k measured longest ago at this bucket instead (a
+k > 0 before 0 where they tie, the better rate first; not the least measured: a k measured
+often on other, longer prompts kept a stale time that no probe refreshed), measuring its time
+and, drafting, the acceptance of its positions: a change in the prompts or the host's speed is
+found, at a cost of at most one step in PROBE_EVERY (a cell's old measurements fading with the
+steps run since, AGE_DECAY). Otherwise a k > 0 must promise MIN_GAIN over k = 0 (a
 step's time varies with context length and batch fill).
 
 A draft model falls behind in k = 0 steps (it runs only in speculative shapes), and a sequence
@@ -54,14 +56,15 @@ class AdaptiveSpeculation:
     """choose(num_seqs) → k for the next step; observe(out, sampled, seconds) after it."""
 
     ACCEPTANCE_DECAY = 0.9  # per step that drafts a position: its last ~10 such steps count
-    TIME_DECAY = 0.9  # per measured step of a cell: its last ~10 steps count
+    TIME_DECAY = 0.9  # per measured step of a cell: its last ~10 steps count,
+    AGE_DECAY = 0.99  # and per step the engine ran since (one 100 steps old counts a third)
     # a period over this many times its cell's measured estimate is an idle gap: dropped (over
     # its square times the table's, in a cell not measured yet: the table may be far off)
     OUTLIER = 4.0
     MIN_GAIN = 1.03
     EXPLORE_EVERY = 4  # a k not yet measured at this bucket is tried at most this often,
     EXPLORE_TRIES = 8  # and at most this many times
-    PROBE_EVERY = 32  # every this many steps, the least measured k
+    PROBE_EVERY = 32  # every this many steps, the k measured longest ago
     FORCE_PROBE_AFTER = 4 * PROBE_EVERY  # a probe waiting for a current draft runs anyway
 
     def __init__(self, config: SpeculativeConfig, shapes: StepShapes,
@@ -84,6 +87,8 @@ class AdaptiveSpeculation:
         self._steps_since_current = 0
         # (bucket, k) → decayed (sum of measured seconds, their weight)
         self._measured: dict[tuple[int, int], tuple[float, float]] = {}
+        self._num_observed = 0  # steps observed
+        self._last_measured: dict[tuple[int, int], int] = {}  # (bucket, k) → its last step's index
         # k → decayed (sum of log(measured / table) over its cells, weight)
         self._log_error: dict[int, tuple[float, float]] = {}
 
@@ -103,9 +108,9 @@ class AdaptiveSpeculation:
         if self._exploring:
             best = min(untried, key=lambda k: (k > 0, -rate[k]))  # k = 0: the reference
             self._tries[bucket, best] = self._tries.get((bucket, best), 0) + 1
-        elif self._probing:  # the least measured k at this bucket
-            measured = {k: self._measured.get((bucket, k), (0.0, 0.0))[1] for k in rate}
-            best = min(rate, key=lambda k: (measured[k], k == 0, -rate[k]))
+        elif self._probing:  # the k measured longest ago at this bucket
+            last = {k: self._last_measured.get((bucket, k), -1) for k in rate}
+            best = min(rate, key=lambda k: (last[k], k == 0, -rate[k]))
         else:
             best = max(self.shapes.spec_ks, key=rate.__getitem__)
             if rate[best] < self.MIN_GAIN * rate[0]:
@@ -198,6 +203,7 @@ class AdaptiveSpeculation:
         if self.adaptive and seconds is not None and seconds > 0 and decode:
             self._observe_seconds(self.shapes.seq_bucket(len(out.seq_ids)),
                                   out.num_spec_tokens if shape_k is None else shape_k, seconds)
+        self._num_observed += 1
 
     def _observe_acceptance(self, out: SchedulerOutput, sampled: SampledTokens) -> None:
         verified = verified_drafts(out, sampled)
@@ -219,8 +225,10 @@ class AdaptiveSpeculation:
         total, weight = self._measured.get((bucket, k), (0.0, 0.0))
         if seconds > self.OUTLIER * self.seconds(bucket, k) * (1 if weight else self.OUTLIER):
             return
-        self._measured[bucket, k] = (total * self.TIME_DECAY + seconds,
-                                     weight * self.TIME_DECAY + 1)
+        age = self._num_observed - self._last_measured.get((bucket, k), self._num_observed)
+        decay = self.TIME_DECAY * self.AGE_DECAY ** age
+        self._measured[bucket, k] = (total * decay + seconds, weight * decay + 1)
+        self._last_measured[bucket, k] = self._num_observed
         error_sum, error_weight = self._log_error.get(k, (0.0, 0.0))
         self._log_error[k] = (error_sum * self.TIME_DECAY
                               + math.log(seconds / self.costs[bucket][k]),

@@ -196,7 +196,7 @@ def test_a_wrong_table_is_corrected_by_the_steps_the_engine_runs(tmp_path) -> No
     """The startup table says drafts cost 0.5 of a step each, the engine's steps show 0.05
     (the torch runs issue 47 measured): with 3 of 4 drafts accepted at batch 1, the policy
     starts at k = 0 but its probes measure the truth and it settles on k = 4, as a fixed k = 4
-    would, bar its probes of the least measured k; the error it learned of k = 4 moves that
+    would, bar its probes of the k measured longest ago; the error it learned of k = 4 moves that
     k's other buckets too."""
     policy = policy_for(tmp_path, lambda k, s: 1.0 + 0.5 * k)
     truth = lambda k, s: 1.0 + 0.05 * k  # noqa: E731
@@ -294,3 +294,16 @@ def test_the_next_k_is_zero_while_drafting_is_off_and_nothing_is_due(tmp_path) -
     for _ in range(policy.PROBE_EVERY):
         assert policy.next_k_is_zero(8)
         assert simulate(policy, 8, 1, accepted=0, seconds=truth) == [0]
+
+
+def test_a_time_measured_on_other_prompts_is_probed_again(tmp_path) -> None:
+    """k = 4 ran most steps on short prompts, then on long ones it grew slow and k = 2 took
+    over; back on short prompts, the probes re-measure k = 4 (the k measured longest ago, not
+    the least measured: that is k = 0) and the policy drafts 4 again."""
+    short = lambda k, s: 1.0 + 0.1 * k  # noqa: E731
+    long = lambda k, s: 1.0 + (0.1 if k < 4 else 0.8) * k  # noqa: E731
+    policy = policy_for(tmp_path, short, draft_model=False)
+    assert simulate(policy, 1, 100, accepted=4, seconds=short)[-50:].count(4) >= 48
+    assert simulate(policy, 1, 100, accepted=4, seconds=long)[-50:].count(2) >= 48
+    chosen = simulate(policy, 1, 300, accepted=4, seconds=short)
+    assert chosen[-64:].count(4) >= 64 - 64 // policy.PROBE_EVERY

@@ -186,8 +186,8 @@ class Scheduler:
         and samples the one after, with no drafts. None unless `last` decodes every running
         sequence with no drafts and no draft model's work, nobody waits, none uses penalties
         (they count tokens the host has not seen) or forks, and the pool has the slots without
-        preempting anyone. A sequence that `last` finishes
-        computes one more row, which update() drops (its slot is freed before any reuse)."""
+        preempting anyone. A sequence that `last` finishes computes one more row, which
+        update() drops (its slot is freed before any reuse)."""
         if (self.waiting or self.parked or last.forks or last.num_spec_tokens
                 or any(last.num_draft_tokens)
                 or len(last.seq_ids) != len(self.running)

@@ -23,8 +23,8 @@ k > 0 before 0 where they tie, the better rate first; not the least measured: a 
 often on other, longer prompts kept a stale time that no probe refreshed), measuring its time
 and, drafting, the acceptance of its positions: a change in the prompts or the host's speed is
 found, at a cost of at most one step in PROBE_EVERY (a cell's old measurements fading with the
-steps run since, AGE_DECAY). Otherwise a k > 0 must promise MIN_GAIN over k = 0 (a
-step's time varies with context length and batch fill).
+steps run since, AGE_DECAY). Otherwise a k > 0 must promise MIN_GAIN over k = 0 (a step's time
+varies with context length and batch fill).
 
 A draft model falls behind in k = 0 steps (it runs only in speculative shapes), and a sequence
 drafts only where it can catch up on k + 1 tokens (Scheduler._num_spec_tokens): a probe after a

@@ -86,7 +86,7 @@ def test_outputs_match_the_synchronous_engine(tiny_model, backend: str,
 def test_a_speculative_engine_runs_ahead_while_its_policy_drafts_nothing(tiny_model) -> None:
     """A draft that is never accepted (the random "draft" beside "llama"), and a step-time table
     (the tests build none) where drafts cost a quarter of a step each, and steps timed as
-    scripted (k = 2 3x k = 0's): the policy drafts until it has measured the acceptance, then
+    scripted (k = 2 5x k = 0's): the policy drafts until it has measured the acceptance, then
     keeps k = 0 bar its probes and tries, and those k = 0 steps launch ahead as a plain
     engine's do. Greedy outputs equal the synchronous engine's; nothing leaks."""
     results, ahead = {}, {}

@@ -103,7 +103,7 @@ class AdaptiveSpeculation:
         rate = {k: self.expected_tokens(k) / self.seconds(bucket, k)
                 for k in (0, *self.shapes.spec_ks)}
         untried = self._untried(bucket)
-        self._exploring = bool(untried) and self._since_explore + 1 >= self.EXPLORE_EVERY
+        self._exploring = self._explore_due(untried)
         self._probing = self._exploring or self._probe_due()
         if self._exploring:
             best = min(untried, key=lambda k: (k > 0, -rate[k]))  # k = 0: the reference
@@ -129,8 +129,7 @@ class AdaptiveSpeculation:
             return False
         ahead = 1  # the step in flight (a decode step with k = 0), not observed yet
         return not (self._probe_due(ahead)
-                    or (self._untried(self.shapes.seq_bucket(num_seqs))
-                        and self._since_explore + 1 + ahead >= self.EXPLORE_EVERY))
+                    or self._explore_due(self._untried(self.shapes.seq_bucket(num_seqs)), ahead))
 
     def _untried(self, bucket: int) -> list[int]:
         """The ks not measured at this bucket with tries left (none while nothing is timed; a
@@ -140,6 +139,11 @@ class AdaptiveSpeculation:
         drafts = self._drafts_current()
         return [k for k in (0, *self.shapes.spec_ks) if (bucket, k) not in self._measured
                 and self._tries.get((bucket, k), 0) < self.EXPLORE_TRIES and (drafts or not k)]
+
+    def _explore_due(self, untried: list[int], ahead: int = 0) -> bool:
+        """Some k is untried at the bucket and EXPLORE_EVERY steps passed since the last try
+        (ahead: steps not observed yet)."""
+        return bool(untried) and self._since_explore + 1 + ahead >= self.EXPLORE_EVERY
 
     def _drafts_current(self) -> bool:
         """Whether some sequence can draft at the smallest compiled k (always, without a

@@ -10,7 +10,6 @@ from collections.abc import Callable
 import pytest
 
 from pagedjax import EngineArgs, LLMEngine, SamplingParams
-from pagedjax.core.spec_decode import SpeculativeConfig
 from pagedjax.core.spec_policy import AdaptiveSpeculation
 
 PROMPTS = ["def f(x):", "class A:", "import os", "for i in range(3):", "x = [1, 2", "y ="]
@@ -95,11 +94,9 @@ def test_a_speculative_engine_runs_ahead_while_its_policy_drafts_nothing(tiny_mo
             "model": tiny_model("draft"), "num_speculative_tokens": 2})
         core = engine.engine_core
         shapes = core.speculation.shapes
-        config = SpeculativeConfig.from_dict({"model": tiny_model("draft"),
-                                              "num_speculative_tokens": 2})
         table = {s: {k: 2e-3 * (1 + 0.25 * k) for k in (0, *shapes.spec_ks)}
                  for s in shapes.seq_buckets}
-        core.speculation = AdaptiveSpeculation(config, shapes, table)
+        core.speculation = AdaptiveSpeculation(core.config.speculative_config, shapes, table)
         observe = core.speculation.observe  # steps timed as scripted: k = 0 the fastest
 
         def scripted(out, sampled, seconds=None, shape_k=None, observe=observe):

@@ -11,6 +11,12 @@ order along K, each
 quantization, symmetric per output channel (`quantization="int8"`), is Q8_0 with the channel's
 scale in each of its row's blocks.
 
+The CPU kernels also read the same bytes interleaved (`interleave_rows`, N a multiple of 8):
+uint8 [N / 8, 8 * K / 32 * block_bytes], each group of 8 rows block by block: the 8 rows' d,
+for Q4_1 their m, then their quants 4 bytes at a time (bytes 4t..4t+3 of each row, row after
+row, for t in order). A 32-byte load then holds the same 4 bytes of 8 rows, whose dots land in
+the 8 lanes of one register. The two layouts are told apart by the blocks' shape.
+
 FP8 W8A8 (`quantization="fp8"`, vLLM's dynamic FP8) is not blocks: each weight [N, K] becomes
 float8 e4m3 with one float32 scale per output channel, w = scale[n] * q[n, k]; the backends
 quantize each row of x per token on the fly (quantize_fp8 over its last axis) and multiply fp8
@@ -36,15 +42,65 @@ def block_bytes(qtype: int) -> int:
     return _BLOCK_BYTES[qtype]
 
 
-def qtype_of_blocks(row_bytes: int, in_features: int) -> int:
-    """The type of a row of blocks [row_bytes] over in_features weights (each type's block has
-    its own size: 34, 18 or 20 bytes)."""
-    per_block, rest = divmod(row_bytes, max(in_features // BLOCK, 1))
-    qtype = next((q for q, size in _BLOCK_BYTES.items() if size == per_block), None)
-    if rest or in_features % BLOCK or qtype is None:
-        raise ValueError(f"{row_bytes} bytes a row are no blocks of a kept type over "
-                         f"{in_features} weights; expected in_features / 32 x (34, 18 or 20).")
-    return qtype
+GROUP = 8  # rows of an interleaved group
+
+
+def layout_of_blocks(shape: tuple[int, ...], in_features: int) -> tuple[int, int, bool]:
+    """(qtype, out_features, interleaved) of blocks of this 2-D shape over in_features weights
+    a row (each type's block has its own size: 34, 18 or 20 bytes; interleaved, 8 rows' worth
+    a row of the array)."""
+    num_blocks = max(in_features // BLOCK, 1)
+    if len(shape) == 2 and in_features % BLOCK == 0 and shape[1] % num_blocks == 0:
+        per_block = shape[1] // num_blocks
+        for qtype, size in _BLOCK_BYTES.items():
+            if per_block == size:
+                return qtype, shape[0], False
+            if per_block == GROUP * size:
+                return qtype, shape[0] * GROUP, True
+    raise ValueError(f"blocks of shape {tuple(shape)} are no blocks of a kept type over "
+                     f"{in_features} weights a row; expected [out, in_features / 32 x (34, 18 or "
+                     f"20)] or interleaved [out / 8, 8 x that].")
+
+
+def qtype_of_blocks(shape: tuple[int, ...], in_features: int) -> int:
+    """The GGML type of blocks of this shape (either layout) over in_features weights a row."""
+    return layout_of_blocks(shape, in_features)[0]
+
+
+def _quants_at(qtype: int) -> int:
+    """Where a block's quants start (after d, and Q4_1's m)."""
+    return block_bytes(qtype) - (32 if qtype == Q8_0 else 16)
+
+
+def interleave_rows(blocks: np.ndarray, qtype: int) -> np.ndarray:
+    """GGUF's rows of blocks uint8 [N, B * size] (N a multiple of 8) → the interleaved layout
+    [N / 8, 8 * B * size] (the module doc's), the same bytes moved."""
+    n, row_bytes = blocks.shape
+    size, head = block_bytes(qtype), _quants_at(qtype)
+    if n % GROUP:
+        raise ValueError(f"{n} rows do not interleave in groups of {GROUP}")
+    raw = np.ascontiguousarray(blocks).reshape(n // GROUP, GROUP, row_bytes // size, size)
+    raw = raw.transpose(0, 2, 1, 3)  # [G, B, 8 rows, size]
+    halves = raw[..., :head].reshape(*raw.shape[:3], head // 2, 2)  # d (and m) per row
+    halves = halves.transpose(0, 1, 3, 2, 4)  # [G, B, d or m, 8 rows, 2]
+    quads = raw[..., head:].reshape(*raw.shape[:3], -1, 4).transpose(0, 1, 3, 2, 4)
+    chunk = np.concatenate([halves.reshape(*raw.shape[:2], -1),
+                            quads.reshape(*raw.shape[:2], -1)], axis=-1)  # [G, B, 8 * size]
+    return np.ascontiguousarray(chunk.reshape(n // GROUP, -1))
+
+
+def deinterleave_rows(blocks: np.ndarray, qtype: int) -> np.ndarray:
+    """interleave_rows' inverse: [N / 8, 8 * B * size] → GGUF's rows [N, B * size]."""
+    groups, group_bytes = blocks.shape
+    size, head = block_bytes(qtype), _quants_at(qtype)
+    num_blocks = group_bytes // (GROUP * size)
+    chunk = np.ascontiguousarray(blocks).reshape(groups, num_blocks, GROUP * size)
+    halves = chunk[..., :GROUP * head].reshape(groups, num_blocks, head // 2, GROUP, 2)
+    quads = chunk[..., GROUP * head:].reshape(groups, num_blocks, -1, GROUP, 4)
+    raw = np.concatenate([halves.transpose(0, 1, 3, 2, 4).reshape(groups, num_blocks, GROUP, -1),
+                          quads.transpose(0, 1, 3, 2, 4).reshape(groups, num_blocks, GROUP, -1)],
+                         axis=-1)  # [G, B, 8 rows, size]
+    return np.ascontiguousarray(raw.transpose(0, 2, 1, 3).reshape(groups * GROUP, -1))
 
 
 def _blocks_of(weight: np.ndarray) -> np.ndarray:
@@ -129,8 +185,11 @@ def quantize_fp8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def unpack(blocks: np.ndarray, qtype: int, in_features: int
            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """uint8 [N, bytes] → (int8 weights [N, B, 32] as the kernels see them: Q4_0 recentred to
-    -8..7, Q4_1 0..15; scales d [N, B] float32; offsets m [N, B] float32, zero but for Q4_1)."""
+    """uint8 [N, bytes] (or interleaved) → (int8 weights [N, B, 32] as the kernels see them:
+    Q4_0 recentred to -8..7, Q4_1 0..15; scales d [N, B] float32; offsets m [N, B] float32,
+    zero but for Q4_1)."""
+    if layout_of_blocks(blocks.shape, in_features)[2]:
+        blocks = deinterleave_rows(blocks, qtype)
     size = block_bytes(qtype)
     n = blocks.shape[0]
     raw = np.ascontiguousarray(blocks).reshape(n, in_features // BLOCK, size)
@@ -149,4 +208,4 @@ def dequantize(blocks: np.ndarray, qtype: int, in_features: int) -> np.ndarray:
     """The float32 weight [N, K] the blocks hold."""
     q, d, m = unpack(blocks, qtype, in_features)
     w = d[..., None] * q.astype(np.float32) + m[..., None]
-    return w.reshape(blocks.shape[0], in_features).astype(np.float32)
+    return w.reshape(q.shape[0], in_features).astype(np.float32)

@@ -3,7 +3,8 @@ once for both backends: "int8" quantizes each weight at load (symmetric per outp
 "gguf" takes a GGUF file's own Q8_0 / Q4_0 / Q4_1 blocks, each checked to decode to the weight
 the model loaded from the file's dequantized conversion. The backends ask for every fused
 projection (q/k/v and gate/up as one weight, as both run them) and the LM head, and keep what
-they get (backends/common/quantization.py's layout) or their float32 weight where it is None.
+they get (backends/common/quantization.py's layouts: interleaved in groups of 8 rows wherever
+the rows allow, as the CPU kernels read fastest) or their float32 weight where it is None.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ FUSED_PROJECTIONS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_p
 LM_HEAD = "lm_head"
 _LAYER = re.compile(r"layers\.(\d+)\.(\w+)")
 
-Blocks = tuple[int, np.ndarray]  # (GGML type id, uint8 [out, in / 32 * block bytes])
+Blocks = tuple[int, np.ndarray]  # (GGML type id, uint8 [out, in / 32 * block bytes] or interleaved)
 
 
 def projection_label(layer: int, fused: str) -> str:
@@ -62,6 +63,8 @@ class WeightQuantizer:
         if kept is None and self.method == "gguf":
             logger.info("quantization='gguf': %s stays float32 (a type without kept blocks, or "
                         "mixed types in a fused projection)", label)
+        if kept is not None and kept[1].shape[0] % quantization.GROUP == 0:
+            kept = kept[0], quantization.interleave_rows(kept[1], kept[0])
         return kept
 
     def summary(self) -> None:

@@ -204,21 +204,21 @@ def moe_experts(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w13:
 def quant_linear(x: jax.Array, blocks: jax.Array, in_features: int,
                  num_rows: jax.Array | None = None) -> jax.Array:
     """x [..., in] @ W^T → [..., out] float32, W [out, in] kept as GGML blocks (uint8
-    [out, in / 32 * block bytes], backends/common/quantization.py; the type read from their
-    size) by the torch op pagedjax::quant_linear's kernel: below 32 rows x quantized to int8
+    [out, in / 32 * block bytes] or interleaved, backends/common/quantization.py; the type and
+    layout read from their shape) by the torch op pagedjax::quant_linear's kernel: below 32 rows x quantized to int8
     blocks and integer dots, from 32 rows the float32 linear over the weights dequantized.
     num_rows: as `linear`'s. Call `available()` first."""
     if x.dtype != jnp.float32 or blocks.dtype != jnp.uint8:
         raise ValueError(f"the C++ CPU quant_linear takes float32 x and uint8 blocks; got x "
                          f"{x.dtype}, blocks {blocks.dtype}")
-    qtype = quantization.qtype_of_blocks(blocks.shape[1], in_features)
+    qtype, out_features, _ = quantization.layout_of_blocks(blocks.shape, in_features)
     rows = x.reshape(-1, in_features)
     call = jax.ffi.ffi_call(QUANT_LINEAR_TARGET,
-                            jax.ShapeDtypeStruct((rows.shape[0], blocks.shape[0]), jnp.float32),
+                            jax.ShapeDtypeStruct((rows.shape[0], out_features), jnp.float32),
                             vmap_method="sequential")
     n = rows.shape[0] if num_rows is None else num_rows
     y = call(rows, blocks, jnp.asarray(n, jnp.int32).reshape(1), qtype=np.int64(qtype))
-    return y.reshape(*x.shape[:-1], blocks.shape[0])
+    return y.reshape(*x.shape[:-1], out_features)
 
 
 _NONE = np.zeros(0, np.float32)  # an absent weight of the layer
@@ -245,7 +245,7 @@ class DecoderLayerWeights(NamedTuple):
         """int64 [4]: the GGML type of qkv, o, gate_up and down (0: packed float32), given
         their in_features."""
         return np.array([0 if w.dtype != jnp.uint8 else
-                         quantization.qtype_of_blocks(w.shape[1], k)
+                         quantization.qtype_of_blocks(w.shape, k)
                          for w, k in zip((self.qkv, self.o, self.gate_up, self.down),
                                          in_features, strict=True)], np.int64)
 

@@ -3,11 +3,17 @@
 - the blocks decode as the `gguf` package's own `dequantize` decodes them, ours made by the
   quantizers and the real SmolLM2 file's;
 - below 32 rows of x the op equals a NumPy model of its integer math exactly (x's rows
-  quantized to int8 blocks, integer dots per 4 bytes, the same float32 additions in the same
-  order), whatever the rows; from 32 rows on, the float32 linear over the weights dequantized;
+  quantized to int8 blocks, an exact integer dot per block, the same float32 additions in the
+  same order), whatever the rows, the blocks' layout (GGUF's rows, or interleaved in groups of
+  8) and the instructions (AVX-512 VNNI, AVX2); from 32 rows on, the float32 linear over the
+  weights dequantized;
 - and it approximates float64 math on the dequantized weights as x's quantization allows."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -42,22 +48,19 @@ def numpy_model(x: np.ndarray, blocks: np.ndarray, qtype: int,
                 bias: np.ndarray | None) -> np.ndarray:
     """The op's arithmetic, step for step (quant_linear_kernel.h's header comment)."""
     m, k = x.shape
-    w, dw, mw = quant.unpack(blocks, qtype, k)  # [N, B, 32], [N, B], [N, B]
+    w, dw, mw = quant.unpack(blocks, qtype, k)  # [N, B, 32], [N, B], [N, B]; either layout
     xq, dx, sx = quantize_rows(x)
     n, num_blocks = dw.shape
-    # [M, N, B, 8]: the integer dot of each 4 bytes, exact in int32
-    lanes = np.einsum("nbls,mbls->mnbl", w.reshape(n, num_blocks, 8, 4).astype(np.int32),
-                      xq.reshape(m, num_blocks, 8, 4))
-    acc = np.zeros((m, n, 8), np.float32)
+    # [M, N, B]: each block's integer dot (Q4_0's weights recentred), exact in int32
+    dots = np.einsum("nbj,mbj->mnb", w.astype(np.int32), xq)
+    acc = np.zeros((m, n), np.float32)
     offsets = np.zeros((m, n), np.float32)
     for b in range(num_blocks):
         scale = (dw[None, :, b] * dx[:, None, b]).astype(np.float32)  # [M, N]
-        acc = acc + scale[..., None] * lanes[:, :, b].astype(np.float32)
+        acc = acc + scale * dots[:, :, b].astype(np.float32)
         if qtype == quant.Q4_1:
             offsets = offsets + mw[None, :, b] * sx[:, None, b]
-    y = ((acc[..., 0] + acc[..., 4]) + (acc[..., 2] + acc[..., 6])) + (
-        (acc[..., 1] + acc[..., 5]) + (acc[..., 3] + acc[..., 7]))
-    y = y + offsets
+    y = acc + offsets if qtype == quant.Q4_1 else acc
     return y + (np.zeros(n, np.float32) if bias is None else bias)
 
 
@@ -117,7 +120,7 @@ def test_the_real_files_blocks_decode_as_gguf_decodes_them() -> None:
 @pytest.mark.parametrize("rows,k", [(1, 160), (3, 160), (4, 160), (9, 160),
                                     (31, 2304)])  # 31 x 2304: x quantized in parallel
 def test_the_op_is_its_integer_math_exactly(name: str, rows: int, k: int) -> None:
-    """Below kFloatRows (32) rows of x."""
+    """Below kFloatRows (32) rows of x, on GGUF's rows of blocks and interleaved ones alike."""
     rng = np.random.default_rng(rows)
     n = 40
     blocks = quant.QUANTIZERS[name](random_weight(rng, n, k))
@@ -125,13 +128,63 @@ def test_the_op_is_its_integer_math_exactly(name: str, rows: int, k: int) -> Non
     x = rng.standard_normal((rows, k)).astype(np.float32)
     x[0, 32:64] = 0  # a block of x quantizes to zeros (scale 0)
     bias = rng.standard_normal(n).astype(np.float32) if rows % 2 else None
-    got = quant_linear(torch.from_numpy(x), torch.from_numpy(blocks), qtype,
-                       None if bias is None else torch.from_numpy(bias)).numpy()
-    np.testing.assert_array_equal(got, numpy_model(x, blocks, qtype, bias))
-    # a row's result does not depend on the rows beside it
-    alone = quant_linear(torch.from_numpy(x[-1:]), torch.from_numpy(blocks), qtype,
-                         None if bias is None else torch.from_numpy(bias)).numpy()
-    np.testing.assert_array_equal(alone[0], got[-1])
+    expected = numpy_model(x, blocks, qtype, bias)
+    for layout in (blocks, quant.interleave_rows(blocks, qtype)):
+        got = quant_linear(torch.from_numpy(x), torch.from_numpy(layout), qtype,
+                           None if bias is None else torch.from_numpy(bias)).numpy()
+        np.testing.assert_array_equal(got, expected)
+        # a row's result does not depend on the rows beside it
+        alone = quant_linear(torch.from_numpy(x[-1:]), torch.from_numpy(layout), qtype,
+                             None if bias is None else torch.from_numpy(bias)).numpy()
+        np.testing.assert_array_equal(alone[0], got[-1])
+
+
+def test_avx2_computes_the_same_bits(tmp_path) -> None:
+    """Where the CPU has AVX-512 VNNI the integer dots are dpbusd's; PAGEDJAX_NO_AVX512=1 (a
+    fresh process) takes AVX2's maddubs + madd: the same integers, so the same bits, in both
+    layouts and every format."""
+    rng = np.random.default_rng(7)
+    cases = []
+    for name in FORMATS:
+        blocks = quant.QUANTIZERS[name](random_weight(rng, 48, 192))
+        qtype = quant.QTYPE_OF[name]
+        for layout in (blocks, quant.interleave_rows(blocks, qtype)):
+            cases.append((torch.from_numpy(layout), qtype))
+    x = torch.from_numpy(rng.standard_normal((6, 192)).astype(np.float32))
+    torch.save((x, cases), tmp_path / "cases.pt")
+    script = ("import sys, torch\n"
+              "from pagedjax.kernels_cuda import quant_linear\n"
+              "x, cases = torch.load(sys.argv[1])\n"
+              "torch.save([quant_linear(x, b, q, None) for b, q in cases], sys.argv[2])\n")
+    env = {**os.environ, "PAGEDJAX_NO_AVX512": "1"}
+    subprocess.run([sys.executable, "-c", script, str(tmp_path / "cases.pt"),
+                    str(tmp_path / "avx2.pt")], env=env, check=True)
+    for (blocks, qtype), avx2 in zip(cases, torch.load(tmp_path / "avx2.pt"), strict=True):
+        assert torch.equal(quant_linear(x, blocks, qtype, None), avx2)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_interleaved_rows_hold_the_same_bytes(name: str) -> None:
+    """interleave_rows moves bytes: its inverse gives them back, they decode (ours, the C++ op's,
+    the pure-torch fallback's) to the same weights; rows not a multiple of 8 are refused."""
+    rng = np.random.default_rng(3)
+    blocks = quant.QUANTIZERS[name](random_weight(rng, 24, 96))
+    qtype = quant.QTYPE_OF[name]
+    grouped = quant.interleave_rows(blocks, qtype)
+    assert grouped.shape == (3, 8 * blocks.shape[1])
+    assert quant.layout_of_blocks(grouped.shape, 96) == (qtype, 24, True)
+    assert quant.layout_of_blocks(blocks.shape, 96) == (qtype, 24, False)
+    np.testing.assert_array_equal(quant.deinterleave_rows(grouped, qtype), blocks)
+    expected = quant.dequantize(blocks, qtype, 96)
+    np.testing.assert_array_equal(quant.dequantize(grouped, qtype, 96), expected)
+    ours = torch.ops.pagedjax.dequantize(torch.from_numpy(grouped), qtype, 96).numpy()
+    np.testing.assert_array_equal(ours, expected)
+    pure = reference.dequantize(torch.from_numpy(grouped), qtype, 96).numpy()
+    np.testing.assert_array_equal(pure, expected)
+    # group 0, block 0: the 8 rows' scales first, then quad 0 of each row
+    np.testing.assert_array_equal(grouped[0, :16].reshape(8, 2), blocks[:8, :2])
+    with pytest.raises(ValueError, match="groups of 8"):
+        quant.interleave_rows(blocks[:20], qtype)
 
 
 @pytest.mark.parametrize("name", FORMATS)

@@ -39,12 +39,13 @@ using cpu_linear::kTile;
 struct Projection {
   const float* packed = nullptr;     // [tiles, in, 16]
   int64_t tiles = 0;
-  const uint8_t* blocks = nullptr;   // [out, in / 32 * block bytes]; null: packed
+  const uint8_t* blocks = nullptr;   // [out, in / 32 * block bytes] or interleaved; null: packed
   int64_t qtype = 0;                 // blocks' GGML type
+  bool interleaved = false;          // blocks in groups of 8 rows (quant_linear_kernel.h)
 
   static Projection of_packed(const float* packed, int64_t tiles) { return {packed, tiles}; }
-  static Projection of_blocks(const uint8_t* blocks, int64_t qtype) {
-    return {nullptr, 0, blocks, qtype};
+  static Projection of_blocks(const uint8_t* blocks, int64_t qtype, bool interleaved) {
+    return {nullptr, 0, blocks, qtype, interleaved};
   }
 
   // The floats of an output row: out (blocks) or whole tiles (packed, the padding columns too).
@@ -69,7 +70,8 @@ struct Projection {
   void apply(const Parallel& par, const float* x, int64_t ldx, int64_t R, int64_t in,
              int64_t out, const float* bias, float* y, int64_t ldy) const {
     if (blocks) {
-      cpu_quant::quant_linear(par, x, ldx, R, qtype, blocks, out, in, bias, y, ldy);
+      cpu_quant::quant_linear(par, x, ldx, R, qtype, blocks, interleaved, out, in, bias, y,
+                              ldy);
     } else {
       cpu_linear::linear(par, x, ldx, R, packed, in, tiles, bias, y, ldy);
     }

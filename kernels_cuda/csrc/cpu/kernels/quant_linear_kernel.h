@@ -1,5 +1,5 @@
 // The framework-free core of the quantized linear: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), with
-// W kept in GGML's blocks of 32 weights along K (a GGUF file's bytes, row by row):
+// W kept in GGML's blocks of 32 weights along K (a GGUF file's bytes):
 //   Q8_0: fp16 d, int8 q[32]                w = d * q
 //   Q4_0: fp16 d, 16 bytes of nibbles        w = d * (q - 8)
 //   Q4_1: fp16 d, fp16 m, 16 bytes of nibbles w = d * q + m
@@ -7,17 +7,23 @@
 // int8 weight-only quantization per output channel is Q8_0 with the channel's scale in every
 // block of its row.
 //
+// Two layouts of the same bytes (quantization.py's interleave_rows):
+// - rows: GGUF's, row after row, [N, K / 32 * block bytes];
+// - interleaved (N a multiple of 8): [N / 8, 8 * K / 32 * block bytes], each group of 8 rows
+//   block by block: for block b, the 8 rows' d (8 fp16), for Q4_1 their m (8 fp16), then their
+//   quants 4 bytes at a time, quad t of every row before quad t + 1 (a 32-byte load holds bytes
+//   4t..4t+3 of each row: lane r = row r). One stream to read, and the 8 rows' dots in the 8
+//   int32 lanes of one register (llama.cpp's repacked Q4_0x8 idea).
+//
 // llama.cpp's approach: each row of x is quantized once per linear to blocks of 32 int8 with a
-// float scale (d_x = max|x| / 127, q = round-half-even(x / d_x), and s_x = d_x * sum(q) for
-// Q4_1's offsets), then each block's product is an integer dot (below kFloatRows rows of x; from
-// there on, the float32 linear over the weights dequantized once): AVX2's maddubs (unsigned x
-// signed bytes into int16 pairs, exact: |q_x| <= 127, |q_w| <= 127) and madd into 8 int32
-// lanes, lane l the sum of the 4 products of bytes 4l..4l+3 (the scalar version sums the same
-// way). Then per block, per lane: acc[l] = acc[l] + (d_w * d_x) * float(lane[l]) (no fused
-// multiply-add, so NumPy can replay it: tests/kernels/test_quant_linear.py), the lanes summed
-// as ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)), plus Q4_1's sum over blocks of
-// m_w * s_x in block order, plus the bias. Every element is computed the same way for any M,
-// thread split or row group.
+// float scale (d_x = max|x| / 127, q = round-half-even(x / d_x); per block sum(q), and
+// s_x = d_x * sum(q) for Q4_1's offsets); below kFloatRows rows of x, each block's product is
+// an exact integer dot I (Q4_0's weights recentred: I = q_w . q_x - 8 sum(q_x); AVX2's maddubs
+// and madd, or AVX-512 VNNI's dpbusd: the same integers). Then per block, in block order:
+// acc = acc + (d_w * d_x) * float(I) (no fused multiply-add, so NumPy can replay it:
+// tests/kernels/test_quant_linear.py), Q4_1's off = off + m_w * s_x, and y = (acc + off) + bias.
+// Every element is computed the same way for any M, layout, thread split or row group. From
+// kFloatRows rows on, the float32 linear over the weights dequantized once.
 #pragma once
 
 #include <algorithm>
@@ -81,15 +87,17 @@ inline float load_half(const uint8_t* p) {
   return half_to_float(h);
 }
 
-// One row of x as blocks of 32 int8: q [K], and per block its scale d and d * sum(q).
+// One row of x as blocks of 32 int8: q [K], and per block its scale d, sum(q) and d * sum(q).
 struct QuantizedRow {
   const int8_t* q;
   const float* d;
+  const int32_t* sum;
   const float* s;
 };
 
-// x[K] (K a multiple of 32) → q, d, s (see QuantizedRow).
-inline void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s) {
+// x[K] (K a multiple of 32) → q, d, sum, s (see QuantizedRow).
+inline void quantize_row(const float* x, int64_t K, int8_t* q, float* d, int32_t* sums,
+                         float* s) {
   for (int64_t b = 0; b < K / kBlock; ++b) {
     const float* xb = x + b * kBlock;
     float amax = 0.f;
@@ -103,6 +111,7 @@ inline void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* 
       sum += v;
     }
     d[b] = scale;
+    sums[b] = sum;
     s[b] = scale * static_cast<float>(sum);
   }
 }
@@ -111,7 +120,8 @@ inline void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* 
 // quantize_row with AVX2, the same bits: max|x| over the block, the same float32 scale and
 // inverse, x * inverse rounded half to even (the default rounding mode, as nearbyint).
 __attribute__((target("avx2"))) inline void quantize_row_avx2(const float* x, int64_t K,
-                                                              int8_t* q, float* d, float* s) {
+                                                              int8_t* q, float* d,
+                                                              int32_t* sums, float* s) {
   const __m256 sign = _mm256_set1_ps(-0.f);
   for (int64_t b = 0; b < K / kBlock; ++b) {
     const float* xb = x + b * kBlock;
@@ -145,147 +155,169 @@ __attribute__((target("avx2"))) inline void quantize_row_avx2(const float* x, in
     s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
     s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
     d[b] = scale;
-    s[b] = scale * static_cast<float>(_mm_cvtsi128_si32(s4));
+    sums[b] = _mm_cvtsi128_si32(s4);
+    s[b] = scale * static_cast<float>(sums[b]);
   }
 }
 #endif
 
-// x[K] → q, d, s with the CPU's fastest version (the same bits).
-inline void quantize_row_fast(const float* x, int64_t K, int8_t* q, float* d, float* s) {
+// x[K] → q, d, sum, s with the CPU's fastest version (the same bits).
+inline void quantize_row_fast(const float* x, int64_t K, int8_t* q, float* d, int32_t* sums,
+                              float* s) {
 #if defined(__x86_64__)
-  if (cpu_has_avx2_fma()) return quantize_row_avx2(x, K, q, d, s);
+  if (cpu_has_avx2_fma()) return quantize_row_avx2(x, K, q, d, sums, s);
 #endif
-  quantize_row(x, K, q, d, s);
+  quantize_row(x, K, q, d, sums, s);
 }
 
-// The 32 weights of a block as int8 (Q4_1: 0..15, Q4_0: -8..7, Q8_0: as stored); its scale and
-// (Q4_1) offset.
-inline void unpack_block(int64_t qtype, const uint8_t* block, int8_t* w, float* d, float* m) {
-  *d = load_half(block);
-  *m = 0.f;
+// ---- Layouts ---------------------------------------------------------------------------------
+
+constexpr int64_t kGroup = 8;  // rows of an interleaved group (the int32 lanes of a register)
+
+// The rows of a weight given its blocks' 2-D shape [dim0, dim1] over K inputs, and whether they
+// are interleaved; -1 where the shape is neither layout's (or qtype / K are not supported).
+inline int64_t rows_of_blocks(int64_t qtype, int64_t K, int64_t dim0, int64_t dim1,
+                              bool* interleaved) {
+  const int64_t row_bytes = K / kBlock * block_bytes(qtype);
+  *interleaved = false;
+  if (row_bytes == 0 || K % kBlock != 0 || dim0 < 0) return -1;
+  if (dim1 == row_bytes) return dim0;
+  *interleaved = true;
+  return dim1 == kGroup * row_bytes ? dim0 * kGroup : -1;
+}
+
+// A weight's blocks: their type, layout and where row n's block b starts (its bytes differ
+// between the layouts; read_block below gives the same 32 weights either way).
+struct Blocks {
+  int64_t qtype;
+  const uint8_t* data;
+  int64_t K;
+  bool interleaved;
+
+  int64_t bytes() const { return block_bytes(qtype); }
+  int64_t num_blocks() const { return K / kBlock; }
+  // interleaved: group g's block b (8 rows), its bytes 8 x bytes()
+  const uint8_t* chunk(int64_t g, int64_t b) const {
+    return data + (g * num_blocks() + b) * kGroup * bytes();
+  }
+};
+
+// Row n's block b: its 32 weights as int8 (Q4_1: 0..15, Q4_0: -8..7, Q8_0: as stored), its
+// scale and (Q4_1) offset.
+inline void read_block(const Blocks& w, int64_t n, int64_t b, int8_t* q, float* d, float* m) {
+  const int64_t qtype = w.qtype;
+  uint8_t bytes[32];  // the row's quants as GGUF stores them
+  const int64_t quant_bytes = qtype == kQ8_0 ? 32 : 16;
+  if (!w.interleaved) {
+    const uint8_t* block = w.data + (n * w.num_blocks() + b) * w.bytes();
+    *d = load_half(block);
+    *m = qtype == kQ4_1 ? load_half(block + 2) : 0.f;
+    std::memcpy(bytes, block + w.bytes() - quant_bytes, quant_bytes);
+  } else {
+    const uint8_t* chunk = w.chunk(n / kGroup, b);
+    const int64_t r = n % kGroup;
+    *d = load_half(chunk + 2 * r);
+    *m = qtype == kQ4_1 ? load_half(chunk + 16 + 2 * r) : 0.f;
+    const uint8_t* quants = chunk + (qtype == kQ4_1 ? 32 : 16);
+    for (int64_t t = 0; t < quant_bytes / 4; ++t)
+      std::memcpy(bytes + 4 * t, quants + (t * kGroup + r) * 4, 4);
+  }
   if (qtype == kQ8_0) {
-    std::memcpy(w, block + 2, kBlock);
+    std::memcpy(q, bytes, kBlock);
     return;
   }
-  const uint8_t* nibbles = block + (qtype == kQ4_1 ? 4 : 2);
-  if (qtype == kQ4_1) *m = load_half(block + 2);
   const int offset = qtype == kQ4_0 ? 8 : 0;
   for (int j = 0; j < 16; ++j) {
-    w[j] = static_cast<int8_t>((nibbles[j] & 0x0f) - offset);
-    w[j + 16] = static_cast<int8_t>((nibbles[j] >> 4) - offset);
+    q[j] = static_cast<int8_t>((bytes[j] & 0x0f) - offset);
+    q[j + 16] = static_cast<int8_t>((bytes[j] >> 4) - offset);
   }
 }
 
-// The dequantized weights of one row of blocks: out[K].
-inline void dequantize_row(int64_t qtype, const uint8_t* row, int64_t K, float* out) {
-  int8_t w[kBlock];
-  for (int64_t b = 0; b < K / kBlock; ++b) {
+// Row n's weights dequantized: out[K].
+inline void dequantize_row(const Blocks& w, int64_t n, float* out) {
+  int8_t q[kBlock];
+  for (int64_t b = 0; b < w.num_blocks(); ++b) {
     float d, m;
-    unpack_block(qtype, row + b * block_bytes(qtype), w, &d, &m);
-    for (int j = 0; j < kBlock; ++j) out[b * kBlock + j] = d * static_cast<float>(w[j]) + m;
+    read_block(w, n, b, q, &d, &m);
+    for (int j = 0; j < kBlock; ++j) out[b * kBlock + j] = d * static_cast<float>(q[j]) + m;
   }
 }
 
-inline float sum_lanes(const float* acc) {
-  return ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
-}
+// ---- The integer dots ------------------------------------------------------------------------
 
-// One weight row against MR quantized rows of x: y[r] for r < MR. Scalar: any CPU, and the
-// definition the AVX2 version matches bit for bit.
-template <int MR>
-__attribute__((optimize("fp-contract=off"))) void dot_rows_scalar(int64_t qtype, const uint8_t* wrow, int64_t K, const QuantizedRow* xs,
-                     float* y) {
-  float acc[MR][8] = {};
-  float offsets[MR] = {};
-  int8_t w[kBlock];
-  for (int64_t b = 0; b < K / kBlock; ++b) {
-    float dw, mw;
-    unpack_block(qtype, wrow + b * block_bytes(qtype), w, &dw, &mw);
-    for (int r = 0; r < MR; ++r) {
-      const int8_t* xq = xs[r].q + b * kBlock;
-      const float scale = dw * xs[r].d[b];
-      for (int l = 0; l < 8; ++l) {
-        int32_t lane = 0;
-        for (int j = 4 * l; j < 4 * l + 4; ++j) lane += int32_t{w[j]} * int32_t{xq[j]};
-        const float product = scale * static_cast<float>(lane);
-        acc[r][l] = acc[r][l] + product;
-      }
-      if (qtype == kQ4_1) {
-        const float offset = mw * xs[r].s[b];
-        offsets[r] = offsets[r] + offset;
+// Weight rows [n, n + NR) against MR quantized rows of x: y[r * NR + i] for row n + i. Scalar:
+// any CPU, any layout, and the definition the vector versions match bit for bit.
+template <int MR, int NR>
+__attribute__((optimize("fp-contract=off"))) void dot_scalar(const Blocks& w, int64_t n,
+                                                             const QuantizedRow* xs, float* y) {
+  for (int i = 0; i < NR; ++i) {
+    float acc[MR] = {}, off[MR] = {};
+    int8_t q[kBlock];
+    for (int64_t b = 0; b < w.num_blocks(); ++b) {
+      float dw, mw;
+      read_block(w, n + i, b, q, &dw, &mw);
+      for (int r = 0; r < MR; ++r) {
+        const int8_t* xq = xs[r].q + b * kBlock;
+        int32_t dot = 0;
+        for (int j = 0; j < kBlock; ++j) dot += int32_t{q[j]} * int32_t{xq[j]};
+        const float scale = dw * xs[r].d[b];
+        const float product = scale * static_cast<float>(dot);
+        acc[r] = acc[r] + product;
+        if (w.qtype == kQ4_1) {
+          const float offset = mw * xs[r].s[b];
+          off[r] = off[r] + offset;
+        }
       }
     }
+    for (int r = 0; r < MR; ++r) y[r * NR + i] = w.qtype == kQ4_1 ? acc[r] + off[r] : acc[r];
   }
-  for (int r = 0; r < MR; ++r) y[r] = sum_lanes(acc[r]) + offsets[r];
 }
 
 #if defined(__x86_64__)
-// 32 int8 weights of a block into a register (Q4 nibbles spread, Q4_0 recentred).
-__attribute__((target("avx2"))) inline __m256i load_block_avx2(int64_t qtype,
-                                                               const uint8_t* block) {
-  if (qtype == kQ8_0) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2));
-  const __m128i packed =
-      _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + (qtype == kQ4_1 ? 4 : 2)));
-  const __m128i low_mask = _mm_set1_epi8(0x0f);
-  const __m128i low = _mm_and_si128(packed, low_mask);
-  const __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), low_mask);
-  __m256i w = _mm256_set_m128i(high, low);  // bytes 0..15: low nibbles, 16..31: high
-  if (qtype == kQ4_0) w = _mm256_sub_epi8(w, _mm256_set1_epi8(8));
-  return w;
+// The integer dots of the x86 kernels: AVX2's maddubs + madd, or AVX-512 VNNI's dpbusd. Both
+// are exact: an unsigned byte (a Q4 nibble, a Q8_0 weight's magnitude) times a signed one, each
+// 4-byte dot at most 4 x 127 x 127 (no maddubs pair of Q8_0 saturates: 2 x 127 x 127 < 32767).
+#pragma GCC push_options
+#pragma GCC target("avx2,f16c")
+namespace avx2 {
+inline __m256i dot_add(__m256i lanes, __m256i u, __m256i x) {
+  const __m256i pairs = _mm256_maddubs_epi16(u, x);
+  return _mm256_add_epi32(lanes, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 }
+#include "quant_dot_x86.h"  // NOLINT(build/include): twice, on purpose
+}  // namespace avx2
+#pragma GCC pop_options
 
-// 8 int32 lanes of w . x over a block (lane l: bytes 4l..4l+3), exactly: |w|, |x| <= 127.
-__attribute__((target("avx2"))) inline __m256i dot_lanes_avx2(__m256i w, __m256i x) {
-  const __m256i abs_w = _mm256_sign_epi8(w, w);     // |w| as unsigned bytes
-  const __m256i signed_x = _mm256_sign_epi8(x, w);  // x with w's sign (0 where w is 0)
-  const __m256i pairs = _mm256_maddubs_epi16(abs_w, signed_x);  // 16 x int16, exact
-  return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+#pragma GCC push_options
+#pragma GCC target("avx2,f16c,avx512f,avx512vl,avx512vnni")
+namespace vnni {
+inline __m256i dot_add(__m256i lanes, __m256i u, __m256i x) {
+  return _mm256_dpbusd_epi32(lanes, u, x);
 }
+#include "quant_dot_x86.h"  // NOLINT(build/include): twice, on purpose
+}  // namespace vnni
+#pragma GCC pop_options
+#endif
 
-template <int MR>
-__attribute__((target("avx2,f16c"), optimize("fp-contract=off"))) void dot_rows_avx2(
-    int64_t qtype, const uint8_t* wrow, int64_t K, const QuantizedRow* xs, float* y) {
-  __m256 acc[MR];
-  float offsets[MR];
-  for (int r = 0; r < MR; ++r) {
-    acc[r] = _mm256_setzero_ps();
-    offsets[r] = 0.f;
-  }
-  const int64_t bytes = block_bytes(qtype);
-  for (int64_t b = 0; b < K / kBlock; ++b) {
-    const uint8_t* block = wrow + b * bytes;
-    const __m256i w = load_block_avx2(qtype, block);
-    uint16_t halves[2];
-    std::memcpy(halves, block, sizeof halves);
-    const float dw = _cvtsh_ss(halves[0]);
-    const float mw = qtype == kQ4_1 ? _cvtsh_ss(halves[1]) : 0.f;
-#pragma GCC unroll 8
-    for (int r = 0; r < MR; ++r) {
-      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs[r].q + b * kBlock));
-      const __m256 lanes = _mm256_cvtepi32_ps(dot_lanes_avx2(w, x));
-      const __m256 product = _mm256_mul_ps(_mm256_set1_ps(dw * xs[r].d[b]), lanes);
-      acc[r] = _mm256_add_ps(acc[r], product);
-      if (qtype == kQ4_1) {
-        const float offset = mw * xs[r].s[b];
-        offsets[r] = offsets[r] + offset;
-      }
+// Weight rows [n, n + NR) (NR: 1, or kGroup from an interleaved group's first row) against MR
+// rows of x, with the CPU's fastest version: y[r * NR + i].
+template <int MR, int NR>
+void dot(const Blocks& w, int64_t n, const QuantizedRow* xs, float* y) {
+#if defined(__x86_64__)
+  if (cpu_has_avx2_f16c()) {
+    const bool vnni = cpu_has_avx512_vnni();
+    if constexpr (NR == kGroup) {
+      return vnni ? vnni::dot_group<MR>(w, n / kGroup, xs, y)
+                  : avx2::dot_group<MR>(w, n / kGroup, xs, y);
+    } else {
+      return vnni ? vnni::dot_rows<MR>(w, n, xs, y) : avx2::dot_rows<MR>(w, n, xs, y);
     }
   }
-  for (int r = 0; r < MR; ++r) {
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, acc[r]);
-    y[r] = sum_lanes(lanes) + offsets[r];
-  }
-}
 #endif
+  dot_scalar<MR, NR>(w, n, xs, y);
+}
 
-template <int MR>
-void dot_rows(int64_t qtype, const uint8_t* wrow, int64_t K, const QuantizedRow* xs, float* y) {
-#if defined(__x86_64__)
-  if (cpu_has_avx2_f16c()) return dot_rows_avx2<MR>(qtype, wrow, K, xs, y);
-#endif
-  dot_rows_scalar<MR>(qtype, wrow, K, xs, y);
-}
+// ---- The linear ------------------------------------------------------------------------------
 
 constexpr int kRowGroup = 4;  // rows of x per pass over a weight row (a row read once per group)
 // From this many rows of x on, the weights are dequantized once into float32 tiles and the
@@ -294,19 +326,18 @@ constexpr int kRowGroup = 4;  // rows of x per pass over a weight row (a row rea
 // weight: 0.93 ms integer at 32 rows, 0.24 ms float + the dequantization; RESULTS.md).
 constexpr int64_t kFloatRows = 32;
 
-// W's blocks [N rows] → packed float32 tiles [ceil(N / 16), K, 16] (linear_cpu_kernel.h's
+// Rows [n0, n0 + N) of W → packed float32 tiles [ceil(N / 16), K, 16] (linear_cpu_kernel.h's
 // layout; the last tile's missing rows zero), the tiles split across `par`'s threads.
 template <typename Parallel>
-void dequantize_tiles(const Parallel& par, int64_t qtype, const uint8_t* w, int64_t N,
-                      int64_t K, float* packed) {
-  const int64_t row_bytes = K / kBlock * block_bytes(qtype);
-  const int64_t tile = cpu_linear::kTile, num_tiles = (N + tile - 1) / tile;
+void dequantize_tiles(const Parallel& par, const Blocks& w, int64_t n0, int64_t N,
+                      float* packed) {
+  const int64_t K = w.K, tile = cpu_linear::kTile, num_tiles = (N + tile - 1) / tile;
   par.for_range(num_tiles, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> rows(tile * K);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t first = t * tile, count = std::min(tile, N - first);
       for (int64_t j = 0; j < count; ++j)
-        dequantize_row(qtype, w + (first + j) * row_bytes, K, rows.data() + j * K);
+        dequantize_row(w, n0 + first + j, rows.data() + j * K);
       std::fill(rows.begin() + count * K, rows.end(), 0.f);
       float* out = packed + t * K * tile;
       for (int64_t k = 0; k < K; ++k)
@@ -315,15 +346,51 @@ void dequantize_tiles(const Parallel& par, int64_t qtype, const uint8_t* w, int6
   });
 }
 
+// x's M quantized rows (quant_linear's buffers).
+struct XRows {
+  const int8_t* q;
+  const float* d;
+  const int32_t* sums;
+  const float* s;
+  int64_t K;
+
+  QuantizedRow operator()(int64_t r) const {
+    const int64_t num_blocks = K / kBlock;
+    return {q + r * K, d + r * num_blocks, sums + r * num_blocks, s + r * num_blocks};
+  }
+};
+
+// y[:, n : n + NR] (+ bias) = weight rows [n, n + NR) against every row of x, kRowGroup rows
+// of x at a time.
+template <int NR>
+void dot_all_rows(const Blocks& w, int64_t n, const XRows& rows, int64_t M, const float* bias,
+                  float* y, int64_t ldy) {
+  float out[kRowGroup * NR];
+  int64_t r = 0;
+  for (; r + kRowGroup <= M; r += kRowGroup) {
+    const QuantizedRow group[kRowGroup] = {rows(r), rows(r + 1), rows(r + 2), rows(r + 3)};
+    dot<kRowGroup, NR>(w, n, group, out);
+    for (int i = 0; i < kRowGroup; ++i)
+      for (int j = 0; j < NR; ++j)
+        y[(r + i) * ldy + n + j] = out[i * NR + j] + (bias ? bias[n + j] : 0.f);
+  }
+  for (; r < M; ++r) {
+    const QuantizedRow alone = rows(r);
+    dot<1, NR>(w, n, &alone, out);
+    for (int j = 0; j < NR; ++j) y[r * ldy + n + j] = out[j] + (bias ? bias[n + j] : 0.f);
+  }
+}
+
 // y[M, ldy] (columns [0, N)) = x[M, K] (ldx floats per row) @ W^T + bias; W: N rows of
-// K / 32 blocks of qtype. x is quantized first (M rows, split across threads), then the N
-// weight rows are split across threads; each runs every group of kRowGroup rows of x against
-// its weight rows, one weight row at a time.
+// K / 32 blocks of qtype, interleaved or not (rows_of_blocks). x is quantized first (M rows,
+// split across threads), then the weight rows (or groups of 8) are split across threads; each
+// runs every group of kRowGroup rows of x against its weight rows.
 template <typename Parallel>
 void quant_linear(const Parallel& par, const float* x, int64_t ldx, int64_t M, int64_t qtype,
-                  const uint8_t* w, int64_t N, int64_t K, const float* bias, float* y,
-                  int64_t ldy) {
-  const int64_t num_blocks = K / kBlock, row_bytes = num_blocks * block_bytes(qtype);
+                  const uint8_t* blocks, bool interleaved, int64_t N, int64_t K,
+                  const float* bias, float* y, int64_t ldy) {
+  const Blocks w{qtype, blocks, K, interleaved};
+  const int64_t num_blocks = K / kBlock, row_bytes = num_blocks * w.bytes();
   if (M >= kFloatRows) {
     // in chunks of ~4 MB of float32 tiles (a 49k-vocabulary head is never all dequantized)
     const int64_t tile = cpu_linear::kTile;
@@ -333,7 +400,7 @@ void quant_linear(const Parallel& par, const float* x, int64_t ldx, int64_t M, i
       const int64_t n = std::min(chunk_rows, N - n0), num_tiles = (n + tile - 1) / tile;
       const int64_t padded = num_tiles * tile;
       tiles.resize(std::max<size_t>(tiles.size(), num_tiles * K * tile));
-      dequantize_tiles(par, qtype, w + n0 * row_bytes, n, K, tiles.data());
+      dequantize_tiles(par, w, n0, n, tiles.data());
       const float* b = bias ? bias + n0 : nullptr;
       if (padded == n) {
         cpu_linear::linear(par, x, ldx, M, tiles.data(), K, num_tiles, b, y + n0, ldy);
@@ -356,42 +423,37 @@ void quant_linear(const Parallel& par, const float* x, int64_t ldx, int64_t M, i
   // thread's own)
   static thread_local std::vector<int8_t> q_buffer;
   static thread_local std::vector<float> d_buffer, s_buffer;
+  static thread_local std::vector<int32_t> sum_buffer;
   q_buffer.resize(std::max<size_t>(q_buffer.size(), M * K));
   d_buffer.resize(std::max<size_t>(d_buffer.size(), M * num_blocks));
   s_buffer.resize(std::max<size_t>(s_buffer.size(), M * num_blocks));
+  sum_buffer.resize(std::max<size_t>(sum_buffer.size(), M * num_blocks));
   int8_t* const q = q_buffer.data();
   float* const d = d_buffer.data();
   float* const s = s_buffer.data();
+  int32_t* const sums = sum_buffer.data();
   auto quantize_rows = [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
-      quantize_row_fast(x + r * ldx, K, q + r * K, d + r * num_blocks, s + r * num_blocks);
+      quantize_row_fast(x + r * ldx, K, q + r * K, d + r * num_blocks, sums + r * num_blocks,
+                        s + r * num_blocks);
   };
   if (M * K < 65536) {  // a decode step's few rows: not worth a parallel region
     quantize_rows(0, M);
   } else {
     par.for_range(M, 1, quantize_rows);
   }
-  auto row = [&](int64_t r) {
-    return QuantizedRow{q + r * K, d + r * num_blocks, s + r * num_blocks};
-  };
+  const XRows rows{q, d, sums, s, K};
+  const int64_t step = interleaved ? kGroup : 1, units = N / step;
   // ~16 KB of weights a range at least, and every thread busy where N allows
+  const int64_t unit_bytes = std::max<int64_t>(1, row_bytes * step);
   const int64_t grain = std::max<int64_t>(1, std::min<int64_t>(
-      16384 / std::max<int64_t>(1, row_bytes), N / std::max<int64_t>(1, par.num_threads())));
-  par.for_range(N, grain, [&](int64_t begin, int64_t end) {
-    float out[kRowGroup];
-    for (int64_t n = begin; n < end; ++n) {
-      const uint8_t* wrow = w + n * row_bytes;
-      const float b = bias ? bias[n] : 0.f;
-      int64_t r = 0;
-      for (; r + kRowGroup <= M; r += kRowGroup) {
-        const QuantizedRow group[kRowGroup] = {row(r), row(r + 1), row(r + 2), row(r + 3)};
-        dot_rows<kRowGroup>(qtype, wrow, K, group, out);
-        for (int i = 0; i < kRowGroup; ++i) y[(r + i) * ldy + n] = out[i] + b;
-      }
-      for (; r < M; ++r) {
-        const QuantizedRow alone = row(r);
-        dot_rows<1>(qtype, wrow, K, &alone, out);
-        y[r * ldy + n] = out[0] + b;
+      16384 / unit_bytes, units / std::max<int64_t>(1, par.num_threads())));
+  par.for_range(units, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end; ++u) {
+      if (interleaved) {
+        dot_all_rows<kGroup>(w, u * kGroup, rows, M, bias, y, ldy);
+      } else {
+        dot_all_rows<1>(w, u, rows, M, bias, y, ldy);
       }
     }
   });

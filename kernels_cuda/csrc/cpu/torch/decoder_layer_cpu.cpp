@@ -39,7 +39,7 @@ void check_packed(const char* name, const at::Tensor& t, int64_t in, int64_t out
 }
 
 // A projection's weight: packed for pagedjax::linear (qtype 0), or GGML blocks of qtype
-// [out, in / 32 * block bytes] (pagedjax::quant_linear).
+// [out, in / 32 * block bytes] or interleaved [out / 8, 8 x that] (pagedjax::quant_linear).
 cpu_layer::Projection projection(const char* name, const at::Tensor& t, int64_t in, int64_t out,
                                  int64_t qtype) {
   if (qtype == 0) {
@@ -49,11 +49,14 @@ cpu_layer::Projection projection(const char* name, const at::Tensor& t, int64_t 
   const int64_t bytes = cpu_quant::block_bytes(qtype);
   TORCH_CHECK(bytes > 0 && in % cpu_quant::kBlock == 0, kOp, ": ", name, " qtype=", qtype,
               " over ", in, " inputs; use 8 (Q8_0), 2 (Q4_0) or 3 (Q4_1) over a multiple of 32");
+  bool interleaved = false;
   TORCH_CHECK(t.scalar_type() == at::kByte && t.is_contiguous() && t.dim() == 2 &&
-                  t.size(0) == out && t.size(1) == in / cpu_quant::kBlock * bytes,
+                  cpu_quant::rows_of_blocks(qtype, in, t.size(0), t.size(1), &interleaved) == out,
               kOp, ": ", name, " must be contiguous uint8 blocks [", out, ", ",
-              in / cpu_quant::kBlock * bytes, "], got ", t.scalar_type(), " ", t.sizes());
-  return cpu_layer::Projection::of_blocks(t.data_ptr<uint8_t>(), qtype);
+              in / cpu_quant::kBlock * bytes, "] (or interleaved [", out / cpu_quant::kGroup,
+              ", ", cpu_quant::kGroup * (in / cpu_quant::kBlock) * bytes, "]), got ",
+              t.scalar_type(), " ", t.sizes());
+  return cpu_layer::Projection::of_blocks(t.data_ptr<uint8_t>(), qtype, interleaved);
 }
 
 // An int32 metadata tensor of `dim` dims, contiguous.

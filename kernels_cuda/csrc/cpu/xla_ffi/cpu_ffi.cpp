@@ -205,32 +205,34 @@ ffi::Error moe_experts_f32(ffi::ThreadPool pool,
 // pagedjax::quant_linear's kernel); rows [num_rows, M) of y are zeros, not computed.
 ffi::Error quant_linear_f32(ffi::ThreadPool pool,
                             ffi::Buffer<ffi::F32> x,          // [M, K]
-                            ffi::Buffer<ffi::U8> blocks,      // [N, K / 32 * block bytes]
+                            ffi::Buffer<ffi::U8> blocks,      // [N, K / 32 * bytes] or [N / 8, 8 x]
                             ffi::Buffer<ffi::S32> num_rows,   // [1]: clamped to [0, M]
                             ffi::ResultBuffer<ffi::F32> y,    // [M, N]
                             int64_t qtype) {
   const auto xd = x.dimensions(), wd = blocks.dimensions(), yd = y->dimensions();
-  const int64_t bytes = cpu_quant::block_bytes(qtype);
-  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2 || bytes == 0 ||
-      xd[1] % cpu_quant::kBlock != 0 || wd[1] != xd[1] / cpu_quant::kBlock * bytes ||
-      yd[0] != xd[0] || yd[1] != wd[0]) {
+  bool interleaved = false;
+  const int64_t N = xd.size() == 2 && wd.size() == 2
+                        ? cpu_quant::rows_of_blocks(qtype, xd[1], wd[0], wd[1], &interleaved)
+                        : -1;
+  if (N < 0 || yd.size() != 2 || yd[0] != xd[0] || yd[1] != N) {
     return ffi::Error::InvalidArgument(
         "quant_linear (FFI): expected x [M, K] (K a multiple of 32), blocks [N, K / 32 * block "
-        "bytes] of qtype 8 (Q8_0), 2 (Q4_0) or 3 (Q4_1), y [M, N]; got qtype=" +
-        std::to_string(qtype));
+        "bytes] (or interleaved [N / 8, 8 x that]) of qtype 8 (Q8_0), 2 (Q4_0) or 3 (Q4_1), "
+        "y [M, N]; got qtype=" + std::to_string(qtype));
   }
-  const int64_t K = xd[1], N = wd[0];
+  const int64_t K = xd[1];
   const int64_t M = std::clamp<int64_t>(num_rows.typed_data()[0], 0, xd[0]);
   if (M > 0 && N > 0) {
     cpu_quant::quant_linear(PoolParallel{pool}, x.typed_data(), K, M, qtype,
-                            blocks.typed_data(), N, K, nullptr, y->typed_data(), N);
+                            blocks.typed_data(), interleaved, N, K, nullptr, y->typed_data(), N);
   }
   std::fill(y->typed_data() + M * N, y->typed_data() + xd[0] * N, 0.f);
   return ffi::Error::Success();
 }
 
 // A projection of the decoder layer: float32 packed into tiles [ceil(out / 16), in, 16]
-// (qtype 0), or GGML blocks of qtype [out, in / 32 * block bytes]; "" or what is wrong.
+// (qtype 0), or GGML blocks of qtype [out, in / 32 * block bytes] or interleaved [out / 8,
+// 8 x that]; "" or what is wrong.
 std::string projection(const char* name, const ffi::AnyBuffer& w, int64_t qtype, int64_t in,
                        int64_t out, cpu_layer::Projection* p) {
   const auto wd = w.dimensions();
@@ -245,14 +247,19 @@ std::string projection(const char* name, const ffi::AnyBuffer& w, int64_t qtype,
     return "";
   }
   const int64_t bytes = cpu_quant::block_bytes(qtype);
-  if (bytes == 0 || in % cpu_quant::kBlock != 0 || w.element_type() != ffi::U8 ||
-      wd.size() != 2 || wd[0] != out || wd[1] != in / cpu_quant::kBlock * bytes) {
+  bool interleaved = false;
+  if (w.element_type() != ffi::U8 || wd.size() != 2 ||
+      cpu_quant::rows_of_blocks(qtype, in, wd[0], wd[1], &interleaved) != out) {
     return std::string("decoder_layer (FFI): ") + name + " of qtype " + std::to_string(qtype) +
            " must be uint8 blocks [" + std::to_string(out) + ", " +
            std::to_string(in / cpu_quant::kBlock * std::max<int64_t>(bytes, 1)) +
+           "] or interleaved [" + std::to_string(out / cpu_quant::kGroup) + ", " +
+           std::to_string(cpu_quant::kGroup * (in / cpu_quant::kBlock) *
+                          std::max<int64_t>(bytes, 1)) +
            "] (qtype 8, 2 or 3, in_features a multiple of 32)";
   }
-  *p = cpu_layer::Projection::of_blocks(static_cast<const uint8_t*>(w.untyped_data()), qtype);
+  *p = cpu_layer::Projection::of_blocks(static_cast<const uint8_t*>(w.untyped_data()), qtype,
+                                        interleaved);
   return "";
 }
 

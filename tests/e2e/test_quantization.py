@@ -154,11 +154,10 @@ def test_the_cli_flag() -> None:
 @pytest.mark.slow
 @pytest.mark.real_model
 def test_perplexity_on_english_text(request) -> None:
-    """SmolLM2-135M-Instruct on a public-domain English text (tests/data): its Q4_1 blocks kept
-    within +0.5 % of the same file dequantized to float32 (a prompt of 32 rows or more runs on
-    the dequantized weights: equal), int8 per channel within +2 % (issue 46's target is +1 %:
-    one scale per output channel of this small model measures +1.6 %); the JAX backend on the
-    file's blocks the torch backend's figure (the same kernels)."""
+    """SmolLM2-135M-Instruct on a public-domain English text (tests/data), the prompt's rows in
+    int8 blocks and integer dots as every step's: its Q4_1 blocks kept within +0.5 % of the same
+    file dequantized to float32 (+0.49 % measured), int8 per channel within +1 % (+0.96 %); the
+    JAX backend on the file's blocks the torch backend's figure (the same kernels)."""
     from pathlib import Path
 
     from pagedjax.benchmarks.quality import perplexity
@@ -181,7 +180,7 @@ def test_perplexity_on_english_text(request) -> None:
     base = results[None, None]
     assert 1 < base < 50  # English the model reads
     assert results["torch", "gguf"] <= base * 1.005
-    assert results["torch", "int8"] <= base * 1.02
+    assert results["torch", "int8"] <= base * 1.01
     assert results["jax", "gguf"] == pytest.approx(results["torch", "gguf"], rel=1e-5)
 
 

@@ -177,7 +177,8 @@ def test_decoder_layer_is_the_torch_ops_bit_for_bit(first: bool) -> None:
 
 def test_a_layer_over_quantized_blocks_is_the_torch_ops_bits() -> None:
     """Projections kept as GGML blocks of three types beside a packed one: the FFI layer reads
-    them as the torch op does (quantization="int8" / "gguf" on the JAX backend)."""
+    them as the torch op does (quantization="int8" / "gguf" on the JAX backend), in GGUF's rows
+    and interleaved in groups of 8 rows (what the backends keep) alike."""
     torch = pytest.importorskip("torch")
     from pagedjax.backends.common import quantization as quant
     from pagedjax.kernels_cuda import ops
@@ -199,8 +200,11 @@ def test_a_layer_over_quantized_blocks_is_the_torch_ops_bits() -> None:
     np.testing.assert_array_equal(got[0][:real], out.numpy()[:real])
     np.testing.assert_array_equal(got[1][:real], stream.numpy()[:real])
     np.testing.assert_array_equal(got[2], t["k_cache"].numpy())
+    grouped = {n: quant.interleave_rows(b, quant.QTYPE_OF[kinds[n]]) for n, b in blocks.items()}
+    for a, b in zip(_run(c, False, None, grouped), got, strict=True):
+        np.testing.assert_array_equal(a[:real], b[:real])
     # blocks of another width or height are refused by name, not read past their end
-    with pytest.raises(ValueError, match="18 bytes a row are no blocks of a kept type"):
+    with pytest.raises(ValueError, match=r"\(64, 18\) are no blocks of a kept type"):
         _run(c, False, None, {**blocks, "o": blocks["o"][:, :-18]})
     with pytest.raises(Exception, match=r"o_weight of qtype 2 must be uint8 blocks \[64, 36\]"):
         _run(c, False, None, {**blocks, "o": blocks["o"][:-1]})

@@ -2,11 +2,10 @@
 (backends/common/quantization.py):
 - the blocks decode as the `gguf` package's own `dequantize` decodes them, ours made by the
   quantizers and the real SmolLM2 file's;
-- below 32 rows of x the op equals a NumPy model of its integer math exactly (x's rows
-  quantized to int8 blocks, an exact integer dot per block, the same float32 additions in the
-  same order), whatever the rows, the blocks' layout (GGUF's rows, or interleaved in groups of
-  8) and the instructions (AVX-512 VNNI, AVX2); from 32 rows on, the float32 linear over the
-  weights dequantized;
+- the op equals a NumPy model of its integer math exactly (x's rows quantized to int8 blocks,
+  an exact integer dot per block, the same float32 additions in the same order), whatever the
+  rows (a decode step's few, a prompt's many), the blocks' layout (GGUF's rows, or interleaved
+  in groups of 8) and the instructions (AVX-512 VNNI, AVX2);
 - and it approximates float64 math on the dequantized weights as x's quantization allows."""
 
 from __future__ import annotations
@@ -120,7 +119,7 @@ def test_the_real_files_blocks_decode_as_gguf_decodes_them() -> None:
 @pytest.mark.parametrize("rows,k", [(1, 160), (3, 160), (4, 160), (9, 160),
                                     (31, 2304)])  # 31 x 2304: x quantized in parallel
 def test_the_op_is_its_integer_math_exactly(name: str, rows: int, k: int) -> None:
-    """Below kFloatRows (32) rows of x, on GGUF's rows of blocks and interleaved ones alike."""
+    """On GGUF's rows of blocks and interleaved ones alike."""
     rng = np.random.default_rng(rows)
     n = 40
     blocks = quant.QUANTIZERS[name](random_weight(rng, n, k))
@@ -218,24 +217,26 @@ def test_bad_arguments_name_the_fix() -> None:
         quant.quantize_q8_0(np.zeros((2, 48), np.float32))
 
 
-@pytest.mark.parametrize("name", ["Q4_1", "Q8_0"])
-@pytest.mark.parametrize("n", [40, 48, 2000])  # a partial tile; whole tiles; two chunks
-def test_many_rows_are_the_float_linear_over_the_dequantized_weights(name: str, n: int) -> None:
-    from pagedjax.kernels_cuda import linear, pack_linear_weight
-
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("rows,n", [(33, 40), (130, 2000)])
+def test_a_prompts_many_rows_are_the_same_integer_math(name: str, rows: int, n: int) -> None:
+    """A prefill's rows take the integer dots too (they cost less a row than the float32 linear
+    over weights dequantized once a call, at every row count measured: RESULTS.md)."""
     rng = np.random.default_rng(n)
-    k, rows = 576, 33
-    blocks = torch.from_numpy(quant.QUANTIZERS[name](random_weight(rng, n, k)))
+    k = 576
+    blocks = quant.QUANTIZERS[name](random_weight(rng, n, k))
     qtype = quant.QTYPE_OF[name]
-    x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32))
-    bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
-    weight = torch.ops.pagedjax.dequantize(blocks, qtype, k)  # [N, K]
-    expected = linear(x, pack_linear_weight(weight.T.contiguous()), bias, n)
-    torch.testing.assert_close(quant_linear(x, blocks, qtype, bias), expected, rtol=0, atol=0)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    bias = rng.standard_normal(n).astype(np.float32)
+    expected = numpy_model(x, blocks, qtype, bias)
+    grouped = quant.interleave_rows(blocks, qtype)
+    got = quant_linear(torch.from_numpy(x), torch.from_numpy(grouped), qtype,
+                       torch.from_numpy(bias)).numpy()
+    np.testing.assert_array_equal(got, expected)
 
 
 @pytest.mark.parametrize("name", FORMATS)
-@pytest.mark.parametrize("rows", [1, 5, 33])  # integer dots; the float path from 32 rows
+@pytest.mark.parametrize("rows", [1, 5, 33])
 def test_jaxs_ffi_call_is_the_torch_ops_bits(name: str, rows: int) -> None:
     """The JAX backend reaches the same kernel through XLA's FFI (cpu_ffi.quant_linear): the
     same bits, the blocks' type read from their size, the rows past num_rows left at zero."""
@@ -253,6 +254,8 @@ def test_jaxs_ffi_call_is_the_torch_ops_bits(name: str, rows: int) -> None:
                             None).numpy()
     got = jax.jit(cpu_ffi.quant_linear, static_argnums=2)(x, blocks, k)
     np.testing.assert_array_equal(np.asarray(got), expected)
+    grouped = quant.interleave_rows(blocks, quant.QTYPE_OF[name])  # the layout read from its shape
+    np.testing.assert_array_equal(np.asarray(cpu_ffi.quant_linear(x, grouped, k)), expected)
     head = np.asarray(cpu_ffi.quant_linear(x, blocks, k, num_rows=jnp.int32(1)))
     alone = numpy_model(x[:1], blocks, quant.QTYPE_OF[name], None)
     np.testing.assert_array_equal(head[0], alone[0])

@@ -2,16 +2,18 @@
 // there twice: in namespace avx2 (compiled for AVX2 + F16C, dot_add: maddubs + madd) and in
 // namespace vnni (AVX-512 VNNI on 256-bit registers, dot_add: dpbusd), each under its own
 // `#pragma GCC target`, so that every intrinsic inlines into the kernel that calls it. No
-// include guard or #pragma once, on purpose. dot_add(lanes, u, x): lanes + the 4-byte dots of unsigned u and
-// signed x, exact.
+// include guard or #pragma once, on purpose. dot_add(lanes, u, x): lanes + the 4-byte dots of
+// unsigned u and signed x, exact. QT: the blocks' type (a template argument: no branch on it
+// inside the loops).
 
 // Plain rows: one weight row against MR rows of x (a horizontal sum per block and row).
-template <int MR>
+template <int64_t QT, int MR>
 __attribute__((optimize("fp-contract=off"))) void dot_rows(
     const Blocks& w, int64_t n, const QuantizedRow* xs, float* y) {
   float acc[MR], off[MR];
   for (int r = 0; r < MR; ++r) acc[r] = off[r] = 0.f;
-  const int64_t qtype = w.qtype, bytes = w.bytes();
+  constexpr int64_t qtype = QT;
+  const int64_t bytes = w.bytes();
   const uint8_t* row = w.data + n * w.num_blocks() * bytes;
   const __m256i low_mask = _mm256_set1_epi8(0x0f);
   for (int64_t b = 0; b < w.num_blocks(); ++b) {
@@ -22,7 +24,7 @@ __attribute__((optimize("fp-contract=off"))) void dot_rows(
     const float mw = qtype == kQ4_1 ? _cvtsh_ss(halves[1]) : 0.f;
     __m256i u;  // the weights as unsigned bytes: Q4's nibbles, Q8_0's magnitudes
     __m256i sign = _mm256_setzero_si256();
-    if (qtype == kQ8_0) {
+    if constexpr (QT == kQ8_0) {
       sign = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2));
       u = _mm256_sign_epi8(sign, sign);
     } else {
@@ -33,17 +35,17 @@ __attribute__((optimize("fp-contract=off"))) void dot_rows(
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
       __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs[r].q + b * kBlock));
-      if (qtype == kQ8_0) x = _mm256_sign_epi8(x, sign);
+      if constexpr (QT == kQ8_0) x = _mm256_sign_epi8(x, sign);
       const __m256i lanes = dot_add(_mm256_setzero_si256(), u, x);
       __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(lanes), _mm256_extracti128_si256(lanes, 1));
       s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
       s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
       int32_t dot = _mm_cvtsi128_si32(s4);
-      if (qtype == kQ4_0) dot -= 8 * xs[r].sum[b];
+      if constexpr (QT == kQ4_0) dot -= 8 * xs[r].sum[b];
       const float scale = dw * xs[r].d[b];
       const float product = scale * static_cast<float>(dot);
       acc[r] = acc[r] + product;
-      if (qtype == kQ4_1) {
+      if constexpr (QT == kQ4_1) {
         const float offset = mw * xs[r].s[b];
         off[r] = off[r] + offset;
       }
@@ -54,24 +56,27 @@ __attribute__((optimize("fp-contract=off"))) void dot_rows(
 
 // Interleaved: group g's 8 weight rows against MR rows of x, y[r * 8 + i]: per block, the 8
 // rows' weights unpacked once into registers, each row of x's 4-byte quads broadcast against
-// them (lane i: row i's dot), then the block's float step for the 8 rows at once.
-template <int MR>
+// them (lane i: row i's dot), then the block's float step for the 8 rows at once. A row of x
+// sums its block in P partial lanes (integers: any order gives the same sum), so that few rows
+// do not wait on one chain of dpbusd latencies.
+template <int64_t QT, int MR>
 __attribute__((optimize("fp-contract=off"))) void dot_group(
     const Blocks& w, int64_t g, const QuantizedRow* xs, float* y) {
+  constexpr int P = MR == 1 ? 4 : MR == 2 ? 2 : 1;
   __m256 acc[MR], off[MR];
   for (int r = 0; r < MR; ++r) acc[r] = off[r] = _mm256_setzero_ps();
-  const int64_t qtype = w.qtype;
   const __m256i low_mask = _mm256_set1_epi8(0x0f);
-  for (int64_t b = 0; b < w.num_blocks(); ++b) {
-    const uint8_t* chunk = w.chunk(g, b);
+  const int64_t num_blocks = w.num_blocks();
+  const uint8_t* chunk = w.chunk(g, 0);
+  constexpr int64_t chunk_bytes = kGroup * (QT == kQ8_0 ? 34 : QT == kQ4_1 ? 20 : 18);
+  for (int64_t b = 0; b < num_blocks; ++b, chunk += chunk_bytes) {
     const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk)));
-    const __m256 mw = qtype == kQ4_1 ? _mm256_cvtph_ps(_mm_loadu_si128(
-                                           reinterpret_cast<const __m128i*>(chunk + 16)))
-                                     : _mm256_setzero_ps();
-    const uint8_t* quants = chunk + (qtype == kQ4_1 ? 32 : 16);
-    __m256i lanes[MR];
-    for (int r = 0; r < MR; ++r) lanes[r] = _mm256_setzero_si256();
-    if (qtype == kQ8_0) {
+    const uint8_t* quants = chunk + (QT == kQ4_1 ? 32 : 16);
+    __m256i lanes[MR][P];
+    for (int r = 0; r < MR; ++r)
+      for (int p = 0; p < P; ++p) lanes[r][p] = _mm256_setzero_si256();
+    if constexpr (QT == kQ8_0) {
+#pragma GCC unroll 8
       for (int t = 0; t < 8; ++t) {  // quad t of the 8 rows
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quants + 32 * t));
         const __m256i u = _mm256_sign_epi8(v, v);
@@ -79,10 +84,12 @@ __attribute__((optimize("fp-contract=off"))) void dot_group(
         for (int r = 0; r < MR; ++r) {
           int32_t quad;
           std::memcpy(&quad, xs[r].q + b * kBlock + 4 * t, 4);
-          lanes[r] = dot_add(lanes[r], u, _mm256_sign_epi8(_mm256_set1_epi32(quad), v));
+          lanes[r][t % P] =
+              dot_add(lanes[r][t % P], u, _mm256_sign_epi8(_mm256_set1_epi32(quad), v));
         }
       }
     } else {
+#pragma GCC unroll 4
       for (int t = 0; t < 4; ++t) {  // low nibbles: quad t, high: quad t + 4 (weights 16 + 4t..)
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quants + 32 * t));
         const __m256i low = _mm256_and_si256(v, low_mask);
@@ -92,21 +99,26 @@ __attribute__((optimize("fp-contract=off"))) void dot_group(
           int32_t lo, hi;
           std::memcpy(&lo, xs[r].q + b * kBlock + 4 * t, 4);
           std::memcpy(&hi, xs[r].q + b * kBlock + 16 + 4 * t, 4);
-          lanes[r] = dot_add(lanes[r], low, _mm256_set1_epi32(lo));
-          lanes[r] = dot_add(lanes[r], high, _mm256_set1_epi32(hi));
+          lanes[r][(2 * t) % P] = dot_add(lanes[r][(2 * t) % P], low, _mm256_set1_epi32(lo));
+          lanes[r][(2 * t + 1) % P] =
+              dot_add(lanes[r][(2 * t + 1) % P], high, _mm256_set1_epi32(hi));
         }
       }
     }
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
-      __m256i dot = lanes[r];
-      if (qtype == kQ4_0) dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(8 * xs[r].sum[b]));
+      __m256i dot = lanes[r][0];
+      for (int p = 1; p < P; ++p) dot = _mm256_add_epi32(dot, lanes[r][p]);
+      if constexpr (QT == kQ4_0) dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(8 * xs[r].sum[b]));
       const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(xs[r].d[b]));
       acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(scale, _mm256_cvtepi32_ps(dot)));
-      if (qtype == kQ4_1)
+      if constexpr (QT == kQ4_1) {
+        const __m256 mw =
+            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + 16)));
         off[r] = _mm256_add_ps(off[r], _mm256_mul_ps(mw, _mm256_set1_ps(xs[r].s[b])));
+      }
     }
   }
   for (int r = 0; r < MR; ++r)
-    _mm256_storeu_ps(y + r * kGroup, qtype == kQ4_1 ? _mm256_add_ps(acc[r], off[r]) : acc[r]);
+    _mm256_storeu_ps(y + r * kGroup, QT == kQ4_1 ? _mm256_add_ps(acc[r], off[r]) : acc[r]);
 }

@@ -17,13 +17,12 @@
 //
 // llama.cpp's approach: each row of x is quantized once per linear to blocks of 32 int8 with a
 // float scale (d_x = max|x| / 127, q = round-half-even(x / d_x); per block sum(q), and
-// s_x = d_x * sum(q) for Q4_1's offsets); below kFloatRows rows of x, each block's product is
-// an exact integer dot I (Q4_0's weights recentred: I = q_w . q_x - 8 sum(q_x); AVX2's maddubs
+// s_x = d_x * sum(q) for Q4_1's offsets); then each block's product is an exact integer dot I
+// (Q4_0's weights recentred: I = q_w . q_x - 8 sum(q_x); AVX2's maddubs
 // and madd, or AVX-512 VNNI's dpbusd: the same integers). Then per block, in block order:
 // acc = acc + (d_w * d_x) * float(I) (no fused multiply-add, so NumPy can replay it:
 // tests/kernels/test_quant_linear.py), Q4_1's off = off + m_w * s_x, and y = (acc + off) + bias.
-// Every element is computed the same way for any M, layout, thread split or row group. From
-// kFloatRows rows on, the float32 linear over the weights dequantized once.
+// Every element is computed the same way for any M, layout, thread split or row group.
 #pragma once
 
 #include <algorithm>
@@ -33,7 +32,6 @@
 #include <vector>
 
 #include "cpu_features.h"
-#include "linear_cpu_kernel.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -301,50 +299,34 @@ inline __m256i dot_add(__m256i lanes, __m256i u, __m256i x) {
 
 // Weight rows [n, n + NR) (NR: 1, or kGroup from an interleaved group's first row) against MR
 // rows of x, with the CPU's fastest version: y[r * NR + i].
-template <int MR, int NR>
-void dot(const Blocks& w, int64_t n, const QuantizedRow* xs, float* y) {
+template <int64_t QT, int MR, int NR>
+void dot_of(const Blocks& w, int64_t n, const QuantizedRow* xs, float* y) {
 #if defined(__x86_64__)
   if (cpu_has_avx2_f16c()) {
     const bool vnni = cpu_has_avx512_vnni();
     if constexpr (NR == kGroup) {
-      return vnni ? vnni::dot_group<MR>(w, n / kGroup, xs, y)
-                  : avx2::dot_group<MR>(w, n / kGroup, xs, y);
+      return vnni ? vnni::dot_group<QT, MR>(w, n / kGroup, xs, y)
+                  : avx2::dot_group<QT, MR>(w, n / kGroup, xs, y);
     } else {
-      return vnni ? vnni::dot_rows<MR>(w, n, xs, y) : avx2::dot_rows<MR>(w, n, xs, y);
+      return vnni ? vnni::dot_rows<QT, MR>(w, n, xs, y) : avx2::dot_rows<QT, MR>(w, n, xs, y);
     }
   }
 #endif
   dot_scalar<MR, NR>(w, n, xs, y);
 }
 
+template <int MR, int NR>
+void dot(const Blocks& w, int64_t n, const QuantizedRow* xs, float* y) {
+  switch (w.qtype) {
+    case kQ8_0: return dot_of<kQ8_0, MR, NR>(w, n, xs, y);
+    case kQ4_0: return dot_of<kQ4_0, MR, NR>(w, n, xs, y);
+    default: return dot_of<kQ4_1, MR, NR>(w, n, xs, y);
+  }
+}
+
 // ---- The linear ------------------------------------------------------------------------------
 
 constexpr int kRowGroup = 4;  // rows of x per pass over a weight row (a row read once per group)
-// From this many rows of x on, the weights are dequantized once into float32 tiles and the
-// product is the float32 linear's (linear_cpu_kernel.h): the integer dots cost each row the
-// same, the tiles' FMAs 4x less per row once the dequantization is paid (a 576 x 3072 Q4_1
-// weight: 0.93 ms integer at 32 rows, 0.24 ms float + the dequantization; RESULTS.md).
-constexpr int64_t kFloatRows = 32;
-
-// Rows [n0, n0 + N) of W → packed float32 tiles [ceil(N / 16), K, 16] (linear_cpu_kernel.h's
-// layout; the last tile's missing rows zero), the tiles split across `par`'s threads.
-template <typename Parallel>
-void dequantize_tiles(const Parallel& par, const Blocks& w, int64_t n0, int64_t N,
-                      float* packed) {
-  const int64_t K = w.K, tile = cpu_linear::kTile, num_tiles = (N + tile - 1) / tile;
-  par.for_range(num_tiles, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> rows(tile * K);
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t first = t * tile, count = std::min(tile, N - first);
-      for (int64_t j = 0; j < count; ++j)
-        dequantize_row(w, n0 + first + j, rows.data() + j * K);
-      std::fill(rows.begin() + count * K, rows.end(), 0.f);
-      float* out = packed + t * K * tile;
-      for (int64_t k = 0; k < K; ++k)
-        for (int64_t j = 0; j < tile; ++j) out[k * tile + j] = rows[j * K + k];
-    }
-  });
-}
 
 // x's M quantized rows (quant_linear's buffers).
 struct XRows {
@@ -384,40 +366,16 @@ void dot_all_rows(const Blocks& w, int64_t n, const XRows& rows, int64_t M, cons
 // y[M, ldy] (columns [0, N)) = x[M, K] (ldx floats per row) @ W^T + bias; W: N rows of
 // K / 32 blocks of qtype, interleaved or not (rows_of_blocks). x is quantized first (M rows,
 // split across threads), then the weight rows (or groups of 8) are split across threads; each
-// runs every group of kRowGroup rows of x against its weight rows.
+// runs every group of kRowGroup rows of x against its weight rows (whose bytes stay in L1
+// meanwhile). The integer dots at every M: measured against the float32 linear over the
+// weights dequantized once a call, they cost less a row from 1 to 128 rows, with VNNI and with
+// AVX2 alone (RESULTS.md).
 template <typename Parallel>
 void quant_linear(const Parallel& par, const float* x, int64_t ldx, int64_t M, int64_t qtype,
                   const uint8_t* blocks, bool interleaved, int64_t N, int64_t K,
                   const float* bias, float* y, int64_t ldy) {
   const Blocks w{qtype, blocks, K, interleaved};
   const int64_t num_blocks = K / kBlock, row_bytes = num_blocks * w.bytes();
-  if (M >= kFloatRows) {
-    // in chunks of ~4 MB of float32 tiles (a 49k-vocabulary head is never all dequantized)
-    const int64_t tile = cpu_linear::kTile;
-    const int64_t chunk_rows = tile * std::max<int64_t>(1, (int64_t{1} << 20) / (K * tile));
-    static thread_local std::vector<float> tiles, wide, chunk_bias;
-    for (int64_t n0 = 0; n0 < N; n0 += chunk_rows) {
-      const int64_t n = std::min(chunk_rows, N - n0), num_tiles = (n + tile - 1) / tile;
-      const int64_t padded = num_tiles * tile;
-      tiles.resize(std::max<size_t>(tiles.size(), num_tiles * K * tile));
-      dequantize_tiles(par, w, n0, n, tiles.data());
-      const float* b = bias ? bias + n0 : nullptr;
-      if (padded == n) {
-        cpu_linear::linear(par, x, ldx, M, tiles.data(), K, num_tiles, b, y + n0, ldy);
-        continue;
-      }
-      if (b) {  // the last tile's missing columns: a zero-padded bias, a wide output cut
-        chunk_bias.assign(b, b + n);
-        chunk_bias.resize(padded, 0.f);
-        b = chunk_bias.data();
-      }
-      wide.resize(std::max<size_t>(wide.size(), M * padded));
-      cpu_linear::linear(par, x, ldx, M, tiles.data(), K, num_tiles, b, wide.data(), padded);
-      for (int64_t r = 0; r < M; ++r)
-        std::copy(wide.data() + r * padded, wide.data() + r * padded + n, y + r * ldy + n0);
-    }
-    return;
-  }
   // x's quantized rows, in buffers the calling thread keeps (no allocation per call); the
   // other threads get their addresses (a thread_local named in a lambda is the running
   // thread's own)

@@ -138,15 +138,10 @@ _BLOCK_BYTES = {8: 34, 2: 18, 3: 20}  # GGML's Q8_0, Q4_0, Q4_1: 32 weights a bl
 
 
 def dequantize(blocks: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:
-    """GGML blocks uint8 [N, K / 32 * block bytes] (or interleaved in groups of 8 rows:
-    backends/common/quantization.py) → the float32 weights [N, K] they hold:
+    """GGML blocks uint8 [N, K / 32 * block bytes] → the float32 weights [N, K] they hold:
     Q8_0 d * q; Q4_0 d * (q - 8); Q4_1 d * q + m (fp16 d, m; nibble j of a Q4 block is byte
     j's low half for j < 16, byte j - 16's high half after)."""
     size = _BLOCK_BYTES[qtype]
-    if blocks.shape[1] != in_features // 32 * size:  # interleaved in groups of 8 rows
-        from pagedjax.backends.common.quantization import deinterleave_rows
-
-        blocks = torch.from_numpy(deinterleave_rows(blocks.numpy(), qtype))
     n = blocks.shape[0]
     raw = blocks.reshape(n, in_features // 32, size)
     d = raw[..., :2].contiguous().view(torch.float16).float()  # [N, B, 1]

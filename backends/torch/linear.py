@@ -11,7 +11,7 @@ from torch import nn
 
 from pagedjax.backends.common import quantization
 from pagedjax.backends.common.weight_quantizer import WeightQuantizer
-from pagedjax.kernels_cuda import linear, pack_linear_weight, quant_linear
+from pagedjax.kernels_cuda import linear, ops_backend, pack_linear_weight, quant_linear
 
 
 class Linear(nn.Module):
@@ -69,7 +69,13 @@ class Linear(nn.Module):
         return True
 
     def keep_blocks(self, qtype: int, blocks: np.ndarray) -> None:
-        """The weight as these GGML blocks [out, in / 32 * block bytes] of qtype."""
+        """The weight as these GGML blocks of qtype ([out, in / 32 * block bytes], or
+        interleaved in groups of 8 rows: the C++ kernel's layout, put back in rows where the
+        C++ ops are not built and the pure-torch fallback reads them)."""
+        in_features = self.weight.shape[0]  # the float weight's [in, out]
+        if (ops_backend() == "reference"
+                and quantization.layout_of_blocks(blocks.shape, in_features)[2]):
+            blocks = quantization.deinterleave_rows(blocks, qtype)
         self.weight = nn.Parameter(torch.from_numpy(np.ascontiguousarray(blocks)),
                                    requires_grad=False)
         self.qtype = qtype

@@ -49,16 +49,16 @@ def main() -> None:
         nbytes = sum(w.numel() for w, _ in quant)
         for rows in args.rows:
             x = {k: torch.randn(rows, k) for k in (576, 1536)}
-            runs = {
-                "quant": lambda: [quant_linear(x[k], w, qtype, None) for w, (_, k) in quant],
-                "float32": lambda: [linear(x[k], w, None, n) for w, (n, k) in dense],
-            }
             times: dict[str, list[float]] = {"quant": [], "float32": []}
             for _ in range(args.passes + 2):
-                for label, run in runs.items():
-                    start = time.perf_counter()
-                    run()
-                    times[label].append(time.perf_counter() - start)
+                start = time.perf_counter()
+                for w, (_, k) in quant:
+                    quant_linear(x[k], w, qtype, None)
+                times["quant"].append(time.perf_counter() - start)
+                start = time.perf_counter()
+                for w, (n, k) in dense:
+                    linear(x[k], w, None, n)
+                times["float32"].append(time.perf_counter() - start)
             q, f = (statistics.median(times[label][2:]) for label in ("quant", "float32"))
             print(f"{name:6} {rows:5d} {q * 1e3:9.2f} {nbytes / q / 1e9:6.1f} {f * 1e3:11.2f} "
                   f"{f / q:16.2f}", flush=True)

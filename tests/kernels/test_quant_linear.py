@@ -164,8 +164,8 @@ def test_avx2_computes_the_same_bits(tmp_path) -> None:
 
 @pytest.mark.parametrize("name", FORMATS)
 def test_interleaved_rows_hold_the_same_bytes(name: str) -> None:
-    """interleave_rows moves bytes: its inverse gives them back, they decode (ours, the C++ op's,
-    the pure-torch fallback's) to the same weights; rows not a multiple of 8 are refused."""
+    """interleave_rows moves bytes: its inverse gives them back, they decode (ours, the C++ op's)
+    to the same weights; rows not a multiple of 8 are refused."""
     rng = np.random.default_rng(3)
     blocks = quant.QUANTIZERS[name](random_weight(rng, 24, 96))
     qtype = quant.QTYPE_OF[name]
@@ -178,12 +178,28 @@ def test_interleaved_rows_hold_the_same_bytes(name: str) -> None:
     np.testing.assert_array_equal(quant.dequantize(grouped, qtype, 96), expected)
     ours = torch.ops.pagedjax.dequantize(torch.from_numpy(grouped), qtype, 96).numpy()
     np.testing.assert_array_equal(ours, expected)
-    pure = reference.dequantize(torch.from_numpy(grouped), qtype, 96).numpy()
-    np.testing.assert_array_equal(pure, expected)
     # group 0, block 0: the 8 rows' scales first, then quad 0 of each row
     np.testing.assert_array_equal(grouped[0, :16].reshape(8, 2), blocks[:8, :2])
     with pytest.raises(ValueError, match="groups of 8"):
         quant.interleave_rows(blocks[:20], qtype)
+
+
+def test_the_pure_torch_fallback_reads_gguf_rows(monkeypatch) -> None:
+    """Where the C++ ops are not built (ops_backend() == "reference"), the torch backend's
+    Linear puts interleaved blocks back in rows, the layout the pure-torch fallback decodes."""
+    from pagedjax.backends.torch import linear as torch_linear
+
+    rng = np.random.default_rng(5)
+    blocks = quant.QUANTIZERS["Q4_1"](random_weight(rng, 24, 96))
+    grouped = quant.interleave_rows(blocks, quant.Q4_1)
+    for backend, kept in (("cpu", grouped), ("reference", blocks)):
+        monkeypatch.setattr(torch_linear, "ops_backend", lambda backend=backend: backend)
+        with torch.device("meta"):
+            module = torch_linear.Linear(96, 24)
+        module.keep_blocks(quant.Q4_1, grouped)
+        np.testing.assert_array_equal(module.weight.numpy(), kept)
+    np.testing.assert_array_equal(reference.dequantize(module.weight, quant.Q4_1, 96).numpy(),
+                                  quant.dequantize(blocks, quant.Q4_1, 96))
 
 
 @pytest.mark.parametrize("name", FORMATS)

@@ -1,6 +1,7 @@
 """Weights kept quantized, in GGML's blocks of 32 along the input dimension (a GGUF file's own
 bytes), in NumPy: the formats, quantizing a float weight into them and dequantizing back. The
-CPU kernels read the blocks as they are (kernels_cuda/csrc/cpu/kernels/quant_linear_kernel.h).
+CPU kernels read the blocks as they are, row after row or interleaved (below;
+kernels_cuda/csrc/cpu/kernels/quant_linear_kernel.h).
 
 A weight [N, K] (HF's [out, in]) becomes uint8 [N, K / 32 * block_bytes]: row n's blocks in
 order along K, each

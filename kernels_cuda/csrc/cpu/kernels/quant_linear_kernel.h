@@ -326,7 +326,7 @@ void dot(const Blocks& w, int64_t n, const QuantizedRow* xs, float* y) {
 
 // ---- The linear ------------------------------------------------------------------------------
 
-constexpr int kRowGroup = 4;  // rows of x per pass over a weight row (a row read once per group)
+constexpr int kRowGroup = 4;  // rows of x per pass over weight rows (read once per group)
 
 // x's M quantized rows (quant_linear's buffers).
 struct XRows {
@@ -368,8 +368,8 @@ void dot_all_rows(const Blocks& w, int64_t n, const XRows& rows, int64_t M, cons
 // split across threads), then the weight rows (or groups of 8) are split across threads; each
 // runs every group of kRowGroup rows of x against its weight rows (whose bytes stay in L1
 // meanwhile). The integer dots at every M: measured against the float32 linear over the
-// weights dequantized once a call, they cost less a row from 1 to 128 rows, with VNNI and with
-// AVX2 alone (RESULTS.md).
+// weights dequantized once a call, they cost less a row from 1 to 512 rows, with VNNI and with
+// AVX2 alone (RESULTS.md, benchmarks/probes/quant_linear_rows.py).
 template <typename Parallel>
 void quant_linear(const Parallel& par, const float* x, int64_t ldx, int64_t M, int64_t qtype,
                   const uint8_t* blocks, bool interleaved, int64_t N, int64_t K,

@@ -308,11 +308,14 @@ struct CpuAttention {
   }
 
   // Item boundaries [parts + 1] over the (query row, KV head) items, row-major: contiguous
-  // ranges of about equal cost (visible keys, plus a fixed cost per item), so that threads finish
-  // together and the rows of one sequence's beams, which share blocks, stay on one core.
+  // ranges of about equal cost (each item its row's visible keys plus a fixed cost), so that
+  // threads finish together: a boundary may fall between two KV heads of a row (which read
+  // different K/V), so that one decoding row's heads spread over the threads too. A sequence's
+  // rows, which read the same blocks, stay together but at the boundaries.
   std::vector<int64_t> split_items(int64_t parts) const {
-    const int64_t num_items = shape.num_tokens * shape.num_kv_heads;
-    std::vector<int64_t> cost(shape.num_tokens + 1, 0);  // prefix sums over rows
+    const int64_t H = shape.num_kv_heads;
+    const int64_t num_items = shape.num_tokens * H;
+    std::vector<int64_t> cost(shape.num_tokens + 1, 0);  // prefix sums over rows, one head each
     for (int64_t t = 0; t < shape.num_tokens; ++t) {
       const int64_t seq = sequence_of_row(t);
       const auto [lo, hi] = seq < 0 ? std::pair<int64_t, int64_t>{0, 0} : visible_keys(t, seq);
@@ -320,10 +323,12 @@ struct CpuAttention {
     }
     std::vector<int64_t> bounds(parts + 1, num_items);
     bounds[0] = 0;
-    for (int64_t p = 1, t = 0; p < parts; ++p) {  // first row whose prefix cost reaches p/parts
-      const int64_t target = cost[shape.num_tokens] * p / parts;
-      while (t < shape.num_tokens && cost[t + 1] <= target) ++t;
-      bounds[p] = std::max(bounds[p - 1], t * shape.num_kv_heads);
+    for (int64_t p = 1, t = 0; p < parts; ++p) {  // items whose prefix cost is within p/parts
+      const int64_t target = cost[shape.num_tokens] * H * p / parts;
+      while (t < shape.num_tokens && cost[t + 1] * H <= target) ++t;
+      const int64_t heads =  // row t's first heads that still fit
+          t < shape.num_tokens ? (target - cost[t] * H) / (cost[t + 1] - cost[t]) : 0;
+      bounds[p] = std::clamp(t * H + heads, bounds[p - 1], num_items);
     }
     return bounds;
   }

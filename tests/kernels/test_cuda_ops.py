@@ -168,6 +168,38 @@ def test_only_padding_rows():
     assert torch.equal(out, torch.zeros_like(out))
 
 
+@pytest.mark.parametrize("num_kv_heads", [1, 3, 8])
+def test_one_decoding_row_gives_the_same_bits_on_any_number_of_threads(num_kv_heads):
+    """A lone decoding row's KV heads are split over the CPU's threads (SmolLM2's 3 over 2):
+    every thread count, and the same row in a batch, give its bits."""
+    case = make_ragged_case(np.random.default_rng(4), [1], [_MAX_LEN],
+                            num_q_heads=3 * num_kv_heads, num_kv_heads=num_kv_heads,
+                            head_dim=64, block_size=16)  # fmt: skip
+    args = _torch_args(case, torch.float32, _CPU)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append(ops.ragged_paged_attention(**args, sm_scale=0.125).numpy())
+    finally:
+        torch.set_num_threads(threads)
+    for out in outs[1:]:
+        np.testing.assert_array_equal(out, outs[0])
+    want = naive_ragged_paged_attention(**_host_copy(args), sm_scale=0.125)
+    assert per_row_relative_error(outs[0].astype(np.float64), want) <= _BOUNDS[torch.float32]
+    batch = make_ragged_case(np.random.default_rng(5), [1, 1, 1], [9, _MAX_LEN, 30],
+                             num_q_heads=3 * num_kv_heads, num_kv_heads=num_kv_heads,
+                             head_dim=64, block_size=16)  # fmt: skip
+    block = case["block_tables"][0, : -(-_MAX_LEN // 16)]  # the lone row's blocks and query
+    for name in ("k_cache", "v_cache"):
+        batch[name][batch["block_tables"][1, : len(block)]] = case[name][block]
+    batch["q"][1] = case["q"][0]
+    in_batch = ops.ragged_paged_attention(**_torch_args(batch, torch.float32, _CPU),
+                                          sm_scale=0.125).numpy()
+    np.testing.assert_array_equal(in_batch[1], outs[0][0])
+
+
 @pytest.mark.parametrize("options", [{}, {"sliding_window": 7}, {"soft_cap": 3.0}])
 def test_parity_with_jnp_reference(options):
     """The torch op and the jnp reference (the JAX backend's semantics) on the same inputs."""

@@ -138,10 +138,12 @@ def test_the_op_is_its_integer_math_exactly(name: str, rows: int, k: int) -> Non
         np.testing.assert_array_equal(alone[0], got[-1])
 
 
-def test_avx2_computes_the_same_bits(tmp_path) -> None:
+@pytest.mark.parametrize("switch", ["PAGEDJAX_NO_AVX512", "PAGEDJAX_NO_AVX2"])
+def test_avx2_and_the_portable_path_compute_the_same_bits(tmp_path, switch: str) -> None:
     """Where the CPU has AVX-512 VNNI the integer dots are dpbusd's; PAGEDJAX_NO_AVX512=1 (a
-    fresh process) takes AVX2's maddubs + madd: the same integers, so the same bits, in both
-    layouts and every format."""
+    fresh process) takes AVX2's maddubs + madd, PAGEDJAX_NO_AVX2=1 the portable C++ a CPU
+    without AVX2 runs: the same integers and float additions, so the same bits, in both layouts
+    and every format."""
     rng = np.random.default_rng(7)
     cases = []
     for name in FORMATS:
@@ -155,11 +157,11 @@ def test_avx2_computes_the_same_bits(tmp_path) -> None:
               "from pagedjax.kernels_cuda import quant_linear\n"
               "x, cases = torch.load(sys.argv[1])\n"
               "torch.save([quant_linear(x, b, q, None) for b, q in cases], sys.argv[2])\n")
-    env = {**os.environ, "PAGEDJAX_NO_AVX512": "1"}
+    env = {**os.environ, switch: "1"}
     subprocess.run([sys.executable, "-c", script, str(tmp_path / "cases.pt"),
-                    str(tmp_path / "avx2.pt")], env=env, check=True)
-    for (blocks, qtype), avx2 in zip(cases, torch.load(tmp_path / "avx2.pt"), strict=True):
-        assert torch.equal(quant_linear(x, blocks, qtype, None), avx2)
+                    str(tmp_path / "other.pt")], env=env, check=True)
+    for (blocks, qtype), other in zip(cases, torch.load(tmp_path / "other.pt"), strict=True):
+        assert torch.equal(quant_linear(x, blocks, qtype, None), other)
 
 
 @pytest.mark.parametrize("name", FORMATS)

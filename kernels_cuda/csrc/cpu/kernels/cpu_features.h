@@ -7,9 +7,17 @@
 
 namespace pagedjax {
 
+// PAGEDJAX_NO_AVX2=1 in the environment (read once) keeps every kernel on its portable path, as
+// on a CPU without AVX2 (or not x86), to test that path on any machine.
+inline bool cpu_simd_allowed() {
+  static const bool allowed = !std::getenv("PAGEDJAX_NO_AVX2");
+  return allowed;
+}
+
 inline bool cpu_has_avx2_fma() {
 #if defined(__x86_64__)
-  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  static const bool has = cpu_simd_allowed() && __builtin_cpu_supports("avx2") &&
+                          __builtin_cpu_supports("fma");
   return has;
 #else
   return false;
@@ -19,7 +27,8 @@ inline bool cpu_has_avx2_fma() {
 // AVX2 with F16C (every AVX2 CPU has it): the quantized kernels' fp16 scales.
 inline bool cpu_has_avx2_f16c() {
 #if defined(__x86_64__)
-  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  static const bool has = cpu_simd_allowed() && __builtin_cpu_supports("avx2") &&
+                          __builtin_cpu_supports("f16c");
   return has;
 #else
   return false;
@@ -29,7 +38,8 @@ inline bool cpu_has_avx2_f16c() {
 // PAGEDJAX_NO_AVX512=1 in the environment (read once) keeps the AVX2 paths, to compare them.
 inline bool cpu_has_avx512f() {
 #if defined(__x86_64__)
-  static const bool has = __builtin_cpu_supports("avx512f") && !std::getenv("PAGEDJAX_NO_AVX512");
+  static const bool has = cpu_simd_allowed() && __builtin_cpu_supports("avx512f") &&
+                          !std::getenv("PAGEDJAX_NO_AVX512");
   return has;
 #else
   return false;

@@ -9,7 +9,12 @@ from __future__ import annotations
 
 import torch
 
-from pagedjax.backends.torch.sampler import filter_logits, process_logits, uniform
+from pagedjax.backends.torch.sampler import (
+    filter_logits,
+    gumbel_argmax,
+    process_logits,
+    uniform_at,
+)
 
 PLACEHOLDER_TOKEN_ID = -1  # pads output_token_ids after the recovered / bonus token
 _MASK32 = 0xFFFFFFFF  # rng counters are uint32 values held in int64
@@ -124,7 +129,8 @@ def _accept_random(target_probs: torch.Tensor, draft_token_ids: torch.Tensor,
     positions = torch.arange(num_drafts, device=target_probs.device)
     steps = (sampling["rng_step"].long()[:, None] + positions) & _MASK32  # [L, K]
     seeds = sampling["rng_seed"].long()[:, None].expand(steps.shape)
-    u = uniform(seeds.reshape(-1), steps.reshape(-1), vocab + 1)[:, vocab]  # [L * K]
+    column = torch.full((1,), vocab, dtype=torch.int64, device=steps.device)
+    u = uniform_at(seeds.reshape(-1), steps.reshape(-1), column)[:, 0]  # [L * K]
     index = draft_token_ids.long().clamp(0, vocab - 1)[..., None]  # padding drafts gather safely
     p = torch.gather(target_probs[:, :num_drafts], 2, index)[..., 0]  # [L, K]
     q = 1.0 if draft_probs is None else torch.gather(draft_probs, 2, index)[..., 0]  # [L, K]
@@ -157,8 +163,7 @@ def _recover_or_bonus(target_probs: torch.Tensor, draft_token_ids: torch.Tensor,
     residual = torch.clamp(p - q, min=0.0)  # [L, V]
     residual = torch.where((residual > 0).any(dim=-1, keepdim=True), residual, p)
     step = (sampling["rng_step"].long() + num_accepted) & _MASK32
-    u = uniform(sampling["rng_seed"].long(), step, vocab + 1)[:, :vocab]
-    return torch.argmax(torch.log(residual) - torch.log(-torch.log(u)), dim=-1)
+    return gumbel_argmax(torch.log(residual), sampling["rng_seed"].long(), step).long()
 
 
 def _assemble(draft_token_ids: torch.Tensor, next_token: torch.Tensor,

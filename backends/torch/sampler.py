@@ -32,10 +32,25 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 
 def uniform(seed: torch.Tensor, step: torch.Tensor, num: int) -> torch.Tensor:
     """[L] seeds and steps (uint32 values, int64 tensors) → [L, num] float32 in (0, 1)."""
+    return uniform_at(seed, step, torch.arange(num, dtype=torch.int64, device=seed.device))
+
+
+def uniform_at(seed: torch.Tensor, step: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """uniform(seed, step, num)[:, index] without the other columns: index [N] → [L, N]."""
     key = _mix32(seed[:, None] ^ _mix32((step[:, None] * prng.GOLDEN) & _MASK32))
-    stream = (torch.arange(num, dtype=torch.int64, device=seed.device) * prng.STREAM) & _MASK32
-    bits = _mix32((key + stream[None, :]) & _MASK32)  # [L, num]
+    stream = (index * prng.STREAM) & _MASK32
+    bits = _mix32((key + stream[None, :]) & _MASK32)  # [L, N]
     return bits_to_uniform(bits)
+
+
+def gumbel_argmax(x: torch.Tensor, seed: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """argmax(x - log(-log(uniform(seed, step, V)))) → [L] int32: a categorical sample from
+    softmax(x [L, V]). On CPU in float32 the C++ op (one pass a row; these torch ops write and
+    read [L, V] int64 arrays ~15 times, a millisecond a row of a 49k vocabulary)."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and ops_backend() != "reference":
+        return torch.ops.pagedjax.gumbel_argmax(x.contiguous(), seed, step)
+    u = uniform(seed, step, x.shape[-1])
+    return torch.argmax(x - torch.log(-torch.log(u)), dim=-1).to(torch.int32)
 
 
 def bits_to_uniform(bits: torch.Tensor) -> torch.Tensor:
@@ -164,8 +179,7 @@ def sample(logits: torch.Tensor, sampling: dict[str, torch.Tensor], flags: StepF
         scaled = logits / torch.where(temperature > 0, temperature, 1.0)[:, None]
         if use_filters:
             scaled = filter_logits(scaled, sampling["top_k"], sampling["top_p"], sampling["min_p"])
-        u = uniform(sampling["rng_seed"], sampling["rng_step"], logits.shape[-1])
-        sampled = torch.argmax(scaled - torch.log(-torch.log(u)), dim=-1).to(torch.int32)
+        sampled = gumbel_argmax(scaled, sampling["rng_seed"], sampling["rng_step"])
         tokens = torch.where(temperature > 0, sampled, tokens)
     return (tokens, *gather_logprobs(raw, lse, tokens, num_top_logprobs))
 

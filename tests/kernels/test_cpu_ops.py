@@ -1,5 +1,7 @@
 """The C++ CPU ops of the decode step besides attention: `pagedjax::linear` over packed weights
-(against a float64 NumPy matmul) and `pagedjax::rotary_embedding_` (against HF's rotate_half)."""
+(against a float64 NumPy matmul), `pagedjax::rotary_embedding_` (against HF's rotate_half), the
+norms and activation, and the samplers' passes over the logits (argmax and log-sum-exp, the
+grammar's token mask, the Gumbel-max draw)."""
 
 from __future__ import annotations
 
@@ -282,3 +284,43 @@ def test_apply_token_bitmask_masks_and_finds_the_argmax_in_one_pass(case: int) -
 def test_apply_token_bitmask_rejects_bad_arguments(logits, bitmask, message) -> None:
     with pytest.raises(RuntimeError, match=message):
         torch.ops.pagedjax.apply_token_bitmask(logits, bitmask)
+
+
+@pytest.mark.parametrize(("rows", "vocab"), [(1, 49152), (40, 1003), (3, 13), (2, 5)])
+def test_gumbel_argmax_draws_the_rngs_categorical_sample(rows: int, vocab: int) -> None:
+    """The samplers' Gumbel-max draw: argmax(x - log(-log(u))) with pagedjax.rng's uniforms,
+    against float64 math on the NumPy reference's uniforms (filtered -inf entries, a vocabulary
+    not a multiple of 8, seeds and steps over the whole uint32 range): the same tokens but where
+    the two best candidates lie within float32 rounding; and against the torch ops it replaces."""
+    from pagedjax import rng as prng
+    from pagedjax.backends.torch.sampler import gumbel_argmax, uniform
+
+    gen = np.random.default_rng(rows)
+    x = (gen.standard_normal((rows, vocab)) * 4).astype(np.float32)
+    x[:, 1::5] = -np.inf
+    seeds = gen.integers(0, 2**32, rows, dtype=np.int64)
+    steps = gen.integers(0, 2**32, rows, dtype=np.int64)
+    got = torch.ops.pagedjax.gumbel_argmax(torch.from_numpy(x), torch.from_numpy(seeds),
+                                           torch.from_numpy(steps)).numpy()
+    u = prng.uniform(seeds.astype(np.uint32), steps.astype(np.uint32), vocab).astype(np.float64)
+    values = x.astype(np.float64) - np.log(-np.log(u))  # [rows, vocab]
+    want = values.argmax(-1)
+    assert got.dtype == np.int32
+    rows_at = np.arange(rows)
+    assert np.all((got == want) | (values[rows_at, want] - values[rows_at, got] < 1e-5))
+    assert np.isfinite(x[rows_at, got]).all()
+    x_t, seeds_t, steps_t = (torch.from_numpy(a) for a in (x, seeds, steps))
+    ops_way = torch.argmax(x_t - torch.log(-torch.log(uniform(seeds_t, steps_t, vocab))), dim=-1)
+    assert np.mean(got == ops_way.numpy()) >= 0.95
+    np.testing.assert_array_equal(gumbel_argmax(x_t, seeds_t, steps_t).numpy(), got)
+
+
+def test_gumbel_argmax_takes_a_rows_first_nan_and_rejects_bad_arguments() -> None:
+    x = torch.zeros(2, 30)
+    x[1, 17], x[1, 25] = float("nan"), float("nan")
+    tokens = torch.ops.pagedjax.gumbel_argmax(x, torch.tensor([1, 2]), torch.tensor([3, 4]))
+    assert tokens[1] == 17
+    with pytest.raises(RuntimeError, match="contiguous float32"):
+        torch.ops.pagedjax.gumbel_argmax(x.double(), torch.tensor([1, 2]), torch.tensor([3, 4]))
+    with pytest.raises(RuntimeError, match=r"seeds and steps must be \[2\]"):
+        torch.ops.pagedjax.gumbel_argmax(x, torch.tensor([1]), torch.tensor([3, 4]))

@@ -324,3 +324,25 @@ def test_gumbel_argmax_takes_a_rows_first_nan_and_rejects_bad_arguments() -> Non
         torch.ops.pagedjax.gumbel_argmax(x.double(), torch.tensor([1, 2]), torch.tensor([3, 4]))
     with pytest.raises(RuntimeError, match=r"seeds and steps must be \[2\]"):
         torch.ops.pagedjax.gumbel_argmax(x, torch.tensor([1]), torch.tensor([3, 4]))
+
+
+@pytest.mark.parametrize("vocab", [4099, 49152])
+def test_filter_logits_keeps_what_the_sorted_definition_keeps(vocab: int) -> None:
+    """The C++ top-k / top-p / min-p filter against the samplers' sort-based definition, over
+    knob mixes that take each of its paths: a top_k under V / 8 (a one-pass heap), a larger one
+    (nth_element), none; top_p from 0 (padding rows) to 1; min_p; ties among the logits."""
+    from pagedjax.backends.torch.sampler import filter_logits, filter_logits_sorted
+
+    knobs = [(1, 1.0, 0.0), (5, 0.9, 0.0), (50, 0.9, 0.0), (50, 1.0, 0.05), (600, 0.95, 0.0),
+             (vocab // 4, 0.8, 0.0), (0, 0.9, 0.0), (0, 0.3, 0.1), (0, 1.0, 0.5), (0, 0.0, 0.0),
+             (vocab + 7, 0.99, 0.0), (20, 0.0, 0.0)]
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(len(knobs), vocab, generator=gen) * 2.5
+    logits[1::2] = torch.round(logits[1::2] * 4) / 4  # many ties
+    top_k = torch.tensor([k for k, _, _ in knobs])
+    top_p = torch.tensor([p for _, p, _ in knobs])
+    min_p = torch.tensor([m for _, _, m in knobs])
+    want = filter_logits_sorted(logits, top_k, top_p, min_p)
+    got = filter_logits(logits, top_k, top_p, min_p)
+    assert torch.equal(torch.isfinite(got), torch.isfinite(want))
+    assert torch.equal(got[torch.isfinite(got)], logits[torch.isfinite(want)])

@@ -64,30 +64,56 @@ inline float top_p_cutoff(Entry* entries, int64_t n, double total, double top_p)
   }
 }
 
-// The threshold of one row (see above); scratch is reused across rows.
+// The k largest of row[0, V) as a min-heap in heap[0, k) (heap[0] the k-th largest), for a k
+// much smaller than V: one pass that compares each entry with the heap's minimum (few enter: about
+// k ln(V / k) over a row in random order), where nth_element moves every entry several times.
+inline void k_largest(const float* row, int64_t V, int64_t k, std::vector<float>& heap) {
+  heap.assign(row, row + k);
+  std::make_heap(heap.begin(), heap.end(), std::greater<float>());
+  for (int64_t i = k; i < V; ++i) {
+    if (row[i] > heap.front()) {
+      std::pop_heap(heap.begin(), heap.end(), std::greater<float>());
+      heap.back() = row[i];
+      std::push_heap(heap.begin(), heap.end(), std::greater<float>());
+    }
+  }
+}
+
+constexpr int64_t kHeapTopK = 1024;  // a top_k up to this, and under V / 8, takes k_largest
+
+// The threshold of one row (see above); scratch and heap are reused across rows.
 inline float threshold(const float* row, int64_t V, int64_t top_k, float top_p, float min_p,
-                       std::vector<Entry>& scratch) {
-  const float top = *std::max_element(row, row + V);
-  float result = -std::numeric_limits<float>::infinity();
+                       std::vector<Entry>& scratch, std::vector<float>& heap) {
   const int64_t k = (top_k > 0 && top_k < V) ? top_k : V;
-  if (k < V || top_p < 1.0f) {
-    scratch.resize(V);
-    for (int64_t i = 0; i < V; ++i) scratch[i] = {row[i], 0.0f};
-    auto larger = [](const Entry& a, const Entry& b) { return a.logit > b.logit; };
-    if (k < V) {  // the k largest first, in any order: the softmax's support
-      std::nth_element(scratch.begin(), scratch.begin() + (k - 1), scratch.end(), larger);
-      result = scratch[k - 1].logit;  // the k-th largest
-    }
-    if (top_p <= 0.0f) {  // n = 1 (padding rows carry 0): the quickselect would not end
-      result = top;
-    } else if (top_p < 1.0f) {
-      double total = 0.0;
-      for (int64_t i = 0; i < k; ++i) {
-        scratch[i].weight = std::exp(scratch[i].logit - top);
-        total += scratch[i].weight;
+  float result = -std::numeric_limits<float>::infinity();
+  float top;
+  if (k <= kHeapTopK && k * 8 < V) {
+    k_largest(row, V, k, heap);  // the softmax's support: the same values as sorted[0:k]
+    top = *std::max_element(heap.begin(), heap.end());
+    result = heap.front();
+    scratch.resize(k);
+    for (int64_t i = 0; i < k; ++i) scratch[i] = {heap[i], 0.0f};
+  } else {
+    top = *std::max_element(row, row + V);
+    if (k < V || top_p < 1.0f) {
+      scratch.resize(V);
+      for (int64_t i = 0; i < V; ++i) scratch[i] = {row[i], 0.0f};
+      auto larger = [](const Entry& a, const Entry& b) { return a.logit > b.logit; };
+      if (k < V) {  // the k largest first, in any order: the softmax's support
+        std::nth_element(scratch.begin(), scratch.begin() + (k - 1), scratch.end(), larger);
+        result = scratch[k - 1].logit;  // the k-th largest
       }
-      result = top_p_cutoff(scratch.data(), k, total, top_p);
     }
+  }
+  if (top_p <= 0.0f) {  // n = 1 (padding rows carry 0): the quickselect would not end
+    result = top;
+  } else if (top_p < 1.0f) {
+    double total = 0.0;
+    for (int64_t i = 0; i < k; ++i) {
+      scratch[i].weight = std::exp(scratch[i].logit - top);
+      total += scratch[i].weight;
+    }
+    result = top_p_cutoff(scratch.data(), k, total, top_p);
   }
   if (min_p > 0.0f) result = std::max(result, top + std::log(min_p));
   return result;
@@ -97,11 +123,12 @@ inline float threshold(const float* row, int64_t V, int64_t top_k, float top_p, 
 inline void filter_rows(const float* x, int64_t V, const int32_t* top_k, const float* top_p,
                         const float* min_p, float* out, int64_t begin, int64_t end) {
   std::vector<Entry> scratch;
+  std::vector<float> heap;
   const float minus_inf = -std::numeric_limits<float>::infinity();
   for (int64_t r = begin; r < end; ++r) {
     const float* row = x + r * V;
     float* dst = out + r * V;
-    const float bound = threshold(row, V, top_k[r], top_p[r], min_p[r], scratch);
+    const float bound = threshold(row, V, top_k[r], top_p[r], min_p[r], scratch, heap);
     for (int64_t i = 0; i < V; ++i) dst[i] = row[i] >= bound ? row[i] : minus_inf;
   }
 }

@@ -330,7 +330,8 @@ def test_gumbel_argmax_takes_a_rows_first_nan_and_rejects_bad_arguments() -> Non
 def test_filter_logits_keeps_what_the_sorted_definition_keeps(vocab: int) -> None:
     """The C++ top-k / top-p / min-p filter against the samplers' sort-based definition, over
     knob mixes that take each of its paths: a top_k under V / 8 (a one-pass heap), a larger one
-    (nth_element), none; top_p from 0 (padding rows) to 1; min_p; ties among the logits."""
+    (nth_element), none; top_p from 0 (padding rows) to 1, over rows whose mass lies near their
+    largest logit (read alone) or not; min_p; ties among the logits."""
     from pagedjax.backends.torch.sampler import filter_logits, filter_logits_sorted
 
     knobs = [(1, 1.0, 0.0), (5, 0.9, 0.0), (50, 0.9, 0.0), (50, 1.0, 0.05), (600, 0.95, 0.0),
@@ -338,6 +339,7 @@ def test_filter_logits_keeps_what_the_sorted_definition_keeps(vocab: int) -> Non
              (vocab + 7, 0.99, 0.0), (20, 0.0, 0.0)]
     gen = torch.Generator().manual_seed(vocab)
     logits = torch.randn(len(knobs), vocab, generator=gen) * 2.5
+    logits[[6, 7, 10]] *= 4  # spread rows: top-p reads only the logits near the largest
     logits[1::2] = torch.round(logits[1::2] * 4) / 4  # many ties
     top_k = torch.tensor([k for k, _, _ in knobs])
     top_p = torch.tensor([p for _, p, _ in knobs])

@@ -32,6 +32,8 @@
 
 namespace pagedjax::cpu_filter {
 
+constexpr float kNearTop = 16.0f;  // logits this far under the largest weigh < 1.2e-7 of it
+
 // An entry of a row: its logit and its unnormalized probability exp(logit - max), computed once.
 struct Entry {
   float logit;
@@ -68,18 +70,22 @@ inline float top_p_cutoff(Entry* entries, int64_t n, double total, double top_p)
 }
 
 #if defined(__x86_64__)
-// set_weights' first n - n % 8 entries (*done set to their count) → their weights' sum.
+// set_weights' first n - n % 8 entries (*done set to their count, *near to how many of them lie
+// within kNearTop of top) → their weights' sum.
 __attribute__((target("avx2,fma"))) inline double set_weights_avx2(Entry* entries, int64_t n,
-                                                                  float top, int64_t* done) {
+                                                                  float top, int64_t* done,
+                                                                  int64_t* near) {
   static_assert(sizeof(Entry) == 2 * sizeof(float), "Entry is a (logit, weight) pair of floats");
   float* pairs = reinterpret_cast<float*>(entries);
-  const __m256 shift = _mm256_set1_ps(top);
+  const __m256 shift = _mm256_set1_ps(top), bound = _mm256_set1_ps(top - kNearTop);
+  int64_t count = 0;
   __m256d sum_low = _mm256_setzero_pd(), sum_high = _mm256_setzero_pd();
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     const __m256 a = _mm256_loadu_ps(pairs + 2 * i), b = _mm256_loadu_ps(pairs + 2 * i + 8);
     const __m256 logits = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0));
     const __m256 weights = exp8(_mm256_sub_ps(logits, shift));
+    count += __builtin_popcount(_mm256_movemask_ps(_mm256_cmp_ps(logits, bound, _CMP_GE_OQ)));
     _mm256_storeu_ps(pairs + 2 * i, _mm256_unpacklo_ps(logits, weights));
     _mm256_storeu_ps(pairs + 2 * i + 8, _mm256_unpackhi_ps(logits, weights));
     sum_low = _mm256_add_pd(sum_low, _mm256_cvtps_pd(_mm256_castps256_ps128(weights)));
@@ -88,6 +94,7 @@ __attribute__((target("avx2,fma"))) inline double set_weights_avx2(Entry* entrie
   double lanes[4];
   _mm256_storeu_pd(lanes, _mm256_add_pd(sum_low, sum_high));
   *done = i;
+  *near = count;
   return (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
 }
 #endif
@@ -107,18 +114,36 @@ inline void k_largest(const float* row, int64_t V, int64_t k, std::vector<float>
   }
 }
 
-// entries[i].weight = exp(entries[i].logit - top) for i < n → their sum, in double. AVX2: 8
-// entries a step (simd_math.h's exp8, ~1 ulp of std::exp), their logits taken out of the pairs
-// and the weights put back by one shuffle each way.
-inline double set_weights(Entry* entries, int64_t n, float top) {
+// How many entries top_p_cutoff needs to read: where the near ones (within kNearTop of the
+// largest logit, counted by set_weights) are a small part of n, they are moved first, and if they
+// hold top_p of the mass (every other entry then has at least that much mass above it, so the
+// boundary is among them) only they are read. A peaked row's few candidates then take the
+// quickselect's passes instead of the whole vocabulary.
+inline int64_t near_top(Entry* entries, int64_t n, float top, double total, double top_p,
+                        int64_t near) {
+  if (near * 4 > n) return n;
+  const float bound = top - kNearTop;
+  Entry* end =
+      std::partition(entries, entries + n, [&](const Entry& e) { return e.logit >= bound; });
+  double mass = 0.0;
+  for (const Entry* e = entries; e < end; ++e) mass += e->weight;
+  return mass / total >= top_p ? end - entries : n;
+}
+
+// entries[i].weight = exp(entries[i].logit - top) for i < n → their sum, in double, and how many
+// lie within kNearTop of top. AVX2: 8 entries a step (simd_math.h's exp8, ~1 ulp of std::exp),
+// their logits taken out of the pairs and the weights put back by one shuffle each way.
+inline double set_weights(Entry* entries, int64_t n, float top, int64_t* near) {
   int64_t i = 0;
   double total = 0.0;
+  *near = 0;
 #if defined(__x86_64__)
-  if (cpu_has_avx2_fma()) total = set_weights_avx2(entries, n, top, &i);
+  if (cpu_has_avx2_fma()) total = set_weights_avx2(entries, n, top, &i, near);
 #endif
   for (; i < n; ++i) {
     entries[i].weight = std::exp(entries[i].logit - top);
     total += entries[i].weight;
+    *near += entries[i].logit >= top - kNearTop;
   }
   return total;
 }
@@ -152,7 +177,10 @@ inline float threshold(const float* row, int64_t V, int64_t top_k, float top_p, 
   if (top_p <= 0.0f) {  // n = 1 (padding rows carry 0): the quickselect would not end
     result = top;
   } else if (top_p < 1.0f) {
-    result = top_p_cutoff(scratch.data(), k, set_weights(scratch.data(), k, top), top_p);
+    int64_t near;
+    const double total = set_weights(scratch.data(), k, top, &near);
+    result = top_p_cutoff(scratch.data(), near_top(scratch.data(), k, top, total, top_p, near),
+                          total, top_p);
   }
   if (min_p > 0.0f) result = std::max(result, top + std::log(min_p));
   return result;

@@ -36,7 +36,9 @@ inline uint32_t mix32(uint32_t x) {
 }
 
 // A row's key: mix32(seed ^ mix32(step * GOLDEN)); token v's hash is mix32(key + v * STREAM).
-inline uint32_t row_key(uint32_t seed, uint32_t step) { return mix32(seed ^ mix32(step * kGolden)); }
+inline uint32_t row_key(uint32_t seed, uint32_t step) {
+  return mix32(seed ^ mix32(step * kGolden));
+}
 
 inline float uniform_of(uint32_t bits) {
   return (static_cast<float>(bits >> (32 - kUniformBits)) + 0.5f) *
@@ -102,7 +104,10 @@ __attribute__((target("avx2,fma"))) inline int32_t draw_row_avx2(const float* x,
   float top = -std::numeric_limits<float>::infinity();
   int64_t at = 0;
   for (int j = 0; j < 8; ++j) {
-    if (lanes[j] > top || (lanes[j] == top && lane_index[j] < at)) top = lanes[j], at = lane_index[j];
+    if (lanes[j] > top || (lanes[j] == top && lane_index[j] < at)) {
+      top = lanes[j];
+      at = lane_index[j];
+    }
   }
   for (; v < V; ++v) {
     if (std::isnan(x[v])) return static_cast<int32_t>(v);

@@ -24,7 +24,8 @@ at::Tensor gumbel_argmax_cpu(const at::Tensor& x, const at::Tensor& seeds,
               seeds.sizes(), " and ", steps.sizes());
   at::Tensor tokens = at::empty({rows}, x.options().dtype(at::kInt));
   // uint32 counters: the low 32 bits of each value (pagedjax/rng.py's)
-  const at::Tensor seed64 = seeds.to(at::kLong).contiguous(), step64 = steps.to(at::kLong).contiguous();
+  const at::Tensor seed64 = seeds.to(at::kLong).contiguous();
+  const at::Tensor step64 = steps.to(at::kLong).contiguous();
   std::vector<uint32_t> seed32(rows), step32(rows);
   for (int64_t r = 0; r < rows; ++r) {
     seed32[r] = static_cast<uint32_t>(seed64.data_ptr<int64_t>()[r]);

@@ -214,6 +214,8 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=64, help="prompt length in words")
     parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="served requests' temperature (0: greedy)")
     add_out_argument(parser)
     args = parser.parse_args()
     binaries = build_llamacpp()

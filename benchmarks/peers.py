@@ -291,7 +291,8 @@ def bench(url: str, args, num_prompts: int, concurrency: int, seed: int,
                         "--url", url, "--num-prompts", str(num_prompts), "--max-concurrency",
                         str(concurrency), "--input-len", str(args.input_len), "--output-len",
                         str(args.output_len), "--ignore-eos", "--num-warmups", "0", "--seed",
-                        str(seed), "--result-file", result.name, *extra],
+                        str(seed), "--temperature", str(getattr(args, "temperature", 0.0)),
+                        "--result-file", result.name, *extra],
                        check=True, stdout=subprocess.DEVNULL)
         return json.loads(Path(result.name).read_text())
 
@@ -398,6 +399,9 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-model-len", type=int, default=512)
     srv.add_argument("--max-num-seqs", type=int, default=64)
     srv.add_argument("--rounds", type=int, default=2)
+    srv.add_argument("--temperature", type=float, default=0.0,
+                     help="the requests' temperature (0: greedy, as before; 1: what a request "
+                          "that sets none gets)")
     return parser
 
 

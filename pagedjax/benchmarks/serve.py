@@ -62,6 +62,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--output-len", type=int, default=64, help="max_tokens per request")
     parser.add_argument("--ignore-eos", action="store_true",
                         help="generate exactly --output-len tokens")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="each request's temperature (0: greedy; served requests that set "
+                             "none sample at 1)")
     parser.add_argument("--num-warmups", type=int, default=1, help="untimed requests first")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-keep-alive", action="store_true",
@@ -79,7 +82,8 @@ def make_prompts(num_prompts: int, num_words: int, seed: int = 0) -> list[str]:
 
 
 def _payload(args: argparse.Namespace, model: str, prompt: str) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": model, "max_tokens": args.output_len, "temperature": 0.0,
+    body: dict[str, Any] = {"model": model, "max_tokens": args.output_len,
+                            "temperature": args.temperature,
                             "stream": True, "stream_options": {"include_usage": True}}
     if args.ignore_eos:
         body["ignore_eos"] = True

@@ -90,6 +90,19 @@ def test_bench_serve_reports_vllms_metrics(served, tmp_path) -> None:
     assert summary["output_throughput"] > 0
 
 
+def test_bench_serve_requests_carry_its_temperature() -> None:
+    """Greedy unless told (every served benchmark so far); --temperature 1 samples as a request
+    that sets none does."""
+    import argparse
+
+    from pagedjax.benchmarks import serve as bench_serve
+
+    parser = bench_serve.add_cli_args(argparse.ArgumentParser())
+    for argv, want in (([], 0.0), (["--temperature", "1"], 1.0)):
+        body = bench_serve._payload(parser.parse_args(argv), "tiny", "hello")
+        assert body["temperature"] == want and body["prompt"] == "hello"
+
+
 def test_startup_and_periodic_log_lines_then_a_clean_exit(served) -> None:
     url, log_path, process = served
     openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0).completions.create(

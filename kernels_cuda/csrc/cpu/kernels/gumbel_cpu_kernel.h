@@ -45,11 +45,11 @@ inline float uniform_of(uint32_t bits) {
          (1.0f / static_cast<float>(1 << kUniformBits));
 }
 
-// The draw of one row, plain C++ (the tail of the AVX2 path, and CPUs without it).
-inline int32_t draw_row_scalar(const float* x, int64_t V, uint32_t key) {
-  float best = -std::numeric_limits<float>::infinity();
-  int64_t at = 0;
-  for (int64_t v = 0; v < V; ++v) {
+// The draw over tokens [v0, V) of a row whose tokens before v0 gave (best, at), plain C++: the
+// whole row on CPUs without AVX2, the AVX2 path's last V % 8 tokens.
+inline int32_t draw_from(const float* x, int64_t V, uint32_t key, int64_t v0, float best,
+                         int64_t at) {
+  for (int64_t v = v0; v < V; ++v) {
     if (std::isnan(x[v])) return static_cast<int32_t>(v);
     const float u = uniform_of(mix32(key + static_cast<uint32_t>(v) * kStream));
     const float value = x[v] - std::log(-std::log(u));
@@ -68,7 +68,7 @@ __attribute__((target("avx2,fma"))) inline __m256i mix32_8(__m256i x) {
 }
 
 // 8 tokens a step, a running maximum and its first index per lane (lane j sees j, j + 8, ...),
-// then the lanes' maximum at its smallest index; the last V % 8 tokens in plain C++.
+// then the lanes' maximum at its smallest index; the last V % 8 tokens by draw_from.
 __attribute__((target("avx2,fma"))) inline int32_t draw_row_avx2(const float* x, int64_t V,
                                                                  uint32_t key) {
   const __m256i step = _mm256_set1_epi32(static_cast<int32_t>(8u * kStream));
@@ -96,7 +96,9 @@ __attribute__((target("avx2,fma"))) inline int32_t draw_row_avx2(const float* x,
     hash_in = _mm256_add_epi32(hash_in, step);
     index = _mm256_add_epi32(index, _mm256_set1_epi32(8));
   }
-  if (_mm256_movemask_ps(any_nan)) return draw_row_scalar(x, V, key);  // the first NaN
+  if (_mm256_movemask_ps(any_nan)) {  // the first NaN
+    return draw_from(x, V, key, 0, -std::numeric_limits<float>::infinity(), 0);
+  }
   float lanes[8];
   int32_t lane_index[8];
   _mm256_storeu_ps(lanes, best);
@@ -109,13 +111,7 @@ __attribute__((target("avx2,fma"))) inline int32_t draw_row_avx2(const float* x,
       at = lane_index[j];
     }
   }
-  for (; v < V; ++v) {
-    if (std::isnan(x[v])) return static_cast<int32_t>(v);
-    const float u = uniform_of(mix32(key + static_cast<uint32_t>(v) * kStream));
-    const float value = x[v] - std::log(-std::log(u));
-    if (value > top) top = value, at = v;
-  }
-  return static_cast<int32_t>(at);
+  return draw_from(x, V, key, v, top, at);
 }
 #endif
 
@@ -130,7 +126,7 @@ inline void draw_rows(const float* x, int64_t V, const uint32_t* seeds, const ui
       continue;
     }
 #endif
-    tokens[r] = draw_row_scalar(x + r * V, V, key);
+    tokens[r] = draw_from(x + r * V, V, key, 0, -std::numeric_limits<float>::infinity(), 0);
   }
 }
 

@@ -26,11 +26,10 @@ at::Tensor gumbel_argmax_cpu(const at::Tensor& x, const at::Tensor& seeds,
   // uint32 counters: the low 32 bits of each value (pagedjax/rng.py's)
   const at::Tensor seed64 = seeds.to(at::kLong).contiguous();
   const at::Tensor step64 = steps.to(at::kLong).contiguous();
-  std::vector<uint32_t> seed32(rows), step32(rows);
-  for (int64_t r = 0; r < rows; ++r) {
-    seed32[r] = static_cast<uint32_t>(seed64.data_ptr<int64_t>()[r]);
-    step32[r] = static_cast<uint32_t>(step64.data_ptr<int64_t>()[r]);
-  }
+  const int64_t* seed_values = seed64.data_ptr<int64_t>();
+  const int64_t* step_values = step64.data_ptr<int64_t>();
+  std::vector<uint32_t> seed32(seed_values, seed_values + rows);
+  std::vector<uint32_t> step32(step_values, step_values + rows);
   const float* data = x.data_ptr<float>();
   int32_t* out = tokens.data_ptr<int32_t>();
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {

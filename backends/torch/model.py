@@ -259,6 +259,50 @@ class DecoderLayer(nn.Module):
         return x if multiplier == 1.0 else x * multiplier
 
 
+class FusedStack:
+    """Fused decoder layers run in one `pagedjax::decoder_layers` call: each layer as its
+    `pagedjax::decoder_layer` (the same bits), without ~20 us of argument parsing per layer per
+    step. Made where every layer fused and rotates by the one rope table (not Gemma 3's local
+    layers); used while they stay fused (expert_load.py unfuses them to hook their modules)."""
+
+    def __init__(self, layers: list[DecoderLayer], weights: list[torch.Tensor | None],
+                 sizes: list[int], eps: float, sm_scale: float) -> None:
+        self.layers, self.weights, self.sizes = layers, weights, sizes
+        self.eps, self.sm_scale = eps, sm_scale
+        self.attentions = [layer.self_attn for layer in layers]
+
+    @classmethod
+    def of(cls, layers: list[DecoderLayer]) -> FusedStack | None:
+        """The op's per-layer arguments (its kLayerWeights weights and kLayerSizes sizes each),
+        or None where some layer did not fuse or the layers differ in eps or sm_scale."""
+        if not all(layer.fused and not layer.local_rope for layer in layers):
+            return None
+        weights, sizes, scalars = [], [], set()
+        for layer in layers:
+            layer_weights, layer_sizes, rest, _ = layer._op_arguments
+            num_q_heads, num_kv_heads, intermediate, eps, sm_scale, window = layer_sizes
+            q_norm, k_norm, router, top_k, renormalize = rest
+            weights += [*layer_weights, q_norm, k_norm, router]
+            sizes += [num_q_heads, num_kv_heads, intermediate, window or 0,
+                      *(layer.qtypes or (0, 0, 0, 0)), top_k, int(renormalize)]
+            scalars.add((eps, sm_scale))
+        if len(scalars) != 1:
+            return None
+        (eps, sm_scale), = scalars
+        return cls(layers, weights, sizes, eps, sm_scale)
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 kv_caches: list[KVCache], meta: AttentionMetadata
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the embedding [T, H] → the last layer's (output, residual stream); an fp8
+        cache's scales read each call (set after the layers fuse)."""
+        scales = [s for attn in self.attentions for s in (attn.k_scale, attn.v_scale)]
+        return torch.ops.pagedjax.decoder_layers(
+            x, self.weights, [k for k, _ in kv_caches], [v for _, v in kv_caches], cos, sin,
+            meta.slot_mapping, meta.kv_lens, meta.block_tables, meta.query_start_loc,
+            self.sizes, self.eps, self.sm_scale, scales)
+
+
 class LlamaForCausalLM(nn.Module):
     """Returns logits only for the rows in logits_indices (the positions that get sampled)."""
 
@@ -272,6 +316,7 @@ class LlamaForCausalLM(nn.Module):
         start, end = shard.vocab_range(config.vocab_size)
         self.lm_head = (None if config.tie_word_embeddings
                         else Linear(config.hidden_size, end - start))
+        self.stack: FusedStack | None = None  # every layer in one C++ call (fuse_layers)
 
     def forward(self, input_ids: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
@@ -286,10 +331,13 @@ class LlamaForCausalLM(nn.Module):
             positions = meta.positions + meta.rope_cos.shape[0] // 2
             local = (meta.rope_cos.index_select(0, positions),
                      meta.rope_sin.index_select(0, positions))
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, *(local if layer.local_rope else (cos, sin)),
-                                kv_cache, meta)
+        if self.stack is not None and all(layer.fused for layer in self.stack.layers):
+            x, residual = self.stack(x, cos, sin, kv_caches, meta)
+        else:
+            residual = None
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                x, residual = layer(x, residual, *(local if layer.local_rope else (cos, sin)),
+                                    kv_cache, meta)
         x, _ = self.norm(x.index_select(0, logits_indices),
                          residual.index_select(0, logits_indices))  # [L, H]
         if self.lm_head is None:  # tied: the embedding is [V, H]
@@ -352,6 +400,7 @@ class LlamaForCausalLM(nn.Module):
                 and ops_backend() != "reference"):
             for layer in self.layers:
                 layer.fuse()
+            self.stack = FusedStack.of(list(self.layers))
 
     def pack_linears(self) -> None:
         """CPU float32: every projection (and the LM head, tied or not) on the packed

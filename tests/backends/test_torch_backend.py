@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pagedjax.backends.jax.runner import JaxModelRunner
-from pagedjax.backends.torch.model import DecoderLayer
+from pagedjax.backends.torch.model import DecoderLayer, FusedStack
 from pagedjax.backends.torch.runner import GRAPH_FLAGS, TorchModelRunner
 from pagedjax.config import EngineConfig, ModelConfig
 from pagedjax.core.batch_reference import describe
@@ -200,21 +200,26 @@ def test_reference_attention_matches_ops(checkpoints: dict[str, Path], runs) -> 
 @pytest.mark.parametrize("arch", ["mistral", "qwen2", "qwen3_moe", "mixtral"])
 def test_fused_decoder_layer_is_bit_identical(checkpoints: dict[str, Path], runs, tiny_model,
                                               arch: str, monkeypatch) -> None:
-    """On the CPU in float32 each decoder layer runs as one C++ op (`pagedjax::decoder_layer`):
-    the same ops in the same order as the layer module by module (q/k norms, router, routing
-    and experts included), so the same tokens and the same logprob bits, sampled rows
-    included."""
+    """On the CPU in float32 each decoder layer runs as one C++ op (`pagedjax::decoder_layer`),
+    the model's stack of them as one call (`pagedjax::decoder_layers`): the same ops in the
+    same order as the layer module by module (q/k norms, router, routing and experts included),
+    so the same tokens and the same logprob bits, sampled rows included, whether the stack
+    runs in one call or a call a layer."""
     path = checkpoints[arch] if arch in checkpoints else Path(tiny_model(arch))
     llm = LLM(str(path), backend="torch", **BASIC)
-    assert all(layer.fused for layer in llm.engine.runner.models[0].module.layers)
+    module = llm.engine.runner.models[0].module
+    assert all(layer.fused for layer in module.layers) and module.stack is not None
     llm.shutdown()
     _, prompts, params = WORKLOADS["basic"]
-    fused = (runs(arch, "torch", "basic") if arch in checkpoints
-             else _run(path, "torch", BASIC, prompts, params))
+    stacked = (runs(arch, "torch", "basic") if arch in checkpoints
+               else _run(path, "torch", BASIC, prompts, params))
+    monkeypatch.setattr(FusedStack, "of", classmethod(lambda cls, layers: None))
+    fused = _run(path, "torch", BASIC, prompts, params)
     monkeypatch.setattr(DecoderLayer, "fuse", lambda self: None)
     unfused = _run(path, "torch", BASIC, prompts, params)
-    assert fused.token_ids == unfused.token_ids
-    assert fused.logprobs == unfused.logprobs
+    for run in (fused, unfused):
+        assert stacked.token_ids == run.token_ids
+        assert stacked.logprobs == run.logprobs
 
 
 def test_kv_pool_sizing_matches_jax(checkpoints: dict[str, Path]) -> None:

@@ -2,7 +2,8 @@
 // ../kernels/decoder_layer_kernel.h composes (Llama's, with Qwen3's per-head q/k norms and a
 // mixture of experts' MLP where given; the JAX FFI handler runs the same), which is
 // backends/torch/model.py's DecoderLayer op by op (so the same bits) without one Python call per
-// op. This file checks the tensors and hands their pointers over.
+// op; decoder_layers runs a model's stack of them in one call. This file checks the tensors and
+// hands their pointers over.
 //
 // Why: at a few rows the ops' kernels are the smaller part of a layer; most of a 1-token forward
 // was the per-op path from Python (argument parsing, boxing, the nn.Module calls and views around
@@ -205,6 +206,54 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer_cpu(
   return {out, stream};
 }
 
+constexpr int64_t kLayerWeights = 10;  // decoder_layers' weights per layer, in this order:
+// input_norm, qkv_weight, qkv_bias?, o_weight, post_norm, gate_up_weight, down_weight, q_norm?,
+// k_norm?, router_weight?
+constexpr int64_t kLayerSizes = 10;  // and its sizes per layer: num_q_heads, num_kv_heads,
+// intermediate_size, sliding_window (0: none), the four qtypes, top_k, renormalize (0 or 1)
+
+// The layers [0, L) in turn, each as decoder_layer (the same checks, the same bits), the first
+// with no residual: a model's whole stack in one call from Python (a call of decoder_layer's
+// ~35 arguments costs ~20 us before any work, 30 of them a step). k_caches, v_caches: a layer each;
+// kv_scales: each layer's (k_scale, v_scale). → the last layer's (output, residual stream).
+std::tuple<at::Tensor, at::Tensor> decoder_layers_cpu(
+    const at::Tensor& x, const c10::List<std::optional<at::Tensor>>& weights,
+    at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& cos,
+    const at::Tensor& sin, const at::Tensor& slot_mapping, const at::Tensor& kv_lens,
+    const at::Tensor& block_tables, const at::Tensor& query_start_loc, at::IntArrayRef sizes,
+    double eps, double sm_scale, at::ArrayRef<double> kv_scales) {
+  const int64_t L = static_cast<int64_t>(k_caches.size());
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == L * kLayerWeights &&
+                  static_cast<int64_t>(sizes.size()) == L * kLayerSizes &&
+                  static_cast<int64_t>(v_caches.size()) == L &&
+                  static_cast<int64_t>(kv_scales.size()) == 2 * L,
+              "pagedjax::decoder_layers: for ", L, " layers (k_caches) expected ",
+              L * kLayerWeights, " weights, ", L * kLayerSizes, " sizes, ", L, " v_caches and ",
+              2 * L, " kv_scales, got ", weights.size(), ", ", sizes.size(), ", ",
+              v_caches.size(), " and ", kv_scales.size());
+  at::Tensor out = x;
+  OptTensor residual;
+  for (int64_t l = 0; l < L; ++l) {
+    auto weight = [&](int64_t i) { return weights.get(l * kLayerWeights + i); };
+    auto required = [&](int64_t i) {
+      OptTensor t = weight(i);
+      TORCH_CHECK(t.has_value(), "pagedjax::decoder_layers: layer ", l, "'s weight ", i,
+                  " is None; only qkv_bias, q_norm, k_norm and router_weight may be");
+      return *t;
+    };
+    const int64_t* s = sizes.data() + l * kLayerSizes;
+    std::tie(out, residual) = decoder_layer_cpu(
+        out, residual, required(0), required(1), weight(2), required(3), required(4),
+        required(5), required(6), k_caches[l], v_caches[l], cos, sin, slot_mapping, kv_lens,
+        block_tables, query_start_loc, s[0], s[1], s[2], eps, sm_scale,
+        s[3] > 0 ? std::optional<int64_t>(s[3]) : std::nullopt, std::nullopt,
+        at::IntArrayRef(s + 4, 4), kv_scales[2 * l], kv_scales[2 * l + 1], weight(7),
+        weight(8), weight(9), s[8], s[9] != 0);
+  }
+  TORCH_CHECK(residual.has_value(), "pagedjax::decoder_layers: no layers (k_caches is empty)");
+  return {out, *residual};
+}
+
 }  // namespace
 }  // namespace pagedjax
 
@@ -218,6 +267,14 @@ TORCH_LIBRARY_FRAGMENT(pagedjax, m) {
       "int? sliding_window, int? max_query_len, int[]? qtypes=None, float k_scale=1.0, "
       "float v_scale=1.0, Tensor? q_norm=None, Tensor? k_norm=None, Tensor? router_weight=None, "
       "int top_k=0, bool renormalize=False) -> (Tensor, Tensor)");
+  m.def(
+      "decoder_layers(Tensor x, Tensor?[] weights, Tensor(a!)[] k_caches, "
+      "Tensor(b!)[] v_caches, Tensor cos, Tensor sin, Tensor slot_mapping, Tensor kv_lens, "
+      "Tensor block_tables, Tensor query_start_loc, int[] sizes, float eps, float sm_scale, "
+      "float[] kv_scales) -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(pagedjax, CPU, m) { m.impl("decoder_layer", &pagedjax::decoder_layer_cpu); }
+TORCH_LIBRARY_IMPL(pagedjax, CPU, m) {
+  m.impl("decoder_layer", &pagedjax::decoder_layer_cpu);
+  m.impl("decoder_layers", &pagedjax::decoder_layers_cpu);
+}

@@ -12,6 +12,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from pagedjax.model_loader.gguf_header import GGUFHeader, read_gguf_header
+
 # The tensor types gguf-py dequantizes (all of transformers' GGUF support for pagedjax's models).
 SUPPORTED_QUANT_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
                          "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
@@ -91,20 +93,19 @@ def check_gguf(path: Path) -> str:
     """Refuse (ValueError) a GGUF whose architecture or tensor types pagedjax cannot load; return
     the dtype to save it in."""
     _require_gguf_packages()
-    from gguf import GGUFReader
+    from gguf import GGMLQuantizationType
 
-    reader = GGUFReader(path)
-    field = reader.fields.get("general.architecture")
-    if field is None:
+    header = read_gguf_header(path)
+    architecture = header.metadata.get("general.architecture")
+    if architecture is None:
         raise ValueError(f"{str(path)!r} has no general.architecture: not a model GGUF file.")
-    architecture = field.contents()
     supported = supported_gguf_architectures()
     if architecture not in supported:
         raise ValueError(f"{str(path)!r} is a {architecture!r} model; pagedjax loads GGUF "
                          f"architectures {', '.join(supported)}. Load a Hugging Face checkpoint "
                          "of it instead if its architecture is in docs/models.md.")
-    _check_experts(path, reader, architecture)
-    types = {tensor.tensor_type.name for tensor in reader.tensors}
+    _check_experts(path, header, architecture)
+    types = {GGMLQuantizationType(tensor.type).name for tensor in header.tensors.values()}
     unsupported = sorted(types - set(SUPPORTED_QUANT_TYPES))
     if unsupported:
         raise ValueError(f"{str(path)!r} has tensors of type {', '.join(unsupported)}, which "
@@ -114,13 +115,13 @@ def check_gguf(path: Path) -> str:
             frozenset({"BF16"}): "bfloat16"}.get(frozenset(halves), "float32")
 
 
-def _check_experts(path: Path, reader, architecture: str) -> None:
+def _check_experts(path: Path, header: GGUFHeader, architecture: str) -> None:
     """Refuse a mixture of experts in an architecture whose transformers GGUF config has no
     experts (llama.cpp writes Mixtral as 'llama' with an expert count): it would be read as a
     dense model without MLP weights. Said here, from the metadata, before any dequantizing."""
     from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
-    num_experts = _expert_count(reader, architecture)
+    num_experts = _expert_count(header, architecture)
     model_type = _MODEL_TYPES.get(architecture, architecture)
     if num_experts and "expert_count" not in GGUF_CONFIG_MAPPING[model_type]:
         moe = [a for a in supported_gguf_architectures()
@@ -135,17 +136,13 @@ def _check_experts(path: Path, reader, architecture: str) -> None:
 def gguf_experts(path: str | os.PathLike) -> tuple[str, int]:
     """(architecture, expert count: 0 for a dense model) from a GGUF file's metadata."""
     _require_gguf_packages()
-    from gguf import GGUFReader
-
-    reader = GGUFReader(path)
-    field = reader.fields.get("general.architecture")
-    architecture = field.contents() if field is not None else ""
-    return architecture, _expert_count(reader, architecture)
+    header = read_gguf_header(path)
+    architecture = header.metadata.get("general.architecture", "")
+    return architecture, _expert_count(header, architecture)
 
 
-def _expert_count(reader, architecture: str) -> int:
-    field = reader.fields.get(f"{architecture}.expert_count")
-    return int(field.contents()) if field is not None else 0
+def _expert_count(header: GGUFHeader, architecture: str) -> int:
+    return int(header.metadata.get(f"{architecture}.expert_count", 0))
 
 
 def supported_gguf_architectures() -> list[str]:
@@ -174,13 +171,12 @@ def _write_hf_checkpoint(path: Path, out_dir: Path, dtype: str) -> None:
     save_pretrained (without the GGUF quantization_config, so the checkpoint loads as a plain
     one)."""
     import torch
-    from gguf import GGUFReader
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    fields = GGUFReader(path).fields
-    architecture = fields["general.architecture"].contents()
-    gaps = {config_field: fields[f"{architecture}.{key}"].contents()
-            for key, config_field in _CONFIG_GAPS.items() if f"{architecture}.{key}" in fields}
+    metadata = read_gguf_header(path).metadata
+    architecture = metadata["general.architecture"]
+    gaps = {config_field: metadata[f"{architecture}.{key}"]
+            for key, config_field in _CONFIG_GAPS.items() if f"{architecture}.{key}" in metadata}
     folder, name = str(path.parent), path.name
     loaded, info = AutoModelForCausalLM.from_pretrained(
         folder, gguf_file=name, dtype=torch.float32, output_loading_info=True, **gaps)
@@ -210,11 +206,8 @@ def gguf_linear_blocks(path: str | os.PathLike) -> dict[str, tuple[int, object]]
     [rows, row bytes or columns], memory-mapped), for the weights a model keeps in their
     blocks (quantization="gguf")."""
     _require_gguf_packages()
-    from gguf import GGUFReader
-
-    reader = GGUFReader(path)
-    return {tensor.name: (int(tensor.tensor_type), tensor.data) for tensor in reader.tensors
-            if len(tensor.data.shape) == 2}
+    return {tensor.name: (tensor.type, tensor.data)
+            for tensor in read_gguf_header(path).tensors.values() if tensor.data.ndim == 2}
 
 
 def reverse_permute_rows(rows, num_heads: int):

@@ -73,7 +73,11 @@ def objects() -> dict[str, Path]:
     import torch
 
     version = subprocess.run([nvcc(), "--version"], capture_output=True, text=True).stdout
-    flags = nvcc_command(Path("SOURCE"), Path("INCLUDE"), Path("OUTPUT"))[1:]
+    # torch's include paths name the venv it is installed in (a clone's own): its headers are
+    # torch.__version__'s, wherever they lie, so a fresh clone finds the objects made before
+    torch_root = str(Path(torch.__file__).resolve().parent)
+    flags = [flag.replace(torch_root, "TORCH")
+             for flag in nvcc_command(Path("SOURCE"), Path("INCLUDE"), Path("OUTPUT"))[1:]]
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
     out = {}
     for name in ops._CUDA_SOURCES:

@@ -33,8 +33,8 @@ run: install
 lint: install
 	$(PY) -m ruff check .
 
-# Two pytest-xdist workers, each taking a whole file at a time: about 10.5 min on 2 cores where
-# one process takes 13-18. PYTEST_ARGS= runs the suite in one process.
+# Two pytest-xdist workers, each taking a whole file at a time: about 8 min on 2 cores (10.5 when
+# the nvcc check compiles) where one process takes 13-18. PYTEST_ARGS= runs it in one process.
 PYTEST_ARGS ?= -n 2 --dist loadfile
 test: lint
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -1,10 +1,10 @@
 """A GGUF file's header read in one pass: its metadata and its tensor directory, each tensor's
 data a memory-mapped view (nothing copied).
 
-gguf-py's `GGUFReader` builds a NumPy view for every element of every metadata array: on
-SmolLM2-135M's file (49 k vocabulary strings, 49 k merges) that is ~2 s, paid at every engine
-start on a GGUF file. Here the header is walked with `struct` over the mapped bytes (string
-arrays decoded in a loop, number arrays as one `frombuffer`): ~0.1 s. The layout (GGUF v2/v3,
+gguf-py's `GGUFReader` builds a NumPy view for every element of every metadata array (a
+vocabulary's tens of thousands of strings and merges), paid at every engine start on a GGUF
+file (RESULTS.md, stop 64). Here the header is walked with `struct` over the mapped bytes
+(string arrays decoded in a loop, number arrays as one `frombuffer`). The layout (GGUF v2/v3,
 little-endian) is gguf-py's and llama.cpp's `gguf.cpp`:
 
     magic "GGUF", version u32, tensor_count u64, kv_count u64,

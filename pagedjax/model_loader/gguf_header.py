@@ -55,13 +55,17 @@ class _Cursor:
     def __init__(self, buffer: memoryview, path: Path) -> None:
         self.buffer, self.offset, self.path = buffer, 0, path
 
-    def unpack(self, fmt: str):
+    def unpack_all(self, fmt: str) -> tuple:
         try:
             values = struct.unpack_from(fmt, self.buffer, self.offset)
         except struct.error:
             raise ValueError(f"{str(self.path)!r} ends inside its GGUF header (at byte "
                              f"{self.offset}): a truncated or not a GGUF file.") from None
         self.offset += struct.calcsize(fmt)
+        return values
+
+    def unpack(self, fmt: str):
+        values = self.unpack_all(fmt)
         return values[0] if len(values) == 1 else values
 
     def string(self) -> str:
@@ -114,8 +118,7 @@ def read_gguf_header(path: str | Path) -> GGUFHeader:
     directory = []
     for _ in range(tensor_count):
         name = cursor.string()
-        dims = struct.unpack_from(f"<{cursor.unpack('<I')}Q", cursor.buffer, cursor.offset)
-        cursor.offset += 8 * len(dims)
+        dims = cursor.unpack_all(f"<{cursor.unpack('<I')}Q")
         directory.append((name, dims, *cursor.unpack("<IQ")))
     alignment = int(metadata.get("general.alignment", DEFAULT_ALIGNMENT))
     data_start = -(-cursor.offset // alignment) * alignment

@@ -6,7 +6,8 @@ The policy picks the k with the most expected tokens per second, E(k) / t(k):
   measured chance that the first j + 1 drafts are accepted (each position forgetting as it is
   drafted again; one never drafted counts as the last measured one, 1 before any);
 - t(k) the step's seconds at this batch bucket, as the engine measures them step by step (the
-  period between two decode steps' outputs: host and device work alike). The startup table
+  period between two decode steps' outputs: host and device work alike; with a draft model,
+  only steps where every sequence drafted k: see observe). The startup table
   (measure_step_costs: one context, synthetic batches, the runner alone) only stands in for a
   (bucket, k) the engine has not run yet, times what the engine's steps with the same k at
   other buckets showed of the table's error (the geometric mean of measured / table; none
@@ -190,9 +191,14 @@ class AdaptiveSpeculation:
                 seconds: float | None = None, shape_k: int | None = None) -> None:
         """Record a step: how many of its drafts were accepted, per position, and (seconds) the
         engine's period for it, where every sequence decoded one token (a step with a prompt
-        chunk is no sample of t(k)). shape_k: the k of the shape the step ran (None: the drafts
-        it proposed). The two differ where the draft only caught up: a speculative shape that
-        proposed nothing costs t(shape_k), and counted as t(0) it made k = 0 look slow."""
+        chunk is no sample of t(k)) and, with a draft model, proposed its shape's k drafts.
+        shape_k: the k of the shape the step ran (None: the drafts it proposed). A draft
+        model's speculative shape where some sequence proposed fewer (the draft only caught up
+        after k = 0 steps, a sequence near its end) is no sample of any t: it cost less than
+        t(shape_k) (the demo pair at batch 32: 13 ms caught up, 21 ms partly drafted, 29 ms all
+        drafting), and taken for t(shape_k) beside E(k), which counts drafted positions only,
+        it made drafting look cheaper than it is; counted as t(0) it made k = 0 look slow.
+        (Host drafts verify in their shape whoever proposed: every such step is a sample.)"""
         self.steps_per_k[out.num_spec_tokens] += 1
         self._observe_acceptance(out, sampled)
         decode = bool(out.seq_ids) and max(out.num_new_tokens) == 1
@@ -204,9 +210,11 @@ class AdaptiveSpeculation:
             self._steps_since_current = 0  # drafts verified, or a prompt caught up with
         else:
             self._steps_since_current += 1
-        if self.adaptive and seconds is not None and seconds > 0 and decode:
-            self._observe_seconds(self.shapes.seq_bucket(len(out.seq_ids)),
-                                  out.num_spec_tokens if shape_k is None else shape_k, seconds)
+        k = out.num_spec_tokens if shape_k is None else shape_k
+        drafted = (not self.shapes.draft_model or k == 0
+                   or min(out.num_spec_tokens_per_seq, default=0) == k)  # every sequence, k
+        if self.adaptive and seconds is not None and seconds > 0 and decode and drafted:
+            self._observe_seconds(self.shapes.seq_bucket(len(out.seq_ids)), k, seconds)
         self._num_observed += 1
 
     def _observe_acceptance(self, out: SchedulerOutput, sampled: SampledTokens) -> None:

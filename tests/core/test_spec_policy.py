@@ -233,17 +233,40 @@ def test_it_converges_to_the_best_fixed_k(tmp_path, accepted: int) -> None:
     assert rate(chosen[-100:]) >= 0.97 * best
 
 
-def test_a_step_whose_draft_only_caught_up_is_timed_as_the_shape_it_ran(tmp_path) -> None:
+def test_a_step_whose_draft_only_caught_up_is_no_sample(tmp_path) -> None:
     """A decode step where no sequence could draft (the draft behind after k = 0 steps) but
-    the draft caught up ran a k = 4 shape: its period is a sample of t(4), not of t(0)."""
+    the draft caught up ran a k = 4 shape for less than a k = 4 step costs: its period is a
+    sample of neither t(4) nor t(0)."""
     policy = policy_for(tmp_path, lambda k, s: 1.0 + 0.25 * k)
     caught_up = decode_step(8, 0)  # proposed nothing
     for _ in range(20):
         policy.observe(caught_up, SampledTokens.from_lists({i: [0] for i in range(8)}),
-                       seconds=3.0, shape_k=4)
-    assert policy.seconds(8, 4) == pytest.approx(3.0, rel=0.05)
-    assert policy.seconds(8, 0) == pytest.approx(1.0)  # the table's, untouched
+                       seconds=1.5, shape_k=4)
+    assert policy.seconds(8, 4) == pytest.approx(2.0)  # the table's, untouched
+    assert policy.seconds(8, 0) == pytest.approx(1.0)
     assert policy.steps_per_k == [20, 0, 0, 0, 0]
+
+
+def test_partly_drafted_steps_do_not_make_drafting_look_cheap(tmp_path) -> None:
+    """With a draft model, a k = 4 step where half the sequences drafted (the rest caught up)
+    costs 1.5 against a full step's 3.0, while E(4) counts the drafted positions only (all
+    accepted: 5 tokens). Timed as t(4), k = 4 would promise 5 / 1.5 = 3.3x k = 0 (1.0); only
+    the full steps are its samples: 5 / 3.0 = 1.7x."""
+    policy = policy_for(tmp_path, lambda k, s: 1.0 + 0.5 * k)  # table t(4) = 3.0
+    half = decode_step(8, 4)
+    half.num_spec_tokens_per_seq = [4] * 4 + [0] * 4
+    sampled = SampledTokens.from_lists({i: [0] * (5 if i < 4 else 1) for i in range(8)})
+    full = SampledTokens.from_lists({i: [0] * 5 for i in range(8)})
+    for step in range(20):
+        policy.observe(half, sampled, seconds=1.5, shape_k=4)
+        if step % 4 == 0:
+            policy.observe(decode_step(8, 4), full, seconds=3.0, shape_k=4)
+    assert policy.seconds(8, 4) == pytest.approx(3.0)
+    assert policy.expected_tokens(4) == pytest.approx(5.0)
+    # without a draft model every step verifies in its shape: the cheap ones are samples too
+    host = policy_for(tmp_path, lambda k, s: 1.0 + 0.5 * k, draft_model=False)
+    host.observe(half, sampled, seconds=1.5, shape_k=4)
+    assert host.seconds(8, 4) == pytest.approx(1.5)
 
 
 def test_a_new_bucket_is_measured_before_one_buckets_error_decides_it(tmp_path) -> None:

@@ -194,10 +194,10 @@ class AdaptiveSpeculation:
         chunk is no sample of t(k)) and, with a draft model, proposed its shape's k drafts.
         shape_k: the k of the shape the step ran (None: the drafts it proposed). A draft
         model's speculative shape where some sequence proposed fewer (the draft only caught up
-        after k = 0 steps, a sequence near its end) is no sample of any t: it cost less than
-        t(shape_k) (the demo pair at batch 32: 13 ms caught up, 21 ms partly drafted, 29 ms all
-        drafting), and taken for t(shape_k) beside E(k), which counts drafted positions only,
-        it made drafting look cheaper than it is; counted as t(0) it made k = 0 look slow.
+        after k = 0 steps, a sequence near its end) is no sample of any t: it costs less than a
+        step where every sequence drafts (RESULTS.md, stop 65), and taken for t(shape_k) beside
+        E(k), which counts drafted positions only, it made drafting look cheaper than it is;
+        counted as t(0) it made k = 0 look slow.
         (Host drafts verify in their shape whoever proposed: every such step is a sample.)"""
         self.steps_per_k[out.num_spec_tokens] += 1
         self._observe_acceptance(out, sampled)

@@ -3,9 +3,9 @@ per-step estimates replayed against a whole batch, next to the batch measured en
 
 For one prompt set and batch size B (the demo pair, greedy, EOS ignored):
 1. k = 0, each fixed k and the adaptive policy run the same groups of B prompts end to end, the
-   engines taking turns group by group (seconds per batch, every group counted);
-   each engine step's seconds recorded with the sequences it held and whether it was a decode
-   step (every sequence past its prompt, none waiting): a mode's t(bucket) is the median of its
+   engines taking turns group by group (seconds per batch, every group counted). Each engine
+   step's seconds are recorded with the sequences it held and whether it was a decode step
+   (every sequence past its prompt, none waiting): a mode's t(bucket) is the median of its
    decode steps at that batch bucket;
 2. a replay: greedy output does not depend on k, so the draft's teacher-forced argmax over prompt
    + output (one forward of the draft, HF transformers) gives every request's acceptance at
@@ -15,7 +15,8 @@ For one prompt set and batch size B (the demo pair, greedy, EOS ignored):
 3. the adaptive policy's own estimates t(B, k) (`AdaptiveSpeculation.seconds`) beside them.
 The replayed decode seconds beside the measured batch seconds split what a per-step rate
 E(k)/t(k) sees from what it does not (the draft's prefill, catch-ups, mixed steps); the replay's
-step count beside 63/E(k) shows the batch's slowest sequence. Writes spec_replay.json to --out.
+step count beside (max_tokens - 1) / E(k) shows the batch's slowest sequence. Writes
+spec_replay.json to --out.
 
     python benchmarks/probes/spec_replay.py [--prompt-set edit] [--batch 32] [--backend jax]
 """
@@ -84,9 +85,10 @@ def replay(matches: list[np.ndarray], k: int, seconds: dict[int, float], bucket
            ) -> tuple[int, float]:
     """(decode steps, seconds) of one batch at fixed k: output[0] comes from the prompt step."""
     pos = np.ones(len(matches), np.int64)
+    lengths = np.array([len(m) for m in matches])
     steps, total = 0, 0.0
     while True:
-        active = np.flatnonzero(pos < np.array([len(m) for m in matches]))
+        active = np.flatnonzero(pos < lengths)
         if not len(active):
             return steps, total
         b = bucket(len(active))  # a bucket this mode never decoded at: the next one up

@@ -211,9 +211,9 @@ class AdaptiveSpeculation:
         else:
             self._steps_since_current += 1
         k = out.num_spec_tokens if shape_k is None else shape_k
-        drafted = (not self.shapes.draft_model or k == 0
-                   or min(out.num_spec_tokens_per_seq, default=0) == k)  # every sequence, k
-        if self.adaptive and seconds is not None and seconds > 0 and decode and drafted:
+        if self.adaptive and seconds is not None and seconds > 0 and decode and (
+                not self.shapes.draft_model or k == 0
+                or min(out.num_spec_tokens_per_seq, default=0) == k):  # every sequence drafted k
             self._observe_seconds(self.shapes.seq_bucket(len(out.seq_ids)), k, seconds)
         self._num_observed += 1
 

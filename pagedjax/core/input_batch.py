@@ -22,17 +22,19 @@ from collections.abc import Mapping
 import numpy as np
 
 from pagedjax.core.batch import (
+    FLOAT_FIELDS,
     ModelInput,
     StepFlags,
     buffer_sizes,
     choose_layout,
     draft_token_index,
     ragged_positions,
+    unpack,
 )
 from pagedjax.core.logit_entries import LogitEntries, build_logit_entries
 from pagedjax.core.scheduler_output import SampledTokens, SchedulerOutput, sample_spec
 from pagedjax.core.sequence import Sequence
-from pagedjax.core.step_shapes import StepShapes
+from pagedjax.core.step_shapes import BatchLayout, StepShapes
 
 
 class InputBatch:
@@ -52,14 +54,21 @@ class InputBatch:
         self.num_prompt_tokens = np.zeros(n, np.int64)
         self.block_table = np.zeros((n, m), np.int32)  # [R, M], 0 past num_blocks
         self.num_blocks = np.zeros(n, np.int64)
-        # sampling parameters of each row
-        self.temperature = np.zeros(n, np.float32)  # 0: greedy
-        self.top_p = np.ones(n, np.float32)
+        # sampling parameters of each row; the float ones are rows of one array, in the order
+        # of a step's float buffer (FLOAT_FIELDS), so that a step gathers them at once
+        self.float_params = np.zeros((len(FLOAT_FIELDS), n), np.float32)  # [F, R]
+        params = dict(zip(FLOAT_FIELDS, self.float_params))
+        self.temperature = params["temperature"]  # 0: greedy
+        self.top_p = params["top_p"]
+        self.min_p = params["min_p"]
+        self.presence_penalty = params["presence_penalty"]
+        self.frequency_penalty = params["frequency_penalty"]
+        self.repetition_penalty = params["repetition_penalty"]
+        self.top_p[:] = self.repetition_penalty[:] = 1.0
+        # [F, 1] what a padding row's float parameters are
+        self._float_padding = np.array([[1.0 if name in ("top_p", "repetition_penalty") else 0.0]
+                                        for name in FLOAT_FIELDS], np.float32)
         self.top_k = np.zeros(n, np.int32)
-        self.min_p = np.zeros(n, np.float32)
-        self.presence_penalty = np.zeros(n, np.float32)
-        self.frequency_penalty = np.zeros(n, np.float32)
-        self.repetition_penalty = np.ones(n, np.float32)
         self.filters = np.zeros(n, bool)  # top-k, top-p or min-p (of a sampled row)
         self.logprobs = np.zeros(n, bool)
         self.prompt_logprobs = np.zeros(n, bool)
@@ -69,8 +78,14 @@ class InputBatch:
         self.has_entries = np.zeros(n, bool)
         self.appends_sampled = np.zeros(n, bool)  # False: its policy picks its tokens (beams)
         # rows with prompt_logprobs asked for, and rows that may carry logit entries: a step
-        # looks for them only while some row has them
+        # looks for them only while some row has them (and so for the step's flags)
         self._num_prompt_logprobs_rows = self._num_entry_rows = 0
+        self._num_sampled_rows = self._num_filter_rows = self._num_logprobs_rows = 0
+        # layout → its staging buffers (ints, floats) and their named views
+        self._staging: dict[BatchLayout, tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]] = {}
+        self._ones = np.ones(n, np.int64)  # [R] one new token each (a decode step), read only
+        self._counting = np.arange(1, n + 1, dtype=np.int64)  # [R] its token ends, read only
+        self._ones.flags.writeable = self._counting.flags.writeable = False
         self._num_policy_rows = 0  # rows whose policy picks their tokens (beams)
         self._version = 0  # changes whenever a row is given to another sequence
 
@@ -107,9 +122,16 @@ class InputBatch:
         self.appends_sampled[row] = not seq.policy_picks_tokens
         self._num_policy_rows += int(seq.policy_picks_tokens)
         self._version += 1
-        self._num_prompt_logprobs_rows += int(self.prompt_logprobs[row])
-        self._num_entry_rows += int(self.has_entries[row])
+        self._count_rows(row, 1)
         return row
+
+    def _count_rows(self, row: int, sign: int) -> None:
+        """Add (sign 1) or take (-1) the row to / from the counts of rows asking for things."""
+        self._num_prompt_logprobs_rows += sign * int(self.prompt_logprobs[row])
+        self._num_entry_rows += sign * int(self.has_entries[row])
+        self._num_sampled_rows += sign * int(self.temperature[row] > 0)
+        self._num_filter_rows += sign * int(self.filters[row])
+        self._num_logprobs_rows += sign * int(self.logprobs[row])
 
     def remove(self, seq_id: int) -> None:
         row = self.row_of.pop(seq_id, None)
@@ -117,8 +139,7 @@ class InputBatch:
             return
         self.seq_ids[row], self.seqs[row] = -1, None
         self._set_table(row, 0, [])
-        self._num_prompt_logprobs_rows -= int(self.prompt_logprobs[row])
-        self._num_entry_rows -= int(self.has_entries[row])
+        self._count_rows(row, -1)
         self._num_policy_rows -= int(not self.appends_sampled[row])
         self.prompt_logprobs[row] = self.has_entries[row] = self.appends_sampled[row] = False
         self._free_rows.append(row)
@@ -193,58 +214,82 @@ class InputBatch:
         s = len(out.seq_ids)
         rows = np.fromiter(map(self.row_of.__getitem__, out.seq_ids), np.int64, s)  # [S]
         start = np.asarray(out.num_computed_tokens, np.int64)
-        num_new = np.asarray(out.num_new_tokens, np.int64)
-        num_spec = (np.asarray(out.num_spec_tokens_per_seq, np.int64)
-                    if out.num_spec_tokens_per_seq else np.zeros(s, np.int64))
-        q_lens = num_new + num_spec
-        ends = np.cumsum(q_lens)
+        one_each = out.num_batched_tokens == s  # one new token each, no draft slots
+        if one_each:
+            num_new = q_lens = self._ones[:s]
+            ends, num_spec = self._counting[:s], None
+        else:
+            num_new = np.asarray(out.num_new_tokens, np.int64)
+            num_spec = (np.asarray(out.num_spec_tokens_per_seq, np.int64)
+                        if out.num_spec_tokens_per_seq else None)
+            q_lens = num_new if num_spec is None else num_new + num_spec
+            ends = np.cumsum(q_lens)
         num_tokens = int(ends[-1])
         end_real = start + num_new
         prompt_counts = self._prompt_counts(rows, start, end_real)
         samples = _Samples(self, out, seqs, rows, end_real)
-        draft_lens = (np.asarray(out.num_draft_tokens, np.int64) if out.num_draft_tokens
-                      else np.zeros(s, np.int64))
-        num_draft = int(draft_lens.sum())
+        draft_lens = (np.asarray(out.num_draft_tokens, np.int64) if any(out.num_draft_tokens)
+                      else None)
+        num_draft = 0 if draft_lens is None else int(draft_lens.sum())
+        max_drafts = 0 if num_spec is None else int(num_spec.max())
+        num_slots = 0 if num_spec is None else int(num_spec.sum())  # draft slots
         layout = choose_layout(
             self.shapes, num_seqs=s, num_samples=samples.num, num_tokens=num_tokens,
             num_draft_tokens=num_draft,
-            decode=num_tokens == s + int(num_spec.sum()) and not prompt_counts.any(),
-            max_drafts=int(num_spec.max(initial=0)))
+            decode=num_tokens - num_slots == s and prompt_counts is None, max_drafts=max_drafts)
+        if num_spec is None:
+            num_spec = np.zeros(s, np.int64)
         entries = samples.logit_entries(self.shapes.num_logit_entries)
-        flags = samples.flags(prompt_logprobs=bool(prompt_counts.any()),
+        flags = samples.flags(prompt_logprobs=prompt_counts is not None,
                               logit_entries=entries is not None)
-        int_size, float_size = buffer_sizes(layout)
-        model_input = ModelInput(
-            layout, np.zeros(int_size, np.int32), np.zeros(float_size, np.float32), flags,
-            entries, np.asarray(out.block_copies, np.int32).reshape(-1, 2),
-            self.seq_ids[samples.own_rows].tolist() if not out.forks else samples.seq_ids,
-            num_tokens, s, int(q_lens.max()), int(draft_lens.max(initial=0)),
-            layout.num_spec_tokens, num_draft, sample_rows=samples.own_rows,
-            rows_version=-1 if out.forks or self._num_policy_rows else self._version)
-        f = model_input.fields()
+        ints, floats, f = self._buffers(layout)
         f["step_flags"][:] = flags.as_array()
         f["num_padding_samples"][0] = layout.num_seqs - samples.num
         self._fill_tokens(f, out, rows, start, num_new, q_lens, ends)
-        samples.fill(f, ends, num_spec, layout.num_spec_tokens)
-        if flags.prompt_logprobs:
-            model_input.prompt_logprobs_rows = self._fill_prompt_logprobs(
+        samples.fill(f, floats, ends, num_spec, layout.num_spec_tokens)
+        prompt_logprobs_rows = []
+        if prompt_counts is not None:
+            prompt_logprobs_rows = self._fill_prompt_logprobs(
                 f, out, rows, start, prompt_counts, ends - q_lens)
         if layout.draft:
-            self._fill_catch_up(f, out, rows, draft_lens)
+            self._fill_catch_up(f, out, rows,
+                                np.zeros(s, np.int64) if draft_lens is None else draft_lens)
         if layout.draft or layout.num_spec_tokens:
             self._fill_verification(f, num_spec, ends, samples)
-        return model_input
+        return ModelInput(
+            layout, ints.copy(), floats.copy(), flags, entries,
+            np.asarray(out.block_copies, np.int32).reshape(-1, 2),
+            self.seq_ids[samples.own_rows].tolist() if not out.forks else samples.seq_ids,
+            num_tokens, s, 1 if one_each else int(q_lens.max()),
+            0 if draft_lens is None else int(draft_lens.max()), layout.num_spec_tokens,
+            num_draft, prompt_logprobs_rows, sample_rows=samples.own_rows,
+            rows_version=-1 if out.forks or self._num_policy_rows else self._version)
+
+    def _buffers(self, layout: BatchLayout) -> tuple[np.ndarray, np.ndarray,
+                                                     dict[str, np.ndarray]]:
+        """The layout's staging buffers, zeroed, and their named views: kept across steps (a
+        step's ModelInput takes a copy, which no later step writes into)."""
+        staged = self._staging.get(layout)
+        if staged is None:
+            int_size, float_size = buffer_sizes(layout)
+            ints, floats = np.zeros(int_size, np.int32), np.zeros(float_size, np.float32)
+            staged = self._staging[layout] = (ints, floats, unpack(layout, ints, floats))
+        else:
+            staged[0].fill(0)
+            staged[1].fill(0)
+        return staged
 
     def _prompt_counts(self, rows: np.ndarray, start: np.ndarray, end_real: np.ndarray
-                       ) -> np.ndarray:
+                       ) -> np.ndarray | None:
         """[S] prompt tokens each sequence scores this step (prompt_logprobs, while due): the
-        prompt token after each of its first new tokens."""
+        prompt token after each of its first new tokens; None where no sequence scores any."""
         if not self._num_prompt_logprobs_rows:
-            return np.zeros(len(rows), np.int64)
+            return None
         num_prompt = self.num_prompt_tokens[rows]
         due = (self.prompt_logprobs[rows] & (self.num_tokens[rows] == num_prompt)
                & (start + 1 < num_prompt))
-        return np.where(due, np.minimum(end_real + 1, num_prompt) - start - 1, 0)
+        counts = np.where(due, np.minimum(end_real + 1, num_prompt) - start - 1, 0)
+        return counts if counts.any() else None
 
     def _slots(self, block_tables: np.ndarray, seq_index: np.ndarray,
                positions: np.ndarray) -> np.ndarray:
@@ -266,13 +311,15 @@ class InputBatch:
         else:
             seq_index = np.repeat(np.arange(s), q_lens)
             positions = ragged_positions(start, q_lens)
+        last = self.token_ids.shape[1] - 1
         if out.input_rows is not None:  # each one's token is the last step's, on the device
             f["input_rows"][:s] = np.asarray(out.input_rows) + 1
+        elif n == s:  # each one's token is its last one
+            f["input_ids"][:n] = self.token_ids[rows, np.minimum(start, last)]
         else:
-            token_rows = rows[seq_index]
             real = positions < (start + num_new)[seq_index]
-            f["input_ids"][:n] = np.where(real, self.token_ids[
-                token_rows, np.minimum(positions, self.token_ids.shape[1] - 1)], 0)
+            f["input_ids"][:n] = np.where(
+                real, self.token_ids[rows[seq_index], np.minimum(positions, last)], 0)
             if out.spec_token_ids:  # the host's drafts, after each sequence's new tokens
                 f["input_ids"][np.flatnonzero(~real)] = np.fromiter(
                     itertools.chain.from_iterable(out.spec_token_ids), np.int32)
@@ -363,10 +410,11 @@ class _Samples:
 
     def flags(self, *, prompt_logprobs: bool, logit_entries: bool) -> StepFlags:
         b, rows = self.batch, self.param_rows
-        sampled = b.temperature[rows] > 0
-        return StepFlags(sampled=bool(sampled.any()), filters=bool(b.filters[rows].any()),
-                         logprobs=bool(b.logprobs[rows].any()), prompt_logprobs=prompt_logprobs,
-                         logit_entries=logit_entries)
+        return StepFlags(
+            sampled=bool(b._num_sampled_rows) and bool((b.temperature[rows] > 0).any()),
+            filters=bool(b._num_filter_rows) and bool(b.filters[rows].any()),
+            logprobs=bool(b._num_logprobs_rows) and bool(b.logprobs[rows].any()),
+            prompt_logprobs=prompt_logprobs, logit_entries=logit_entries)
 
     def logit_entries(self, capacity: int) -> LogitEntries | None:
         """The penalties, logit_bias and min_tokens entries of the rows that may have any."""
@@ -380,24 +428,23 @@ class _Samples:
                  for r in which.tolist()]
         return build_logit_entries(specs, capacity, which.tolist())
 
-    def fill(self, f: dict[str, np.ndarray], ends: np.ndarray, num_spec: np.ndarray,
-             k: int) -> None:
-        """Logits rows and sampling knobs; row r samples from its sequence's last real token
-        and, when it verifies drafts, from each draft slot after it (padding repeats row 0)."""
+    def fill(self, f: dict[str, np.ndarray], floats: np.ndarray, ends: np.ndarray,
+             num_spec: np.ndarray, k: int) -> None:
+        """Logits rows and sampling knobs (floats: the step's float buffer, FLOAT_FIELDS);
+        row r samples from its sequence's last real token and, when it verifies drafts, from
+        each draft slot after it (padding repeats row 0)."""
         b, rows, num = self.batch, self.param_rows, self.num
         spec = num_spec[self.seq_index]
         last_real = ends[self.seq_index] - 1 - spec
-        f["logits_indices"][:num] = last_real[:, None] + np.minimum(
-            np.arange(k + 1)[None, :], spec[:, None])
-        f["temperature"][:num] = b.temperature[rows]
-        f["top_p"][:] = 1.0
-        f["top_p"][:num] = b.top_p[rows]
-        f["min_p"][:num] = b.min_p[rows]
+        if k:
+            f["logits_indices"][:num] = last_real[:, None] + np.minimum(
+                np.arange(k + 1)[None, :], spec[:, None])
+        else:
+            f["logits_indices"][:num, 0] = last_real
+        grid = floats.reshape(len(FLOAT_FIELDS), -1)  # [F, S]
+        grid[:, :num] = b.float_params[:, rows]
+        grid[:, num:] = b._float_padding
         f["top_k"][:num] = b.top_k[rows]
-        f["repetition_penalty"][:] = 1.0
-        f["repetition_penalty"][:num] = b.repetition_penalty[rows]
-        f["frequency_penalty"][:num] = b.frequency_penalty[rows]
-        f["presence_penalty"][:num] = b.presence_penalty[rows]
         f["rng_seed"][:num] = self.rng_seed.view(np.int32)
         rng_step = (b.num_tokens[rows] + self.out.num_tokens_ahead - b.num_prompt_tokens[rows]
                     + b.rng_offset[rows])

@@ -45,8 +45,8 @@ __all__ = [  # the package harness's, for the scripts here
     "environment", "in_turn", "model_dir", "model_name", "print_table", "step_phases_ms",
     "write_json",
     # and these scripts' own
-    "WARMUP_STEPS", "finish", "median_seconds", "start_decoding", "stderr_fd_captured",
-    "time_engine_steps",
+    "WARMUP_STEPS", "add_output_kind_argument", "finish", "median_seconds", "output_kind",
+    "start_decoding", "stderr_fd_captured", "time_engine_steps",
 ]
 
 WARMUP_STEPS = 3  # decode steps left untimed after the prefill (the decode shape compiles)
@@ -93,17 +93,32 @@ def stderr_fd_captured():
             log["text"] = tmp.read().decode(errors="replace")
 
 
+def add_output_kind_argument(parser) -> None:
+    parser.add_argument("--output-kind", choices=("final", "delta"), default="final",
+                        help="final: one output per request at its end (LLM.generate); delta: "
+                             "an output every step (a streaming server)")
+
+
+def output_kind(args):
+    """The RequestOutputKind of --output-kind."""
+    from pagedjax.sampling_params import RequestOutputKind
+
+    return RequestOutputKind.FINAL_ONLY if args.output_kind == "final" else RequestOutputKind.DELTA
+
+
 def start_decoding(llm, batch: int, context: int, *, max_tokens: int, seed: int,
                    output_kind=None) -> list[str]:
     """Add `batch` requests of `context` random prompt tokens (greedy, EOS ignored; output_kind:
-    a RequestOutputKind, default LLM.generate's) and step until every one of them decodes
-    (prompts computed) and the decode shape has run WARMUP_STEPS times. The request ids."""
+    a RequestOutputKind, default LLM.generate's: FINAL_ONLY) and step until every one of them
+    decodes (prompts computed) and the decode shape has run WARMUP_STEPS times. The request
+    ids."""
     from pagedjax import SamplingParams
+    from pagedjax.sampling_params import RequestOutputKind
 
     engine, scheduler = llm.engine, llm.engine.scheduler
     rng = np.random.default_rng(seed)
-    kind = {} if output_kind is None else {"output_kind": output_kind}
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kind)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                            output_kind=output_kind or RequestOutputKind.FINAL_ONLY)
     ids = [f"decode-{seed}-{i}" for i in range(batch)]
     for request_id in ids:
         prompt = rng.integers(1, engine.model_config.vocab_size, context).tolist()

@@ -5,12 +5,14 @@ A decode step reads every weight once and each sequence's KV cache, so no step c
 device copy in this process, or --copy-gbs). For each batch size B, B requests of --context
 prompt tokens are prefilled, then --steps engine steps that decode one token per sequence are
 timed one by one; the median counts, beside the floor, the engine's own breakdown (schedule,
-prepare, execute, update, output) and the host share. With --profile, a few more steps run under
-the framework's profiler and the device time is listed by kernel (where a step's time goes).
+prepare, execute, update, output) and the host share. Requests are added as LLM.generate adds
+them (one output each, at the end; --output-kind delta: an output every step, as the server
+streams). With --profile, a few more steps run under the framework's profiler and the device
+time is listed by kernel (where a step's time goes).
 
     python benchmarks/decode_step.py [--model DIR | --random-llama] [--backend jax|torch]
         [--batch-sizes 1 16 64] [--context 512] [--steps 32] [--dtype auto] [--profile]
-        [--copy-gbs GBS] [--out DIR]
+        [--copy-gbs GBS] [--output-kind final|delta] [--out DIR]
 """
 
 from __future__ import annotations
@@ -35,12 +37,14 @@ from common import (  # noqa: E402
     add_dtype_argument,
     add_model_arguments,
     add_out_argument,
+    add_output_kind_argument,
     args_record,
     environment,
     finish,
     median_seconds,
     model_dir,
     model_name,
+    output_kind,
     print_table,
     start_decoding,
     stderr_fd_captured,
@@ -255,7 +259,7 @@ def _xplane_totals(path: str) -> dict[str, tuple[int, float]]:
 def measure_batch(llm, args, batch: int, weights: int, copy_gbs: float) -> dict:
     engine = llm.engine
     model_config = engine.model_config
-    ids = start_decoding(llm, batch, args.context,
+    ids = start_decoding(llm, batch, args.context, output_kind=output_kind(args),
                          max_tokens=engine.config.max_model_len - args.context, seed=batch)
     # the KV the median timed step reads: the mean context (prompts that were computed first
     # have decoded while the others were), half the timed tokens on
@@ -305,6 +309,7 @@ def main() -> None:
     parser.add_argument("--copy-gbs", type=float,
                         help="copy bandwidth (GB/s read + written) to use instead of measuring "
                              "this framework's")
+    add_output_kind_argument(parser)
     add_out_argument(parser)
     args = parser.parse_args()
 

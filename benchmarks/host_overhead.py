@@ -31,10 +31,12 @@ from common import (  # noqa: E402
     WARMUP_STEPS,
     accelerator_tag,
     add_out_argument,
+    add_output_kind_argument,
     args_record,
     environment,
     finish,
     in_turn,
+    output_kind,
     print_table,
     start_decoding,
     time_engine_steps,
@@ -121,20 +123,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512,
                         help="a step's token budget (at least twice the largest batch)")
-    parser.add_argument("--output-kind", choices=("final", "delta"), default="final",
-                        help="final: one output per request at its end (LLM.generate); delta: "
-                             "an output every step (a streaming server)")
+    add_output_kind_argument(parser)
     add_out_argument(parser)
     args = parser.parse_args()
 
-    from pagedjax.sampling_params import RequestOutputKind
-
-    output_kind = (RequestOutputKind.FINAL_ONLY if args.output_kind == "final"
-                   else RequestOutputKind.DELTA)
     rows = []
     for r in range(args.rounds):  # each round starts one runner later: none always first
         for runner in in_turn(args.runners, r):
-            rows += measure(runner, args, r, output_kind)
+            rows += measure(runner, args, r, output_kind(args))
     table = summary(rows, args.runners, args.batch_sizes)
     print(f"\nmedian of {args.rounds} rounds, {args.steps} steps each, context {args.context}, "
           f"output kind {args.output_kind}")

@@ -56,7 +56,7 @@ from pagedjax.core.step_shapes import StepShapes
 class AdaptiveSpeculation:
     """choose(num_seqs) → k for the next step; observe(out, sampled, seconds) after it."""
 
-    ACCEPTANCE_DECAY = 0.9  # per step that drafts a position: its last ~10 such steps count
+    ACCEPTANCE_DECAY = 0.95  # per draft at a position: its last ~20 drafts count
     TIME_DECAY = 0.9  # per measured step of a cell: its last ~10 steps count,
     AGE_DECAY = 0.99  # and per step the engine ran since (one 100 steps old counts a third)
     # a period over this many times its cell's measured estimate is an idle gap: dropped (over
@@ -88,6 +88,8 @@ class AdaptiveSpeculation:
         self._steps_since_current = 0
         # (bucket, k) → decayed (sum of measured seconds, their weight)
         self._measured: dict[tuple[int, int], tuple[float, float]] = {}
+        # (bucket, k > 0) → the bucket's measured t(0) when that cell was last measured
+        self._t0_then: dict[tuple[int, int], float] = {}
         self._num_observed = 0  # steps observed
         self._last_measured: dict[tuple[int, int], int] = {}  # (bucket, k) → its last step's index
         # k → decayed (sum of log(measured / table) over its cells, weight)
@@ -177,13 +179,26 @@ class AdaptiveSpeculation:
         return total
 
     def seconds(self, bucket: int, k: int) -> float:
-        """The estimate of t(k) at this bucket: the decayed mean of this cell's measured steps;
+        """The estimate of t(k) at this bucket: the decayed mean of this cell's measured steps,
+        for k > 0 scaled by how t(0) at the bucket moved since the cell was last measured;
         before any, the table's, corrected by the error this k's measured cells showed."""
         total, weight = self._measured.get((bucket, k), (0.0, 0.0))
         if weight:
-            return total / weight
+            return total / weight * self._drift(bucket, k)
         error_sum, error_weight = self._log_error.get(k, (0.0, 0.0))
         return self.costs[bucket][k] * math.exp(error_sum / error_weight if error_weight else 0.0)
+
+    def _drift(self, bucket: int, k: int) -> float:
+        """t(0)'s measured estimate at the bucket now ÷ when (bucket, k > 0) was last measured
+        (1 for k = 0, or without both). A step's time moves with its context length (and the
+        host's speed) alike for every k, and a k > 0 is measured only where it runs: while the
+        policy drafts nothing, a draft model's probes, drafted by the sentinels alone, are no
+        samples (observe), so a time measured on longer prompts would decide on shorter ones
+        (the demo pair on jax, batch 32: t(4) 40 ms measured on code, 28-30 ms on chat turns,
+        where k = 0 runs in 8.5 ms against 12.8)."""
+        then = self._t0_then.get((bucket, k))
+        total, weight = self._measured.get((bucket, 0), (0.0, 0.0))
+        return total / weight / then if then and weight else 1.0
 
     # ---- learning ------------------------------------------------------------------------
 
@@ -218,18 +233,16 @@ class AdaptiveSpeculation:
         self._num_observed += 1
 
     def _observe_acceptance(self, out: SchedulerOutput, sampled: SampledTokens) -> None:
-        verified = verified_drafts(out, sampled)
-        # each position forgets only when it is drafted again: one rarely drafted (a larger k
-        # than usual) keeps its last ~10 steps' measurements instead of its latest one alone
-        deepest = max((num_drafts for num_drafts, _ in verified), default=0)
-        for j in range(deepest):
-            self._drafted[j] *= self.ACCEPTANCE_DECAY
-            self._accepted[j] *= self.ACCEPTANCE_DECAY
-        for num_drafts, num_accepted in verified:
+        # each position forgets only when it is drafted again (one rarely drafted, a larger k
+        # than usual, keeps its earlier measurements), and by the draft, not by the step: a
+        # batch-32 step's drafts weigh 32 times a batch-1 step's, and a probe drafted by a few
+        # sentinels moves an estimate that many full steps made as much as their drafts do
+        decay = self.ACCEPTANCE_DECAY
+        for num_drafts, num_accepted in verified_drafts(out, sampled):
             self.metrics.record(num_drafts, num_accepted)
             for j in range(num_drafts):
-                self._drafted[j] += 1
-                self._accepted[j] += j < num_accepted
+                self._drafted[j] = self._drafted[j] * decay + 1
+                self._accepted[j] = self._accepted[j] * decay + (j < num_accepted)
 
     def _observe_seconds(self, bucket: int, k: int, seconds: float) -> None:
         if k not in (0, *self.shapes.spec_ks):
@@ -239,7 +252,11 @@ class AdaptiveSpeculation:
             return
         age = self._num_observed - self._last_measured.get((bucket, k), self._num_observed)
         decay = self.TIME_DECAY * self.AGE_DECAY ** age
-        self._measured[bucket, k] = (total * decay + seconds, weight * decay + 1)
+        drift = self._drift(bucket, k)  # the cell's earlier steps, at today's t(0)
+        self._measured[bucket, k] = (total * drift * decay + seconds, weight * decay + 1)
+        t0_total, t0_weight = self._measured.get((bucket, 0), (0.0, 0.0))
+        if k and t0_weight:
+            self._t0_then[bucket, k] = t0_total / t0_weight
         self._last_measured[bucket, k] = self._num_observed
         error_sum, error_weight = self._log_error.get(k, (0.0, 0.0))
         self._log_error[k] = (error_sum * self.TIME_DECAY

@@ -330,3 +330,40 @@ def test_a_time_measured_on_other_prompts_is_probed_again(tmp_path) -> None:
     assert simulate(policy, 1, 100, accepted=4, seconds=long)[-50:].count(2) >= 48
     chosen = simulate(policy, 1, 300, accepted=4, seconds=short)
     assert chosen[-64:].count(4) >= 64 - 64 // policy.PROBE_EVERY
+
+
+def test_a_time_measured_on_longer_prompts_follows_k0_while_only_sentinels_draft(
+        tmp_path) -> None:
+    """Long prompts: every step costs twice a short prompt's, no draft is accepted, and the
+    policy settles on k = 0. Then short prompts whose drafts are all accepted: drafting
+    now pays 1.8x, but while the policy drafts nothing a draft model's probes are drafted by
+    the sentinels alone (one sequence in eight), no sample of t(k > 0). k = 0's own steps show
+    every step got 2x cheaper: t(4), measured on the long prompts, moves with it (frozen at its
+    old 5.6, 5 tokens / 5.6 lost to k = 0's 1 / 1.0), the sentinels' drafts weigh as drafts,
+    not as steps, against the full steps' (32 drafts a position each), and the policy drafts
+    again within a few probes."""
+    long = lambda k, s: 2.0 + 0.9 * k  # noqa: E731
+    short = lambda k, s: 1.0 + 0.45 * k  # noqa: E731
+    policy = policy_for(tmp_path, long)
+    chosen = simulate(policy, 32, 200, accepted=0, seconds=long)
+    assert chosen[-32:].count(0) >= 31 and not policy.drafts_pay
+    sentinels = [i % 8 == 0 for i in range(32)]
+    for step in range(400):
+        if step % 64 == 0:  # a new prompt: the sentinels' drafts catch up with it
+            policy.choose(32)
+            policy.observe(mixed_step(32), SampledTokens.from_lists(
+                {i: [0] for i in range(32)}))
+        k = policy.choose(32)
+        out = decode_step(32, k)
+        out.num_spec_tokens_per_seq = [k if s else 0 for s in sentinels]
+        sampled = SampledTokens.from_lists(
+            {i: [0] * (k + 1 if s else 1) for i, s in enumerate(sentinels)})
+        policy.observe(out, sampled, short(k, 32), shape_k=k)
+        if policy.drafts_pay:
+            break
+    assert policy.drafts_pay and step < 200
+    # the next prompts' drafts are prefilled: every sequence drafts, k = 4 measured again
+    chosen = simulate(policy, 32, 100, accepted=4, seconds=short)
+    assert chosen[-64:].count(4) >= 62
+    assert policy.seconds(32, 4) == pytest.approx(short(4, 32), rel=0.05)
+    assert policy.seconds(32, 0) == pytest.approx(short(0, 32), rel=0.05)

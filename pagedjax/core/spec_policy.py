@@ -3,8 +3,9 @@ learned from what the engine achieves.
 
 The policy picks the k with the most expected tokens per second, E(k) / t(k):
 - E(k) = 1 + sum_{j<k} a_j, the tokens per sequence a step with k drafts yields, a_j the
-  measured chance that the first j + 1 drafts are accepted (each position forgetting as it is
-  drafted again; one never drafted counts as the last measured one, 1 before any);
+  measured chance that the first j + 1 drafts are accepted (each position forgetting draft by
+  draft as it is drafted again; one never drafted counts as the last measured one, 1 before
+  any);
 - t(k) the step's seconds at this batch bucket, as the engine measures them step by step (the
   period between two decode steps' outputs: host and device work alike; with a draft model,
   only steps where every sequence drafted k: see observe). The startup table
@@ -13,7 +14,8 @@ The policy picks the k with the most expected tokens per second, E(k) / t(k):
   other buckets showed of the table's error (the geometric mean of measured / table; none
   before any). Once measured, a cell's own steps are its estimate: the table's error varies
   by bucket and by k alike (the demo pair on jax, batch 32 at a context of ~100: t(0) 0.6x the
-  table, t(2) 0.8x; at batch 1, t(0) 1.4x), so no correction of it decides for long.
+  table, t(2) 0.8x; at batch 1, t(0) 1.4x), so no correction of it decides for long. A k > 0's
+  estimate moves with its bucket's t(0) since it was measured (_drift).
 
 A k never measured at this bucket is tried there, at most once every EXPLORE_EVERY steps and
 EXPLORE_TRIES times (a try in a step that holds a prompt chunk measures nothing, and a new

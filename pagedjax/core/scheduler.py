@@ -39,6 +39,7 @@ from pagedjax.core.sequence import Sequence, SequenceStatus
 from pagedjax.core.stopping import StopChecker
 
 _num_computed = attrgetter("num_computed_tokens")
+_num_draft_computed = attrgetter("num_draft_computed_tokens")
 _token_ids = attrgetter("token_ids")
 _uses_entries = attrgetter("uses_logit_entries")
 _seq_id = attrgetter("seq_id")
@@ -290,10 +291,13 @@ class Scheduler:
         """The common step in bulk: every running sequence computes its one new token, none
         drafts or carries logit entries, and all fit; only those that fill their last block (or
         share one since a fork) go to the block manager. False otherwise (or the pool is
-        short): _schedule_running decides, taking the same blocks in the same order."""
+        short): _schedule_running decides, taking the same blocks in the same order. With a
+        draft model, only while nothing waits: a prompt admitted beside them would make the
+        step mixed, where the running sequences' drafts catch up (_add_draft); in a decode step
+        with k = 0 no draft runs (_fit_drafts)."""
         running, n = self.running, len(self.running)
-        if (not n or step.num_spec_tokens or self.has_draft or n > self.max_num_seqs
-                or n > self.max_num_batched_tokens):
+        if (not n or step.num_spec_tokens or (self.has_draft and self.waiting)
+                or n > self.max_num_seqs or n > self.max_num_batched_tokens):
             return False
         computed = list(map(_num_computed, running))
         if (list(map(len, map(_token_ids, running))) != [c + 1 for c in computed]
@@ -317,6 +321,10 @@ class Scheduler:
         step.num_computed_tokens = computed
         step.num_new_tokens = [1] * n
         step.num_batched_tokens = n
+        if self.has_draft:  # its progress, and nothing to catch up on or propose
+            step.num_spec_tokens_per_seq = [0] * n
+            step.draft_start_pos = list(map(_num_draft_computed, running))
+            step.num_draft_tokens = [0] * n
         return True
 
     def _schedule_running(self, step: SchedulerOutput) -> None:
@@ -479,8 +487,8 @@ class Scheduler:
         """
         seqs, finished = self.seqs, SequenceStatus.FINISHED
         ends = output.end_positions()
-        if (sampled.token_ids.shape[1] == 1 and not output.forks and not output.num_draft_tokens
-                and sampled.seq_ids == output.seq_ids):
+        if (sampled.token_ids.shape[1] == 1 and not output.forks
+                and not any(output.num_draft_tokens) and sampled.seq_ids == output.seq_ids):
             return self._update_decodes(output.seq_ids, ends, sampled.token_ids[:, 0].tolist())
         for seq_id, end in zip(output.seq_ids, ends):
             seq = seqs.get(seq_id)

@@ -2,6 +2,7 @@
 preemptions, prefix hits, n > 1, beams, speculation, structured outputs, penalties, prompt
 logprobs, stop strings), the step's ModelInput equals the reference builder's from scratch
 (build_model_input over `describe`), and every row equals one filled anew from its sequence.
+The scheduler's bulk decode path schedules what its per-sequence path does.
 
 The engine runs the fixed-token runner (no model): these are the core's bookkeeping only.
 """
@@ -184,3 +185,63 @@ def test_async_scheduling_steps_equal_a_rebuild(monkeypatch) -> None:
     llm.generate([{"prompt_token_ids": list(range(1, 4 + i))} for i in range(6)], params)
     assert sum(ahead) > 10 and len(steps) >= 20
     llm.shutdown()
+
+
+@pytest.mark.parametrize("speculative", [None, "draft_model"])
+def test_the_bulk_decode_path_schedules_what_the_per_sequence_path_does(speculative) -> None:
+    """Scheduler._schedule_decodes (every running sequence decodes one token; with a draft
+    model, at k = 0 while nothing waits) against _schedule_running alone: the same steps, block
+    tables and tokens, through adds, aborts, preemptions and prefix hits; with a draft model
+    every seventh step drafts k = 2 (scripted: the policy's choice hangs on step times)."""
+    target, draft = demo_model_dirs()
+    spec = {"model": draft, "num_speculative_tokens": 2} if speculative else None
+
+    def run(bulk: bool) -> tuple[list, dict, int]:
+        llm = LLM(target, backend="fixed-tokens", max_model_len=128, block_size=8,
+                  num_gpu_blocks_override=24, max_num_seqs=8, max_num_batched_tokens=64,
+                  speculative_config=spec)
+        core, engine, steps, bulk_steps = llm.engine.engine_core, llm.engine, [], []
+        schedule_decodes = core.scheduler._schedule_decodes
+
+        def counted(step) -> bool:
+            taken = bulk and schedule_decodes(step)
+            bulk_steps.extend([1] * taken)
+            return taken
+
+        core.scheduler._schedule_decodes = counted
+        if speculative:
+            count = iter(range(10**6))
+            core._choose_num_spec_tokens = lambda: 2 if next(count) % 7 == 6 else 0
+        prepare = core._prepare
+
+        def recorded(out):
+            steps.append((out.seq_ids, out.num_computed_tokens, out.num_new_tokens,
+                          out.num_spec_tokens_per_seq, out.draft_start_pos,
+                          out.num_draft_tokens, out.block_copies, out.removed_seq_ids,
+                          dict(out.block_table_changes)))
+            return prepare(out)
+
+        core._prepare = recorded
+        rng, vocab = np.random.default_rng(7), engine.model_config.vocab_size
+        shared = rng.integers(1, vocab, 24).tolist()
+        for i in range(24):
+            prompt = rng.integers(1, vocab, int(rng.integers(2, 30))).tolist()
+            if rng.random() < 0.4:
+                prompt = shared + prompt
+            engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, SamplingParams(
+                max_tokens=int(rng.integers(4, 40)), temperature=0.8, seed=i))
+            for _ in range(int(rng.integers(0, 5))):
+                engine.step()
+            if rng.random() < 0.1:
+                engine.abort_request(f"r{int(rng.integers(i + 1))}")
+        outputs = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                outputs[out.request_id] = out.outputs[0].token_ids
+        assert engine.get_metrics()["num_preemptions_total"] > 0
+        llm.shutdown()
+        return steps, outputs, len(bulk_steps)
+
+    bulk_run, per_sequence_run = run(True), run(False)
+    assert bulk_run[2] > 20 and per_sequence_run[2] == 0  # steps the bulk path took
+    assert bulk_run[:2] == per_sequence_run[:2]

@@ -85,7 +85,7 @@ class AdaptiveSpeculation:
         self._exploring = False  # the latest choice was one
         self._tries: dict[tuple[int, int], int] = {}  # (bucket, k) → its tries
         self._probing = False  # the latest choice was a probe
-        self._chosen = self.max_k  # the latest choice outside a probe
+        self._chosen = self.max_k  # the latest step's choice outside a probe, at its bucket
         # steps since one that left some sequence's draft current (a draft model's lag)
         self._steps_since_current = 0
         # (bucket, k) → decayed (sum of measured seconds, their weight)
@@ -107,6 +107,13 @@ class AdaptiveSpeculation:
         bucket = self.shapes.seq_bucket(num_seqs)
         rate = {k: self.expected_tokens(k) / self.seconds(bucket, k)
                 for k in (0, *self.shapes.spec_ks)}
+        best = max(self.shapes.spec_ks, key=rate.__getitem__)
+        if rate[best] < self.MIN_GAIN * rate[0]:
+            best = 0
+        # this bucket's choice outside probes, even in one: a batch of a new size arrives in
+        # a step that tries a k there, and drafts_pay decides whether its prompts' drafts are
+        # prefilled (the last bucket's choice would decide it)
+        self._chosen = best
         untried = self._untried(bucket)
         self._exploring = self._explore_due(untried)
         self._probing = self._exploring or self._probe_due()
@@ -116,11 +123,6 @@ class AdaptiveSpeculation:
         elif self._probing:  # the k measured longest ago at this bucket
             last = {k: self._last_measured.get((bucket, k), -1) for k in rate}
             best = min(rate, key=lambda k: (last[k], k == 0, -rate[k]))
-        else:
-            best = max(self.shapes.spec_ks, key=rate.__getitem__)
-            if rate[best] < self.MIN_GAIN * rate[0]:
-                best = 0
-            self._chosen = best
         self.k = best
         return best
 
@@ -158,8 +160,8 @@ class AdaptiveSpeculation:
 
     @property
     def drafts_pay(self) -> bool:
-        """Whether the latest choice outside a probe drafted (True before any, and with a
-        fixed k)."""
+        """Whether the latest step's choice outside a probe, at its bucket, drafted (True
+        before any, and with a fixed k)."""
         return not self.adaptive or self._chosen > 0
 
     def _probe_due(self, ahead: int = 0) -> bool:

@@ -367,3 +367,15 @@ def test_a_time_measured_on_longer_prompts_follows_k0_while_only_sentinels_draft
     assert chosen[-64:].count(4) >= 62
     assert policy.seconds(32, 4) == pytest.approx(short(4, 32), rel=0.05)
     assert policy.seconds(32, 0) == pytest.approx(short(0, 32), rel=0.05)
+
+
+def test_a_batch_of_a_new_size_prefills_drafts_as_its_own_bucket_chooses(tmp_path) -> None:
+    """Drafting pays at batch 1 and cannot at batch 32 (a draft costs two steps there). A
+    batch of 32 arrives in a step that tries k = 0 at its bucket (the first there): drafts_pay,
+    which decides whether its prompts' drafts are prefilled, says what batch 32's estimates
+    choose, not what batch 1's did."""
+    table = lambda k, s: 1.0 + (0.1 if s == 1 else 2.0) * k  # noqa: E731
+    policy = policy_for(tmp_path, table)
+    assert simulate(policy, 1, 50, accepted=4, seconds=table)[-1] == 4 and policy.drafts_pay
+    assert policy.choose(32) == 0 and policy._exploring
+    assert not policy.drafts_pay

@@ -23,11 +23,13 @@ batch's prompts come first, at its bucket), k = 0 first: the reference every k >
 So a new bucket's estimates are its own within a few steps (a batch of 32 lasts ~30).
 Every PROBE_EVERY steps the policy runs the k measured longest ago at this bucket instead (a
 k > 0 before 0 where they tie, the better rate first; not the least measured: a k measured
-often on other, longer prompts kept a stale time that no probe refreshed), measuring its time
-and, drafting, the acceptance of its positions: a change in the prompts or the host's speed is
-found, at a cost of at most one step in PROBE_EVERY (a cell's old measurements fading with the
-steps run since, AGE_DECAY). Otherwise a k > 0 must promise MIN_GAIN over k = 0 (a step's time
-varies with context length and batch fill).
+often on other, longer prompts kept a stale time that no probe refreshed; while it drafts
+nothing at the bucket, the smallest compiled k: whether drafting pays again, at the cheapest
+drafting step's price), measuring its time and, drafting, the acceptance of its positions:
+a change in the prompts or the host's speed is found, at a cost of at most one step in
+PROBE_EVERY (a cell's old measurements fading with the steps run since, AGE_DECAY).
+Otherwise a k > 0 must promise MIN_GAIN over k = 0 (a step's time varies with context length
+and batch fill).
 
 A draft model falls behind in k = 0 steps (it runs only in speculative shapes), and a sequence
 drafts only where it can catch up on k + 1 tokens (Scheduler._num_spec_tokens): a probe after a
@@ -120,6 +122,8 @@ class AdaptiveSpeculation:
         if self._exploring:
             best = min(untried, key=lambda k: (k > 0, -rate[k]))  # k = 0: the reference
             self._tries[bucket, best] = self._tries.get((bucket, best), 0) + 1
+        elif self._probing and not self._chosen:  # drafting is off here: whether it pays
+            best = min(self.shapes.spec_ks)  # again, at the cheapest drafting step's price
         elif self._probing:  # the k measured longest ago at this bucket
             last = {k: self._last_measured.get((bucket, k), -1) for k in rate}
             best = min(rate, key=lambda k: (last[k], k == 0, -rate[k]))

@@ -379,3 +379,14 @@ def test_a_batch_of_a_new_size_prefills_drafts_as_its_own_bucket_chooses(tmp_pat
     assert simulate(policy, 1, 50, accepted=4, seconds=table)[-1] == 4 and policy.drafts_pay
     assert policy.choose(32) == 0 and policy._exploring
     assert not policy.drafts_pay
+
+
+def test_while_drafting_is_off_a_probe_drafts_the_smallest_k(tmp_path) -> None:
+    """No draft is accepted: the policy drafts nothing but its probes, and each probe runs the
+    cheapest drafting step (k = 2: the demo pair's k = 4 probe at batch 32 on torch cost ~4 % of
+    a batch, k = 2 about half that) rather than the k measured longest ago."""
+    truth = lambda k, s: 1.0 + 0.6 * k  # noqa: E731
+    policy = policy_for(tmp_path, truth, draft_model=False)
+    chosen = simulate(policy, 32, 300, accepted=0, seconds=truth)
+    probes = [k for k in chosen[-128:] if k]
+    assert probes == [2] * (128 // policy.PROBE_EVERY)

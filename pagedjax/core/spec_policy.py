@@ -190,9 +190,9 @@ class AdaptiveSpeculation:
         """The estimate of t(k) at this bucket: the decayed mean of this cell's measured steps,
         for k > 0 scaled by how t(0) at the bucket moved since the cell was last measured;
         before any, the table's, corrected by the error this k's measured cells showed."""
-        total, weight = self._measured.get((bucket, k), (0.0, 0.0))
-        if weight:
-            return total / weight * self._drift(bucket, k)
+        mean = self._mean(bucket, k)
+        if mean is not None:
+            return mean * self._drift(bucket, k)
         error_sum, error_weight = self._log_error.get(k, (0.0, 0.0))
         return self.costs[bucket][k] * math.exp(error_sum / error_weight if error_weight else 0.0)
 
@@ -204,9 +204,13 @@ class AdaptiveSpeculation:
         samples (observe), so a time measured on longer prompts would decide on shorter ones
         (the demo pair on jax, batch 32: t(4) 40 ms measured on code, 28-30 ms on chat turns,
         where k = 0 runs in 8.5 ms against 12.8)."""
-        then = self._t0_then.get((bucket, k))
-        total, weight = self._measured.get((bucket, 0), (0.0, 0.0))
-        return total / weight / then if then and weight else 1.0
+        then, now = self._t0_then.get((bucket, k)), self._mean(bucket, 0)
+        return now / then if then and now else 1.0
+
+    def _mean(self, bucket: int, k: int) -> float | None:
+        """The decayed mean of the cell's measured steps (None before any)."""
+        total, weight = self._measured.get((bucket, k), (0.0, 0.0))
+        return total / weight if weight else None
 
     # ---- learning ------------------------------------------------------------------------
 
@@ -262,9 +266,9 @@ class AdaptiveSpeculation:
         decay = self.TIME_DECAY * self.AGE_DECAY ** age
         drift = self._drift(bucket, k)  # the cell's earlier steps, at today's t(0)
         self._measured[bucket, k] = (total * drift * decay + seconds, weight * decay + 1)
-        t0_total, t0_weight = self._measured.get((bucket, 0), (0.0, 0.0))
-        if k and t0_weight:
-            self._t0_then[bucket, k] = t0_total / t0_weight
+        t0 = self._mean(bucket, 0)
+        if k and t0:
+            self._t0_then[bucket, k] = t0
         self._last_measured[bucket, k] = self._num_observed
         error_sum, error_weight = self._log_error.get(k, (0.0, 0.0))
         self._log_error[k] = (error_sum * self.TIME_DECAY

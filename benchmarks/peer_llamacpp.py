@@ -157,7 +157,8 @@ def measure(system: str, path: str, decode_tokens: int, seed: int) -> dict:
 
 def text_perplexity(backend: str, quantization: str | None, path: str) -> float:
     """Perplexity of tests/data's public-domain English text, in chunks of 16 tokens: a decode
-    step's path (quantized: x's rows in int8 blocks, integer dots), not the prefill's."""
+    step's path (quantized: x's rows in int8 blocks, two planes against Q4, integer dots), not
+    the prefill's."""
     from pagedjax import LLM
     from pagedjax.benchmarks.quality import perplexity
 

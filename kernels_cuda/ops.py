@@ -294,7 +294,8 @@ def quant_linear(
     bias: torch.Tensor | None,  # [N]
 ) -> torch.Tensor:  # [M, N]
     """x @ W^T (+ bias) on the CPU with W kept in blocks and x's rows quantized to int8 blocks
-    (the C++ op; the float32 product of the dequantized weights when it is not built)."""
+    (16-bit ones, two int8 planes, against Q4 blocks) and integer dots (the C++ op; the float32
+    product of the dequantized weights when it is not built)."""
     if ops_backend() == "reference":
         return reference.quant_linear(x, blocks, qtype, bias)
     return torch.ops.pagedjax.quant_linear(x, blocks, qtype, bias)

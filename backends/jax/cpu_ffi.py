@@ -206,7 +206,7 @@ def quant_linear(x: jax.Array, blocks: jax.Array, in_features: int,
     """x [..., in] @ W^T → [..., out] float32, W [out, in] kept as GGML blocks (uint8
     [out, in / 32 * block bytes] or interleaved, backends/common/quantization.py; the type and
     layout read from their shape) by the torch op pagedjax::quant_linear's kernel: x's rows
-    quantized to int8 blocks, integer dots.
+    quantized to int8 blocks (16-bit, two planes, against Q4 blocks), integer dots.
     num_rows: as `linear`'s. Call `available()` first."""
     if x.dtype != jnp.float32 or blocks.dtype != jnp.uint8:
         raise ValueError(f"the C++ CPU quant_linear takes float32 x and uint8 blocks; got x "

@@ -175,16 +175,20 @@ def test_decoder_layer_is_the_torch_ops_bit_for_bit(first: bool) -> None:
     np.testing.assert_array_equal(got[3], t["v_cache"].numpy())
 
 
-def test_a_layer_over_quantized_blocks_is_the_torch_ops_bits() -> None:
+@pytest.mark.parametrize("q_lens,kv_lens", [((1, 1, 9, 4), (17, 1, 9, 30)),
+                                             ((1, 1, 17, 4), (17, 1, 17, 30))])
+def test_a_layer_over_quantized_blocks_is_the_torch_ops_bits(q_lens, kv_lens) -> None:
     """Projections kept as GGML blocks of three types beside a packed one: the FFI layer reads
     them as the torch op does (quantization="int8" / "gguf" on the JAX backend), in GGUF's rows
-    and interleaved in groups of 8 rows (what the backends keep) alike."""
+    and interleaved in groups of 8 rows (what the backends keep) alike; a step of 15 rows (the
+    integer dots) and one of 23 (dequantized tiles). No padding row: the torch op computes one,
+    the FFI layer does not, and the rows of x choose the blocks' path."""
     torch = pytest.importorskip("torch")
     from pagedjax.backends.common import quantization as quant
     from pagedjax.kernels_cuda import ops
 
     c = _case(np.random.default_rng(9), hidden=64, num_q_heads=4, num_kv_heads=2, head_dim=16,
-              intermediate=96, bias=False)
+              intermediate=96, bias=False, q_lens=q_lens, kv_lens=kv_lens, num_padding_rows=0)
     kinds = {"qkv": "Q8_0", "o": "Q4_0", "gate_up": "Q4_1"}  # down stays packed float32
     blocks = {n: quant.QUANTIZERS[kind](c[n].T) for n, kind in kinds.items()}  # [out, bytes]
     got = _run(c, False, None, blocks)

@@ -2,11 +2,14 @@
 (backends/common/quantization.py):
 - the blocks decode as the `gguf` package's own `dequantize` decodes them, ours made by the
   quantizers and the real SmolLM2 file's;
-- the op equals a NumPy model of its integer math exactly (x's rows quantized to int8 blocks,
-  an exact integer dot per block, the same float32 additions in the same order), whatever the
-  rows (a decode step's few, a prompt's many), the blocks' layout (GGUF's rows, or interleaved
-  in groups of 8) and the instructions (AVX-512 VNNI, AVX2);
-- and it approximates float64 math on the dequantized weights as x's quantization allows."""
+- below 16 rows of x (a decode step's) the op equals a NumPy model of its integer math exactly
+  (x's rows quantized to int8 blocks, one row against Q4 weights with an int8 residual plane:
+  16-bit blocks, an exact integer dot per block, the same float32 additions in the same order),
+  whatever the blocks' layout (GGUF's rows, or interleaved in groups of 8) and the instructions
+  (AVX-512 VNNI, AVX2), and approximates float64 math on the dequantized weights as x's
+  quantization allows;
+- from 16 rows (a prompt's) it is the float32 linear over the weights dequantized, bit for
+  bit."""
 
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from pagedjax.kernels_cuda import ops_backend, quant_linear, reference
 pytestmark = pytest.mark.skipif(ops_backend() == "reference", reason="the C++ ops are not built")
 
 FORMATS = ["Q8_0", "Q4_0", "Q4_1", "int8"]
+FLOAT_ROWS = 16  # rows of x from which the blocks take the dequantized tiles (kFloatRows)
 
 
 def random_weight(rng: np.random.Generator, n: int, k: int) -> np.ndarray:
@@ -33,13 +37,19 @@ def random_weight(rng: np.random.Generator, n: int, k: int) -> np.ndarray:
     return w.astype(np.float32)
 
 
-def quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The op's quantization of x [M, K]: int8 q [M, B, 32], scales d and d * sum(q) [M, B]."""
+def quantize_rows(x: np.ndarray, residual: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The op's quantization of x [M, K]: int8 q [M, B, 32] (residual: 256 q + r, r the int8
+    residual plane), its scales d (residual: d / 256) and d * sum(q) [M, B]."""
     m, k = x.shape
     blocks = x.reshape(m, k // 32, 32).astype(np.float32)
     d = np.abs(blocks).max(-1) / np.float32(127)
     inverse = np.where(d != 0, np.float32(1) / np.where(d != 0, d, 1), np.float32(0))
-    q = np.rint(blocks * inverse[..., None].astype(np.float32)).astype(np.int32)
+    y = blocks * inverse[..., None].astype(np.float32)
+    q = np.rint(y).astype(np.int32)
+    if residual:
+        r = np.minimum(np.rint((y - q.astype(np.float32)) * np.float32(256)), 127)
+        q = 256 * q + r.astype(np.int32)
+        d = d / np.float32(256)
     return q, d.astype(np.float32), (d * q.sum(-1).astype(np.float32)).astype(np.float32)
 
 
@@ -48,7 +58,7 @@ def numpy_model(x: np.ndarray, blocks: np.ndarray, qtype: int,
     """The op's arithmetic, step for step (quant_linear_kernel.h's header comment)."""
     m, k = x.shape
     w, dw, mw = quant.unpack(blocks, qtype, k)  # [N, B, 32], [N, B], [N, B]; either layout
-    xq, dx, sx = quantize_rows(x)
+    xq, dx, sx = quantize_rows(x, residual=qtype in (quant.Q4_0, quant.Q4_1) and m == 1)
     n, num_blocks = dw.shape
     # [M, N, B]: each block's integer dot (Q4_0's weights recentred), exact in int32
     dots = np.einsum("nbj,mbj->mnb", w.astype(np.int32), xq)
@@ -117,7 +127,7 @@ def test_the_real_files_blocks_decode_as_gguf_decodes_them() -> None:
 
 @pytest.mark.parametrize("name", FORMATS)
 @pytest.mark.parametrize("rows,k", [(1, 160), (3, 160), (4, 160), (9, 160),
-                                    (31, 2304)])  # 31 x 2304: x quantized in parallel
+                                    (15, 4608)])  # 15 x 4608: x quantized in parallel
 def test_the_op_is_its_integer_math_exactly(name: str, rows: int, k: int) -> None:
     """On GGUF's rows of blocks and interleaved ones alike."""
     rng = np.random.default_rng(rows)
@@ -132,10 +142,13 @@ def test_the_op_is_its_integer_math_exactly(name: str, rows: int, k: int) -> Non
         got = quant_linear(torch.from_numpy(x), torch.from_numpy(layout), qtype,
                            None if bias is None else torch.from_numpy(bias)).numpy()
         np.testing.assert_array_equal(got, expected)
-        # a row's result does not depend on the rows beside it
+        # a row's result does not depend on the rows beside it (Q4: alone, in two planes)
         alone = quant_linear(torch.from_numpy(x[-1:]), torch.from_numpy(layout), qtype,
                              None if bias is None else torch.from_numpy(bias)).numpy()
-        np.testing.assert_array_equal(alone[0], got[-1])
+        if qtype in (quant.Q4_0, quant.Q4_1):
+            np.testing.assert_array_equal(alone, numpy_model(x[-1:], blocks, qtype, bias))
+        else:
+            np.testing.assert_array_equal(alone[0], got[-1])
 
 
 @pytest.mark.parametrize("switch", ["PAGEDJAX_NO_AVX512", "PAGEDJAX_NO_AVX2"])
@@ -143,7 +156,10 @@ def test_avx2_and_the_portable_path_compute_the_same_bits(tmp_path, switch: str)
     """Where the CPU has AVX-512 VNNI the integer dots are dpbusd's; PAGEDJAX_NO_AVX512=1 (a
     fresh process) takes AVX2's maddubs + madd, PAGEDJAX_NO_AVX2=1 the portable C++ a CPU
     without AVX2 runs: the same integers and float additions, so the same bits, in both layouts
-    and every format."""
+    and every format. From 16 rows the blocks take the dequantized tiles (AVX2's shuffles, or
+    the portable rows) into the float32 linear, whose portable blocks round differently (no
+    FMA): there each process's result is its own float32 linear's over the weights
+    dequantized."""
     rng = np.random.default_rng(7)
     cases = []
     for name in FORMATS:
@@ -151,17 +167,27 @@ def test_avx2_and_the_portable_path_compute_the_same_bits(tmp_path, switch: str)
         qtype = quant.QTYPE_OF[name]
         for layout in (blocks, quant.interleave_rows(blocks, qtype)):
             cases.append((torch.from_numpy(layout), qtype))
-    x = torch.from_numpy(rng.standard_normal((6, 192)).astype(np.float32))
-    torch.save((x, cases), tmp_path / "cases.pt")
+    xs = [torch.from_numpy(rng.standard_normal((m, 192)).astype(np.float32)) for m in (1, 6, 20)]
+    torch.save((xs, cases), tmp_path / "cases.pt")
     script = ("import sys, torch\n"
-              "from pagedjax.kernels_cuda import quant_linear\n"
-              "x, cases = torch.load(sys.argv[1])\n"
-              "torch.save([quant_linear(x, b, q, None) for b, q in cases], sys.argv[2])\n")
+              "from pagedjax.kernels_cuda import linear, pack_linear_weight, quant_linear\n"
+              "xs, cases = torch.load(sys.argv[1])\n"
+              "def dense(x, b, q):\n"
+              "    w = torch.ops.pagedjax.dequantize(b, q, x.shape[1])\n"
+              "    return linear(x, pack_linear_weight(w.T.contiguous()), None, w.shape[0])\n"
+              "torch.save([(quant_linear(x, b, q, None), dense(x, b, q)) for x in xs"
+              " for b, q in cases], sys.argv[2])\n")
     env = {**os.environ, switch: "1"}
     subprocess.run([sys.executable, "-c", script, str(tmp_path / "cases.pt"),
                     str(tmp_path / "other.pt")], env=env, check=True)
-    for (blocks, qtype), other in zip(cases, torch.load(tmp_path / "other.pt"), strict=True):
-        assert torch.equal(quant_linear(x, blocks, qtype, None), other)
+    ours = [(x, qtype, quant_linear(x, blocks, qtype, None)) for x in xs
+            for blocks, qtype in cases]
+    for (x, qtype, mine), (other, dense) in zip(ours, torch.load(tmp_path / "other.pt"),
+                                                strict=True):
+        if x.shape[0] >= FLOAT_ROWS:
+            assert torch.equal(other, dense)
+        else:
+            assert torch.equal(mine, other)
 
 
 @pytest.mark.parametrize("name", FORMATS)
@@ -206,20 +232,24 @@ def test_the_pure_torch_fallback_reads_gguf_rows(monkeypatch) -> None:
 
 @pytest.mark.parametrize("name", FORMATS)
 def test_the_op_approximates_float64_math_on_the_dequantized_weights(name: str) -> None:
-    """x's int8 blocks are within half a step (max|x_block| / 254) of x: the error of a dot is
-    at most the sum over blocks of that step times the block's sum of |w|."""
+    """x's int8 blocks are within half a step (max|x_block| / 254) of x, one row's 16-bit ones
+    against Q4 within 1/256 of a step (max|x_block| / (127 * 256), a residual clamped at 127
+    included): the error of a dot is at most the sum over blocks of that bound times the
+    block's sum of |w|."""
     rng = np.random.default_rng(1)
     n, k = 64, 256
     blocks = quant.QUANTIZERS[name](random_weight(rng, n, k))
     qtype = quant.QTYPE_OF[name]
     w = quant.dequantize(blocks, qtype, k).astype(np.float64)
-    x = rng.standard_normal((5, k)).astype(np.float32)
-    got = quant_linear(torch.from_numpy(x), torch.from_numpy(blocks), qtype, None).numpy()
-    exact = x.astype(np.float64) @ w.T
-    step = np.abs(x.reshape(5, -1, 32)).max(-1) / 254  # [M, B]
-    bound = step @ np.abs(w).reshape(n, -1, 32).sum(-1).T  # [M, N]
-    assert (np.abs(got - exact) <= bound * 1.001 + 1e-5).all()
-    assert np.abs(got - exact).max() > 0  # x was quantized (not the float product)
+    for rows in (5, 1):
+        x = rng.standard_normal((rows, k)).astype(np.float32)
+        got = quant_linear(torch.from_numpy(x), torch.from_numpy(blocks), qtype, None).numpy()
+        exact = x.astype(np.float64) @ w.T
+        fine = name in ("Q4_0", "Q4_1") and rows == 1
+        step = np.abs(x.reshape(rows, -1, 32)).max(-1) / (127 * 256 if fine else 254)  # [M, B]
+        bound = step @ np.abs(w).reshape(n, -1, 32).sum(-1).T  # [M, N]
+        assert (np.abs(got - exact) <= bound * 1.001 + 1e-5).all()
+        assert np.abs(got - exact).max() > 0  # x was quantized (not the float product)
 
 
 def test_bad_arguments_name_the_fix() -> None:
@@ -236,21 +266,30 @@ def test_bad_arguments_name_the_fix() -> None:
 
 
 @pytest.mark.parametrize("name", FORMATS)
-@pytest.mark.parametrize("rows,n", [(33, 40), (130, 2000)])
-def test_a_prompts_many_rows_are_the_same_integer_math(name: str, rows: int, n: int) -> None:
-    """A prefill's rows take the integer dots too (they cost less a row than the float32 linear
-    over weights dequantized once a call, at every row count measured: RESULTS.md)."""
-    rng = np.random.default_rng(n)
-    k = 576
+@pytest.mark.parametrize("rows,n,k", [(FLOAT_ROWS, 40, 576), (33, 2000, 576), (130, 48, 1536),
+                                      (7, 40, 576)])
+def test_a_prompts_many_rows_are_the_dequantized_linear(name: str, rows: int, n: int,
+                                                        k: int) -> None:
+    """From 16 rows of x (a prompt's), the blocks are dequantized a tile at a time into the
+    float32 linear's layout: the same bits as pagedjax::linear over the weights dequantized,
+    packed once, in both layouts (a last tile of 8 rows, n = 40, included); below 16 rows, the
+    integer dots."""
+    from pagedjax.kernels_cuda import linear, pack_linear_weight
+
+    rng = np.random.default_rng(rows + n)
     blocks = quant.QUANTIZERS[name](random_weight(rng, n, k))
     qtype = quant.QTYPE_OF[name]
-    x = rng.standard_normal((rows, k)).astype(np.float32)
-    bias = rng.standard_normal(n).astype(np.float32)
-    expected = numpy_model(x, blocks, qtype, bias)
-    grouped = quant.interleave_rows(blocks, qtype)
-    got = quant_linear(torch.from_numpy(x), torch.from_numpy(grouped), qtype,
-                       torch.from_numpy(bias)).numpy()
-    np.testing.assert_array_equal(got, expected)
+    x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32))
+    bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
+    dequantized = torch.ops.pagedjax.dequantize(torch.from_numpy(blocks), qtype, k)  # [n, k]
+    expected = linear(x, pack_linear_weight(dequantized.T.contiguous()), bias, n)
+    for layout in (blocks, quant.interleave_rows(blocks, qtype)):
+        got = quant_linear(x, torch.from_numpy(layout), qtype, bias)
+        if rows >= FLOAT_ROWS:
+            assert torch.equal(got, expected)
+        else:
+            np.testing.assert_array_equal(got.numpy(), numpy_model(x.numpy(), blocks, qtype,
+                                                                   bias.numpy()))
 
 
 @pytest.mark.parametrize("name", FORMATS)

@@ -4,10 +4,14 @@
 // `#pragma GCC target`, so that every intrinsic inlines into the kernel that calls it. No
 // include guard or #pragma once, on purpose. dot_add(lanes, u, x): lanes + the 4-byte dots of
 // unsigned u and signed x, exact. QT: the blocks' type (a template argument: no branch on it
-// inside the loops).
+// inside the loops). Fine: x comes in two planes (q, and the residual r: quant_linear_kernel.h;
+// Q4 only), each dotted with the same unpacked weights: I = 256 (u . q) + u . r. A Q4 block's dots
+// accumulate as pairs (pair_add: AVX2's maddubs summed in int16, exact: 8 pairs of at most
+// 2 x 15 x 128 each, widened to int32 once a block; dpbusd's int32 as they are), Q8_0's with
+// dot_add (its pairs reach 2 x 127 x 127).
 
 // Plain rows: one weight row against MR rows of x (a horizontal sum per block and row).
-template <int64_t QT, int MR>
+template <int64_t QT, int MR, bool Fine>
 __attribute__((optimize("fp-contract=off"))) void dot_rows(
     const Blocks& w, int64_t n, const QuantizedRow* xs, float* y) {
   float acc[MR], off[MR];
@@ -36,7 +40,12 @@ __attribute__((optimize("fp-contract=off"))) void dot_rows(
     for (int r = 0; r < MR; ++r) {
       __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs[r].q + b * kBlock));
       if constexpr (QT == kQ8_0) x = _mm256_sign_epi8(x, sign);
-      const __m256i lanes = dot_add(_mm256_setzero_si256(), u, x);
+      __m256i lanes = dot_add(_mm256_setzero_si256(), u, x);
+      if constexpr (Fine) {  // 256 (u . q) + u . r, lane by lane
+        const __m256i residual =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs[r].r + b * kBlock));
+        lanes = dot_add(_mm256_slli_epi32(lanes, 8), u, residual);
+      }
       __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(lanes), _mm256_extracti128_si256(lanes, 1));
       s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
       s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
@@ -59,7 +68,7 @@ __attribute__((optimize("fp-contract=off"))) void dot_rows(
 // them (lane i: row i's dot), then the block's float step for the 8 rows at once. A row of x
 // sums its block in P partial lanes (integers: any order gives the same sum), so that few rows
 // do not wait on one chain of dpbusd latencies.
-template <int64_t QT, int MR>
+template <int64_t QT, int MR, bool Fine>
 __attribute__((optimize("fp-contract=off"))) void dot_group(
     const Blocks& w, int64_t g, const QuantizedRow* xs, float* y) {
   constexpr int P = MR == 1 ? 4 : MR == 2 ? 2 : 1;
@@ -72,9 +81,9 @@ __attribute__((optimize("fp-contract=off"))) void dot_group(
   for (int64_t b = 0; b < num_blocks; ++b, chunk += chunk_bytes) {
     const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk)));
     const uint8_t* quants = chunk + (QT == kQ4_1 ? 32 : 16);
-    __m256i lanes[MR][P];
+    __m256i lanes[MR][P], fine[MR][P];  // fine: the residual plane's dots (Q4)
     for (int r = 0; r < MR; ++r)
-      for (int p = 0; p < P; ++p) lanes[r][p] = _mm256_setzero_si256();
+      for (int p = 0; p < P; ++p) lanes[r][p] = fine[r][p] = _mm256_setzero_si256();
     if constexpr (QT == kQ8_0) {
 #pragma GCC unroll 8
       for (int t = 0; t < 8; ++t) {  // quad t of the 8 rows
@@ -99,16 +108,32 @@ __attribute__((optimize("fp-contract=off"))) void dot_group(
           int32_t lo, hi;
           std::memcpy(&lo, xs[r].q + b * kBlock + 4 * t, 4);
           std::memcpy(&hi, xs[r].q + b * kBlock + 16 + 4 * t, 4);
-          lanes[r][(2 * t) % P] = dot_add(lanes[r][(2 * t) % P], low, _mm256_set1_epi32(lo));
-          lanes[r][(2 * t + 1) % P] =
-              dot_add(lanes[r][(2 * t + 1) % P], high, _mm256_set1_epi32(hi));
+          const int p = (2 * t) % P, p1 = (2 * t + 1) % P;
+          lanes[r][p] = pair_add(lanes[r][p], low, _mm256_set1_epi32(lo));
+          lanes[r][p1] = pair_add(lanes[r][p1], high, _mm256_set1_epi32(hi));
+          if constexpr (Fine) {
+            std::memcpy(&lo, xs[r].r + b * kBlock + 4 * t, 4);
+            std::memcpy(&hi, xs[r].r + b * kBlock + 16 + 4 * t, 4);
+            fine[r][p] = pair_add(fine[r][p], low, _mm256_set1_epi32(lo));
+            fine[r][p1] = pair_add(fine[r][p1], high, _mm256_set1_epi32(hi));
+          }
         }
       }
     }
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
       __m256i dot = lanes[r][0];
-      for (int p = 1; p < P; ++p) dot = _mm256_add_epi32(dot, lanes[r][p]);
+      if constexpr (QT == kQ8_0) {
+        for (int p = 1; p < P; ++p) dot = _mm256_add_epi32(dot, lanes[r][p]);
+      } else {
+        __m256i residual = fine[r][0];
+        for (int p = 1; p < P; ++p) {
+          dot = pairs_sum(dot, lanes[r][p]);
+          if constexpr (Fine) residual = pairs_sum(residual, fine[r][p]);
+        }
+        dot = widen(dot);
+        if constexpr (Fine) dot = _mm256_add_epi32(_mm256_slli_epi32(dot, 8), widen(residual));
+      }
       if constexpr (QT == kQ4_0) dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(8 * xs[r].sum[b]));
       const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(xs[r].d[b]));
       acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(scale, _mm256_cvtepi32_ps(dot)));

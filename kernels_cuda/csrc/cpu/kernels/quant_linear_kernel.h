@@ -22,7 +22,22 @@
 // and madd, or AVX-512 VNNI's dpbusd: the same integers). Then per block, in block order:
 // acc = acc + (d_w * d_x) * float(I) (no fused multiply-add, so NumPy can replay it:
 // tests/kernels/test_quant_linear.py), Q4_1's off = off + m_w * s_x, and y = (acc + off) + bias.
-// Every element is computed the same way for any M, layout, thread split or row group.
+// Every element is computed the same way for any layout, thread split or row group, and for any
+// M within one of the ranges below.
+//
+// x's int8 rounding alone moves a model's perplexity by 0.5-2 % (RESULTS.md), where a Q4 file
+// may lose +0.5 % against itself dequantized and int8 +1 % against float32. So by rows of x:
+// - 16 rows or more (prompts): no rounding of x. The weights are dequantized a tile at a time
+//   into the float32 linear (dequantized_linear below): the dequantized model's bits, at about
+//   the float32 linear's speed;
+// - 2 to 15 rows (batched decode steps): the integer dots above, llama.cpp's numerics;
+// - one row against Q4 blocks (a batch-1 decode step): x in 16-bit blocks, held as two int8
+//   planes, q and a residual r = round-half-even(256 (x / d_x - q)) (clamped to int8), so that
+//   x = (d_x / 256) (256 q + r) within d_x / 512. A block's dot is I = 256 (q_w . q) + q_w . r:
+//   two int8 dots of the same unpacked weights, still exact (|I| < 2^24 also converts to float
+//   exactly), with d_x / 256 and sum(256 q + r) as the block's scale and sum. At one row it
+//   costs about what one plane does; at 2-15 rows, whose time the dots bound, it would double
+//   them. Q8_0's one row keeps one plane (its pairs do not fit the int16 sums; within +1 %).
 #pragma once
 
 #include <algorithm>
@@ -32,6 +47,7 @@
 #include <vector>
 
 #include "cpu_features.h"
+#include "linear_cpu_kernel.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -85,42 +101,81 @@ inline float load_half(const uint8_t* p) {
   return half_to_float(h);
 }
 
-// One row of x as blocks of 32 int8: q [K], and per block its scale d, sum(q) and d * sum(q).
+// One row of x as blocks of 32 int8: q [K], r [K] (the residual plane, or null), and per block
+// its scale d, its sum and d * sum (one plane: d_x and sum(q); two: d_x / 256 and
+// sum(256 q + r)).
 struct QuantizedRow {
   const int8_t* q;
+  const int8_t* r;
   const float* d;
   const int32_t* sum;
   const float* s;
 };
 
-// x[K] (K a multiple of 32) → q, d, sum, s (see QuantizedRow).
-inline void quantize_row(const float* x, int64_t K, int8_t* q, float* d, int32_t* sums,
-                         float* s) {
+// Q4 blocks: one row of x meets them in two planes (see the header comment).
+inline bool is_q4(int64_t qtype) { return qtype == kQ4_0 || qtype == kQ4_1; }
+
+// Block b's scale, sum and d * sum from its max|x| and its planes' sums (r: null for one plane).
+inline void finish_block(float scale, int32_t sum_q, int32_t sum_r, bool residual, float* d,
+                         int32_t* sums, float* s) {
+  *d = residual ? scale / 256.f : scale;
+  *sums = residual ? 256 * sum_q + sum_r : sum_q;
+  *s = *d * static_cast<float>(*sums);
+}
+
+// x[K] (K a multiple of 32) → q, r (if not null), d, sum, s (see QuantizedRow).
+inline void quantize_row(const float* x, int64_t K, int8_t* q, int8_t* r, float* d,
+                         int32_t* sums, float* s) {
   for (int64_t b = 0; b < K / kBlock; ++b) {
     const float* xb = x + b * kBlock;
     float amax = 0.f;
     for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(xb[j]));
     const float scale = amax / 127.f;
     const float inverse = scale != 0.f ? 1.f / scale : 0.f;
-    int32_t sum = 0;
+    int32_t sum_q = 0, sum_r = 0;
     for (int j = 0; j < kBlock; ++j) {
-      const int32_t v = static_cast<int32_t>(std::nearbyint(xb[j] * inverse));
+      const float y = xb[j] * inverse;
+      const float v = std::nearbyint(y);
       q[b * kBlock + j] = static_cast<int8_t>(v);
-      sum += v;
+      sum_q += static_cast<int32_t>(v);
+      if (r) {  // y - v is exact (|y - v| <= 1/2 and v is y rounded): so is 256 (y - v)
+        const int32_t e = std::min(127, static_cast<int32_t>(std::nearbyint((y - v) * 256.f)));
+        r[b * kBlock + j] = static_cast<int8_t>(e);
+        sum_r += e;
+      }
     }
-    d[b] = scale;
-    sums[b] = sum;
-    s[b] = scale * static_cast<float>(sum);
+    finish_block(scale, sum_q, sum_r, r != nullptr, d + b, sums + b, s + b);
   }
 }
 
 #if defined(__x86_64__)
+// 32 int32 → 32 int8 in order, saturating (packs interleave 128-bit lanes: permute back), and
+// their sum.
+__attribute__((target("avx2"))) inline int32_t pack_block(const __m256i ints[4], int8_t* out) {
+  const __m256i lo = _mm256_packs_epi32(ints[0], ints[1]);
+  const __m256i hi = _mm256_packs_epi32(ints[2], ints[3]);
+  const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(lo, hi),
+                                                    _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), bytes);
+  // the stored bytes' sum (a clamped residual counts as stored): widen and add
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i wide = _mm256_add_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(bytes)),
+                                        _mm256_cvtepi8_epi16(_mm256_extracti128_si256(bytes, 1)));
+  const __m256i sum = _mm256_madd_epi16(wide, ones);
+  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+  return _mm_cvtsi128_si32(s4);
+}
+
 // quantize_row with AVX2, the same bits: max|x| over the block, the same float32 scale and
-// inverse, x * inverse rounded half to even (the default rounding mode, as nearbyint).
+// inverse, x * inverse rounded half to even (the default rounding mode, as nearbyint), and the
+// residual from the same float differences.
 __attribute__((target("avx2"))) inline void quantize_row_avx2(const float* x, int64_t K,
-                                                              int8_t* q, float* d,
+                                                              int8_t* q, int8_t* r, float* d,
                                                               int32_t* sums, float* s) {
   const __m256 sign = _mm256_set1_ps(-0.f);
+  constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   for (int64_t b = 0; b < K / kBlock; ++b) {
     const float* xb = x + b * kBlock;
     __m256 v[4];
@@ -135,37 +190,30 @@ __attribute__((target("avx2"))) inline void quantize_row_avx2(const float* x, in
     const float scale = _mm_cvtss_f32(m) / 127.f;
     const float inverse = scale != 0.f ? 1.f / scale : 0.f;
     const __m256 inv = _mm256_set1_ps(inverse);
-    __m256i ints[4];
-    __m256i sum = _mm256_setzero_si256();
+    __m256i ints[4], residuals[4];
     for (int i = 0; i < 4; ++i) {
-      const __m256 r = _mm256_round_ps(_mm256_mul_ps(v[i], inv),
-                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-      ints[i] = _mm256_cvtps_epi32(r);
-      sum = _mm256_add_epi32(sum, ints[i]);
+      const __m256 y = _mm256_mul_ps(v[i], inv);
+      const __m256 rounded = _mm256_round_ps(y, kRound);
+      ints[i] = _mm256_cvtps_epi32(rounded);
+      if (r) {
+        const __m256 e = _mm256_mul_ps(_mm256_sub_ps(y, rounded), _mm256_set1_ps(256.f));
+        residuals[i] = _mm256_cvtps_epi32(_mm256_round_ps(e, kRound));
+      }
     }
-    // int32 x 32 → int8 x 32 in order (packs interleave 128-bit lanes: permute back)
-    const __m256i lo = _mm256_packs_epi32(ints[0], ints[1]);
-    const __m256i hi = _mm256_packs_epi32(ints[2], ints[3]);
-    const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(lo, hi),
-                                                      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * kBlock), bytes);
-    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
-    d[b] = scale;
-    sums[b] = _mm_cvtsi128_si32(s4);
-    s[b] = scale * static_cast<float>(sums[b]);
+    const int32_t sum_q = pack_block(ints, q + b * kBlock);
+    const int32_t sum_r = r ? pack_block(residuals, r + b * kBlock) : 0;
+    finish_block(scale, sum_q, sum_r, r != nullptr, d + b, sums + b, s + b);
   }
 }
 #endif
 
-// x[K] → q, d, sum, s with the CPU's fastest version (the same bits).
-inline void quantize_row_fast(const float* x, int64_t K, int8_t* q, float* d, int32_t* sums,
-                              float* s) {
+// x[K] → q, r (if not null), d, sum, s with the CPU's fastest version (the same bits).
+inline void quantize_row_fast(const float* x, int64_t K, int8_t* q, int8_t* r, float* d,
+                              int32_t* sums, float* s) {
 #if defined(__x86_64__)
-  if (cpu_has_avx2_fma()) return quantize_row_avx2(x, K, q, d, sums, s);
+  if (cpu_has_avx2_fma()) return quantize_row_avx2(x, K, q, r, d, sums, s);
 #endif
-  quantize_row(x, K, q, d, sums, s);
+  quantize_row(x, K, q, r, d, sums, s);
 }
 
 // ---- Layouts ---------------------------------------------------------------------------------
@@ -256,8 +304,12 @@ __attribute__((optimize("fp-contract=off"))) void dot_scalar(const Blocks& w, in
       read_block(w, n + i, b, q, &dw, &mw);
       for (int r = 0; r < MR; ++r) {
         const int8_t* xq = xs[r].q + b * kBlock;
+        const int8_t* xr = xs[r].r ? xs[r].r + b * kBlock : nullptr;
         int32_t dot = 0;
-        for (int j = 0; j < kBlock; ++j) dot += int32_t{q[j]} * int32_t{xq[j]};
+        for (int j = 0; j < kBlock; ++j) {
+          const int32_t x = xr ? 256 * int32_t{xq[j]} + int32_t{xr[j]} : int32_t{xq[j]};
+          dot += int32_t{q[j]} * x;
+        }
         const float scale = dw * xs[r].d[b];
         const float product = scale * static_cast<float>(dot);
         acc[r] = acc[r] + product;
@@ -278,9 +330,14 @@ __attribute__((optimize("fp-contract=off"))) void dot_scalar(const Blocks& w, in
 #pragma GCC push_options
 #pragma GCC target("avx2,f16c")
 namespace avx2 {
+// pairs: 16 int16 lanes, each the sum of 2-byte dots (exact while the sums fit: the caller's)
+inline __m256i pair_add(__m256i pairs, __m256i u, __m256i x) {
+  return _mm256_add_epi16(pairs, _mm256_maddubs_epi16(u, x));
+}
+inline __m256i pairs_sum(__m256i a, __m256i b) { return _mm256_add_epi16(a, b); }
+inline __m256i widen(__m256i pairs) { return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)); }
 inline __m256i dot_add(__m256i lanes, __m256i u, __m256i x) {
-  const __m256i pairs = _mm256_maddubs_epi16(u, x);
-  return _mm256_add_epi32(lanes, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+  return _mm256_add_epi32(lanes, widen(_mm256_maddubs_epi16(u, x)));
 }
 #include "quant_dot_x86.h"  // NOLINT(build/include): twice, on purpose
 }  // namespace avx2
@@ -289,6 +346,12 @@ inline __m256i dot_add(__m256i lanes, __m256i u, __m256i x) {
 #pragma GCC push_options
 #pragma GCC target("avx2,f16c,avx512f,avx512vl,avx512vnni")
 namespace vnni {
+// dpbusd sums each lane's 4-byte dots in int32 at once: "pairs" are int32 lanes here
+inline __m256i pair_add(__m256i pairs, __m256i u, __m256i x) {
+  return _mm256_dpbusd_epi32(pairs, u, x);
+}
+inline __m256i pairs_sum(__m256i a, __m256i b) { return _mm256_add_epi32(a, b); }
+inline __m256i widen(__m256i pairs) { return pairs; }
 inline __m256i dot_add(__m256i lanes, __m256i u, __m256i x) {
   return _mm256_dpbusd_epi32(lanes, u, x);
 }
@@ -298,39 +361,162 @@ inline __m256i dot_add(__m256i lanes, __m256i u, __m256i x) {
 #endif
 
 // Weight rows [n, n + NR) (NR: 1, or kGroup from an interleaved group's first row) against MR
-// rows of x, with the CPU's fastest version: y[r * NR + i].
-template <int64_t QT, int MR, int NR>
+// rows of x (Fine: in two planes), with the CPU's fastest version: y[r * NR + i].
+template <int64_t QT, int MR, int NR, bool Fine>
 void dot_of(const Blocks& w, int64_t n, const QuantizedRow* xs, float* y) {
 #if defined(__x86_64__)
   if (cpu_has_avx2_f16c()) {
     const bool vnni = cpu_has_avx512_vnni();
     if constexpr (NR == kGroup) {
-      return vnni ? vnni::dot_group<QT, MR>(w, n / kGroup, xs, y)
-                  : avx2::dot_group<QT, MR>(w, n / kGroup, xs, y);
+      return vnni ? vnni::dot_group<QT, MR, Fine>(w, n / kGroup, xs, y)
+                  : avx2::dot_group<QT, MR, Fine>(w, n / kGroup, xs, y);
     } else {
-      return vnni ? vnni::dot_rows<QT, MR>(w, n, xs, y) : avx2::dot_rows<QT, MR>(w, n, xs, y);
+      return vnni ? vnni::dot_rows<QT, MR, Fine>(w, n, xs, y)
+                  : avx2::dot_rows<QT, MR, Fine>(w, n, xs, y);
     }
   }
 #endif
   dot_scalar<MR, NR>(w, n, xs, y);
 }
 
+// Two planes come only with Q4 blocks and one row of x (quant_linear): the other kernels are
+// not instantiated.
 template <int MR, int NR>
 void dot(const Blocks& w, int64_t n, const QuantizedRow* xs, float* y) {
+  const bool fine = MR == 1 && xs[0].r != nullptr;
   switch (w.qtype) {
-    case kQ8_0: return dot_of<kQ8_0, MR, NR>(w, n, xs, y);
-    case kQ4_0: return dot_of<kQ4_0, MR, NR>(w, n, xs, y);
-    default: return dot_of<kQ4_1, MR, NR>(w, n, xs, y);
+    case kQ8_0: return dot_of<kQ8_0, MR, NR, false>(w, n, xs, y);
+    case kQ4_0:
+      return fine ? dot_of<kQ4_0, 1, NR, true>(w, n, xs, y)
+                  : dot_of<kQ4_0, MR, NR, false>(w, n, xs, y);
+    default:
+      return fine ? dot_of<kQ4_1, 1, NR, true>(w, n, xs, y)
+                  : dot_of<kQ4_1, MR, NR, false>(w, n, xs, y);
   }
+}
+
+// ---- Many rows against Q4: the weights dequantized a tile at a time -------------------------
+//
+// From kFloatRows rows of x, the blocks take the float32 linear's path: each thread dequantizes
+// 16 weight rows into a packed tile (the layout pack_linear_weight gives the dequantized
+// weights) and runs cpu_linear's register blocks over every row of x. Its products are then the
+// dequantized model's linear's, bit for bit, at about the float32 linear's speed (Q4: 0.9x the
+// int8 dots' with AVX2 at 128 rows, where two int8 planes would cost ~1.7x: RESULTS.md).
+constexpr int64_t kTileRows = cpu_linear::kTile;  // weight rows of a packed tile
+constexpr int64_t kFloatRows = 16;                 // rows of x from which they take it
+
+#if defined(__x86_64__)
+// Interleaved group g's 8 rows into columns [0, 8) of a packed tile (16 floats a k): quad t of
+// the 8 rows is one 32-byte load (lane r: row r's bytes 4t..4t+3): Q8_0's weights 4t..4t+3, Q4's
+// low nibbles weights 4t..4t+3 and high ones 16 + 4t... A byte shuffle and a dword permutation
+// turn a quad into 8 bytes a weight (rows 0..7), each widened to 8 floats: d * q + m, as
+// dequantize_row computes them.
+template <int64_t QT>
+__attribute__((target("avx2,f16c"))) void dequantize_group_avx2(const Blocks& w, int64_t g,
+                                                                float* tile) {
+  const __m256i low_mask = _mm256_set1_epi8(0x0f);
+  // per 128-bit lane: byte i of dwords 0..3, for i = 0..3 (a 4 x 4 byte transpose)
+  const __m256i by_weight = _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15,
+                                             0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  const __m256i rows_together = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  const __m256i offset = _mm256_set1_epi32(QT == kQ4_0 ? 8 : 0);
+  constexpr int kQuads = QT == kQ8_0 ? 8 : 4, kHalves = QT == kQ8_0 ? 1 : 2;
+  for (int64_t b = 0; b < w.num_blocks(); ++b) {
+    const uint8_t* chunk = w.chunk(g, b);
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk)));
+    const __m256 mw =
+        QT == kQ4_1
+            ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + 16)))
+            : _mm256_setzero_ps();
+    const uint8_t* quants = chunk + (QT == kQ4_1 ? 32 : 16);
+    for (int t = 0; t < kQuads; ++t) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quants + 32 * t));
+      const __m256i halves[2] = {QT == kQ8_0 ? v : _mm256_and_si256(v, low_mask),
+                                 _mm256_and_si256(_mm256_srli_epi16(v, 4), low_mask)};
+      for (int h = 0; h < kHalves; ++h) {
+        // qword i: weight 4t + i (+ 16 for Q4's high nibbles) of rows 0..7
+        const __m256i q = _mm256_permutevar8x32_epi32(
+            _mm256_shuffle_epi8(halves[h], by_weight), rows_together);
+        const __m128i pairs[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
+        for (int i = 0; i < 4; ++i) {
+          const __m128i bytes = i % 2 ? _mm_srli_si128(pairs[i / 2], 8) : pairs[i / 2];
+          const __m256i ints = QT == kQ8_0 ? _mm256_cvtepi8_epi32(bytes)
+                                           : _mm256_sub_epi32(_mm256_cvtepu8_epi32(bytes), offset);
+          const __m256 weights = _mm256_add_ps(_mm256_mul_ps(dw, _mm256_cvtepi32_ps(ints)), mw);
+          _mm256_storeu_ps(tile + (b * kBlock + 16 * h + 4 * t + i) * kTileRows, weights);
+        }
+      }
+    }
+  }
+}
+#endif
+
+// Weight rows [n0, n0 + 16) into a packed tile: tile[k * 16 + j] = W[n0 + j, k] dequantized
+// (dequantize_row's bits), zeros past row N.
+inline void dequantize_tile(const Blocks& w, int64_t n0, int64_t N, float* tile,
+                            std::vector<float>& row) {
+  const int64_t K = w.K;
+  for (int64_t half = 0; half < kTileRows; half += kGroup) {
+    const int64_t n = n0 + half;
+#if defined(__x86_64__)
+    if (w.interleaved && n < N && cpu_has_avx2_f16c()) {
+      switch (w.qtype) {
+        case kQ8_0: dequantize_group_avx2<kQ8_0>(w, n / kGroup, tile + half); break;
+        case kQ4_0: dequantize_group_avx2<kQ4_0>(w, n / kGroup, tile + half); break;
+        default: dequantize_group_avx2<kQ4_1>(w, n / kGroup, tile + half);
+      }
+      continue;
+    }
+#endif
+    row.resize(K);
+    for (int64_t i = 0; i < kGroup; ++i) {
+      if (n + i < N) {
+        dequantize_row(w, n + i, row.data());
+      } else {
+        std::fill(row.begin(), row.end(), 0.f);
+      }
+      for (int64_t k = 0; k < K; ++k) tile[k * kTileRows + half + i] = row[k];
+    }
+  }
+}
+
+// y[M, ldy] (columns [0, N)) = x @ W^T + bias through dequantized tiles (see above), the tiles
+// split across threads. A last tile of 8 rows writes through a scratch (y has no columns past N).
+template <typename Parallel>
+void dequantized_linear(const Parallel& par, const float* x, int64_t ldx, int64_t M,
+                        const Blocks& w, int64_t N, const float* bias, float* y, int64_t ldy) {
+  const int64_t K = w.K, tiles = (N + kTileRows - 1) / kTileRows;
+  par.for_range(tiles, 1, [&](int64_t begin, int64_t end) {
+    static thread_local std::vector<float> tile, row, scratch;
+    tile.resize(K * kTileRows);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n0 = t * kTileRows, width = std::min(kTileRows, N - n0);
+      dequantize_tile(w, n0, N, tile.data(), row);
+      if (width == kTileRows) {
+        cpu_linear::tile_group<1>(x, ldx, M, tile.data(), K, bias ? bias + n0 : nullptr, y + n0,
+                                  ldy, 0, 0, 0);
+        continue;
+      }
+      float padded_bias[kTileRows] = {};
+      if (bias) std::copy(bias + n0, bias + N, padded_bias);
+      scratch.resize(M * kTileRows);
+      cpu_linear::tile_group<1>(x, ldx, M, tile.data(), K, padded_bias, scratch.data(),
+                                kTileRows, 0, 0, 0);
+      for (int64_t m = 0; m < M; ++m)
+        std::copy(scratch.data() + m * kTileRows, scratch.data() + m * kTileRows + width,
+                  y + m * ldy + n0);
+    }
+  });
 }
 
 // ---- The linear ------------------------------------------------------------------------------
 
 constexpr int kRowGroup = 4;  // rows of x per pass over weight rows (read once per group)
 
-// x's M quantized rows (quant_linear's buffers).
+// x's M quantized rows (quant_linear's buffers; residual: null for one plane).
 struct XRows {
   const int8_t* q;
+  const int8_t* residual;
   const float* d;
   const int32_t* sums;
   const float* s;
@@ -338,7 +524,8 @@ struct XRows {
 
   QuantizedRow operator()(int64_t r) const {
     const int64_t num_blocks = K / kBlock;
-    return {q + r * K, d + r * num_blocks, sums + r * num_blocks, s + r * num_blocks};
+    return {q + r * K, residual ? residual + r * K : nullptr, d + r * num_blocks,
+            sums + r * num_blocks, s + r * num_blocks};
   }
 };
 
@@ -367,40 +554,45 @@ void dot_all_rows(const Blocks& w, int64_t n, const XRows& rows, int64_t M, cons
 // K / 32 blocks of qtype, interleaved or not (rows_of_blocks). x is quantized first (M rows,
 // split across threads), then the weight rows (or groups of 8) are split across threads; each
 // runs every group of kRowGroup rows of x against its weight rows (whose bytes stay in L1
-// meanwhile). The integer dots at every M: measured against the float32 linear over the
-// weights dequantized once a call, they cost less a row from 1 to 512 rows, with VNNI and with
-// AVX2 alone (RESULTS.md, benchmarks/probes/quant_linear_rows.py).
+// meanwhile). From kFloatRows rows, the dequantized tiles instead (see the header comment;
+// RESULTS.md, benchmarks/probes/quant_linear_rows.py).
 template <typename Parallel>
 void quant_linear(const Parallel& par, const float* x, int64_t ldx, int64_t M, int64_t qtype,
                   const uint8_t* blocks, bool interleaved, int64_t N, int64_t K,
                   const float* bias, float* y, int64_t ldy) {
   const Blocks w{qtype, blocks, K, interleaved};
+  if (M >= kFloatRows) {
+    return dequantized_linear(par, x, ldx, M, w, N, bias, y, ldy);
+  }
   const int64_t num_blocks = K / kBlock, row_bytes = num_blocks * w.bytes();
   // x's quantized rows, in buffers the calling thread keeps (no allocation per call); the
   // other threads get their addresses (a thread_local named in a lambda is the running
   // thread's own)
-  static thread_local std::vector<int8_t> q_buffer;
+  static thread_local std::vector<int8_t> q_buffer, r_buffer;
   static thread_local std::vector<float> d_buffer, s_buffer;
   static thread_local std::vector<int32_t> sum_buffer;
+  const bool residual = is_q4(qtype) && M == 1;
   q_buffer.resize(std::max<size_t>(q_buffer.size(), M * K));
+  if (residual) r_buffer.resize(std::max<size_t>(r_buffer.size(), M * K));
   d_buffer.resize(std::max<size_t>(d_buffer.size(), M * num_blocks));
   s_buffer.resize(std::max<size_t>(s_buffer.size(), M * num_blocks));
   sum_buffer.resize(std::max<size_t>(sum_buffer.size(), M * num_blocks));
   int8_t* const q = q_buffer.data();
+  int8_t* const r_plane = residual ? r_buffer.data() : nullptr;
   float* const d = d_buffer.data();
   float* const s = s_buffer.data();
   int32_t* const sums = sum_buffer.data();
   auto quantize_rows = [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
-      quantize_row_fast(x + r * ldx, K, q + r * K, d + r * num_blocks, sums + r * num_blocks,
-                        s + r * num_blocks);
+      quantize_row_fast(x + r * ldx, K, q + r * K, r_plane ? r_plane + r * K : nullptr,
+                        d + r * num_blocks, sums + r * num_blocks, s + r * num_blocks);
   };
   if (M * K < 65536) {  // a decode step's few rows: not worth a parallel region
     quantize_rows(0, M);
   } else {
     par.for_range(M, 1, quantize_rows);
   }
-  const XRows rows{q, d, sums, s, K};
+  const XRows rows{q, r_plane, d, sums, s, K};
   const int64_t step = interleaved ? kGroup : 1, units = N / step;
   // ~16 KB of weights a range at least, and every thread busy where N allows
   const int64_t unit_bytes = std::max<int64_t>(1, row_bytes * step);

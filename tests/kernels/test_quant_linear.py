@@ -180,10 +180,8 @@ def test_avx2_and_the_portable_path_compute_the_same_bits(tmp_path, switch: str)
     env = {**os.environ, switch: "1"}
     subprocess.run([sys.executable, "-c", script, str(tmp_path / "cases.pt"),
                     str(tmp_path / "other.pt")], env=env, check=True)
-    ours = [(x, qtype, quant_linear(x, blocks, qtype, None)) for x in xs
-            for blocks, qtype in cases]
-    for (x, qtype, mine), (other, dense) in zip(ours, torch.load(tmp_path / "other.pt"),
-                                                strict=True):
+    ours = [(x, quant_linear(x, blocks, qtype, None)) for x in xs for blocks, qtype in cases]
+    for (x, mine), (other, dense) in zip(ours, torch.load(tmp_path / "other.pt"), strict=True):
         if x.shape[0] >= FLOAT_ROWS:
             assert torch.equal(other, dense)
         else:

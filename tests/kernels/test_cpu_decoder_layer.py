@@ -176,12 +176,12 @@ def test_decoder_layer_is_the_torch_ops_bit_for_bit(first: bool) -> None:
 
 
 @pytest.mark.parametrize("q_lens,kv_lens", [((1, 1, 9, 4), (17, 1, 9, 30)),
-                                             ((1, 1, 17, 4), (17, 1, 17, 30))])
+                                             ((1, 1, 60, 4), (17, 1, 60, 30))])
 def test_a_layer_over_quantized_blocks_is_the_torch_ops_bits(q_lens, kv_lens) -> None:
     """Projections kept as GGML blocks of three types beside a packed one: the FFI layer reads
     them as the torch op does (quantization="int8" / "gguf" on the JAX backend), in GGUF's rows
     and interleaved in groups of 8 rows (what the backends keep) alike; a step of 15 rows (the
-    integer dots) and one of 23 (dequantized tiles). No padding row: the torch op computes one,
+    integer dots) and one of 66 (dequantized tiles). No padding row: the torch op computes one,
     the FFI layer does not, and the rows of x choose the blocks' path."""
     torch = pytest.importorskip("torch")
     from pagedjax.backends.common import quantization as quant

@@ -2,13 +2,13 @@
 (backends/common/quantization.py):
 - the blocks decode as the `gguf` package's own `dequantize` decodes them, ours made by the
   quantizers and the real SmolLM2 file's;
-- below 16 rows of x (a decode step's) the op equals a NumPy model of its integer math exactly
+- below 64 rows of x (a decode step's) the op equals a NumPy model of its integer math exactly
   (x's rows quantized to int8 blocks, one row against Q4 weights with an int8 residual plane:
   16-bit blocks, an exact integer dot per block, the same float32 additions in the same order),
   whatever the blocks' layout (GGUF's rows, or interleaved in groups of 8) and the instructions
   (AVX-512 VNNI, AVX2), and approximates float64 math on the dequantized weights as x's
   quantization allows;
-- from 16 rows (a prompt's) it is the float32 linear over the weights dequantized, bit for
+- from 64 rows (a prompt's) it is the float32 linear over the weights dequantized, bit for
   bit."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pagedjax.kernels_cuda import ops_backend, quant_linear, reference
 pytestmark = pytest.mark.skipif(ops_backend() == "reference", reason="the C++ ops are not built")
 
 FORMATS = ["Q8_0", "Q4_0", "Q4_1", "int8"]
-FLOAT_ROWS = 16  # rows of x from which the blocks take the dequantized tiles (kFloatRows)
+FLOAT_ROWS = 64  # rows of x from which the blocks take the dequantized tiles (kFloatRows)
 
 
 def random_weight(rng: np.random.Generator, n: int, k: int) -> np.ndarray:
@@ -156,7 +156,7 @@ def test_avx2_and_the_portable_path_compute_the_same_bits(tmp_path, switch: str)
     """Where the CPU has AVX-512 VNNI the integer dots are dpbusd's; PAGEDJAX_NO_AVX512=1 (a
     fresh process) takes AVX2's maddubs + madd, PAGEDJAX_NO_AVX2=1 the portable C++ a CPU
     without AVX2 runs: the same integers and float additions, so the same bits, in both layouts
-    and every format. From 16 rows the blocks take the dequantized tiles (AVX2's shuffles, or
+    and every format. From 64 rows the blocks take the dequantized tiles (AVX2's shuffles, or
     the portable rows) into the float32 linear, whose portable blocks round differently (no
     FMA): there each process's result is its own float32 linear's over the weights
     dequantized."""
@@ -167,7 +167,7 @@ def test_avx2_and_the_portable_path_compute_the_same_bits(tmp_path, switch: str)
         qtype = quant.QTYPE_OF[name]
         for layout in (blocks, quant.interleave_rows(blocks, qtype)):
             cases.append((torch.from_numpy(layout), qtype))
-    xs = [torch.from_numpy(rng.standard_normal((m, 192)).astype(np.float32)) for m in (1, 6, 20)]
+    xs = [torch.from_numpy(rng.standard_normal((m, 192)).astype(np.float32)) for m in (1, 6, 70)]
     torch.save((xs, cases), tmp_path / "cases.pt")
     script = ("import sys, torch\n"
               "from pagedjax.kernels_cuda import linear, pack_linear_weight, quant_linear\n"
@@ -264,13 +264,13 @@ def test_bad_arguments_name_the_fix() -> None:
 
 
 @pytest.mark.parametrize("name", FORMATS)
-@pytest.mark.parametrize("rows,n,k", [(FLOAT_ROWS, 40, 576), (33, 2000, 576), (130, 48, 1536),
-                                      (7, 40, 576)])
+@pytest.mark.parametrize("rows,n,k", [(FLOAT_ROWS, 40, 576), (65, 2000, 576), (130, 48, 1536),
+                                      (63, 40, 576)])
 def test_a_prompts_many_rows_are_the_dequantized_linear(name: str, rows: int, n: int,
                                                         k: int) -> None:
-    """From 16 rows of x (a prompt's), the blocks are dequantized a tile at a time into the
+    """From 64 rows of x (a prompt's), the blocks are dequantized a tile at a time into the
     float32 linear's layout: the same bits as pagedjax::linear over the weights dequantized,
-    packed once, in both layouts (a last tile of 8 rows, n = 40, included); below 16 rows, the
+    packed once, in both layouts (a last tile of 8 rows, n = 40, included); below 64 rows, the
     integer dots."""
     from pagedjax.kernels_cuda import linear, pack_linear_weight
 

@@ -27,17 +27,19 @@
 //
 // x's int8 rounding alone moves a model's perplexity by 0.5-2 % (RESULTS.md), where a Q4 file
 // may lose +0.5 % against itself dequantized and int8 +1 % against float32. So by rows of x:
-// - 16 rows or more (prompts): no rounding of x. The weights are dequantized a tile at a time
+// - 64 rows or more (prompts): no rounding of x. The weights are dequantized a tile at a time
 //   into the float32 linear (dequantized_linear below): the dequantized model's bits, at about
-//   the float32 linear's speed;
-// - 2 to 15 rows (batched decode steps): the integer dots above, llama.cpp's numerics;
+//   the float32 linear's speed (with AVX2 1.2x the integer dots' time at 128 rows, 1.6-2x at
+//   16-32: decode steps of up to 63 sequences keep the dots);
+// - 2 to 63 rows (batched decode steps, short prompts): the integer dots above, llama.cpp's
+//   numerics;
 // - one row against Q4 blocks (a batch-1 decode step): x in 16-bit blocks, held as two int8
 //   planes, q and a residual r = round-half-even(256 (x / d_x - q)) (clamped to int8), so that
 //   x = (d_x / 256) (256 q + r) within d_x / 512. A block's dot is I = 256 (q_w . q) + q_w . r:
 //   two int8 dots of the same unpacked weights, still exact (|I| < 2^24 also converts to float
 //   exactly), with d_x / 256 and sum(256 q + r) as the block's scale and sum. At one row it
-//   costs about what one plane does; at 2-15 rows, whose time the dots bound, it would double
-//   them. Q8_0's one row keeps one plane (its pairs do not fit the int16 sums; within +1 %).
+//   costs about what one plane does; at 4-16 rows, whose time the dots bound, 1.5-2x. Q8_0's
+//   one row keeps one plane (its pairs do not fit the int16 sums).
 #pragma once
 
 #include <algorithm>
@@ -400,10 +402,10 @@ void dot(const Blocks& w, int64_t n, const QuantizedRow* xs, float* y) {
 // From kFloatRows rows of x, the blocks take the float32 linear's path: each thread dequantizes
 // 16 weight rows into a packed tile (the layout pack_linear_weight gives the dequantized
 // weights) and runs cpu_linear's register blocks over every row of x. Its products are then the
-// dequantized model's linear's, bit for bit, at about the float32 linear's speed (Q4: 0.9x the
-// int8 dots' with AVX2 at 128 rows, where two int8 planes would cost ~1.7x: RESULTS.md).
+// dequantized model's linear's, bit for bit, at about the float32 linear's speed (Q4 with AVX2
+// at 128 rows: 1.2x the int8 dots' time, two int8 planes ~1.7x: RESULTS.md).
 constexpr int64_t kTileRows = cpu_linear::kTile;  // weight rows of a packed tile
-constexpr int64_t kFloatRows = 16;                 // rows of x from which they take it
+constexpr int64_t kFloatRows = 64;                 // rows of x from which they take it
 
 #if defined(__x86_64__)
 // Interleaved group g's 8 rows into columns [0, 8) of a packed tile (16 floats a k): quad t of

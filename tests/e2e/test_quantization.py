@@ -156,10 +156,10 @@ def test_the_cli_flag() -> None:
 @pytest.mark.real_model
 def test_perplexity_on_english_text(request) -> None:
     """SmolLM2-135M-Instruct on a public-domain English text (tests/data): its Q4_1 blocks
-    within +0.5 % of the same file dequantized to float32, both where the prompt's rows go
-    through dequantized tiles (+0.11 % measured) and where
-    the prompt is read a token a step, each row of x in two int8 planes against the blocks, as a
-    batch-1 decode step's (+0.16 %; one plane gave +0.49 %); int8 per channel within +2 %: its
+    equal to the same file dequantized to float32 where the prompt's rows go through
+    dequantized tiles (the float32 linear's bits), and within +0.5 % where the prompt is read a
+    token a step, each row of x in two int8 planes against the blocks, as a batch-1 decode
+    step's (+0.16 %; one plane gave +0.49 %); int8 per channel within +2 %: its
     weights' own rounding costs +1.6 % (the prompt's rows read them dequantized, x unrounded;
     issue 46's +1 % is missed: the +0.96 % once measured came from x's int8 rounding offsetting
     part of it, +1.31 % on a CPU without AVX-512); the JAX backend on the file's blocks the torch
@@ -188,7 +188,7 @@ def test_perplexity_on_english_text(request) -> None:
     print({k: round(v, 3) for k, v in results.items()})
     base = results[None, None, None]
     assert 1 < base < 50  # English the model reads
-    assert results["torch", "gguf", None] <= base * 1.005
+    assert results["torch", "gguf", None] == base
     assert results["torch", "gguf", 1] <= base * 1.005
     assert results["torch", "gguf", 1] != results["torch", "gguf", None]  # another path
     assert results["torch", "int8", None] <= base * 1.02

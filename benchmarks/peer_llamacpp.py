@@ -156,9 +156,9 @@ def measure(system: str, path: str, decode_tokens: int, seed: int) -> dict:
 
 
 def text_perplexity(backend: str, quantization: str | None, path: str) -> float:
-    """Perplexity of tests/data's public-domain English text, in chunks of 16 tokens: a decode
-    step's path (quantized: x's rows in int8 blocks, two planes against Q4, integer dots), not
-    the prefill's."""
+    """Perplexity of tests/data's public-domain English text, in chunks of 16 tokens: a batched
+    decode step's path (quantized: x's rows in int8 blocks, integer dots), not a long prompt's
+    (the weights dequantized, x unrounded) nor a batch-1 step's (two int8 planes against Q4)."""
     from pagedjax import LLM
     from pagedjax.benchmarks.quality import perplexity
 

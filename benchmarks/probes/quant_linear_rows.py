@@ -4,8 +4,9 @@ A SmolLM2-135M's worth of projections (30 layers of qkv 960x576, o 576x576, gate
 down 576x1536), each a distinct copy so that a pass streams every weight from memory as a
 model's step does, run through:
 - `quant`: pagedjax::quant_linear on the blocks as the backends keep them (interleaved in
-  groups of 8 rows), x's rows quantized to int8 blocks (Q4: two int8 planes), integer dots
-  (VNNI or AVX2);
+  groups of 8 rows): below 64 rows x's rows quantized to int8 blocks (one row against Q4: two
+  int8 planes) and integer dots (VNNI or AVX2), from 64 rows the weights dequantized a tile at a
+  time into the float32 linear;
 - `float32`: pagedjax::linear over the same weights dequantized to float32 once (what a
   dequantized model reads; a per-call dequantization would cost more on top).
 Per format and row count: ms a pass (median of the passes after two warm-ups, the two taking

@@ -126,13 +126,13 @@ __attribute__((optimize("fp-contract=off"))) void dot_group(
       if constexpr (QT == kQ8_0) {
         for (int p = 1; p < P; ++p) dot = _mm256_add_epi32(dot, lanes[r][p]);
       } else {
-        __m256i residual = fine[r][0];
-        for (int p = 1; p < P; ++p) {
-          dot = pairs_sum(dot, lanes[r][p]);
-          if constexpr (Fine) residual = pairs_sum(residual, fine[r][p]);
-        }
+        for (int p = 1; p < P; ++p) dot = pairs_sum(dot, lanes[r][p]);
         dot = widen(dot);
-        if constexpr (Fine) dot = _mm256_add_epi32(_mm256_slli_epi32(dot, 8), widen(residual));
+        if constexpr (Fine) {
+          __m256i residual = fine[r][0];
+          for (int p = 1; p < P; ++p) residual = pairs_sum(residual, fine[r][p]);
+          dot = _mm256_add_epi32(_mm256_slli_epi32(dot, 8), widen(residual));
+        }
       }
       if constexpr (QT == kQ4_0) dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(8 * xs[r].sum[b]));
       const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(xs[r].d[b]));

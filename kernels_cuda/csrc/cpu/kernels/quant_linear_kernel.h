@@ -397,7 +397,7 @@ void dot(const Blocks& w, int64_t n, const QuantizedRow* xs, float* y) {
   }
 }
 
-// ---- Many rows against Q4: the weights dequantized a tile at a time -------------------------
+// ---- Many rows: the weights dequantized a tile at a time -------------------------------------
 //
 // From kFloatRows rows of x, the blocks take the float32 linear's path: each thread dequantizes
 // 16 weight rows into a packed tile (the layout pack_linear_weight gives the dequantized

@@ -171,7 +171,8 @@ def latency_steps(ctx: Context) -> list[Step]:
 
 
 def spec_decode_steps(ctx: Context) -> list[Step]:
-    grid = (("--batch-sizes", "1", "--ks", "1", "--max-tokens", "4") if ctx.dry_run else
+    grid = (("--batch-sizes", "1", "--ks", "1", "--max-tokens", "4", "--prompt-sets", "code")
+            if ctx.dry_run else
             ("--batch-sizes", "1", "32", "--ks", "2", "4", "--max-tokens", "64"))
     script = str(BENCHMARKS / "spec_decode.py")
     return [Step(f"spec_decode_{backend}", (script, "--backends", backend, *grid, "--out",

@@ -152,8 +152,7 @@ class Scheduler:
         the first min(k, len) of them). prefill_drafts=False (a draft model, while drafting does
         not pay): the draft catches up on no new prompt but a sentinel's (`_catches_up`)."""
         assert not num_spec_tokens or self.speculates
-        step = SchedulerOutput(num_spec_tokens=num_spec_tokens,
-                               num_spec_tokens_offered=num_spec_tokens)
+        step = SchedulerOutput(num_spec_tokens=num_spec_tokens)
         self._proposals = proposals or {}
         self._prefill_drafts = prefill_drafts
         self._draft_budget = self.max_num_batched_tokens if self.has_draft else 0

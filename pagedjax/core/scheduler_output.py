@@ -66,9 +66,6 @@ class SchedulerOutput:
     # k: the most drafts a sequence proposes (0: none; the draft model still runs when some
     # sequence has tokens to catch up on)
     num_spec_tokens: int = 0
-    # the k the step was scheduled with (the policy's choice): each sequence may propose up to
-    # this many drafts; with host drafts, fewer sequences propose than are offered
-    num_spec_tokens_offered: int = 0
 
     @property
     def is_empty(self) -> bool:

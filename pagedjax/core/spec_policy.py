@@ -5,15 +5,16 @@ The policy picks the k with the most expected tokens per second, E(k) / t(k):
 - E(k) = 1 + sum_{j<k} c_j a_j, the tokens per sequence a step with k drafts yields, a_j the
   measured chance that the first j + 1 drafts are accepted (each position forgetting draft by
   draft as it is drafted again; one never drafted counts as the last measured one, 1 before
-  any), c_j the share of the sequences offered a (j + 1)-th draft that proposed one: 1 with a
-  draft model, which drafts for every sequence; with drafts the host proposes (n-gram, suffix)
-  only the sequences whose tokens match propose, the rest yield one token a step (SmolLM2 on
-  the code-editing set at batch 16: a quarter of them, so E(4) was 2.8 where steps yielded
-  1.5 and drafting, which costs 2.5 times k = 0 there, ran at 0.8x no speculation);
+  any), c_j the share of a verifying step's sequences that proposed a (j + 1)-th draft: 1
+  with a draft model, which drafts for every sequence; with drafts the host proposes (n-gram,
+  suffix) only the sequences whose tokens match propose, and the rest yield one token in the
+  step (SmolLM2 on the code-editing set at batch 16: a quarter of them, so E(4) was 2.8 where
+  the verifying steps yielded 1.5 tokens a sequence, and drafting, whose steps cost 2.5 times
+  k = 0's there, ran at 0.8x no speculation). A step where none proposes runs k = 0's shape,
+  so at batch 1 c_j counts only the lengths of the proposals;
 - t(k) the step's seconds at this batch bucket, as the engine measures them step by step (the
   period between two decode steps' outputs: host and device work alike; with a draft model,
-  only steps where every sequence drafted k: see observe; with host drafts, every step offered
-  k, whatever its sequences proposed, as E(k) counts them). The startup table
+  only steps where every sequence drafted k: see observe). The startup table
   (measure_step_costs: one context, synthetic batches, the runner alone) only stands in for a
   (bucket, k) the engine has not run yet, times what the engine's steps with the same k at
   other buckets showed of the table's error (the geometric mean of measured / table; none
@@ -68,7 +69,7 @@ class AdaptiveSpeculation:
     """choose(num_seqs) → k for the next step; observe(out, sampled, seconds) after it."""
 
     ACCEPTANCE_DECAY = 0.95  # per draft at a position: its last ~20 drafts count
-    COVERAGE_DECAY = 0.9  # host drafts' share proposing, per step offered: its last ~10 count
+    COVERAGE_DECAY = 0.9  # host drafts' share proposing, per verifying step: its last ~10 count
     TIME_DECAY = 0.9  # per measured step of a cell: its last ~10 steps count,
     AGE_DECAY = 0.99  # and per step the engine ran since (one 100 steps old counts a third)
     # a period over this many times its cell's measured estimate is an idle gap: dropped (over
@@ -90,10 +91,10 @@ class AdaptiveSpeculation:
         self.steps_per_k = [0] * (self.max_k + 1)  # steps run with each k
         self._drafted = [0.0] * self.max_k
         self._accepted = [0.0] * self.max_k
-        # host drafts, per position j: decayed sequences offered a (j + 1)-th draft, and those
-        # that proposed one
-        self._offered = [0.0] * self.max_k
-        self._covered = [0.0] * self.max_k
+        # host drafts, per position j: decayed sequences of the steps that verified a (j + 1)-th
+        # draft, and those of them that proposed one
+        self._verifying = [0.0] * self.max_k
+        self._proposing = [0.0] * self.max_k
         self._since_probe = 0  # steps since the last probe
         self._since_explore = 0  # steps since the last try of a k not yet measured at its bucket
         self._exploring = False  # the latest choice was one
@@ -190,14 +191,14 @@ class AdaptiveSpeculation:
         return self._drafts_current() or since >= self.FORCE_PROBE_AFTER
 
     def expected_tokens(self, k: int) -> float:
-        """Tokens per sequence and step with k drafts offered: 1 + sum_{j<k} P(a (j + 1)-th
-        draft proposed) P(first j + 1 accepted)."""
+        """Tokens per sequence and step with k drafts: 1 + sum_{j<k} P(a (j + 1)-th draft
+        proposed) P(first j + 1 accepted)."""
         total, rate, coverage = 1.0, 1.0, 1.0
         for j in range(k):  # unmeasured positions: as the last measured one
             if self._drafted[j] > 0:
                 rate = self._accepted[j] / self._drafted[j]
-            if self._offered[j] > 0:
-                coverage = self._covered[j] / self._offered[j]
+            if self._verifying[j] > 0:
+                coverage = self._proposing[j] / self._verifying[j]
             total += coverage * rate
         return total
 
@@ -240,9 +241,8 @@ class AdaptiveSpeculation:
         step where every sequence drafts (RESULTS.md, stop 65), and taken for t(shape_k) beside
         E(k), which counts drafted positions only, it made drafting look cheaper than it is;
         counted as t(0) it made k = 0 look slow.
-        Host drafts verify in their shape whoever proposed, and a step offered k where fewer
-        sequences (or none) proposed is what choosing k costs: every decode step is a sample of
-        t(the k it was offered), and its proposals of the positions' coverage (E(k))."""
+        Host drafts verify in their shape whoever proposed: every decode step is a sample of
+        t(shape_k), and of how many of its sequences propose each position (E(k))."""
         self.steps_per_k[out.num_spec_tokens] += 1
         self._observe_acceptance(out, sampled)
         decode = bool(out.seq_ids) and max(out.num_new_tokens) == 1
@@ -255,10 +255,8 @@ class AdaptiveSpeculation:
         else:
             self._steps_since_current += 1
         k = out.num_spec_tokens if shape_k is None else shape_k
-        if not self.shapes.draft_model:  # the choice's time, as E(k) counts its sequences
-            k = out.num_spec_tokens_offered
-            if decode and k:
-                self._observe_coverage(len(out.seq_ids), out.num_spec_tokens_per_seq, k)
+        if not self.shapes.draft_model and decode and k:
+            self._observe_coverage(len(out.seq_ids), out.num_spec_tokens_per_seq, k)
         if self.adaptive and seconds is not None and seconds > 0 and decode and (
                 not self.shapes.draft_model or k == 0
                 or min(out.num_spec_tokens_per_seq, default=0) == k):  # every sequence drafted k
@@ -278,14 +276,14 @@ class AdaptiveSpeculation:
                 self._accepted[j] = self._accepted[j] * decay + (j < num_accepted)
 
     def _observe_coverage(self, num_seqs: int, num_proposed: list[int], k: int) -> None:
-        """Host drafts: of num_seqs sequences offered k drafts, how many proposed each
-        position (num_proposed: per sequence, [] where none did); forgetting step by step."""
+        """Host drafts: of the num_seqs sequences of a step verifying in a shape of k drafts,
+        how many proposed each position (num_proposed: per sequence); forgetting step by step."""
         proposed = np.asarray(num_proposed, np.int64)
         covered = (proposed[:, None] > np.arange(k)).sum(axis=0).tolist()  # [k]
         decay = self.COVERAGE_DECAY
         for j in range(k):
-            self._offered[j] = self._offered[j] * decay + num_seqs
-            self._covered[j] = self._covered[j] * decay + covered[j]
+            self._verifying[j] = self._verifying[j] * decay + num_seqs
+            self._proposing[j] = self._proposing[j] * decay + covered[j]
 
     def _observe_seconds(self, bucket: int, k: int, seconds: float) -> None:
         if k not in (0, *self.shapes.spec_ks):

@@ -13,6 +13,7 @@ same rejection sampler as a draft model's (greedy proposals: q one-hot).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
@@ -20,13 +21,16 @@ import numpy as np
 from pagedjax.core.input_batch import InputBatch
 from pagedjax.core.ngram_proposer import NgramProposer
 from pagedjax.core.scheduler import Scheduler
+from pagedjax.core.sequence import Sequence
 from pagedjax.core.spec_decode import SpeculativeConfig
 from pagedjax.core.suffix_proposer import SuffixDecodingProposer
 
 
 class HostDrafter(Protocol):
-    def propose(self, scheduler: Scheduler, batch: InputBatch, k: int) -> dict[int, list[int]]:
-        """seq id → its drafts (1 to k of them) for this step; sequences without any absent."""
+    def propose(self, scheduler: Scheduler, batch: InputBatch, k: int,
+                seqs: list[Sequence] | None = None) -> dict[int, list[int]]:
+        """seq id → its drafts (1 to k of them) for this step; sequences without any absent.
+        seqs: only these decoding sequences (None: every one)."""
         ...
 
 
@@ -35,14 +39,19 @@ class NgramDrafter:
         self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
                                       config.prompt_lookup_max)
 
-    def propose(self, scheduler: Scheduler, batch: InputBatch, k: int) -> dict[int, list[int]]:
+    def propose(self, scheduler: Scheduler, batch: InputBatch, k: int,
+                seqs: list[Sequence] | None = None) -> dict[int, list[int]]:
         """From the tokens each row of the persistent batch holds (a sequence it holds no row
         for is prefilling)."""
         del scheduler
-        if not batch.row_of:
+        if seqs is None:
+            seq_ids = list(batch.row_of)
+            rows = np.fromiter(batch.row_of.values(), np.int64, len(seq_ids))
+        else:
+            seq_ids = [seq.seq_id for seq in seqs if seq.seq_id in batch.row_of]
+            rows = np.array([batch.row_of[seq_id] for seq_id in seq_ids], np.int64)
+        if not seq_ids:
             return {}
-        seq_ids = list(batch.row_of)
-        rows = np.fromiter(batch.row_of.values(), np.int64, len(seq_ids))
         drafts, counts = self.proposer.propose(batch.token_ids, batch.num_tokens, rows)
         counts = np.minimum(counts, k)
         return {seq_ids[i]: drafts[i, : counts[i]].tolist() for i in np.flatnonzero(counts)}
@@ -57,14 +66,15 @@ class SuffixDrafter:
             min_token_prob=config.suffix_decoding_min_token_prob)
         self._seen: dict[int, int] = {}  # seq id → tokens its tree holds
 
-    def propose(self, scheduler: Scheduler, batch: InputBatch, k: int) -> dict[int, list[int]]:
+    def propose(self, scheduler: Scheduler, batch: InputBatch, k: int,
+                seqs: list[Sequence] | None = None) -> dict[int, list[int]]:
         del batch
-        seqs, seen = scheduler.seqs, self._seen
-        for seq_id in seen.keys() - seqs.keys():  # finished or aborted since the last step
+        seen = self._seen
+        for seq_id in seen.keys() - scheduler.seqs.keys():  # finished or aborted since
             self.proposer.stop(seq_id)
             del seen[seq_id]
         proposals = {}
-        for seq in scheduler.running:
+        for seq in scheduler.running if seqs is None else seqs:
             if seq.num_computed_tokens + 1 != seq.num_tokens or seq.policy_picks_tokens:
                 continue  # prefilling (no token to decode from yet), or a beam
             held = seen.get(seq.seq_id)
@@ -78,6 +88,57 @@ class SuffixDrafter:
             if drafts:
                 proposals[seq.seq_id] = drafts
         return proposals
+
+
+class ShadowDrafts:
+    """While the adaptive policy drafts nothing, a few sequences' drafts are still proposed and
+    scored against the tokens those sequences then decode, so that the acceptance the policy
+    decides on stays current at no step's cost (AdaptiveSpeculation.observe_shadow). Scored as
+    verification would: the drafts accepted are the longest prefix the decoded tokens match,
+    exactly what greedy verification accepts, and under sampling a draft matches the sampled
+    token with the probability rejection sampling accepts it (its q is one-hot). Without them
+    only the policy's probes (one step in 32, the smallest k) drafted while drafting was off,
+    and a change of prompts whose drafts pay took hundreds of steps to show.
+
+    Host work a step: at most NUM_SEQS sequences' proposals, made and scored.
+    """
+
+    NUM_SEQS = 4
+
+    def __init__(self, drafter: HostDrafter, num_speculative_tokens: int) -> None:
+        self.drafter, self.k = drafter, num_speculative_tokens
+        # seq id → (its first draft's position, the drafts)
+        self.pending: dict[int, tuple[int, list[int]]] = {}
+        self._cursor = 0  # where in the running sequences the next picks start
+
+    def step(self, scheduler: Scheduler, batch: InputBatch,
+             record: Callable[[int, int], None]) -> None:
+        """After a step's tokens are appended: record(drafts, accepted) for each proposal
+        whose sequence has decoded past it, then propose for sequences without one."""
+        seqs = scheduler.seqs
+        for seq_id, (start, drafts) in list(self.pending.items()):
+            seq = seqs.get(seq_id)
+            if seq is None or seq.is_finished:  # cut short: its tokens would score too few
+                del self.pending[seq_id]
+            elif seq.num_tokens >= start + len(drafts):
+                decoded = seq.token_ids[start : start + len(drafts)]
+                record(len(drafts), next((j for j, (a, b) in enumerate(zip(decoded, drafts))
+                                          if a != b), len(drafts)))
+                del self.pending[seq_id]
+        running = scheduler.running
+        picks: list[Sequence] = []
+        for i in range(len(running)):
+            if len(self.pending) + len(picks) >= self.NUM_SEQS:
+                break
+            seq = running[(self._cursor + i) % len(running)]
+            if (seq.seq_id not in self.pending and not seq.policy_picks_tokens
+                    and seq.num_computed_tokens + 1 == seq.num_tokens):  # decoding
+                picks.append(seq)
+        if not picks:
+            return
+        self._cursor += len(picks)
+        for seq_id, drafts in self.drafter.propose(scheduler, batch, self.k, picks).items():
+            self.pending[seq_id] = (seqs[seq_id].num_tokens, drafts)
 
 
 def make_host_drafter(config: SpeculativeConfig) -> HostDrafter | None:

@@ -268,12 +268,18 @@ class AdaptiveSpeculation:
         # than usual, keeps its earlier measurements), and by the draft, not by the step: a
         # batch-32 step's drafts weigh 32 times a batch-1 step's, and a probe drafted by a few
         # sentinels moves an estimate that many full steps made as much as their drafts do
-        decay = self.ACCEPTANCE_DECAY
         for num_drafts, num_accepted in verified_drafts(out, sampled):
             self.metrics.record(num_drafts, num_accepted)
-            for j in range(num_drafts):
-                self._drafted[j] = self._drafted[j] * decay + 1
-                self._accepted[j] = self._accepted[j] * decay + (j < num_accepted)
+            self.observe_shadow(num_drafts, num_accepted)
+
+    def observe_shadow(self, num_drafts: int, num_accepted: int) -> None:
+        """One sequence's drafts and how many of them were accepted: verified, or (host
+        drafts while drafting is off: host_drafts.ShadowDrafts) scored against the tokens
+        it decoded without them."""
+        decay = self.ACCEPTANCE_DECAY
+        for j in range(num_drafts):
+            self._drafted[j] = self._drafted[j] * decay + 1
+            self._accepted[j] = self._accepted[j] * decay + (j < num_accepted)
 
     def _observe_coverage(self, num_seqs: int, num_proposed: list[int], k: int) -> None:
         """Host drafts: of the num_seqs sequences of a step verifying in a shape of k drafts,

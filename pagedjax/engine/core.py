@@ -31,7 +31,7 @@ from pagedjax.config import EngineConfig, ModelConfig, quantized_experts_error
 from pagedjax.core.batch import ModelInput, ModelOutput
 from pagedjax.core.beam_search import BeamSearch
 from pagedjax.core.block_manager import BlockManager
-from pagedjax.core.host_drafts import make_host_drafter
+from pagedjax.core.host_drafts import ShadowDrafts, make_host_drafter
 from pagedjax.core.input_batch import InputBatch
 from pagedjax.core.model_runner import ModelRunner, get_runner_cls
 from pagedjax.core.request_policy import ParallelSampling, PolicyContext, RequestPolicy
@@ -113,6 +113,9 @@ class EngineCore:
         self.speculation = self._speculation(spec_config)
         self._last_output_time: float | None = None  # perf_counter of the last step's outputs
         self.drafter = None if spec_config is None else make_host_drafter(spec_config)
+        self.shadow_drafts = (  # the host's drafts scored while the policy drafts nothing
+            ShadowDrafts(self.drafter, spec_config.num_speculative_tokens)
+            if self.drafter is not None and self.speculation.adaptive else None)
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -386,6 +389,9 @@ class EngineCore:
                 self.scheduler.mark_changed(seq)
         touched = self.scheduler.update(out, sampled)
         self.input_batch.append_sampled(sampled, model_input)
+        if self.shadow_drafts is not None and not self.speculation.drafts_pay:
+            self.shadow_drafts.step(self.scheduler, self.input_batch,
+                                    self.speculation.observe_shadow)
         if launched.constrained:
             for seq in self.structured_output.stopped(touched):
                 self.scheduler.finish(seq, "stop")  # its grammar is complete

@@ -263,3 +263,30 @@ def test_suffix_decoding_drafts_from_earlier_outputs(host_engines) -> None:
     llm.generate("x = 1", SamplingParams(max_tokens=2), use_tqdm=False)  # a step after them
     assert drafter.proposer.num_cached_requests >= 2
     assert_no_leak(llm)
+
+
+@pytest.mark.usefixtures("compile_at_startup")
+def test_host_drafts_are_scored_while_drafting_is_off(host_engines) -> None:
+    """An adaptive n-gram engine whose policy drafts nothing (held at k = 0 here) still
+    proposes a few sequences' drafts and scores them against the tokens those then decode
+    (host_drafts.ShadowDrafts): the acceptance it decides on moves, no draft is verified,
+    and greedy output is the output without speculation."""
+    from pagedjax.core.host_drafts import ShadowDrafts
+    from pagedjax.model_loader.demo import demo_model_dirs
+
+    plain = host_engines["plain"]
+    llm = LLM(demo_model_dirs()[0], backend=plain.engine.config.backend, max_model_len=256,
+              max_num_seqs=16, num_gpu_blocks_override=96,
+              speculative_config={**HOST_METHODS["ngram"], "adaptive": True})
+    speculation = llm.engine.engine_core.speculation
+    assert speculation.adaptive and llm.engine.engine_core.shadow_drafts is not None
+    speculation.choose = lambda num_seqs: 0  # drafting off: neither probes nor tries
+    speculation._chosen = 0
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    want = plain.generate(HOST_PROMPTS, params, use_tqdm=False)
+    got = llm.generate(HOST_PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert llm.get_metrics()["spec_decode_num_draft_tokens"] == 0
+    assert speculation._drafted[0] > 0 and speculation._accepted[0] > 0
+    assert len(llm.engine.engine_core.shadow_drafts.pending) <= ShadowDrafts.NUM_SEQS
+    assert_no_leak(llm)

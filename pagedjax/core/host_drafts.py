@@ -8,7 +8,9 @@ same rejection sampler as a draft model's (greedy proposals: q one-hot).
 - `SuffixDrafter` (`"method": "suffix"`): suffix trees over each request's tokens and over the
   outputs of recent requests (suffix_proposer.py), kept in step with the scheduler's sequences:
   each step feeds the trees the tokens each decoding sequence gained, and a sequence the
-  scheduler no longer tracks ends its request (its output joins the global tree).
+  scheduler no longer tracks ends its request (its output joins the global tree);
+- `ShadowDrafts`: while the adaptive policy drafts nothing, a few sequences' proposals scored
+  against the tokens they decode, which keeps the policy's acceptance current.
 """
 
 from __future__ import annotations

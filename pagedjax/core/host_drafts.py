@@ -15,7 +15,6 @@ same rejection sampler as a draft model's (greedy proposals: q one-hot).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
@@ -25,6 +24,7 @@ from pagedjax.core.ngram_proposer import NgramProposer
 from pagedjax.core.scheduler import Scheduler
 from pagedjax.core.sequence import Sequence
 from pagedjax.core.spec_decode import SpeculativeConfig
+from pagedjax.core.spec_policy import AdaptiveSpeculation
 from pagedjax.core.suffix_proposer import SuffixDecodingProposer
 
 
@@ -114,9 +114,11 @@ class ShadowDrafts:
         self._cursor = 0  # where in the running sequences the next picks start
 
     def step(self, scheduler: Scheduler, batch: InputBatch,
-             record: Callable[[int, int], None]) -> None:
-        """After a step's tokens are appended: record(drafts, accepted) for each proposal
-        whose sequence has decoded past it, then propose for sequences without one."""
+             policy: AdaptiveSpeculation) -> None:
+        """After a step's tokens are appended: policy.observe_shadow(drafts, accepted) for each
+        proposal whose sequence has decoded past it; then the next NUM_SEQS decoding sequences
+        in turn propose (policy.observe_matching: how many of them would have drafted), and
+        those without a proposal pending keep theirs."""
         seqs = scheduler.seqs
         for seq_id, (start, drafts) in list(self.pending.items()):
             seq = seqs.get(seq_id)
@@ -124,23 +126,24 @@ class ShadowDrafts:
                 del self.pending[seq_id]
             elif seq.num_tokens >= start + len(drafts):
                 decoded = seq.token_ids[start : start + len(drafts)]
-                record(len(drafts), next((j for j, (a, b) in enumerate(zip(decoded, drafts))
-                                          if a != b), len(drafts)))
+                policy.observe_shadow(len(drafts), next(
+                    (j for j, (a, b) in enumerate(zip(decoded, drafts)) if a != b), len(drafts)))
                 del self.pending[seq_id]
         running = scheduler.running
         picks: list[Sequence] = []
-        for i in range(len(running)):
-            if len(self.pending) + len(picks) >= self.NUM_SEQS:
-                break
-            seq = running[(self._cursor + i) % len(running)]
-            if (seq.seq_id not in self.pending and not seq.policy_picks_tokens
-                    and seq.num_computed_tokens + 1 == seq.num_tokens):  # decoding
-                picks.append(seq)
+        scanned = 0
+        while scanned < len(running) and len(picks) < self.NUM_SEQS:
+            seq = running[(self._cursor + scanned) % len(running)]
+            scanned += 1
+            if not seq.policy_picks_tokens and seq.num_computed_tokens + 1 == seq.num_tokens:
+                picks.append(seq)  # decoding
+        self._cursor += scanned
         if not picks:
             return
-        self._cursor += len(picks)
-        for seq_id, drafts in self.drafter.propose(scheduler, batch, self.k, picks).items():
-            self.pending[seq_id] = (seqs[seq_id].num_tokens, drafts)
+        proposals = self.drafter.propose(scheduler, batch, self.k, picks)
+        policy.observe_matching(len(picks), len(proposals))
+        for seq_id, drafts in proposals.items():
+            self.pending.setdefault(seq_id, (seqs[seq_id].num_tokens, drafts))
 
 
 def make_host_drafter(config: SpeculativeConfig) -> HostDrafter | None:

@@ -12,6 +12,11 @@ The policy picks the k with the most expected tokens per second, E(k) / t(k):
   the verifying steps yielded 1.5 tokens a sequence, and drafting, whose steps cost 2.5 times
   k = 0's there, ran at 0.8x no speculation). A step where none proposes runs k = 0's shape,
   so at batch 1 c_j counts only the lengths of the proposals;
+- with host drafts, a step offered k drafts verifies only where some sequence matches (p = 1 -
+  (1 - m)^S for S sequences, m the measured share of sequences that propose, ShadowDrafts
+  measuring it while drafting is off), and otherwise runs k = 0's shape synchronously (its
+  drafts need the last step's tokens) in t_sync, measured apart from t(0), whose steps may
+  launch ahead: offering k yields (p E(k) + 1 - p) / (p t(k) + (1 - p) t_sync) (_rate);
 - t(k) the step's seconds at this batch bucket, as the engine measures them step by step (the
   period between two decode steps' outputs: host and device work alike; with a draft model,
   only steps where every sequence drafted k: see observe). The startup table
@@ -95,6 +100,12 @@ class AdaptiveSpeculation:
         # draft, and those of them that proposed one
         self._verifying = [0.0] * self.max_k
         self._proposing = [0.0] * self.max_k
+        # host drafts: decayed (decoding sequences offered drafts that proposed some, those
+        # offered), from steps offered drafts and from ShadowDrafts' picks
+        self._matching = (0.0, 0.0)
+        # host drafts, bucket → decayed (seconds, weight) of the steps offered drafts where none
+        # proposed (k = 0's shape, run synchronously)
+        self._unmatched: dict[int, tuple[float, float]] = {}
         self._since_probe = 0  # steps since the last probe
         self._since_explore = 0  # steps since the last try of a k not yet measured at its bucket
         self._exploring = False  # the latest choice was one
@@ -120,8 +131,7 @@ class AdaptiveSpeculation:
             self.k = self.max_k
             return self.k
         bucket = self.shapes.seq_bucket(num_seqs)
-        rate = {k: self.expected_tokens(k) / self.seconds(bucket, k)
-                for k in (0, *self.shapes.spec_ks)}
+        rate = {k: self._rate(bucket, num_seqs, k) for k in (0, *self.shapes.spec_ks)}
         best = max(self.shapes.spec_ks, key=rate.__getitem__)
         if rate[best] < self.MIN_GAIN * rate[0]:
             best = 0
@@ -190,6 +200,21 @@ class AdaptiveSpeculation:
             return False
         return self._drafts_current() or since >= self.FORCE_PROBE_AFTER
 
+    def _rate(self, bucket: int, num_seqs: int, k: int) -> float:
+        """Expected tokens per sequence and second when the next steps are offered k drafts.
+        Host drafts: a step verifies only where some sequence matches (the chance p that one
+        of num_seqs does), else it runs k = 0's shape, though synchronously (its drafts need
+        the last step's tokens, so it cannot launch ahead: the demo pair on jax at batch 1,
+        3.2 ms against 1.6 ms a k = 0 step): (p E(k) + 1 - p) / (p t(k) + (1 - p) t_sync)."""
+        tokens, seconds = self.expected_tokens(k), self.seconds(bucket, k)
+        if k and not self.shapes.draft_model:
+            matching, offered = self._matching
+            p = 1.0 - (1.0 - matching / offered) ** num_seqs if offered else 1.0
+            unmatched = self._unmatched.get(bucket)
+            t_sync = unmatched[0] / unmatched[1] if unmatched else self.seconds(bucket, 0)
+            tokens, seconds = p * tokens + 1.0 - p, p * seconds + (1.0 - p) * t_sync
+        return tokens / seconds
+
     def expected_tokens(self, k: int) -> float:
         """Tokens per sequence and step with k drafts: 1 + sum_{j<k} P(a (j + 1)-th draft
         proposed) P(first j + 1 accepted)."""
@@ -255,8 +280,16 @@ class AdaptiveSpeculation:
         else:
             self._steps_since_current += 1
         k = out.num_spec_tokens if shape_k is None else shape_k
-        if not self.shapes.draft_model and decode and k:
-            self._observe_coverage(len(out.seq_ids), out.num_spec_tokens_per_seq, k)
+        offered = self.k  # the step's choice: observe follows choose, or runs ahead at k = 0
+        if not self.shapes.draft_model and decode and offered:
+            self.observe_matching(len(out.seq_ids), int(np.count_nonzero(
+                out.num_spec_tokens_per_seq)))
+            if k:
+                self._observe_coverage(len(out.seq_ids), out.num_spec_tokens_per_seq, k)
+            else:  # nobody matched: no sample of t(0), whose steps may run ahead
+                if self.adaptive and seconds is not None and seconds > 0:
+                    self._observe_unmatched(self.shapes.seq_bucket(len(out.seq_ids)), seconds)
+                seconds = None
         if self.adaptive and seconds is not None and seconds > 0 and decode and (
                 not self.shapes.draft_model or k == 0
                 or min(out.num_spec_tokens_per_seq, default=0) == k):  # every sequence drafted k
@@ -280,6 +313,20 @@ class AdaptiveSpeculation:
         for j in range(num_drafts):
             self._drafted[j] = self._drafted[j] * decay + 1
             self._accepted[j] = self._accepted[j] * decay + (j < num_accepted)
+
+    def observe_matching(self, num_offered: int, num_proposing: int) -> None:
+        """Host drafts: of num_offered decoding sequences offered drafts (a step's, or
+        ShadowDrafts' picks while drafting is off), num_proposing proposed some."""
+        matching, offered = self._matching
+        decay = self.COVERAGE_DECAY
+        self._matching = (matching * decay + num_proposing, offered * decay + num_offered)
+
+    def _observe_unmatched(self, bucket: int, seconds: float) -> None:
+        total, weight = self._unmatched.get(bucket, (0.0, 0.0))
+        if weight and seconds > self.OUTLIER * total / weight:
+            return  # an idle gap
+        self._unmatched[bucket] = (total * self.TIME_DECAY + seconds,
+                                   weight * self.TIME_DECAY + 1)
 
     def _observe_coverage(self, num_seqs: int, num_proposed: list[int], k: int) -> None:
         """Host drafts: of the num_seqs sequences of a step verifying in a shape of k drafts,

@@ -390,8 +390,7 @@ class EngineCore:
         touched = self.scheduler.update(out, sampled)
         self.input_batch.append_sampled(sampled, model_input)
         if self.shadow_drafts is not None and not self.speculation.drafts_pay:
-            self.shadow_drafts.step(self.scheduler, self.input_batch,
-                                    self.speculation.observe_shadow)
+            self.shadow_drafts.step(self.scheduler, self.input_batch, self.speculation)
         if launched.constrained:
             for seq in self.structured_output.stopped(touched):
                 self.scheduler.finish(seq, "stop")  # its grammar is complete

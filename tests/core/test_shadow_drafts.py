@@ -29,6 +29,19 @@ class ScriptedDrafter:
                 if self.drafts.get(seq.seq_id)}
 
 
+class Recorder:
+    """The policy's side: what the shadows report."""
+
+    def __init__(self) -> None:
+        self.scored, self.matching = [], []
+
+    def observe_shadow(self, num_drafts: int, num_accepted: int) -> None:
+        self.scored.append((num_drafts, num_accepted))
+
+    def observe_matching(self, num_offered: int, num_proposing: int) -> None:
+        self.matching.append((num_offered, num_proposing))
+
+
 def decode(seq: Sequence, token: int) -> None:
     seq.token_ids.append(token)
     seq.num_computed_tokens += 1
@@ -37,18 +50,20 @@ def decode(seq: Sequence, token: int) -> None:
 def test_a_proposal_is_scored_by_the_prefix_its_sequence_then_decodes() -> None:
     seq = sequence(0, [1, 2, 3])
     scheduler = SimpleNamespace(seqs={0: seq}, running=[seq])
-    recorded = []
+    policy = Recorder()
     shadow = ShadowDrafts(ScriptedDrafter({0: [7, 8, 9, 10]}), 4)
-    shadow.step(scheduler, None, lambda *r: recorded.append(r))
+    shadow.step(scheduler, None, policy)
     assert shadow.pending == {0: (3, [7, 8, 9, 10])}  # the drafts of positions 3, 4, 5, 6
     for token in (7, 8, 5):
         decode(seq, token)
-        shadow.step(scheduler, None, lambda *r: recorded.append(r))
-        assert not recorded  # not scored before it decoded as many tokens as it drafted
+        shadow.step(scheduler, None, policy)
+        assert not policy.scored  # not scored before it decoded as many tokens as it drafted
+        assert shadow.pending == {0: (3, [7, 8, 9, 10])}  # nor replaced
     decode(seq, 10)
-    shadow.step(scheduler, None, lambda *r: recorded.append(r))
-    assert recorded == [(4, 2)]  # 7, 8 accepted, 9 rejected (10 after it counts for nothing)
+    shadow.step(scheduler, None, policy)
+    assert policy.scored == [(4, 2)]  # 7, 8 accepted, 9 rejected (10 after it counts nothing)
     assert shadow.pending == {0: (7, [7, 8, 9, 10])}  # and it proposes again
+    assert policy.matching == [(1, 1)] * 5  # it would have drafted at every step
 
 
 def test_a_few_sequences_at_a_time_in_turns_and_finished_ones_dropped() -> None:
@@ -56,14 +71,15 @@ def test_a_few_sequences_at_a_time_in_turns_and_finished_ones_dropped() -> None:
     scheduler = SimpleNamespace(seqs={s.seq_id: s for s in seqs}, running=seqs)
     drafter = ScriptedDrafter({i: [5, 6] for i in range(10) if i != 1})  # 1 finds no match
     shadow = ShadowDrafts(drafter, 2)
-    recorded = []
-    shadow.step(scheduler, None, lambda *r: recorded.append(r))
+    policy = Recorder()
+    shadow.step(scheduler, None, policy)
     assert drafter.asked == [[0, 1, 2, 3]]
     assert sorted(shadow.pending) == [0, 2, 3]
+    assert policy.matching == [(4, 3)]
     seqs[2].status = SequenceStatus.FINISHED  # cut short: dropped, not scored
     for seq in seqs:
         decode(seq, 5)
         decode(seq, 6)
-    shadow.step(scheduler, None, lambda *r: recorded.append(r))
-    assert recorded == [(2, 2), (2, 2)]  # 0 and 3, both drafts accepted
+    shadow.step(scheduler, None, policy)
+    assert policy.scored == [(2, 2), (2, 2)]  # 0 and 3, both drafts accepted
     assert drafter.asked[1] == [4, 5, 6, 7]  # the next ones in turn

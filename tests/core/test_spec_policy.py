@@ -397,8 +397,8 @@ def simulate_host_drafts(policy: AdaptiveSpeculation, num_seqs: int, steps: int,
                          last: int = 100) -> tuple[list[int], float]:
     """Host drafts (n-gram, suffix): in step n sequence i proposes k drafts if proposes(n, i),
     else none, and proposals are always accepted; the step runs the shape of the most drafts
-    proposed and takes seconds(shape k) (padding rows cost as much as real ones). Returns the
-    chosen k per step and the tokens per second of the last `last` steps."""
+    proposed and takes seconds(shape k, k offered) (padding rows cost as much as real ones).
+    Returns the chosen k per step and the tokens per second of the last `last` steps."""
     chosen, tokens, elapsed = [], [], []
     for n in range(steps):
         k = policy.choose(num_seqs)
@@ -410,10 +410,10 @@ def simulate_host_drafts(policy: AdaptiveSpeculation, num_seqs: int, steps: int,
                               num_batched_tokens=num_seqs + sum(per_seq),
                               num_spec_tokens=shape_k)
         sampled = SampledTokens.from_lists({i: [0] * (per_seq[i] + 1) for i in range(num_seqs)})
-        policy.observe(out, sampled, seconds(shape_k), shape_k=shape_k)
+        policy.observe(out, sampled, seconds(shape_k, k), shape_k=shape_k)
         chosen.append(k)
         tokens.append(sum(per_seq) + num_seqs)
-        elapsed.append(seconds(shape_k))
+        elapsed.append(seconds(shape_k, k))
     return chosen, sum(tokens[-last:]) / sum(elapsed[-last:])
 
 
@@ -424,7 +424,7 @@ def test_host_drafts_that_few_sequences_propose_are_switched_off(tmp_path) -> No
     a verifying step's sequence yields 1 + 4 / 4 = 2 tokens: 0.67x, so drafting is off."""
     policy = policy_for(tmp_path, lambda k, s: 1.0 + 0.5 * k, draft_model=False)
     chosen, _ = simulate_host_drafts(policy, 16, 300, lambda n, i: (n + i) % 4 == 0,
-                                     lambda k: 1.0 + 0.5 * k)
+                                     lambda k, offered: 1.0 + 0.5 * k)
     assert policy.expected_tokens(4) == pytest.approx(2.0, rel=0.05)
     assert chosen[-128:].count(0) == 128 - 128 // policy.PROBE_EVERY
 
@@ -436,8 +436,8 @@ def test_host_drafts_that_match_in_some_steps_are_kept_at_batch_one(tmp_path) ->
     E(4) counts the verifying steps only (5, not 1 + 0.3 * 4), the policy drafts, and over the
     last 100 steps its tokens per second are at least 0.97x the best fixed k's."""
     proposes = lambda n, i: n % 10 in (2, 5, 8)  # noqa: E731
-    seconds = lambda k: 1.0 + 0.4 * k  # noqa: E731
-    policy = policy_for(tmp_path, lambda k, s: seconds(k), draft_model=False)
+    seconds = lambda k, offered: 1.0 + 0.4 * k  # noqa: E731
+    policy = policy_for(tmp_path, lambda k, s: seconds(k, 0), draft_model=False)
     chosen, rate = simulate_host_drafts(policy, 1, 300, proposes, seconds)
     assert policy.expected_tokens(4) == pytest.approx(5.0)
     assert chosen[-100:].count(4) >= 90
@@ -445,3 +445,17 @@ def test_host_drafts_that_match_in_some_steps_are_kept_at_batch_one(tmp_path) ->
                                                draft_model=False), 1, 300, proposes, seconds)[1]
                for k in (2, 4))
     assert rate >= 0.97 * best
+
+
+@pytest.mark.parametrize(("matches", "drafts"), [(1, False), (6, True)])
+def test_offering_host_drafts_costs_the_steps_that_launch_ahead(tmp_path, matches: int,
+                                                                drafts: bool) -> None:
+    """Batch 1 on a runner that launches k = 0 steps ahead (1.0 a step), not a step offered
+    drafts, which waits for the last token: 2.0 where nothing matched, 1.3 verifying 4 drafts
+    (always accepted). With a match in `matches` steps of 10, offering 4 drafts yields
+    0.1 * 5 + 0.9 = 1.4 tokens in 0.1 * 1.3 + 0.9 * 2.0 = 1.93 (0.73x: drafting off), or 3.4 in
+    1.58 (2.2x: on). Timed as t(0), the unmatched steps made k = 0 look slow."""
+    seconds = lambda k, offered: 1.3 if k else 2.0 if offered else 1.0  # noqa: E731
+    policy = policy_for(tmp_path, lambda k, s: 1.0 + 0.075 * k, draft_model=False)
+    chosen, _ = simulate_host_drafts(policy, 1, 300, lambda n, i: n % 10 < matches, seconds)
+    assert chosen[-100:].count(4 if drafts else 0) >= 90

@@ -95,7 +95,7 @@ class SuffixDrafter:
 class ShadowDrafts:
     """While the adaptive policy drafts nothing, a few sequences' drafts are still proposed and
     scored against the tokens those sequences then decode, so that the acceptance the policy
-    decides on stays current at no step's cost (AdaptiveSpeculation.observe_shadow). Scored as
+    decides on stays current at no step's cost (AdaptiveSpeculation.observe_drafts). Scored as
     verification would: the drafts accepted are the longest prefix the decoded tokens match,
     exactly what greedy verification accepts, and under sampling a draft matches the sampled
     token with the probability rejection sampling accepts it (its q is one-hot). Without them
@@ -115,7 +115,7 @@ class ShadowDrafts:
 
     def step(self, scheduler: Scheduler, batch: InputBatch,
              policy: AdaptiveSpeculation) -> None:
-        """After a step's tokens are appended: policy.observe_shadow(drafts, accepted) for each
+        """After a step's tokens are appended: policy.observe_drafts(drafts, accepted) for each
         proposal whose sequence has decoded past it; then the next NUM_SEQS decoding sequences
         in turn propose (policy.observe_matching: how many of them would have drafted), and
         those without a proposal pending keep theirs."""
@@ -126,7 +126,7 @@ class ShadowDrafts:
                 del self.pending[seq_id]
             elif seq.num_tokens >= start + len(drafts):
                 decoded = seq.token_ids[start : start + len(drafts)]
-                policy.observe_shadow(len(drafts), next(
+                policy.observe_drafts(len(drafts), next(
                     (j for j, (a, b) in enumerate(zip(decoded, drafts)) if a != b), len(drafts)))
                 del self.pending[seq_id]
         running = scheduler.running

@@ -266,8 +266,10 @@ class AdaptiveSpeculation:
         step where every sequence drafts (RESULTS.md, stop 65), and taken for t(shape_k) beside
         E(k), which counts drafted positions only, it made drafting look cheaper than it is;
         counted as t(0) it made k = 0 look slow.
-        Host drafts verify in their shape whoever proposed: every decode step is a sample of
-        t(shape_k), and of how many of its sequences propose each position (E(k))."""
+        Host drafts verify in their shape whoever proposed: a verifying step is a sample of
+        t(shape_k) and of how many of its sequences propose each position (E(k)); a step
+        offered drafts where nobody proposed ran k = 0's shape synchronously, a sample of
+        t_sync and not of t(0) (_rate)."""
         self.steps_per_k[out.num_spec_tokens] += 1
         self._observe_acceptance(out, sampled)
         decode = bool(out.seq_ids) and max(out.num_new_tokens) == 1
@@ -303,9 +305,9 @@ class AdaptiveSpeculation:
         # sentinels moves an estimate that many full steps made as much as their drafts do
         for num_drafts, num_accepted in verified_drafts(out, sampled):
             self.metrics.record(num_drafts, num_accepted)
-            self.observe_shadow(num_drafts, num_accepted)
+            self.observe_drafts(num_drafts, num_accepted)
 
-    def observe_shadow(self, num_drafts: int, num_accepted: int) -> None:
+    def observe_drafts(self, num_drafts: int, num_accepted: int) -> None:
         """One sequence's drafts and how many of them were accepted: verified, or (host
         drafts while drafting is off: host_drafts.ShadowDrafts) scored against the tokens
         it decoded without them."""

@@ -35,7 +35,7 @@ class Recorder:
     def __init__(self) -> None:
         self.scored, self.matching = [], []
 
-    def observe_shadow(self, num_drafts: int, num_accepted: int) -> None:
+    def observe_drafts(self, num_drafts: int, num_accepted: int) -> None:
         self.scored.append((num_drafts, num_accepted))
 
     def observe_matching(self, num_offered: int, num_proposing: int) -> None:

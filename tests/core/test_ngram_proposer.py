@@ -27,10 +27,18 @@ def test_proposals_equal_the_definition_on_random_streams(k: int, min_n: int, ma
         assert not drafts[r, counts[r]:].any()
         found += bool(want)
     assert 20 < found < 200  # both cases occur
-    which = rng.permutation(200)[:37]  # a subset of the rows, in any order
-    sub_drafts, sub_counts = proposer.propose(tokens, lengths, which)
-    np.testing.assert_array_equal(sub_drafts, drafts[which])
-    np.testing.assert_array_equal(sub_counts, counts[which])
+    # a subset of the rows, in any order: one vectorized pass, or each row on its own (up to
+    # FEW_ROWS of them)
+    for size in (37, proposer.FEW_ROWS, 3, 1):
+        which = rng.permutation(200)[:size]
+        sub_drafts, sub_counts = proposer.propose(tokens, lengths, which)
+        np.testing.assert_array_equal(sub_drafts, drafts[which])
+        np.testing.assert_array_equal(sub_counts, counts[which])
+    for start in range(0, 200, proposer.FEW_ROWS):  # every row, a few at a time
+        which = np.arange(start, min(start + proposer.FEW_ROWS, 200))
+        sub_drafts, sub_counts = proposer.propose(tokens, lengths, which)
+        np.testing.assert_array_equal(sub_drafts, drafts[which])
+        np.testing.assert_array_equal(sub_counts, counts[which])
 
 
 def test_the_longest_ngram_wins_then_its_earliest_occurrence() -> None:
@@ -46,6 +54,18 @@ def test_the_longest_ngram_wins_then_its_earliest_occurrence() -> None:
     # nothing repeats: nothing proposed
     _, counts = proposer.propose(np.array([[1, 2, 3, 4]], np.int32), np.array([4]))
     assert counts.tolist() == [0]
+
+
+@pytest.mark.parametrize("rows", [1, 9])  # searched as bytes, and vectorized
+def test_a_match_inside_the_bytes_of_other_tokens_is_no_occurrence(rows: int) -> None:
+    """The suffix [1, 2]'s bytes (int32, little-endian: 01 00 00 00 02 00 00 00) occur one
+    byte into [256, 512, 0]; only the occurrence at 3 is one."""
+    proposer = NgramProposer(2, 1, 2)
+    tokens = np.tile(np.array([[256, 512, 0, 1, 2, 9, 1, 2]], np.int32), (rows, 1))
+    drafts, counts = proposer.propose(tokens, np.full(rows, 8))
+    assert drafts[:, :2].tolist() == [[9, 1]] * rows and counts.tolist() == [2] * rows
+    drafts, counts = proposer.propose(tokens[:, [0, 1, 2, 6, 7]], np.full(rows, 5))
+    assert counts.tolist() == [0] * rows
 
 
 def test_ngram_config_is_vllms() -> None:

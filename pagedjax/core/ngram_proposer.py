@@ -10,9 +10,9 @@ One vectorized pass over the persistent batch's token rows (input_batch.py) matc
 sequence at once: for each suffix length j, a comparison of every position with the token j
 before the end; the run of matches ending at a position is the length of the n-gram that
 occurs there. Cost: prompt_lookup_max passes over [rows, longest context] int32, about 40 NumPy
-calls whatever the rows (~70 µs for one row of 500 tokens on a 2-core CPU). Up to FEW_ROWS rows
-(ShadowDrafts' four, a small batch) each row's n-grams are searched in its bytes instead
-(`bytes.find`, longest first): ~16 µs a row.
+calls whatever the rows. Up to FEW_ROWS rows (ShadowDrafts' four, a small batch) each row's
+n-grams are searched in its bytes instead (`bytes.find`, longest first), about four times
+cheaper for one row (RESULTS.md, stop 70).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import numpy as np
 
 
 class NgramProposer:
-    FEW_ROWS = 8  # up to this many rows, a search per row (at 32 rows: 350 µs against 250)
+    FEW_ROWS = 8  # up to this many rows, a search per row (at 32, the vectorized pass is cheaper)
 
     def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int,
                  prompt_lookup_max: int) -> None:

@@ -28,6 +28,12 @@ from pagedjax.core.spec_policy import AdaptiveSpeculation
 from pagedjax.core.suffix_proposer import SuffixDecodingProposer
 
 
+def _proposes(seq: Sequence) -> bool:
+    """Whether seq decodes from its last token, so the host may draft for it (not while it
+    prefills, with no token to decode from yet, nor for a beam, whose policy picks tokens)."""
+    return seq.num_computed_tokens + 1 == seq.num_tokens and not seq.policy_picks_tokens
+
+
 class HostDrafter(Protocol):
     def propose(self, scheduler: Scheduler, batch: InputBatch, k: int,
                 seqs: list[Sequence] | None = None) -> dict[int, list[int]]:
@@ -77,8 +83,8 @@ class SuffixDrafter:
             del seen[seq_id]
         proposals = {}
         for seq in scheduler.running if seqs is None else seqs:
-            if seq.num_computed_tokens + 1 != seq.num_tokens or seq.policy_picks_tokens:
-                continue  # prefilling (no token to decode from yet), or a beam
+            if not _proposes(seq):
+                continue
             held = seen.get(seq.seq_id)
             if held is None:
                 held = seq.num_prompt_tokens
@@ -135,8 +141,8 @@ class ShadowDrafts:
         while scanned < len(running) and len(picks) < self.NUM_SEQS:
             seq = running[(self._cursor + scanned) % len(running)]
             scanned += 1
-            if not seq.policy_picks_tokens and seq.num_computed_tokens + 1 == seq.num_tokens:
-                picks.append(seq)  # decoding
+            if _proposes(seq):
+                picks.append(seq)
         self._cursor += scanned
         if not picks:
             return

@@ -34,6 +34,7 @@ from pagedjax.benchmarks.harness import (
     in_turn,
     model_dir,
     model_name,
+    paired_ratio,
     print_table,
     step_phases_ms,
     write_json,
@@ -42,8 +43,8 @@ from pagedjax.benchmarks.harness import (
 __all__ = [  # the package harness's, for the scripts here
     "RANDOM_LLAMA", "RESULTS_DIR", "accelerator_tag", "add_async_scheduling_argument",
     "add_dtype_argument", "add_model_arguments", "add_out_argument", "args_record",
-    "environment", "in_turn", "model_dir", "model_name", "print_table", "step_phases_ms",
-    "write_json",
+    "environment", "in_turn", "model_dir", "model_name", "paired_ratio", "print_table",
+    "step_phases_ms", "write_json",
     # and these scripts' own
     "WARMUP_STEPS", "add_output_kind_argument", "finish", "median_seconds", "output_kind",
     "start_decoding", "stderr_fd_captured", "time_engine_steps",

@@ -35,12 +35,16 @@ from common import (  # noqa: E402
     accelerator_tag,
     add_out_argument,
     environment,
+    in_turn,
+    paired_ratio,
     print_table,
     write_json,
 )
 
 _SOURCES = ("argparse.py", "dataclasses.py", "functools.py", "json/decoder.py", "pathlib.py",
             "textwrap.py", "typing.py", "inspect.py")
+_MORE_SOURCES = ("os.py", "shutil.py", "subprocess.py", "tempfile.py", "posixpath.py",
+                 "random.py", "statistics.py", "base64.py", "tarfile.py", "ast.py")
 _MIN_PROMPTS = 8  # small batches run this many prompts, b at a time: no one-prompt verdicts
 _DELTAS = ("spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
            "spec_decode_num_verifications")
@@ -63,9 +67,9 @@ def _cut(streams: list[list[int]], num: int, length: int) -> list[list[int]]:
     return prompts
 
 
-def _stdlib_sources() -> list[str]:
+def _stdlib_sources(files: tuple[str, ...] = _SOURCES) -> list[str]:
     root = Path(sysconfig.get_paths()["stdlib"])
-    return [(root / f).read_text(encoding="utf-8") for f in _SOURCES]
+    return [(root / f).read_text(encoding="utf-8") for f in files]
 
 
 def code_prompts(tokenizer, num: int, length: int = 64) -> list[list[int]]:
@@ -73,18 +77,27 @@ def code_prompts(tokenizer, num: int, length: int = 64) -> list[list[int]]:
     return _cut([tokenizer.encode(text) for text in _stdlib_sources()], num, length)
 
 
+def _module_functions(text: str) -> list[str]:
+    """The module-level functions of 6-30 lines in a source file's text."""
+    lines, functions = text.splitlines(), []
+    for i, line in enumerate(lines):
+        if line.startswith("def "):
+            end = next((j for j in range(i + 1, len(lines))
+                        if lines[j] and not lines[j][0].isspace()), len(lines))
+            if 6 <= end - i <= 30:
+                functions.append("\n".join(lines[i:end]).rstrip())
+    return functions
+
+
 def edit_prompts(tokenizer, num: int) -> list[list[int]]:
     """A stdlib function of 6-30 lines, then a comment asking for it again and its first line:
-    the completion rewrites code its prompt holds."""
-    functions = []
-    for text in _stdlib_sources():
-        lines = text.splitlines()
-        for i, line in enumerate(lines):
-            if line.startswith("def ") and len(functions) < 4 * num:
-                end = next((j for j in range(i + 1, len(lines))
-                            if lines[j] and not lines[j][0].isspace()), len(lines))
-                if 6 <= end - i <= 30:
-                    functions.append("\n".join(lines[i:end]).rstrip())
+    the completion rewrites code its prompt holds. Functions of _SOURCES, spread out; those of
+    _MORE_SOURCES too where they run out (--repeats 8 at batch 32), so that no prompt repeats."""
+    functions: list[str] = []
+    for files in (_SOURCES, _MORE_SOURCES):
+        if len(functions) < num:
+            functions += [f for text in _stdlib_sources(files) for f in _module_functions(text)]
+    functions = functions[: 4 * num]
     functions = functions[:: max(1, len(functions) // num)][:num]
     return [tokenizer.encode(f"{f}\n\n\n# The same function again:\n{f.splitlines()[0]}\n")
             for f in functions]
@@ -116,26 +129,27 @@ def prompt_set(name: str, tokenizer, num: int) -> list[list[int]]:
 
 
 def timed_generate(llms: dict, rounds: list[list[list[list[int]]]], max_tokens: int
-                   ) -> dict[str, tuple[float, int]]:
-    """name -> mean seconds and output tokens of greedy batches run one after another (one per
-    group of prompts) on that LLM, over the rounds (each its own prompts: no round finds the
-    last round's answers in a suffix cache): every round counts, the first too. In a round
-    every LLM runs one pass, in turns, so that a host whose speed drifts (a shared machine)
-    slows them alike."""
+                   ) -> dict[str, tuple[list[float], int]]:
+    """name -> seconds of each round and output tokens a round, of greedy batches run one after
+    another (one per group of prompts) on that LLM. Each round has its own prompts (no round
+    finds the last round's answers in a suffix cache), and every round counts, the first too.
+    In a round every LLM runs one pass, in turns, the first LLM rotating from round to round,
+    so that a host whose speed drifts (a shared machine) slows them alike and each round's
+    passes can be compared with each other (`paired_ratio`)."""
     from pagedjax import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    seconds: dict[str, float] = dict.fromkeys(llms, 0.0)
+    seconds: dict[str, list[float]] = {name: [] for name in llms}
     tokens: dict[str, int] = {}
-    for groups in rounds:
-        for name, llm in llms.items():
+    for r, groups in enumerate(rounds):
+        for name in in_turn(list(llms), r):
             start, tokens[name] = time.perf_counter(), 0
             for group in groups:
-                outputs = llm.generate([{"prompt_token_ids": p} for p in group], params,
-                                       use_tqdm=False)
+                outputs = llms[name].generate([{"prompt_token_ids": p} for p in group], params,
+                                              use_tqdm=False)
                 tokens[name] += sum(len(o.outputs[0].token_ids) for o in outputs)
-            seconds[name] += time.perf_counter() - start
-    return {name: (s / len(rounds), tokens[name]) for name, s in seconds.items()}
+            seconds[name].append(time.perf_counter() - start)
+    return {name: (s, tokens[name]) for name, s in seconds.items()}
 
 
 def make_llm(model: str, backend: str, args, spec: dict | None = None,
@@ -196,10 +210,11 @@ def run_backend(backend: str, args) -> list[dict]:
     return rows
 
 
-def _row(backend: str, b: int, mode: str, k: int, seconds: float, tokens: int, before: dict,
-         after: dict) -> dict:
+def _row(backend: str, b: int, mode: str, k: int, rounds: list[float], tokens: int,
+         before: dict, after: dict) -> dict:
+    seconds = sum(rounds) / len(rounds)
     row = {"backend": backend, "batch": b, "mode": mode, "output tok/s": tokens / seconds,
-           "ms/token": 1e3 * seconds * b / tokens, "seconds": seconds,
+           "ms/token": 1e3 * seconds * b / tokens, "seconds": seconds, "round seconds": rounds,
            "compiles after startup": after["num_compiles_after_startup"]}
     if not k:
         return row
@@ -222,12 +237,13 @@ def _row(backend: str, b: int, mode: str, k: int, seconds: float, tokens: int, b
 
 
 def add_speedups(rows: list[dict]) -> None:
-    """Each row's speed-up over k = 0 (when it ran), and per case the oracle: the best fixed k
-    (k = 0 included), and each row's tok/s beside it."""
+    """Each row's speed-up over k = 0 (when it ran), and per case the oracle: the fixed k (k = 0
+    included) of the best mean speed, each row's tok/s beside it, and the same from the
+    rounds' pairs with its 90 % interval (`paired_ratio`)."""
     def case(r: dict) -> tuple:
         return r["set"], r["backend"], r["batch"]
 
-    base = {case(r): r["output tok/s"] for r in rows if r["mode"] == "k=0"}
+    base = {case(r): r for r in rows if r["mode"] == "k=0"}
     fixed = [r for r in rows if r["mode"] == "k=0" or r["mode"].startswith("k=")]
     best: dict[tuple, dict] = {}
     for r in fixed:
@@ -235,10 +251,37 @@ def add_speedups(rows: list[dict]) -> None:
             best[case(r)] = r
     for r in rows:
         if case(r) in base:
-            r["speedup"] = r["output tok/s"] / base[case(r)]
+            r["speedup"] = r["output tok/s"] / base[case(r)]["output tok/s"]
         if case(r) in best:
-            r["oracle"] = best[case(r)]["mode"]
-            r["× oracle"] = r["output tok/s"] / best[case(r)]["output tok/s"]
+            oracle = best[case(r)]
+            r["oracle"] = oracle["mode"]
+            r["× oracle"] = r["output tok/s"] / oracle["output tok/s"]
+            mean, low, high = paired_ratio(r["round seconds"], oracle["round seconds"])
+            r["× oracle, paired"] = mean
+            r["× oracle, 90 %"] = [low, high]
+
+
+def verdicts(rows: list[dict], mode: str, at_least: float = 0.97) -> str:
+    """How many cases of `mode` reach at_least x the oracle: by the means, and by the paired
+    rounds' interval (met: its low end at or above; missed: its high end below; else open)."""
+    cases = [r for r in rows if r["mode"].startswith(mode) and "× oracle" in r]
+    if not cases:
+        return ""
+    met = sum(r["× oracle, 90 %"][0] >= at_least for r in cases)
+    missed = sum(r["× oracle, 90 %"][1] < at_least for r in cases)
+    return (f"{mode}: ≥ {at_least}x the oracle in {sum(r['× oracle'] >= at_least for r in cases)}"
+            f" of {len(cases)} cases by the means; by the rounds' 90 % intervals met in {met},"
+            f" missed in {missed}, undecided in {len(cases) - met - missed}")
+
+
+def _shown(row: dict) -> dict:
+    """A row as the table prints it: ratios to three places."""
+    shown = {**row, **{c: f"{row[c]:.3f}" for c in ("speedup", "× oracle", "alpha")
+                       if c in row}}
+    if "× oracle, paired" in row:
+        low, high = row["× oracle, 90 %"]
+        shown["paired (90 %)"] = f"{row['× oracle, paired']:.3f} ({low:.2f}-{high:.2f})"
+    return shown
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -300,9 +343,13 @@ def main() -> None:
 
     rows = [r for backend in args.backends for r in run_backend(backend, args)]
     add_speedups(rows)
-    print_table(rows, ["set", "backend", "batch", "mode", "output tok/s", "ms/token", "speedup",
-                       "× oracle", "oracle", "alpha", "tokens/verify", "mean k",
-                       "compiles after startup"])
+    print_table([_shown(r) for r in rows],
+                ["set", "backend", "batch", "mode", "output tok/s", "ms/token", "speedup",
+                 "× oracle", "paired (90 %)", "oracle", "alpha", "tokens/verify", "mean k",
+                 "compiles after startup"])
+    for mode in ("adaptive", "ngram", "suffix"):
+        if line := verdicts(rows, mode):
+            print(line)
     env = environment()
     tag = "_".join([*args.backends, accelerator_tag(env)])
     path = write_json(f"spec_decode_{tag}.json", {"args": vars(args), "results": rows,

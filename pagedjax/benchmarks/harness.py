@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import platform
 import subprocess
@@ -101,6 +102,27 @@ def in_turn(systems: Sequence[_T], round_index: int) -> list[_T]:
     none always runs first or last while a shared host's speed drifts."""
     k = round_index % len(systems)
     return [*systems[k:], *systems[:k]]
+
+
+# one-sided 95 % quantiles of Student's t by degrees of freedom (a two-sided 90 % interval)
+_T95 = (6.314, 2.920, 2.353, 2.132, 2.015, 1.943, 1.895, 1.860, 1.833, 1.812, 1.796, 1.782,
+        1.771, 1.761, 1.753, 1.746, 1.740, 1.734, 1.729, 1.725)
+
+
+def paired_ratio(seconds: Sequence[float], reference: Sequence[float]
+                 ) -> tuple[float, float, float]:
+    """How much faster a system ran than a reference from their passes in the same rounds
+    (`in_turn`): the geometric mean of reference_r / seconds_r and its two-sided 90 % interval
+    (Student's t on the logarithms; NaN bounds from one round). Pairs share a round's work and
+    the host's speed at that time, so the interval shows what the host's drift leaves
+    undecided."""
+    logs = [math.log(ref / sec) for sec, ref in zip(seconds, reference, strict=True)]
+    mean = sum(logs) / len(logs)
+    if len(logs) < 2:
+        return math.exp(mean), math.nan, math.nan
+    sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / (len(logs) - 1))
+    half = _T95[min(len(logs) - 2, len(_T95) - 1)] * sd / math.sqrt(len(logs))
+    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
 
 
 def environment() -> dict:

@@ -392,6 +392,22 @@ def test_while_drafting_is_off_a_probe_drafts_the_smallest_k(tmp_path) -> None:
     assert probes == [2] * (128 // policy.PROBE_EVERY)
 
 
+@pytest.mark.parametrize("cost, probes_of_k2", [(0.05, 4), (0.3, 12)])
+def test_while_drafting_pays_by_far_a_k_is_probed_where_its_rate_could_win(
+        tmp_path, cost: float, probes_of_k2: int) -> None:
+    """Every draft accepted at batch 1: k = 4 yields 5 tokens a step. k = 0's rate is 0.24x
+    (drafts at 0.05 of a step each) or 0.44x (at 0.3) k = 4's, far past what its estimates'
+    error could hide: of the last 512 steps, 4 probe k = 0, once every STALE_AFTER. k = 2's is
+    0.65x, re-timed as seldom, or 0.82x, within PROBE_OPTIMISM: it takes every other probe
+    (every PROBE_EVERY steps). Before, k = 0 and k = 2 took turns in every probe."""
+    truth = lambda k, s: 1.0 + cost * k  # noqa: E731
+    policy = policy_for(tmp_path, truth)
+    last = simulate(policy, 1, 1024, accepted=4, seconds=truth)[-512:]
+    assert policy.STALE_AFTER == 4 * policy.PROBE_EVERY == 128
+    assert (last.count(0), last.count(2)) == (4, probes_of_k2)
+    assert last.count(4) == 512 - 4 - probes_of_k2
+
+
 def simulate_host_drafts(policy: AdaptiveSpeculation, num_seqs: int, steps: int,
                          proposes: callable, seconds: callable,
                          last: int = 100) -> tuple[list[int], float]:

@@ -40,7 +40,9 @@ drafting step's price), measuring its time and, drafting, the acceptance of its 
 a change in the prompts or the host's speed is found, at a cost of at most one step in
 PROBE_EVERY (a cell's old measurements fading with the steps run since, AGE_DECAY). While it
 drafts, a probe is only for a k that would beat the choice were its rate PROBE_OPTIMISM times
-what the estimates say, or one not measured in STALE_AFTER steps: a probe of k = 0 where k = 4
+what the estimates say, one not measured in STALE_AFTER steps, or one timed by fewer than
+PROBE_MIN_SAMPLES steps (a bucket's first k = 0 steps on the demo pair at batch 8: 6.9-8.5 ms,
+later ones 5-5.7): a probe of k = 0 where k = 4
 yields ~4.8 tokens a step costs ~4 tokens, and with a draft model the step after it only
 catches the draft up (the demo pair on jax, the repeat set at batch 1: probes and catch-ups
 in 56 of ~900 steps, 0.92x fixed k = 4).
@@ -94,6 +96,7 @@ class AdaptiveSpeculation:
     # or one not measured in STALE_AFTER steps
     PROBE_OPTIMISM = 1.25
     STALE_AFTER = 4 * PROBE_EVERY
+    PROBE_MIN_SAMPLES = 3  # or one timed by fewer steps: a bucket's first ones may be slow
 
     def __init__(self, config: SpeculativeConfig, shapes: StepShapes,
                  costs: StepCosts | None) -> None:
@@ -129,6 +132,7 @@ class AdaptiveSpeculation:
         self._t0_then: dict[tuple[int, int], float] = {}
         self._num_observed = 0  # steps observed
         self._last_measured: dict[tuple[int, int], int] = {}  # (bucket, k) → its last step's index
+        self._num_samples: dict[tuple[int, int], int] = {}  # (bucket, k) → its steps timed
         # k → decayed (sum of log(measured / table) over its cells, weight)
         self._log_error: dict[int, tuple[float, float]] = {}
 
@@ -159,7 +163,8 @@ class AdaptiveSpeculation:
         elif self._probing:  # the k measured longest ago at this bucket, of those worth it
             last = {k: self._last_measured.get((bucket, k), -1) for k in rate}
             worth = [k for k in rate if rate[k] * self.PROBE_OPTIMISM >= rate[self._chosen]
-                     or self._num_observed - last[k] >= self.STALE_AFTER]
+                     or self._num_observed - last[k] >= self.STALE_AFTER
+                     or self._num_samples.get((bucket, k), 0) < self.PROBE_MIN_SAMPLES]
             best = min(worth, key=lambda k: (last[k], k == 0, -rate[k]))
         self.k = best
         return best
@@ -365,6 +370,7 @@ class AdaptiveSpeculation:
         if k and t0:
             self._t0_then[bucket, k] = t0
         self._last_measured[bucket, k] = self._num_observed
+        self._num_samples[bucket, k] = self._num_samples.get((bucket, k), 0) + 1
         error_sum, error_weight = self._log_error.get(k, (0.0, 0.0))
         self._log_error[k] = (error_sum * self.TIME_DECAY
                               + math.log(seconds / self.costs[bucket][k]),

@@ -408,6 +408,26 @@ def test_while_drafting_pays_by_far_a_k_is_probed_where_its_rate_could_win(
     assert last.count(4) == 512 - 4 - probes_of_k2
 
 
+def test_a_k_timed_by_a_slow_first_step_is_probed_until_timed_enough(tmp_path) -> None:
+    """A bucket's first k = 0 step ran at 1.7x the later ones (the demo pair at batch 8: 6.9-8.5
+    ms against 5-5.7), and k = 4, every draft accepted, promises far more: k = 0 is still
+    probed until PROBE_MIN_SAMPLES steps timed it, so its estimate nears the later steps'
+    within 128 steps (1.12: the first step's weight decays with its age), where it kept 1.7
+    until the first STALE_AFTER's end."""
+    timed = []
+
+    def truth(k: int, s: int) -> float:
+        if k:
+            return 1.0 + 0.05 * k
+        timed.append(k)
+        return 1.7 if len(timed) == 1 else 1.0
+
+    policy = policy_for(tmp_path, lambda k, s: 1.0 + 0.05 * k)
+    chosen = simulate(policy, 1, 4 * policy.PROBE_EVERY, accepted=4, seconds=truth)
+    assert chosen.count(0) == policy.PROBE_MIN_SAMPLES == 3
+    assert policy.seconds(1, 0) < 1.15
+
+
 def simulate_host_drafts(policy: AdaptiveSpeculation, num_seqs: int, steps: int,
                          proposes: callable, seconds: callable,
                          last: int = 100) -> tuple[list[int], float]:

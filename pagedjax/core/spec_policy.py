@@ -41,11 +41,10 @@ a change in the prompts or the host's speed is found, at a cost of at most one s
 PROBE_EVERY (a cell's old measurements fading with the steps run since, AGE_DECAY). While it
 drafts, a probe is only for a k that would beat the choice were its rate PROBE_OPTIMISM times
 what the estimates say, one not measured in STALE_AFTER steps, or one timed by fewer than
-PROBE_MIN_SAMPLES steps (a bucket's first k = 0 steps on the demo pair at batch 8: 6.9-8.5 ms,
-later ones 5-5.7): a probe of k = 0 where k = 4
-yields ~4.8 tokens a step costs ~4 tokens, and with a draft model the step after it only
-catches the draft up (the demo pair on jax, the repeat set at batch 1: probes and catch-ups
-in 56 of ~900 steps, 0.92x fixed k = 4).
+PROBE_MIN_SAMPLES steps at the bucket (its first steps run slow: RESULTS.md, stop 71). A probe
+of k = 0 where k = 4 yields ~4.8 tokens a step costs ~4 tokens, and with a draft model the step
+after it only catches the draft up (the demo pair on jax, the repeat set at batch 1: probes and
+catch-ups in 56 of ~900 steps, 0.92x fixed k = 4).
 Otherwise a k > 0 must promise MIN_GAIN over k = 0 (a step's time varies with context length
 and batch fill).
 

@@ -243,7 +243,7 @@ def add_speedups(rows: list[dict]) -> None:
     def case(r: dict) -> tuple:
         return r["set"], r["backend"], r["batch"]
 
-    base = {case(r): r for r in rows if r["mode"] == "k=0"}
+    base = {case(r): r["output tok/s"] for r in rows if r["mode"] == "k=0"}
     fixed = [r for r in rows if r["mode"] == "k=0" or r["mode"].startswith("k=")]
     best: dict[tuple, dict] = {}
     for r in fixed:
@@ -251,7 +251,7 @@ def add_speedups(rows: list[dict]) -> None:
             best[case(r)] = r
     for r in rows:
         if case(r) in base:
-            r["speedup"] = r["output tok/s"] / base[case(r)]["output tok/s"]
+            r["speedup"] = r["output tok/s"] / base[case(r)]
         if case(r) in best:
             oracle = best[case(r)]
             r["oracle"] = oracle["mode"]

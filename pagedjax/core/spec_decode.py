@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -245,19 +245,16 @@ class SpecDecodeMetrics:
 StepCosts = dict[int, dict[int, float]]
 
 
-def measure_step_costs(execute: Callable[[ModelInput], Any], shapes: StepShapes,
-                       config: EngineConfig, num_kv_blocks: int, *,
-                       repeats: int = 3) -> StepCosts:
-    """Time one decode step of each batch bucket with each compiled k (and k = 0), in the
-    steady state of speculative decoding: every sequence has one new token, k draft slots and
-    one token for the draft to catch up on, at a context of min(256, max_model_len / 2). The
-    best of `repeats` runs after one warm-up. The steps write KV only into the pool's blocks,
-    which hold nothing yet: it runs before the first request."""
+def decode_step_inputs(shapes: StepShapes, config: EngineConfig, num_kv_blocks: int
+                       ) -> Iterator[tuple[int, int, ModelInput]]:
+    """(batch bucket, k, input) of one decode step of each bucket with each compiled k (and
+    k = 0), in the steady state of speculative decoding: every sequence has one new token, k
+    draft slots and one token for the draft to catch up on, at a context of min(256,
+    max_model_len / 2). The steps write KV only into the pool's blocks, which hold nothing
+    before the first request."""
     block_size = config.block_size
     context = min(256, config.max_model_len // 2)
-    costs: StepCosts = {}
     for num_seqs in shapes.seq_buckets:
-        costs[num_seqs] = {}
         for k in (0, *shapes.spec_ks):
             blocks = -(-(context + k + 1) // block_size)
             scheduled = [ScheduledSequence(
@@ -267,11 +264,31 @@ def measure_step_costs(execute: Callable[[ModelInput], Any], shapes: StepShapes,
                 draft_start_pos=context, draft_token_ids=[1] if k else [])
                 for s in range(num_seqs)]
             out = ScheduledBatch(scheduled, [], k)
-            model_input = build_model_input(out, shapes, block_size=block_size)
-            seconds = []
-            for _ in range(repeats + 1):
-                start = time.perf_counter()
-                execute(model_input)
-                seconds.append(time.perf_counter() - start)
-            costs[num_seqs][k] = min(seconds[1:])
+            yield num_seqs, k, build_model_input(out, shapes, block_size=block_size)
+
+
+def measure_step_costs(execute: Callable[[ModelInput], Any], shapes: StepShapes,
+                       config: EngineConfig, num_kv_blocks: int, *,
+                       repeats: int = 3) -> StepCosts:
+    """Time one decode step of each batch bucket with each compiled k (and k = 0) on
+    decode_step_inputs: the best of `repeats` runs after one warm-up. Before the first
+    request."""
+    costs: StepCosts = {}
+    for num_seqs, k, model_input in decode_step_inputs(shapes, config, num_kv_blocks):
+        seconds = []
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            execute(model_input)
+            seconds.append(time.perf_counter() - start)
+        costs.setdefault(num_seqs, {})[k] = min(seconds[1:])
     return costs
+
+
+def warm_up_decode_steps(execute: Callable[[ModelInput], Any], shapes: StepShapes,
+                         config: EngineConfig, num_kv_blocks: int) -> None:
+    """Run each of decode_step_inputs once, before the first request: a compiled step's first
+    run in a process is up to twice as slow as the next (the demo pair on jax, a CPU: 16-19
+    against 8-10 ms at batch 1, k = 4), and the policy timed it as a step (RESULTS.md, stop
+    72)."""
+    for _, _, model_input in decode_step_inputs(shapes, config, num_kv_blocks):
+        execute(model_input)

@@ -12,7 +12,7 @@ import os
 from pagedjax.cache import cache_dir, compile_cache_enabled
 from pagedjax.config import EngineConfig
 from pagedjax.core.model_runner import ModelRunner
-from pagedjax.core.spec_decode import StepCosts, measure_step_costs
+from pagedjax.core.spec_decode import StepCosts, measure_step_costs, warm_up_decode_steps
 from pagedjax.core.step_shapes import StepShapes
 
 logger = logging.getLogger(__name__)
@@ -24,6 +24,8 @@ def step_costs(runner: ModelRunner, shapes: StepShapes, config: EngineConfig) ->
     path = cache_dir() / "step_costs" / f"{key[:32]}.json"
     if compile_cache_enabled() and path.is_file():
         table = json.loads(path.read_text())
+        # measuring runs every step the table times; loaded, none has run in this process yet
+        warm_up_decode_steps(runner.execute, shapes, config, runner.num_kv_blocks)
         return {int(s): {int(k): t for k, t in row.items()} for s, row in table.items()}
     costs = measure_step_costs(runner.execute, shapes, config, runner.num_kv_blocks)
     if compile_cache_enabled():

@@ -120,7 +120,7 @@ def test_the_best_k_is_in_between(tmp_path) -> None:
     """Two drafts accepted: more slots cost time and win nothing; fewer win less."""
     policy = policy_for(tmp_path, lambda k, s: 1.0 + 0.3 * k)
     chosen = simulate(policy, 4, 100, accepted=2)
-    assert chosen[-60:].count(2) == 60
+    assert chosen[-60:].count(2) >= 58  # bar the probes, one every PROBE_EVERY steps
     assert policy.expected_tokens(2) == pytest.approx(3.0)
     assert policy.expected_tokens(4) == pytest.approx(3.0)
 
@@ -188,7 +188,7 @@ def test_drafting_must_promise_a_margin_over_k0(tmp_path, gain: float, drafts: b
     slope = (5.0 / gain - 1.0) / 4  # t(k) = 1 + slope * k: t(4) = 5 / gain
     policy = policy_for(tmp_path, lambda k, s: 1.0 + slope * k)
     chosen = simulate(policy, 32, 100, accepted=4)
-    assert (chosen[-60:].count(4) == 60) == drafts
+    assert (chosen[-60:].count(4) >= 58) == drafts  # bar the probes
     assert (chosen[-60:].count(0) >= 58) == (not drafts)
 
 
@@ -495,3 +495,58 @@ def test_offering_host_drafts_costs_the_steps_that_launch_ahead(tmp_path, matche
     policy = policy_for(tmp_path, lambda k, s: 1.0 + 0.075 * k, draft_model=False)
     chosen, _ = simulate_host_drafts(policy, 1, 300, lambda n, i: n % 10 < matches, seconds)
     assert chosen[-100:].count(4 if drafts else 0) >= 90
+
+
+def test_probes_move_on_from_a_k_whose_offers_measure_nothing(tmp_path) -> None:
+    """Host drafts at batch 1, drafting k = 4 (every draft accepted); offers of k = 2 never
+    find a match, so they run k = 0's shape and time no t(2). Probes still take turns: k = 0
+    is probed too (by the k probed or measured longest ago), where the probes went to k = 2,
+    never measured, again and again."""
+    policy = policy_for(tmp_path, lambda k, s: 1.0 + 0.05 * k, draft_model=False)
+    chosen, _ = simulate_host_drafts(policy, 1, 1024, lambda n, i: policy.k != 2,
+                                     lambda k, offered: 1.0 + 0.05 * k)
+    tail = chosen[-512:]
+    assert tail.count(4) >= 512 - 512 // policy.PROBE_EVERY
+    assert tail.count(0) >= 2 and tail.count(2) >= 2
+
+
+def simulate_launching_ahead(policy: AdaptiveSpeculation, steps: int, proposes: callable,
+                             ahead: float = 1.0, sync: float = 2.0,
+                             verify: float = 1.3) -> list[int]:
+    """Host drafts at batch 1 on an engine that launches a step ahead (async scheduling) where
+    the policy promised k = 0 for it (next_k_is_zero, asked while the step before is in
+    flight): such a step takes `ahead`; a k = 0 step that waited for the last token (one
+    offered drafts where none matched, a probe's first) `sync`; a step verifying 4 drafts
+    (proposed in step n if proposes(n), always accepted) `verify`. The k of each step."""
+    chosen, promised = [], False
+    for n in range(steps):
+        k = 0 if promised else policy.choose(1)
+        drafts = k if k and proposes(n) else 0
+        out = SchedulerOutput(seq_ids=[0], num_computed_tokens=[10], num_new_tokens=[1],
+                              num_spec_tokens_per_seq=[drafts] if drafts else [],
+                              num_batched_tokens=1 + drafts, num_spec_tokens=drafts)
+        promised_next = policy.next_k_is_zero(1)
+        policy.observe(out, SampledTokens.from_lists({0: [0] * (drafts + 1)}),
+                       verify if drafts else ahead if promised else sync, shape_k=drafts,
+                       ahead=promised)
+        promised = promised_next
+        chosen.append(k)
+    return chosen
+
+
+@pytest.mark.parametrize(("matches", "drafts"), [(1, False), (6, True)])
+def test_k0_is_timed_by_the_steps_that_launch_ahead(tmp_path, matches: int,
+                                                    drafts: bool) -> None:
+    """Host drafts, batch 1, a match in `matches` steps of 10: offering 4 drafts yields 0.1 * 5
+    + 0.9 = 1.4 tokens in 0.1 * 1.3 + 0.9 * 2.0 = 1.93 (0.73x k = 0 launched ahead, 1.0 a
+    step: drafting off), or 3.4 in 1.58 (2.2x: on). k = 0 timed by its probes, each a step that
+    waited for its predecessor's tokens (2.0), made k = 0 look half as fast as it runs
+    (the demo pair on jax: 3-4.4 ms against 1.9), and drafting stayed on at 0.73x. A probe of
+    k = 0 runs two steps, the second launched ahead: t(0) is timed even while drafting."""
+    policy = policy_for(tmp_path, lambda k, s: 1.0 + 0.075 * k, draft_model=False)
+    chosen = simulate_launching_ahead(policy, 400, lambda n: n % 10 < matches)
+    assert chosen[-100:].count(4 if drafts else 0) >= 90
+    assert policy.seconds(1, 0) == pytest.approx(1.0)
+    if drafts:  # each probe of k = 0: two steps
+        runs = "".join("0" if k == 0 else "k" for k in chosen[-256:]).split("k")
+        assert {len(run) for run in runs if run} == {policy.ZERO_RUN}

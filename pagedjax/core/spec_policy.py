@@ -19,13 +19,16 @@ The policy picks the k with the most expected tokens per second, E(k) / t(k):
   (p t(k) + (1 - p) t_sync) (_rate);
 - t(k) the step's seconds at this batch bucket, as the engine measures them step by step (the
   period between two decode steps' outputs: host and device work alike; with a draft model,
-  only steps where every sequence drafted k: see observe). Where the engine launches steps
-  ahead (async scheduling), t(0) is what k = 0 costs with drafting off: only k = 0 steps
-  launched before their predecessor's outputs reached the host time it. A k = 0 step that
-  waited for them (a probe's or a try's first, one after drafting steps, one offered host
-  drafts where none matched) is a sample of t_sync instead: the demo pair on jax at batch 1,
-  3-4.4 ms against 1.9 ms launched ahead, so k = 0 timed by its probes looked twice as slow
-  as it runs, and n-gram drafting stayed on for a sequence that rarely matched. The startup
+  only steps where every sequence drafted k: see observe). With host drafts on an engine
+  that launches steps ahead (async scheduling), t(0) is what k = 0 costs with drafting off:
+  only k = 0 steps launched before their predecessor's outputs reached the host time it. A
+  k = 0 step that waited for them (a probe's or a try's first, one after drafting steps, one
+  offered drafts where none matched) is a sample of t_sync instead: the demo pair on jax at
+  batch 1, 3-4.4 ms against 1.9 ms launched ahead, so k = 0 timed by its probes looked twice
+  as slow as it runs, and n-gram drafting stayed on for a sequence that rarely matched. With
+  a draft model every k = 0 step times t(0): timed the same way, the policy turned drafting
+  off at batch 1 where it paid 1.3-1.5x (RESULTS.md, stop 72; off, the draft falls behind and
+  a probe waits for a current draft, costs the rates leave out). The startup
   table
   (measure_step_costs: one context, synthetic batches, the runner alone) only stands in for a
   (bucket, k) the engine has not run yet, times what the engine's steps with the same k at
@@ -38,9 +41,9 @@ The policy picks the k with the most expected tokens per second, E(k) / t(k):
 A k never measured at this bucket is tried there, at most once every EXPLORE_EVERY steps and
 EXPLORE_TRIES times (a try in a step that holds a prompt chunk measures nothing, and a new
 batch's prompts come first, at its bucket), k = 0 first: the reference every k > 0 must beat.
-So a new bucket's estimates are its own within a few steps (a batch of 32 lasts ~30). While
-drafting, a try or probe of k = 0 runs ZERO_RUN steps, all but the first launched ahead where
-the engine can (next_k_is_zero), so that it times t(0).
+So a new bucket's estimates are its own within a few steps (a batch of 32 lasts ~30). With
+host drafts, a try or probe of k = 0 while drafting runs ZERO_RUN steps, all but the first
+launched ahead where the engine can (next_k_is_zero), so that it times t(0).
 Every PROBE_EVERY steps the policy runs the k measured or probed longest ago at this bucket
 instead (a k > 0 before 0 where they tie, the better rate first; not the least measured: a k
 measured often on other, longer prompts kept a stale time that no probe refreshed; nor only
@@ -126,12 +129,13 @@ class AdaptiveSpeculation:
         # host drafts: decayed (decoding sequences offered drafts that proposed some, those
         # offered), from steps offered drafts and from ShadowDrafts' picks
         self._matching = (0.0, 0.0)
-        # bucket → decayed (seconds, weight) of the k = 0 steps that waited for their
-        # predecessor's tokens where the engine launches steps ahead (t_sync; with host drafts
-        # also the steps offered drafts where none proposed)
+        # host drafts, bucket → decayed (seconds, weight) of the k = 0 steps that waited for
+        # their predecessor's tokens (t_sync): offered drafts where none proposed, and where
+        # the engine launches steps ahead, any other
         self._sync: dict[int, tuple[float, float]] = {}
         self._zero_run = 0  # steps of a run of k = 0 (a try or probe) not observed yet
-        self._launches_ahead = False  # the engine launches steps ahead (the last observe's)
+        # host drafts on an engine that launches steps ahead (as the last observe said)
+        self._launches_ahead = False
         self._since_probe = 0  # steps since the last probe
         self._since_explore = 0  # steps since the last try of a k not yet measured at its bucket
         self._exploring = False  # the latest choice was one
@@ -315,8 +319,8 @@ class AdaptiveSpeculation:
         offered drafts where nobody proposed ran k = 0's shape synchronously, a sample of
         t_sync and not of t(0) (_rate).
         ahead: whether the step launched before its predecessor's outputs reached the host
-        (None: the engine launches no step ahead). Where it may, a k = 0 step that did not
-        is a sample of t_sync, not of t(0) (the module docstring)."""
+        (None: the engine launches no step ahead). Where it may, a host drafts' k = 0 step that
+        did not is a sample of t_sync, not of t(0) (the module docstring)."""
         self.steps_per_k[out.num_spec_tokens] += 1
         self._observe_acceptance(out, sampled)
         decode = bool(out.seq_ids) and max(out.num_new_tokens) == 1

@@ -15,21 +15,11 @@ The policy picks the k with the most expected tokens per second, E(k) / t(k):
 - with host drafts, a step offered k drafts verifies only where some sequence matches (p = 1 -
   (1 - m)^S for S sequences, m the measured share of sequences that propose, ShadowDrafts
   measuring it while drafting is off), and otherwise runs k = 0's shape synchronously (its
-  drafts need the last step's tokens) in t_sync: offering k yields (p E(k) + 1 - p) /
-  (p t(k) + (1 - p) t_sync) (_rate);
+  drafts need the last step's tokens) in t_sync, measured apart from t(0), whose steps may
+  launch ahead: offering k yields (p E(k) + 1 - p) / (p t(k) + (1 - p) t_sync) (_rate);
 - t(k) the step's seconds at this batch bucket, as the engine measures them step by step (the
   period between two decode steps' outputs: host and device work alike; with a draft model,
-  only steps where every sequence drafted k: see observe). With host drafts on an engine
-  that launches steps ahead (async scheduling), t(0) is what k = 0 costs with drafting off:
-  only k = 0 steps launched before their predecessor's outputs reached the host time it. A
-  k = 0 step that waited for them (a probe's or a try's first, one after drafting steps, one
-  offered drafts where none matched) is a sample of t_sync instead: the demo pair on jax at
-  batch 1, 3-4.4 ms against 1.9 ms launched ahead, so k = 0 timed by its probes looked twice
-  as slow as it runs, and n-gram drafting stayed on for a sequence that rarely matched. With
-  a draft model every k = 0 step times t(0): timed the same way, the policy turned drafting
-  off at batch 1 where it paid 1.3-1.5x (RESULTS.md, stop 72; off, the draft falls behind and
-  a probe waits for a current draft, costs the rates leave out). The startup
-  table
+  only steps where every sequence drafted k: see observe). The startup table
   (measure_step_costs: one context, synthetic batches, the runner alone) only stands in for a
   (bucket, k) the engine has not run yet, times what the engine's steps with the same k at
   other buckets showed of the table's error (the geometric mean of measured / table; none
@@ -41,9 +31,7 @@ The policy picks the k with the most expected tokens per second, E(k) / t(k):
 A k never measured at this bucket is tried there, at most once every EXPLORE_EVERY steps and
 EXPLORE_TRIES times (a try in a step that holds a prompt chunk measures nothing, and a new
 batch's prompts come first, at its bucket), k = 0 first: the reference every k > 0 must beat.
-So a new bucket's estimates are its own within a few steps (a batch of 32 lasts ~30). With
-host drafts, a try or probe of k = 0 while drafting runs ZERO_RUN steps, all but the first
-launched ahead where the engine can (next_k_is_zero), so that it times t(0).
+So a new bucket's estimates are its own within a few steps (a batch of 32 lasts ~30).
 Every PROBE_EVERY steps the policy runs the k measured or probed longest ago at this bucket
 instead (a k > 0 before 0 where they tie, the better rate first; not the least measured: a k
 measured often on other, longer prompts kept a stale time that no probe refreshed; nor only
@@ -110,7 +98,6 @@ class AdaptiveSpeculation:
     PROBE_OPTIMISM = 1.25
     STALE_AFTER = 4 * PROBE_EVERY
     PROBE_MIN_SAMPLES = 3  # or one timed by fewer steps: a bucket's first ones may be slow
-    ZERO_RUN = 2  # steps a try or probe of k = 0 runs while drafting (the first waits)
 
     def __init__(self, config: SpeculativeConfig, shapes: StepShapes,
                  costs: StepCosts | None) -> None:
@@ -129,13 +116,9 @@ class AdaptiveSpeculation:
         # host drafts: decayed (decoding sequences offered drafts that proposed some, those
         # offered), from steps offered drafts and from ShadowDrafts' picks
         self._matching = (0.0, 0.0)
-        # host drafts, bucket → decayed (seconds, weight) of the k = 0 steps that waited for
-        # their predecessor's tokens (t_sync): offered drafts where none proposed, and where
-        # the engine launches steps ahead, any other
-        self._sync: dict[int, tuple[float, float]] = {}
-        self._zero_run = 0  # steps of a run of k = 0 (a try or probe) not observed yet
-        # host drafts on an engine that launches steps ahead (as the last observe said)
-        self._launches_ahead = False
+        # host drafts, bucket → decayed (seconds, weight) of the steps offered drafts where none
+        # proposed (k = 0's shape, run synchronously)
+        self._unmatched: dict[int, tuple[float, float]] = {}
         self._since_probe = 0  # steps since the last probe
         self._since_explore = 0  # steps since the last try of a k not yet measured at its bucket
         self._exploring = False  # the latest choice was one
@@ -162,9 +145,6 @@ class AdaptiveSpeculation:
         if not self.adaptive:
             self.k = self.max_k
             return self.k
-        if self._zero_run:  # a try or probe of k = 0 goes on (its step did not launch ahead)
-            self.k = 0
-            return 0
         bucket = self.shapes.seq_bucket(num_seqs)
         rate = {k: self._rate(bucket, num_seqs, k) for k in (0, *self.shapes.spec_ks)}
         best = max(self.shapes.spec_ks, key=rate.__getitem__)
@@ -190,25 +170,18 @@ class AdaptiveSpeculation:
                      >= self.STALE_AFTER
                      or self._num_samples.get((bucket, k), 0) < self.PROBE_MIN_SAMPLES]
             best = min(worth, key=lambda k: (last[k], k == 0, -rate[k]))
-        if self._probing and not best and self._chosen and self._launches_ahead:
-            self._zero_run = self.ZERO_RUN
         self.k = best
         return best
 
     def next_k_is_zero(self, num_seqs: int) -> bool:
         """Whether the step after the one in flight (of num_seqs sequences) runs k = 0 whatever
-        that one yields, before observe() has seen it: it is the next step of a try or probe
-        of k = 0 (ZERO_RUN), or drafting is off outside probes and neither a probe nor a try of
-        a k at this bucket is due within two steps. Async scheduling then launches it without
-        choose() (the engine's overlap.py); observe() still sees it, and the next probe ends
-        the run."""
-        if not self.adaptive:
+        that one yields, before observe() has seen it: drafting is off outside probes and
+        neither a probe nor a try of a k at this bucket is due within two steps. Async
+        scheduling then launches it without choose() (the engine's overlap.py); observe() still
+        sees it, and the next probe ends the run."""
+        if not self.adaptive or self._chosen:
             return False
         ahead = 1  # the step in flight (a decode step with k = 0), not observed yet
-        if self._zero_run > ahead:
-            return True
-        if self._chosen:
-            return False
         return not (self._probe_due(ahead)
                     or self._explore_due(self._untried(self.shapes.seq_bucket(num_seqs)), ahead))
 
@@ -257,8 +230,8 @@ class AdaptiveSpeculation:
         if k and not self.shapes.draft_model:
             matching, offered = self._matching
             p = 1.0 - (1.0 - matching / offered) ** num_seqs if offered else 1.0
-            sync = self._sync.get(bucket)
-            t_sync = sync[0] / sync[1] if sync else self.seconds(bucket, 0)
+            unmatched = self._unmatched.get(bucket)
+            t_sync = unmatched[0] / unmatched[1] if unmatched else self.seconds(bucket, 0)
             tokens, seconds = p * tokens + 1.0 - p, p * seconds + (1.0 - p) * t_sync
         return tokens / seconds
 
@@ -303,8 +276,7 @@ class AdaptiveSpeculation:
     # ---- learning ------------------------------------------------------------------------
 
     def observe(self, out: SchedulerOutput, sampled: SampledTokens,
-                seconds: float | None = None, shape_k: int | None = None,
-                ahead: bool | None = None) -> None:
+                seconds: float | None = None, shape_k: int | None = None) -> None:
         """Record a step: how many of its drafts were accepted, per position, and (seconds) the
         engine's period for it, where every sequence decoded one token (a step with a prompt
         chunk is no sample of t(k)) and, with a draft model, proposed its shape's k drafts.
@@ -317,10 +289,7 @@ class AdaptiveSpeculation:
         Host drafts verify in their shape whoever proposed: a verifying step is a sample of
         t(shape_k) and of how many of its sequences propose each position (E(k)); a step
         offered drafts where nobody proposed ran k = 0's shape synchronously, a sample of
-        t_sync and not of t(0) (_rate).
-        ahead: whether the step launched before its predecessor's outputs reached the host
-        (None: the engine launches no step ahead). Where it may, a host drafts' k = 0 step that
-        did not is a sample of t_sync, not of t(0) (the module docstring)."""
+        t_sync and not of t(0) (_rate)."""
         self.steps_per_k[out.num_spec_tokens] += 1
         self._observe_acceptance(out, sampled)
         decode = bool(out.seq_ids) and max(out.num_new_tokens) == 1
@@ -331,9 +300,6 @@ class AdaptiveSpeculation:
             self._last_probed[bucket, self.k] = self._num_observed
         self._since_explore = 0 if self._exploring else self._since_explore + 1
         self._probing = self._exploring = False
-        self._zero_run = max(self._zero_run - 1, 0)
-        # host drafts: the engine launches k = 0 steps ahead (see the module docstring)
-        self._launches_ahead = ahead is not None and not self.shapes.draft_model
         if out.num_spec_tokens or (not decode and any(out.num_draft_tokens)):
             self._steps_since_current = 0  # drafts verified, or a prompt caught up with
         else:
@@ -345,13 +311,10 @@ class AdaptiveSpeculation:
                 out.num_spec_tokens_per_seq)))
             if k:
                 self._observe_coverage(len(out.seq_ids), out.num_spec_tokens_per_seq, k)
-        if decode and not k and ((self._launches_ahead and not ahead)
-                                 or (offered and not self.shapes.draft_model)):
-            # k = 0's shape, waiting for the last step's tokens (to propose drafts where
-            # nobody matched): a sample of t_sync, not of t(0)
-            if self.adaptive and seconds is not None and seconds > 0:
-                self._observe_sync(bucket, seconds)
-            seconds = None
+            else:  # nobody matched: no sample of t(0), whose steps may run ahead
+                if self.adaptive and seconds is not None and seconds > 0:
+                    self._observe_unmatched(bucket, seconds)
+                seconds = None
         if self.adaptive and seconds is not None and seconds > 0 and decode and (
                 not self.shapes.draft_model or k == 0
                 or min(out.num_spec_tokens_per_seq, default=0) == k):  # every sequence drafted k
@@ -383,11 +346,12 @@ class AdaptiveSpeculation:
         decay = self.COVERAGE_DECAY
         self._matching = (matching * decay + num_proposing, offered * decay + num_offered)
 
-    def _observe_sync(self, bucket: int, seconds: float) -> None:
-        total, weight = self._sync.get(bucket, (0.0, 0.0))
+    def _observe_unmatched(self, bucket: int, seconds: float) -> None:
+        total, weight = self._unmatched.get(bucket, (0.0, 0.0))
         if weight and seconds > self.OUTLIER * total / weight:
             return  # an idle gap
-        self._sync[bucket] = (total * self.TIME_DECAY + seconds, weight * self.TIME_DECAY + 1)
+        self._unmatched[bucket] = (total * self.TIME_DECAY + seconds,
+                                   weight * self.TIME_DECAY + 1)
 
     def _observe_coverage(self, num_seqs: int, num_proposed: list[int], k: int) -> None:
         """Host drafts: of the num_seqs sequences of a step verifying in a shape of k drafts,

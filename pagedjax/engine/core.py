@@ -409,9 +409,7 @@ class EngineCore:
             last, self._last_output_time = self._last_output_time, now
             self.speculation.observe(out, sampled,
                                      None if last is None else now - last - during_seconds,
-                                     shape_k=model_input.layout.num_spec_tokens,
-                                     ahead=launched.ahead if self.overlap.launches_ahead
-                                     else None)
+                                     shape_k=model_input.layout.num_spec_tokens)
         if not self.scheduler.has_unfinished():  # the last rows free now, not at the next step
             self._apply_changes(self.scheduler.take_changes())
             self._last_output_time = None  # idle next: the next period is no step's

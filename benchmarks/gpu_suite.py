@@ -19,7 +19,7 @@ The other parts (in the order a first run should take them):
   the CUDA op on device tensors with NaN-poisoned pools), then greedy parity jax/torch/HF in
   float32 (exact) and bf16 (top-5 rule) on tiny models (a mixture of experts among them), and
   the backend test files;
-- kernels: benchmarks/kernels.py, B 1/8/64 x context 512/2048/8192, JAX then torch;
+- kernels: benchmarks/attention_kernels.py, B 1/8/64 x context 512/2048/8192, JAX then torch;
 - throughput, latency (`pagedjax bench throughput|latency`): on a Llama-3.2-1B-shaped random
   bf16 checkpoint made here;
 - spec_decode: the demo pair, one backend per process;
@@ -130,7 +130,7 @@ def correctness_steps(ctx: Context) -> list[Step]:
 def kernels_steps(ctx: Context) -> list[Step]:
     sweep = (("--batches", "1", "2", "--contexts", "32", "--repeats", "1") if ctx.dry_run
              else ("--batches", "1", "8", "64", "--contexts", "512", "2048", "8192"))
-    script, out = str(BENCHMARKS / "kernels.py"), str(ctx.out / "kernels")
+    script, out = str(BENCHMARKS / "attention_kernels.py"), str(ctx.out / "kernels")
     return [Step(f"kernels_{fw}", (script, "--framework", fw, *sweep, "--out", out), 260)
             for fw in ("jax", "torch")]
 
@@ -256,8 +256,8 @@ def all_steps(ctx: Context) -> list[Step]:
                       timeout_s=timeout_s)
           for backend, timeout_s in (("torch", 60), ("jax", 100))),
         *flag_ab,
-        *(Step(f"kernels_{fw}", (str(BENCHMARKS / "kernels.py"), "--framework", fw, *kernels,
-                                 "--out", str(part / "kernels")), 120)
+        *(Step(f"kernels_{fw}", (str(BENCHMARKS / "attention_kernels.py"), "--framework", fw,
+                                 *kernels, "--out", str(part / "kernels")), 120)
           for fw in ("jax", "torch")),
         *(Step(f"spec_decode_{backend}", (str(BENCHMARKS / "spec_decode.py"), "--backends",
                                           backend, *spec, "--out", str(part / "spec_decode")),

@@ -1,5 +1,6 @@
-"""The JAX side of benchmarks/kernels.py (this process imports no torch): our Pallas kernel,
-JAX's own Pallas paged attention and the jnp reference, on inputs built from a `CaseSpec`.
+"""The JAX side of benchmarks/attention_kernels.py (this process imports no torch): our Pallas
+kernel, JAX's own Pallas paged attention and the jnp reference, on inputs built from a
+`CaseSpec`.
 
 On a GPU each Pallas implementation proves it is the compiled Triton kernel before it is timed.
 """

@@ -1,6 +1,7 @@
-"""The torch side of benchmarks/kernels.py (this process imports no jax): our CUDA op (the C++
-op on CPU) and PyTorch's scaled_dot_product_attention over a KV cache gathered contiguous
-beforehand (a non-paged reference: the gather is not timed), on inputs built from a `CaseSpec`.
+"""The torch side of benchmarks/attention_kernels.py (this process imports no jax): our CUDA op
+(the C++ op on CPU) and PyTorch's scaled_dot_product_attention over a KV cache gathered
+contiguous beforehand (a non-paged reference: the gather is not timed), on inputs built from a
+`CaseSpec`.
 
 Each implementation asserts what it times: the pagedjax op must be served by the CUDA extension
 on a GPU (never the pure-torch fallback), SDPA is pinned to one backend.

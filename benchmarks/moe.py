@@ -109,7 +109,7 @@ def vllm_worker(spec_path: Path, reply_fd: int) -> None:
     measurement per round number read from stdin, each reply a JSON line on reply_fd."""
     from peers import _engine
 
-    # benchmarks/kernels.py must not shadow the `kernels` package that transformers looks for
+    # no module of benchmarks/ may shadow a package vLLM or transformers imports
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
     spec = json.loads(spec_path.read_text())
     with os.fdopen(reply_fd, "w") as reply:

@@ -408,8 +408,8 @@ def _parser() -> argparse.ArgumentParser:
 def main() -> None:
     parser = _parser()
     args = parser.parse_args()
-    if args.worker:  # inside one system's process; benchmarks/kernels.py must not shadow
-        sys.path.remove(str(HERE))  # the `kernels` package that transformers looks for
+    if args.worker:  # inside one system's process; no module of benchmarks/ may shadow
+        sys.path.remove(str(HERE))  # a package vLLM or transformers imports
         spec = json.loads(args.spec.read_text())
         args.result.write_text(json.dumps(run_worker(args.worker, spec)))
         return

@@ -1,6 +1,6 @@
 """Tuning levers of our Pallas kernel, one at a time from its default, at the decode shapes of
-`kernels.py` (bf16, GQA 32/8, head_dim 128, block 16), beside JAX's own Pallas paged attention
-and the copy bandwidth, in one process.
+`attention_kernels.py` (bf16, GQA 32/8, head_dim 128, block 16), beside JAX's own Pallas paged
+attention and the copy bandwidth, in one process.
 
 Levers: `num_splits` (KV splits merged by log-sum-exp), `num_kv_pages_per_chunk` (keys per
 inner-loop step: 4 pages = 64 keys, 8 = 128), `num_warps`, `num_stages` (Triton's software
@@ -78,7 +78,7 @@ def main() -> None:
     add_out_argument(parser)
     args = parser.parse_args()
     if jax.default_backend() != "gpu":
-        raise SystemExit("pallas_tuning.py needs a GPU (Triton); on CPU run kernels.py")
+        raise SystemExit("pallas_tuning.py needs a GPU (Triton); on CPU run attention_kernels.py")
     copy_gbs = copy_bandwidth_gbs(2**30, args.repeats)
     rows = [row for case in args.cases for row in tune_case(_case(case), args.repeats, copy_gbs)]
     best = []

@@ -4,7 +4,7 @@
   oracle (interpreted on CPU, compiled on a GPU); every tile dim is a power of two >= 16.
 - `model_configs()`: the shapes the JAX backend calls the kernel with for the models the tests
   and benchmarks load (tiny test models, the demo pair, the Llama-3.2-1B shape of gpu_suite.py).
-- `benchmark_configs()`: every case of `benchmarks/kernels.py`'s GPU sweep.
+- `benchmark_configs()`: every case of `benchmarks/attention_kernels.py`'s GPU sweep.
 
 `test_pallas_lowering.py` lowers all of them to Triton on the CPU.
 """

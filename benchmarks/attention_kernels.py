@@ -11,7 +11,7 @@ bytes read (GB = 1e9) and % of the same process's copy bandwidth, TFLOP/s of the
 A failing case (out of memory included) is recorded and the sweep goes on; the JSON is rewritten
 after every case. On CPU it runs tiny shapes (Pallas interpreted): a smoke test, not a measurement.
 
-    python benchmarks/kernels.py [--framework jax|torch] [--batches 1 8 64 256]
+    python benchmarks/attention_kernels.py [--framework jax|torch] [--batches 1 8 64 256]
                                  [--contexts 512 2048 8192 32768] [--out DIR]
 """
 

@@ -133,7 +133,7 @@ class AdaptiveSpeculation:
         self._t0_then: dict[tuple[int, int], float] = {}
         self._num_observed = 0  # steps observed
         self._last_measured: dict[tuple[int, int], int] = {}  # (bucket, k) → its last step's index
-        self._last_probed: dict[tuple[int, int], int] = {}  # and of its last probe or try
+        self._last_run: dict[tuple[int, int], int] = {}  # and of its last timed step, probe or try
         self._num_samples: dict[tuple[int, int], int] = {}  # (bucket, k) → its steps timed
         # k → decayed (sum of log(measured / table) over its cells, weight)
         self._log_error: dict[int, tuple[float, float]] = {}
@@ -163,8 +163,7 @@ class AdaptiveSpeculation:
         elif self._probing and not self._chosen:  # drafting is off here: whether it pays
             best = min(self.shapes.spec_ks)  # again, at the cheapest drafting step's price
         elif self._probing:  # the k run longest ago at this bucket, of those worth it
-            last = {k: max(self._last_measured.get((bucket, k), -1),
-                           self._last_probed.get((bucket, k), -1)) for k in rate}
+            last = {k: self._last_run.get((bucket, k), -1) for k in rate}
             worth = [k for k in rate if rate[k] * self.PROBE_OPTIMISM >= rate[self._chosen]
                      or self._num_observed - self._last_measured.get((bucket, k), -1)
                      >= self.STALE_AFTER
@@ -297,7 +296,7 @@ class AdaptiveSpeculation:
         self._since_probe = 0 if self._probing and decode else self._since_probe + 1
         bucket = self.shapes.seq_bucket(len(out.seq_ids))
         if self._probing and decode:
-            self._last_probed[bucket, self.k] = self._num_observed
+            self._last_run[bucket, self.k] = self._num_observed
         self._since_explore = 0 if self._exploring else self._since_explore + 1
         self._probing = self._exploring = False
         if out.num_spec_tokens or (not decode and any(out.num_draft_tokens)):
@@ -376,7 +375,7 @@ class AdaptiveSpeculation:
         t0 = self._mean(bucket, 0)
         if k and t0:
             self._t0_then[bucket, k] = t0
-        self._last_measured[bucket, k] = self._num_observed
+        self._last_measured[bucket, k] = self._last_run[bucket, k] = self._num_observed
         self._num_samples[bucket, k] = self._num_samples.get((bucket, k), 0) + 1
         error_sum, error_weight = self._log_error.get(k, (0.0, 0.0))
         self._log_error[k] = (error_sum * self.TIME_DECAY

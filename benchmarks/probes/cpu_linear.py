@@ -1,7 +1,8 @@
 """The CPU linear layers side by side: pagedjax's packed C++ kernel against the libraries.
 
 Each linear of a decoder layer (q/k/v and gate/up fused, as the engine packs them), plus the LM
-head, at M = 1, 4, 16, 64, 256 rows, float32, on the demo target's and SmolLM2-135M's shapes:
+head, at M = 1, 4, 16, 64, 256 rows (--rows), float32, on the demo target's and
+SmolLM2-135M's shapes:
 
 - torch: our `torch.ops.pagedjax.linear` over packed weights; `torch.nn.functional.linear`
   (MKL's sgemm in torch's CPU build); oneDNN's prepacked path
@@ -95,7 +96,7 @@ def jax_candidates(weights: list[np.ndarray], m: int) -> dict:
     return {"pagedjax (FFI)": lambda: ours(x, packed), "XLA dot": lambda: xla(x, dense)}
 
 
-def measure(framework: str, repeats: int) -> list[dict]:
+def measure(framework: str, repeats: int, row_counts: list[int]) -> list[dict]:
     candidates = torch_candidates if framework == "torch" else jax_candidates
     if framework == "torch":
         sync = lambda out: out
@@ -109,7 +110,7 @@ def measure(framework: str, repeats: int) -> list[dict]:
             weights = [(rng.standard_normal((fan_in, fan_out), np.float32) * 0.02)
                        .astype(np.float32) for _ in range(copies)]
             per_call = 1 if framework == "torch" else copies  # products per timed call
-            for m in ROWS:
+            for m in row_counts:
                 for impl, run in candidates(weights, m).items():
                     seconds = median_seconds(run, sync, repeats) / per_call
                     rows.append({"framework": framework, "model": model, "linear": name,
@@ -117,13 +118,13 @@ def measure(framework: str, repeats: int) -> list[dict]:
     return rows
 
 
-def summarise(rows: list[dict]) -> list[dict]:
+def summarise(rows: list[dict], row_counts: list[int]) -> list[dict]:
     """Per model, M and implementation: the sum over the layer's linears (the LM head apart),
     and each library's time over ours in the same framework (> 1: ours is faster)."""
     out = []
     ours = {"torch": "pagedjax", "jax": "pagedjax (FFI)"}
     for model in MODELS:
-        for m in ROWS:
+        for m in row_counts:
             for part in ("layer", "lm_head"):
                 pick = [r for r in rows if r["model"] == model and r["M"] == m
                         and (r["linear"] == "lm_head") == (part == "lm_head")]
@@ -142,18 +143,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--framework", choices=("torch", "jax"))
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
     add_out_argument(parser)
     args = parser.parse_args()
     if args.framework:
-        print(json.dumps(measure(args.framework, args.repeats)))
+        print(json.dumps(measure(args.framework, args.repeats, args.rows)))
         return
     rows = []
     for framework in ("torch", "jax"):
         result = subprocess.run([sys.executable, __file__, "--framework", framework,
-                                 "--repeats", str(args.repeats)], check=True,
+                                 "--repeats", str(args.repeats),
+                                 "--rows", *map(str, args.rows)], check=True,
                                 capture_output=True, text=True)
         rows += json.loads(result.stdout.strip().splitlines()[-1])
-    summary = summarise(rows)
+    summary = summarise(rows, args.rows)
     print_table(summary, ["model", "M", "part", "framework", "impl", "us", "vs ours"])
     path = write_json("cpu_linear.json", {"environment": environment(), "rows": rows,
                                           "summary": summary}, args.out)

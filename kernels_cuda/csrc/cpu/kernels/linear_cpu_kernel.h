@@ -20,6 +20,12 @@ namespace pagedjax::cpu_linear {
 constexpr int64_t kTile = 16;  // columns per packed tile (two 8-float AVX2 registers)
 constexpr int64_t kRows = 4;   // AVX-512: rows per register block (4 x 4 tiles)
 constexpr int kRowsAvx2 = 6;   // AVX2: rows per register block (6 x 16 columns: 12 registers)
+// AVX2 blocks of 2 or more rows ask for each tile's row kAhead k steps ahead (4 KB) into L1: a
+// few-row product streams one cache line of a tile per k step and does only 2-12 FMAs with it,
+// so each load otherwise waits on L2 / L3 (half a 5-row block's samples on its first load; the
+// target's pass of a speculative step at batch 1). A one-row block reads four tiles at once and
+// is faster without. RESULTS.md, stop 73.
+constexpr int64_t kAhead = 64;
 
 // The next tiles' weights, streamed towards L2 while the current tiles compute: a block call
 // that gets one issues a 64-byte line every `every` k steps (plan_prefetch). A decode step's
@@ -76,6 +82,10 @@ __attribute__((target("avx2,fma"))) void block_avx2(const float* x, int64_t ldx,
       __m256 wk[NT][2];
 #pragma GCC unroll 8
       for (int t = 0; t < NT; ++t) {
+        if constexpr (MR >= 2) {  // past the tile's end: the next tile's first lines, or none
+          _mm_prefetch(reinterpret_cast<const char*>(w + (t * K + k + kAhead) * kTile),
+                       _MM_HINT_T0);
+        }
         wk[t][0] = _mm256_loadu_ps(w + (t * K + k) * kTile);
         wk[t][1] = _mm256_loadu_ps(w + (t * K + k) * kTile + 8);
       }

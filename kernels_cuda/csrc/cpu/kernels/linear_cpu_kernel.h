@@ -20,11 +20,12 @@ namespace pagedjax::cpu_linear {
 constexpr int64_t kTile = 16;  // columns per packed tile (two 8-float AVX2 registers)
 constexpr int64_t kRows = 4;   // AVX-512: rows per register block (4 x 4 tiles)
 constexpr int kRowsAvx2 = 6;   // AVX2: rows per register block (6 x 16 columns: 12 registers)
-// AVX2 blocks of 2 or more rows ask for each tile's row kAhead k steps ahead (4 KB) into L1: a
-// few-row product streams one cache line of a tile per k step and does only 2-12 FMAs with it,
-// so each load otherwise waits on L2 / L3 (half a 5-row block's samples on its first load; the
-// target's pass of a speculative step at batch 1). A one-row block reads four tiles at once and
-// is faster without. RESULTS.md, stop 73.
+// A few-row product streams one cache line of a tile per k step and does only 8-12 FMAs with
+// it, so without help each load waits on L2 / L3 (a 5-row block spent half its samples on its
+// first load: the target's pass of a speculative step at batch 1). So the first pass of 4-6
+// rows over a tile asks for the tile's row kAhead k steps ahead (4 KB) into L1; the later
+// passes read it from L2. Blocks of 1-3 rows read two or four tiles at once and are faster
+// without (RESULTS.md, stop 73).
 constexpr int64_t kAhead = 64;
 
 // The next tiles' weights, streamed towards L2 while the current tiles compute: a block call
@@ -59,7 +60,7 @@ void block_scalar(const float* x, int64_t ldx, const float* w, int64_t K, const 
 // cycles' latency need 8-10 to stay busy). Each k loads the NT tile rows, then broadcasts one
 // row's x at a time and uses it at once: 12 accumulators + 2 tile registers + 1 broadcast fit
 // the 16 registers, where broadcasting every row first would spill.
-template <int MR, int NT>
+template <int MR, int NT, bool Ahead = false>
 __attribute__((target("avx2,fma"))) void block_avx2(const float* x, int64_t ldx, const float* w,
                                                     int64_t K, const float* bias, float* y,
                                                     int64_t ldy, Prefetch* prefetch) {
@@ -82,7 +83,7 @@ __attribute__((target("avx2,fma"))) void block_avx2(const float* x, int64_t ldx,
       __m256 wk[NT][2];
 #pragma GCC unroll 8
       for (int t = 0; t < NT; ++t) {
-        if constexpr (MR >= 2) {  // past the tile's end: the next tile's first lines, or none
+        if constexpr (Ahead) {  // past the tile's end: the next tile's first lines, or none
           _mm_prefetch(reinterpret_cast<const char*>(w + (t * K + k + kAhead) * kTile),
                        _MM_HINT_T0);
         }
@@ -151,11 +152,13 @@ __attribute__((target("avx512f"))) void block_avx512(const float* x, int64_t ldx
 
 #endif
 
-template <int MR, int NT>
+template <int MR, int NT, bool Ahead = false>
 void block(const float* x, int64_t ldx, const float* w, int64_t K, const float* bias, float* y,
            int64_t ldy, Prefetch* prefetch) {
 #if defined(__x86_64__)
-  if (cpu_has_avx2_fma()) return block_avx2<MR, NT>(x, ldx, w, K, bias, y, ldy, prefetch);
+  if (cpu_has_avx2_fma()) {
+    return block_avx2<MR, NT, Ahead>(x, ldx, w, K, bias, y, ldy, prefetch);
+  }
 #endif
   block_scalar<MR, NT>(x, ldx, w, K, bias, y, ldy);
 }
@@ -220,11 +223,18 @@ void tile_group(const float* x, int64_t ldx, int64_t M, const float* packed, int
   Prefetch prefetch = plan_prefetch<NT>(packed, M, K, next_tile, end_tile);
   Prefetch* pf = prefetch.every > 0 ? &prefetch : nullptr;
   auto rows_by_tile = [&](auto rows) {  // the next `rows` rows, one tile at a time
-    for (int i = 0; i < NT; ++i)
-      block<decltype(rows)::value, 1>(x + m * ldx, ldx, w + i * K * kTile, K,
-                                      b ? b + i * kTile : nullptr, y + m * ldy + i * kTile, ldy,
-                                      pf);
-    m += decltype(rows)::value;
+    constexpr int MR = decltype(rows)::value;
+    for (int i = 0; i < NT; ++i) {
+      const float* wi = w + i * K * kTile;
+      const float* bi = b ? b + i * kTile : nullptr;
+      float* yi = y + m * ldy + i * kTile;
+      if (m == 0) {  // the tile's first pass: from L3 or memory (kAhead)
+        block<MR, 1, true>(x + m * ldx, ldx, wi, K, bi, yi, ldy, pf);
+      } else {
+        block<MR, 1>(x + m * ldx, ldx, wi, K, bi, yi, ldy, pf);
+      }
+    }
+    m += MR;
   };
   while (M - m >= kRowsAvx2) rows_by_tile(std::integral_constant<int, kRowsAvx2>{});
   if (M - m == 5) return rows_by_tile(std::integral_constant<int, 5>{});

@@ -294,13 +294,20 @@ class FusedStack:
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  kv_caches: list[KVCache], meta: AttentionMetadata
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: the embedding [T, H] → the last layer's (output, residual stream); an fp8
-        cache's scales read each call (set after the layers fuse)."""
-        scales = [s for attn in self.attentions for s in (attn.k_scale, attn.v_scale)]
+        """x: the embedding [T, H] → the last layer's (output, residual stream)."""
         return torch.ops.pagedjax.decoder_layers(
-            x, self.weights, [k for k, _ in kv_caches], [v for _, v in kv_caches], cos, sin,
-            meta.slot_mapping, meta.kv_lens, meta.block_tables, meta.query_start_loc,
-            self.sizes, self.eps, self.sm_scale, scales)
+            x, self.weights, *self.caches(kv_caches), cos, sin, meta.slot_mapping, meta.kv_lens,
+            meta.block_tables, meta.query_start_loc, self.sizes, self.eps, self.sm_scale,
+            self.kv_scales())
+
+    @staticmethod
+    def caches(kv_caches: list[KVCache]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The op's k_caches and v_caches: a layer each."""
+        return [k for k, _ in kv_caches], [v for _, v in kv_caches]
+
+    def kv_scales(self) -> list[float]:
+        """Each layer's (k_scale, v_scale), read each call (set after the layers fuse)."""
+        return [s for attn in self.attentions for s in (attn.k_scale, attn.v_scale)]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -349,6 +356,36 @@ class LlamaForCausalLM(nn.Module):
         logits = self.shard.all_gather_vocab(logits, self.config.vocab_size).to(torch.float32)
         cap = self.config.final_logit_softcapping
         return logits if cap is None else cap * torch.tanh(logits / cap)
+
+    def greedy_decode(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                      slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                      kv_caches: list[KVCache], rope: tuple[torch.Tensor, torch.Tensor]
+                      ) -> torch.Tensor | None:
+        """J single-token steps, each feeding its logits' argmax to the next, in one C++ op
+        (`pagedjax::greedy_decode`: this forward and logits_stats' argmax, op for op, the same
+        bits): input_ids [S] int32 (step 0's tokens), positions [J, S] int32, slot_mapping
+        [J, S] (-1: no write), block_tables [S, M] → tokens [J, S] int32; kv_caches written.
+        None where the op does not compute this model: no fused stack, or a head, multiplier,
+        soft cap or norm it does not have."""
+        if not self._greedy_decode_fused():
+            return None
+        head = self.lm_head
+        return torch.ops.pagedjax.greedy_decode(
+            input_ids, positions, slot_mapping, block_tables, self.embed_tokens.weight, *rope,
+            self.stack.weights, *self.stack.caches(kv_caches), self.stack.sizes, self.stack.eps,
+            self.stack.sm_scale, self.stack.kv_scales(), self.norm.weight, head.weight,
+            head.qtype, self.config.vocab_size)
+
+    def _greedy_decode_fused(self) -> bool:
+        """Whether `pagedjax::greedy_decode` computes this model's forward: every layer in the
+        fused stack on one device, a bias-free head packed or in blocks, and nothing between
+        them that the op leaves out."""
+        cfg, head = self.config, self.lm_head
+        return (self.stack is not None and all(layer.fused for layer in self.stack.layers)
+                and head is not None and (head.packed or head.qtype is not None)
+                and head.bias is None and cfg.embedding_multiplier == 1.0
+                and cfg.logits_scaling == 1.0 and cfg.final_logit_softcapping is None
+                and self.norm.offset == 0.0 and not self.embed_tokens.split)
 
     def set_kv_cache_scales(self, scales: list[tuple[float, float]]) -> None:
         """Each layer's (k_scale, v_scale) of an fp8 KV cache (kv_cache_scales.py)."""

@@ -80,6 +80,14 @@ class DeviceModel:
                 meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
         return self.module(input_ids, kv_caches, meta, logits_indices)
 
+    def greedy_decode(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                      slot_mapping: torch.Tensor, block_tables: torch.Tensor
+                      ) -> torch.Tensor | None:
+        """J single-token greedy steps over this model's caches in one C++ op
+        (LlamaForCausalLM.greedy_decode); None where the op does not compute this model."""
+        return self.module.greedy_decode(input_ids, positions, slot_mapping, block_tables,
+                                         self.kv_caches, self.rope)
+
 
 def load_model(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
                device: torch.device, ops: LayerOps, shard: Shard) -> LlamaForCausalLM:

@@ -42,7 +42,8 @@ def sampling_probs(logits: torch.Tensor, sampling: dict[str, torch.Tensor], *, a
 def rejection_sample(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
                      draft_probs: torch.Tensor | None, num_draft_tokens: torch.Tensor,
                      sampling: dict[str, torch.Tensor], *, all_greedy: bool,
-                     use_filters: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                     use_filters: bool, raw_argmax: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Verify each row's drafts against the target.
 
     target_logits    [L, K+1, V] float32: position j scores draft j; j = k is the bonus position
@@ -55,6 +56,8 @@ def rejection_sample(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
                      of their row (such rows have no drafts: the scheduler does not draft for
                      them); its token bitmask [L, W], if any, at position 0 only (structured
                      outputs: the host checks the tokens after it)
+    raw_argmax       [L, K+1]: target_logits' argmax, where the caller has it (logits_stats);
+                     used where the step has no logit entries or bitmask to change it
     Returns output_token_ids [L, K+1] int32 (accepted, then recovered or bonus, then -1) and
     num_accepted [L] int32.
     """
@@ -64,9 +67,11 @@ def rejection_sample(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
     positions = (_per_position(sampling, num_positions)
                  if not all_greedy or "entries" in sampling or "token_bitmask" in sampling
                  else {})
-    target_logits = process_logits(target_logits.reshape(-1, vocab), positions)[0].view(
-        num_rows, num_positions, vocab)
-    target_argmax = torch.argmax(target_logits, dim=-1)  # [L, K+1] int64
+    flat = target_logits.reshape(-1, vocab)
+    processed = process_logits(flat, positions)[0]
+    target_logits = processed.view(num_rows, num_positions, vocab)
+    target_argmax = (raw_argmax.long() if raw_argmax is not None and processed is flat
+                     else torch.argmax(target_logits, dim=-1))  # [L, K+1] int64
     accepted = target_argmax[:, :num_drafts] == draft_token_ids.long()  # [L, K], greedy rule
     if not all_greedy:
         target_probs = _target_probs(target_logits, positions, use_filters=use_filters)

@@ -17,7 +17,12 @@ import torch
 from pagedjax.backends.common.attention_metadata import AttentionMetadata
 from pagedjax.backends.torch.params import DeviceModel
 from pagedjax.backends.torch.rejection_sampler import rejection_sample
-from pagedjax.backends.torch.sampler import gather_logprobs, sample, score_prompt_tokens
+from pagedjax.backends.torch.sampler import (
+    gather_logprobs,
+    logits_stats,
+    sample,
+    score_prompt_tokens,
+)
 from pagedjax.backends.torch.spec_step import propose_drafts
 from pagedjax.core.batch import SAMPLING_FIELDS, StepFlags, StepOutput, unpack
 from pagedjax.core.step_shapes import BatchLayout
@@ -63,7 +68,8 @@ class StepBody:
             draft = self.models[1]
             drafts = propose_drafts(draft.forward, draft.kv_caches, b, draft.rope,
                                     layout=layout, max_query_len=max_draft_query_len,
-                                    num_tokens=num_draft_tokens)
+                                    num_tokens=num_draft_tokens,
+                                    greedy_decode=draft.greedy_decode)
         if k:  # index T (no draft) lands in a discarded extra row
             input_ids = torch.cat([input_ids, input_ids.new_zeros(1)])
             if layout.draft:  # draft slots get the draft model's drafts
@@ -90,13 +96,13 @@ class StepBody:
             out = sample(logits, sampling, flags)
             self.keep_first_tokens(out[0][:, None])
             return StepOutput(*(None if x is None else x[:, None] for x in out), *prompt)
+        raw_argmax, lse = (x.view(indices.shape) for x in logits_stats(logits))  # [L, K+1]
         logits = logits.view(*indices.shape, -1)  # [L, K+1, V]
         seqs = b["sample_seq"].long()  # [L]: the sequence whose drafts row l verifies
         tokens, _ = rejection_sample(logits, drafts[seqs], None, b["num_draft_tokens"],
                                      sampling, all_greedy=not flags.sampled,
-                                     use_filters=flags.filters)
+                                     use_filters=flags.filters, raw_argmax=raw_argmax)
         self.keep_first_tokens(tokens)
-        lse = torch.logsumexp(logits, dim=-1)  # [L, K+1]
         return StepOutput(tokens, *gather_logprobs(
             logits, lse, tokens, MAX_LOGPROBS if flags.logprobs else 0), *prompt)
 

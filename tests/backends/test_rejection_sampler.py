@@ -181,6 +181,31 @@ def test_greedy_is_greedy_decoding(backend, all_greedy: bool) -> None:
     assert out.dtype == np.int32 and num_accepted.dtype == np.int32
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_greedy_cpu_op_is_the_torch_rule(seed: int) -> None:
+    """Greedy rows without logit entries on the CPU: `pagedjax::rejection_greedy_sample` over
+    the logits' argmax (logits_stats', handed in as raw_argmax) is the torch ops' rule: ragged
+    and empty drafts, padding drafts (-1), runs of matches of every length."""
+    rng = np.random.default_rng(seed)
+    num_rows, num_drafts, vocab = 64, 5, 6  # a small vocabulary: drafts often match
+    logits = torch.from_numpy(rng.normal(size=(num_rows, num_drafts + 1, vocab)).astype(
+        np.float32))
+    argmax = logits.argmax(-1).int()  # [L, K+1]
+    drafts = torch.where(torch.from_numpy(rng.random((num_rows, num_drafts)) < 0.7),
+                         argmax[:, :-1], torch.from_numpy(rng.integers(-1, vocab, (
+                             num_rows, num_drafts)).astype(np.int32)))
+    num_draft_tokens = torch.from_numpy(rng.integers(0, num_drafts + 1, num_rows).astype(
+        np.int32))
+    meta = _torch(_meta([(0.0, 0, 1.0, 0.0)] * num_rows, rng))
+    greedy = dict(all_greedy=True, use_filters=False)
+    expected = torch_rs.rejection_sample(logits, drafts, None, num_draft_tokens, meta, **greedy)
+    op = torch_rs.rejection_sample(logits, drafts, None, num_draft_tokens, meta, **greedy,
+                                   raw_argmax=argmax)
+    for x, y in zip(op, expected, strict=True):
+        assert x.dtype == y.dtype == torch.int32 and torch.equal(x, y)
+    assert len(set(expected[1].tolist())) == num_drafts + 1  # every count of accepted drafts
+
+
 # ------------------------------------------------------------------------- random, vs oracle
 
 

@@ -360,13 +360,13 @@ class LlamaForCausalLM(nn.Module):
     def greedy_decode(self, input_ids: torch.Tensor, positions: torch.Tensor,
                       slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                       kv_caches: list[KVCache], rope: tuple[torch.Tensor, torch.Tensor]
-                      ) -> torch.Tensor | None:
+                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """J single-token steps, each feeding its logits' argmax to the next, in one C++ op
-        (`pagedjax::greedy_decode`: this forward and logits_stats' argmax, op for op, the same
-        bits): input_ids [S] int32 (step 0's tokens), positions [J, S] int32, slot_mapping
-        [J, S] (-1: no write), block_tables [S, M] → tokens [J, S] int32; kv_caches written.
-        None where the op does not compute this model: no fused stack, or a head, multiplier,
-        soft cap or norm it does not have."""
+        (`pagedjax::greedy_decode`: this forward, logits_stats' argmax and the token's logprob,
+        op for op, the same bits): input_ids [S] int32 (step 0's tokens), positions [J, S]
+        int32, slot_mapping [J, S] (-1: no write), block_tables [S, M] → (tokens [J, S] int32,
+        their logprobs [J, S]); kv_caches written. None where the op does not compute this
+        model: no fused stack, or a head, multiplier, soft cap or norm it does not have."""
         if not self._greedy_decode_fused():
             return None
         head = self.lm_head

@@ -82,9 +82,10 @@ class DeviceModel:
 
     def greedy_decode(self, input_ids: torch.Tensor, positions: torch.Tensor,
                       slot_mapping: torch.Tensor, block_tables: torch.Tensor
-                      ) -> torch.Tensor | None:
-        """J single-token greedy steps over this model's caches in one C++ op
-        (LlamaForCausalLM.greedy_decode); None where the op does not compute this model."""
+                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """J single-token greedy steps over this model's caches in one C++ op → (tokens, their
+        logprobs) [J, S] (LlamaForCausalLM.greedy_decode); None where the op does not compute
+        this model."""
         return self.module.greedy_decode(input_ids, positions, slot_mapping, block_tables,
                                          self.kv_caches, self.rope)
 

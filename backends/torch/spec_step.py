@@ -24,9 +24,10 @@ from pagedjax.core.step_shapes import BatchLayout
 DraftForward = Callable[[torch.Tensor, list[KVCache], AttentionMetadata, torch.Tensor],
                         torch.Tensor]
 # (input_ids [S], positions [J, S], slot_mapping [J, S], block_tables) -> the J single-token
-# steps' argmax [J, S] int32 in one op (DeviceModel.greedy_decode), or None where it has none
+# steps' argmax [J, S] int32 and its logprobs in one op (DeviceModel.greedy_decode), or None
+# where it has none
 GreedyDecode = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-                        torch.Tensor | None]
+                        tuple[torch.Tensor, torch.Tensor] | None]
 
 
 def propose_drafts(forward: DraftForward, kv_caches: list[KVCache], b: dict[str, torch.Tensor],
@@ -61,9 +62,9 @@ def propose_drafts(forward: DraftForward, kv_caches: list[KVCache], b: dict[str,
     positions = torch.where(active, end + j - 1, 0)  # [K-1, S]
     # the target's slot of draft j, the draft's too
     slots = torch.where(active, b["slot_mapping"][index.T], -1)  # [K-1, S]
-    drafts = None if greedy_decode is None else greedy_decode(first, positions, slots,
-                                                              b["block_tables"])
-    if drafts is None:
+    decoded = None if greedy_decode is None else greedy_decode(first, positions, slots,
+                                                               b["block_tables"])
+    if decoded is None:
         seq_rows = torch.arange(num_seqs, device=end.device)
         query_start_loc = torch.arange(num_seqs + 1, dtype=torch.int32, device=end.device)
         drafts = [first]
@@ -73,4 +74,4 @@ def propose_drafts(forward: DraftForward, kv_caches: list[KVCache], b: dict[str,
                                           max_query_len=1)
             drafts.append(logits_stats(forward(drafts[-1], kv_caches, step_meta, seq_rows))[0])
         return torch.stack(drafts, dim=1)
-    return torch.cat([first[:, None], drafts.T], dim=1)
+    return torch.cat([first[:, None], decoded[0].T], dim=1)

@@ -51,6 +51,11 @@ class StepBody:
         the padding rows' logits are zeros)."""
         num_tokens = layout.num_tokens if num_tokens is None else num_tokens
         b = unpack(layout, ints, floats)
+        if (layout.decode and not layout.draft and flags == StepFlags()
+                and not self.async_launch):  # every row greedy, and nothing else asked
+            out = self.greedy_decode_step(b, num_tokens, num_samples)
+            if out is not None:
+                return out
         sampling = {name: b[name] for name in SAMPLING_FIELDS}
         for name in ("rng_seed", "rng_step"):  # uint32 counters, emulated in int64
             sampling[name] = b[name].to(torch.int64) & 0xFFFFFFFF
@@ -105,6 +110,23 @@ class StepBody:
         self.keep_first_tokens(tokens)
         return StepOutput(tokens, *gather_logprobs(
             logits, lse, tokens, MAX_LOGPROBS if flags.logprobs else 0), *prompt)
+
+    def greedy_decode_step(self, b: dict[str, torch.Tensor], num_tokens: int,
+                           num_samples: int | None) -> StepOutput | None:
+        """A decode step whose rows take the argmax and ask for nothing else, as one C++ op
+        where the target has it (DeviceModel.greedy_decode: the forward, logits_stats and the
+        tokens' logprobs, the same bits as the general path below, without its ~25 small ops
+        around the forward); None where it has not. b: the step's fields; the first num_tokens
+        tokens (one a sequence) are real, and the first num_samples logits rows (None: all)."""
+        positions = b["positions"][None, :num_tokens]  # [1, T]: token t is sequence t's
+        decoded = self.models[0].greedy_decode(
+            b["input_ids"][:num_tokens], positions, b["slot_mapping"][None, :num_tokens],
+            b["block_tables"][:num_tokens])
+        if decoded is None:
+            return None
+        indices = b["logits_indices"][:, 0]  # [L]: the token each row samples
+        rows = indices[: indices.shape[0] if num_samples is None else num_samples].long()
+        return StepOutput(*(x[0, rows][:, None] for x in decoded))  # [L, 1] each
 
     def keep_first_tokens(self, tokens: torch.Tensor) -> None:
         """[L, K+1] → each row's first token into last_tokens (the next step's inputs, read

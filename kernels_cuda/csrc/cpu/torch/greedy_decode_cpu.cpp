@@ -1,9 +1,10 @@
 // A causal LM's J autoregressive single-token greedy steps in one torch CPU op: each step embeds
 // its tokens, runs the fused decoder stack (pagedjax::decoder_layers), the final norm and the LM
 // head, and feeds its argmax to the next step. It is backends/torch/model.py's
-// LlamaForCausalLM.forward followed by logits_stats' argmax, op for op through the same ops (so
-// the same bits), which a speculative step's draft runs K - 1 times (backends/torch/spec_step.py
-// keeps the Python loop as the reference and for the devices without this op).
+// LlamaForCausalLM.forward followed by logits_stats' argmax and the token's logprob, op for op
+// through the same ops (so the same bits). A speculative step's draft runs K - 1 of them
+// (backends/torch/spec_step.py keeps the Python loop as the reference and for the devices
+// without this op), a greedy decode step one (backends/torch/step.py).
 //
 // Why: at one token a sequence, the draft's ~0.1 ms of stack and head sit inside ~0.25 ms of
 // Python (the forward's ~10 ops and nn.Module calls, the loop's metadata), four times a step.
@@ -59,16 +60,15 @@ struct StepOps {
 // rope_cos / rope_sin [P, D]: the tables the tokens and positions index; weights, k_caches,
 // v_caches, sizes, eps, sm_scale, kv_scales: decoder_layers' (caches written at the slots);
 // final_norm [H]; head: the LM head packed for pagedjax::linear (head_qtype None) or its GGML
-// blocks for pagedjax::quant_linear. → tokens [J, S] int32: step j's argmax, step j + 1's input.
-at::Tensor greedy_decode_cpu(const at::Tensor& input_ids, const at::Tensor& positions,
-                             const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                             const at::Tensor& embedding, const at::Tensor& rope_cos,
-                             const at::Tensor& rope_sin, const c10::List<OptTensor>& weights,
-                             at::TensorList k_caches, at::TensorList v_caches,
-                             at::IntArrayRef sizes, double eps, double sm_scale,
-                             at::ArrayRef<double> kv_scales, const at::Tensor& final_norm,
-                             const at::Tensor& head, std::optional<int64_t> head_qtype,
-                             int64_t vocab_size) {
+// blocks for pagedjax::quant_linear. → (tokens [J, S] int32: step j's argmax, step j + 1's
+// input; logprobs [J, S] float32: each token's logprob, its logit minus the row's logsumexp).
+std::tuple<at::Tensor, at::Tensor> greedy_decode_cpu(
+    const at::Tensor& input_ids, const at::Tensor& positions, const at::Tensor& slot_mapping,
+    const at::Tensor& block_tables, const at::Tensor& embedding, const at::Tensor& rope_cos,
+    const at::Tensor& rope_sin, const c10::List<OptTensor>& weights, at::TensorList k_caches,
+    at::TensorList v_caches, at::IntArrayRef sizes, double eps, double sm_scale,
+    at::ArrayRef<double> kv_scales, const at::Tensor& final_norm, const at::Tensor& head,
+    std::optional<int64_t> head_qtype, int64_t vocab_size) {
   TORCH_CHECK(input_ids.scalar_type() == at::kInt && input_ids.dim() == 1, kOp,
               ": input_ids must be int32 [S], got ", input_ids.scalar_type(), " ",
               input_ids.sizes());
@@ -84,6 +84,7 @@ at::Tensor greedy_decode_cpu(const at::Tensor& input_ids, const at::Tensor& posi
               ": embedding must be [V >= ", vocab_size, ", H], got ", embedding.sizes());
   const StepOps& ops = StepOps::get();
   at::Tensor out = at::empty({J, S}, input_ids.options());
+  at::Tensor logprobs = at::empty({J, S}, embedding.options().dtype(at::kFloat));
   // one query token a sequence: query_start_loc = [0, 1, ..., S]
   const at::Tensor query_start_loc = at::arange(S + 1, input_ids.options());
   const at::Tensor positions_long = positions.to(at::kLong);
@@ -101,11 +102,12 @@ at::Tensor greedy_decode_cpu(const at::Tensor& input_ids, const at::Tensor& posi
     const at::Tensor logits =
         head_qtype ? ops.quant_linear.call(normed, head, *head_qtype, std::nullopt)
                    : ops.linear.call(normed, head, std::nullopt, vocab_size);  // [S, V]
-    const at::Tensor argmax = std::get<0>(ops.stats.call(logits));            // [S] int32
-    out[j].copy_(argmax);
+    const auto [argmax, lse] = ops.stats.call(logits);  // [S] int32, [S] float32
     tokens = argmax.to(at::kLong);
+    out[j].copy_(argmax);
+    logprobs[j].copy_(logits.gather(1, tokens.unsqueeze(1)).squeeze(1) - lse);
   }
-  return out;
+  return {out, logprobs};
 }
 
 }  // namespace
@@ -117,7 +119,7 @@ TORCH_LIBRARY_FRAGMENT(pagedjax, m) {
       "Tensor block_tables, Tensor embedding, Tensor rope_cos, Tensor rope_sin, "
       "Tensor?[] weights, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, int[] sizes, float eps, "
       "float sm_scale, float[] kv_scales, Tensor final_norm, Tensor head, int? head_qtype, "
-      "int vocab_size) -> Tensor");
+      "int vocab_size) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(pagedjax, CPU, m) { m.impl("greedy_decode", &pagedjax::greedy_decode_cpu); }

@@ -10,14 +10,14 @@
 //   g++ -O3 -fopenmp -std=c++17 -DHEADER_A='"/path/a/linear_cpu_kernel.h"' \
 //       -DHEADER_B='"/path/b/linear_cpu_kernel.h"' benchmarks/probes/cpu_linear_ab.cpp -o /tmp/ab
 //   OMP_NUM_THREADS=2 /tmp/ab [layers=8] [groups=15] [rows ...=1 5]
-#include <omp.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <random>
 #include <vector>
+
+#include "cpu_linear_workload.h"
 
 #define cpu_linear cpu_linear_a
 #include HEADER_A
@@ -28,26 +28,6 @@
 
 namespace {
 
-struct OmpParallel {  // parallel.h's policy on OpenMP: contiguous ranges of >= grain items
-  int64_t num_threads() const { return omp_get_max_threads(); }
-  template <typename Fn>
-  void for_range(int64_t n, int64_t grain, const Fn& fn) const {
-    const int64_t threads = std::clamp<int64_t>(n / std::max<int64_t>(grain, 1), 1,
-                                                omp_get_max_threads());
-    if (threads == 1) return fn(0, n);
-#pragma omp parallel num_threads(threads)
-    {
-      const int64_t chunk = (n + threads - 1) / threads, begin = omp_get_thread_num() * chunk;
-      if (begin < n) fn(begin, std::min(n, begin + chunk));
-    }
-  }
-};
-
-struct Packed {  // one projection's weight, packed: [tiles, K, 16], 64-byte aligned
-  int64_t in, out, tiles;
-  float* w;
-};
-
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
@@ -56,25 +36,15 @@ double median(std::vector<double> v) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  constexpr int64_t kTile = 16;
+  using linear_probe::kTile, linear_probe::OmpParallel, linear_probe::Packed;
   const int layers = argc > 1 ? std::atoi(argv[1]) : 8;
   const int groups = argc > 2 ? std::atoi(argv[2]) : 15;
   std::vector<int64_t> row_counts;
   for (int i = 3; i < argc; ++i) row_counts.push_back(std::atoi(argv[i]));
   if (row_counts.empty()) row_counts = {1, 5};
-  const int64_t shapes[4][2] = {{256, 512}, {256, 256}, {256, 2048}, {1024, 256}};  // in, out
   std::mt19937 rng(0);
   std::normal_distribution<float> normal;
-  std::vector<Packed> weights;
-  for (int l = 0; l < layers; ++l) {
-    for (const auto& s : shapes) {
-      Packed p{s[0], s[1], (s[1] + kTile - 1) / kTile, nullptr};
-      const size_t n = p.tiles * p.in * kTile;
-      p.w = static_cast<float*>(std::aligned_alloc(64, n * sizeof(float)));
-      for (size_t i = 0; i < n; ++i) p.w[i] = normal(rng);
-      weights.push_back(p);
-    }
-  }
+  const std::vector<Packed> weights = linear_probe::demo_projections(layers, rng);
   std::vector<float> x(64 * 1024), y(64 * 2048);
   for (float& v : x) v = normal(rng);
   const OmpParallel par;
@@ -87,11 +57,11 @@ int main(int argc, char** argv) {
         for (int pass = 0; pass < 30; ++pass) {
           for (const Packed& p : weights) {
             if (a) {
-              pagedjax::cpu_linear_a::linear(par, x.data(), p.in, rows, p.w, p.in, p.tiles,
-                                             nullptr, y.data(), p.tiles * kTile);
+              pagedjax::cpu_linear_a::linear(par, x.data(), p.in, rows, p.w.data(), p.in,
+                                             p.tiles, nullptr, y.data(), p.tiles * kTile);
             } else {
-              pagedjax::cpu_linear_b::linear(par, x.data(), p.in, rows, p.w, p.in, p.tiles,
-                                             nullptr, y.data(), p.tiles * kTile);
+              pagedjax::cpu_linear_b::linear(par, x.data(), p.in, rows, p.w.data(), p.in,
+                                             p.tiles, nullptr, y.data(), p.tiles * kTile);
             }
           }
         }

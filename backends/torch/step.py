@@ -28,6 +28,10 @@ from pagedjax.core.batch import SAMPLING_FIELDS, StepFlags, StepOutput, unpack
 from pagedjax.core.step_shapes import BatchLayout
 from pagedjax.sampling_params import MAX_LOGPROBS
 
+# what StepBody.greedy_decode_step reads of a step's fields
+GREEDY_DECODE_FIELDS = ("input_ids", "positions", "slot_mapping", "block_tables",
+                        "logits_indices")
+
 
 @dataclass(eq=False)
 class StepBody:
@@ -50,12 +54,13 @@ class StepBody:
         (the padding rows are skipped: a speculative step of one sequence pads 5 tokens to 8;
         the padding rows' logits are zeros)."""
         num_tokens = layout.num_tokens if num_tokens is None else num_tokens
-        b = unpack(layout, ints, floats)
         if (layout.decode and not layout.draft and flags == StepFlags()
                 and not self.async_launch):  # every row greedy, and nothing else asked
-            out = self.greedy_decode_step(b, num_tokens, num_samples)
+            out = self.greedy_decode_step(unpack(layout, ints, floats, GREEDY_DECODE_FIELDS),
+                                          num_tokens, num_samples)
             if out is not None:
                 return out
+        b = unpack(layout, ints, floats)
         sampling = {name: b[name] for name in SAMPLING_FIELDS}
         for name in ("rng_seed", "rng_step"):  # uint32 counters, emulated in int64
             sampling[name] = b[name].to(torch.int64) & 0xFFFFFFFF

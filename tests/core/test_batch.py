@@ -185,6 +185,18 @@ def test_unpack_is_a_view_of_the_buffers() -> None:
     fields["input_ids"][0] = 42
     assert ints[0] == 42
 
+def test_unpack_of_named_fields_is_the_same_views() -> None:
+    layout = BatchLayout(num_tokens=4, num_seqs=2, max_blocks_per_seq=3)
+    int_size, float_size = buffer_sizes(layout)
+    ints, floats = np.arange(int_size, dtype=np.int32), np.arange(float_size, dtype=np.float32)
+    every = unpack(layout, ints, floats)
+    names = ("top_p", "block_tables", "positions")
+    some = unpack(layout, ints, floats, names)
+    assert set(some) == set(names)
+    for name in names:
+        np.testing.assert_array_equal(some[name], every[name])
+        assert some[name].shape == every[name].shape
+
 
 def test_output_rows_drop_padding() -> None:
     output = ModelOutput([5, 6], np.array([[3, 4, -1], [7, -1, -1]], np.int32),

@@ -198,12 +198,12 @@ class InputBatch:
             self.token_ids[rows, np.minimum(starts, capacity - 1)] = tokens[:, 0]
             self.num_tokens[rows] = np.minimum(starts + 1, capacity)
             return
-        for j in range(tokens.shape[1]):
-            take = (counts > j) & (starts + j < capacity)
-            if not take.any():
-                break
-            self.token_ids[rows[take], starts[take] + j] = tokens[take, j]
-        self.num_tokens[rows] = np.minimum(starts + counts, capacity)
+        # each row's first counts[r] tokens, those that fit: one scatter (no loop over K)
+        ends = np.minimum(starts + counts, capacity)
+        kept = np.arange(tokens.shape[1]) < (ends - starts)[:, None]  # [L, K+1]
+        r, j = np.nonzero(kept)
+        self.token_ids[rows[r], starts[r] + j] = tokens[r, j]
+        self.num_tokens[rows] = ends
 
     # ---- the step ----------------------------------------------------------------------------
 

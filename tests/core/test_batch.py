@@ -185,6 +185,7 @@ def test_unpack_is_a_view_of_the_buffers() -> None:
     fields["input_ids"][0] = 42
     assert ints[0] == 42
 
+
 def test_unpack_of_named_fields_is_the_same_views() -> None:
     layout = BatchLayout(num_tokens=4, num_seqs=2, max_blocks_per_seq=3)
     int_size, float_size = buffer_sizes(layout)

@@ -11,7 +11,9 @@ branched engine, on the device), decode steps at batch 1/16/64 on both backends 
 optimized HLO dumped and archived, torch asynchronous then synchronous, then both with
 quantization="fp8"), XLA command-buffer flag A/B, the attention kernels against JAX's op,
 speculation at batch 1 and 32, a mixture of experts' expert block per form at Qwen3-30B-A3B's
-shape (benchmarks/moe_layer.py), and the 8B shape at batch 1.
+shape (benchmarks/moe_layer.py), and the 8B shape at batch 1. `--budget-s` shortens its deadline
+(room for an install in the same command); `--resume OUT/suite.json`, a second command on a
+machine still warm, skips the steps the first finished ok and runs what it left.
 
 The other parts (in the order a first run should take them):
 - environment: `pagedjax doctor` (which builds the CUDA ops once and caches them), pip list;
@@ -95,6 +97,8 @@ class Context:
     out: Path
     dry_run: bool
     model_cache: Path
+    budget_s: int = ALL_BUDGET_S  # `all`'s deadline, from its start
+    done: frozenset[str] = frozenset()  # `all`'s steps an earlier run finished ok (--resume)
 
     def model_dir(self, shape: str = "1b") -> Path:
         if self.dry_run:
@@ -396,6 +400,12 @@ def _tee(proc: subprocess.Popen, log, deadline: float) -> list[str]:
     return stdout_lines
 
 
+def finished_steps(suite_json: Path) -> frozenset[str]:
+    """The `all` steps an earlier run's suite.json records as ok (what --resume skips)."""
+    records = json.loads(suite_json.read_text())["steps"]
+    return frozenset(r["step"] for r in records if r["part"] == "all" and r["status"] == "ok")
+
+
 def run_parts(names: list[str], ctx: Context) -> list[dict]:
     """Every step of every named part; OUT/suite.json is rewritten after each step."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", XLA_PYTHON_CLIENT_PREALLOCATE="false")
@@ -404,8 +414,11 @@ def run_parts(names: list[str], ctx: Context) -> list[dict]:
     for name in names:
         part_dir = ctx.out / name
         part_dir.mkdir(parents=True, exist_ok=True)
-        deadline = time.monotonic() + ALL_BUDGET_S if name == "all" else None
+        deadline = time.monotonic() + ctx.budget_s if name == "all" else None
         for step in PARTS[name](ctx):
+            if name == "all" and step.name in ctx.done and not step.name.startswith("make_model"):
+                print(f"=== {name}/{step.name}: done in the run resumed", flush=True)
+                continue
             if deadline is not None:  # what is left of `all`'s budget
                 left = int(deadline - time.monotonic())
                 if left < MIN_STEP_S:
@@ -428,6 +441,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="toy sizes: any machine, CPU too")
     parser.add_argument("--model-cache", type=Path, default=MODEL_CACHE,
                         help=f"where the random checkpoints are made once (default {MODEL_CACHE})")
+    parser.add_argument("--budget-s", type=int, default=ALL_BUDGET_S,
+                        help=f"`all`'s deadline in seconds from its start (default {ALL_BUDGET_S}"
+                             "; less when the command's limit holds an install too)")
+    parser.add_argument("--resume", type=Path, metavar="SUITE_JSON",
+                        help="`all` skips the steps this earlier run's suite.json records as ok "
+                             "(a second command on a machine still warm)")
     parser.add_argument("--make-model", type=Path, metavar="DIR", help=argparse.SUPPRESS)
     parser.add_argument("--shape", choices=list(SHAPES), default="1b", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -437,8 +456,12 @@ def main(argv: list[str] | None = None) -> int:
     if not args.part or args.out is None:
         parser.error("--part NAME and --out DIR are required")
     names = list(dict.fromkeys(args.part))
+    if args.budget_s > ALL_BUDGET_S:
+        parser.error(f"--budget-s {args.budget_s}: at most {ALL_BUDGET_S} (a command's limit "
+                     "on the GPU machines is 600 s)")
     ctx = Context(out=args.out.resolve(), dry_run=args.dry_run,
-                  model_cache=args.model_cache.resolve())
+                  model_cache=args.model_cache.resolve(), budget_s=args.budget_s,
+                  done=finished_steps(args.resume) if args.resume else frozenset())
     records = run_parts(names, ctx)
     bad = [f"{r['part']}/{r['step']}: {r['status']}" for r in records
            if r["status"] not in ("ok", "skipped")]

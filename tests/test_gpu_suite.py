@@ -207,3 +207,35 @@ def test_moe_layer(suite_out, part_runs):
         assert all(r["max_abs_diff_vs_grouped"] < 1e-5 for r in rows)
         chosen = {r["tokens"]: r["form"] for r in rows if r["model_choice"]}
         assert chosen == {1: "gathered", 3: "gathered"}
+
+
+def test_resume_runs_what_the_first_command_left_within_its_budget(tmp_path, monkeypatch):
+    """--resume skips `all`'s steps an earlier suite.json records as ok (a model is made again:
+    reused where it is there), runs the rest, and --budget-s skips what would not fit."""
+    first = tmp_path / "first.json"
+    ran: list[tuple[str, int]] = []
+
+    def run_step(step, part_dir, env):
+        ran.append((step.name, step.timeout_s))
+        return dict(step=step.name, status="ok")
+
+    monkeypatch.setattr(gpu_suite, "run_step", run_step)
+    ctx = gpu_suite.Context(out=tmp_path / "a", dry_run=True, model_cache=tmp_path / "models")
+    names = [s.name for s in gpu_suite.all_steps(ctx)]
+    done = names[:names.index("kernels_jax")]
+    first.write_text(json.dumps({"steps": [
+        *({"step": name, "part": "all", "status": "ok"} for name in done),
+        {"step": "kernels_jax", "part": "all", "status": "timeout"}]}))
+    records = gpu_suite.run_parts(["all"], gpu_suite.Context(
+        out=tmp_path / "b", dry_run=True, model_cache=tmp_path / "models", budget_s=100,
+        done=gpu_suite.finished_steps(first)))
+    assert [name for name, _ in ran] == ["make_model", *names[names.index("kernels_jax"):]]
+    assert all(timeout <= 100 for _, timeout in ran)
+    assert {r["status"] for r in records} == {"ok"}
+
+    ran.clear()
+    monkeypatch.setattr(gpu_suite.time, "monotonic", iter(range(0, 10_000, 30)).__next__)
+    records = gpu_suite.run_parts(["all"], gpu_suite.Context(
+        out=tmp_path / "c", dry_run=True, model_cache=tmp_path / "models", budget_s=100))
+    assert 0 < len(ran) < len(names)  # the clock moves 30 s a look: the budget runs out
+    assert records[-1]["status"] == "skipped"

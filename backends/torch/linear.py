@@ -62,7 +62,9 @@ class Linear(nn.Module):
             return False
         device = self.weight.device
         q, scale = quantization.quantize_fp8(self.weight.detach().T.float().cpu().numpy())
-        fp8 = torch.from_numpy(q.view(np.uint8)).view(torch.float8_e4m3fn)
+        # [out, in] in rows: its transpose, _scaled_mm's second operand, must be column-major
+        # for cuBLASLt (q keeps the transposed view's column order otherwise)
+        fp8 = torch.from_numpy(np.ascontiguousarray(q).view(np.uint8)).view(torch.float8_e4m3fn)
         self.weight = nn.Parameter(fp8.to(device), requires_grad=False)  # [out, in]
         self.weight_scale = nn.Parameter(torch.from_numpy(scale)[None].to(device),
                                          requires_grad=False)  # [1, out]

@@ -120,6 +120,8 @@ def test_fp8_weights_on_both_backends() -> None:
                    and m.weight.dtype == torch.float8_e4m3fn]
             assert len(fp8) == 4 * module.config.num_layers
             assert all(m.weight_scale.shape == (1, m.weight.shape[0]) for m in fp8)
+            # cuBLASLt's FP8 GEMM takes W^T column-major only: W [out, in] in rows
+            assert all(m.weight.is_contiguous() for m in fp8)
             assert module.lm_head.weight.dtype == torch.float32
         if backend == "jax":
             leaves = _leaves(llm.engine.runner.target.params["params"])

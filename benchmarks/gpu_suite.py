@@ -9,11 +9,14 @@ recorded so): the GPU tests (kernels compiled and the CUDA op against the float6
 parity with HF; async scheduling, branch-free and donated-output steps against the synchronous,
 branched engine, on the device), decode steps at batch 1/16/64 on both backends (jax with its
 optimized HLO dumped and archived, torch asynchronous then synchronous, then both with
-quantization="fp8"), XLA command-buffer flag A/B, the attention kernels against JAX's op,
-speculation at batch 1 and 32, a mixture of experts' expert block per form at Qwen3-30B-A3B's
-shape (benchmarks/moe_layer.py), and the 8B shape at batch 1. `--budget-s` shortens its deadline
+quantization="fp8"), speculation at batch 1 and 32, a mixture of experts' expert block per form
+at Qwen3-30B-A3B's shape (benchmarks/moe_layer.py), the 8B shape at batch 1, and the attention
+kernels against JAX's op. `--budget-s` shortens its deadline
 (room for an install in the same command); `--resume OUT/suite.json`, a second command on a
-machine still warm, skips the steps the first finished ok and runs what it left.
+machine still warm, skips the steps the first finished ok and runs what it left. `--archive
+$OUT` packs the results into one file after each step (a GPU machine sends back 8 files, 2
+folders down: keep --out outside $OUT). The XLA command-buffer flags left `all` once
+measured on an H200 (RESULTS.md, 2026-12-04: no gain).
 
 The other parts (in the order a first run should take them):
 - environment: `pagedjax doctor` (which builds the CUDA ops once and caches them), pip list;
@@ -46,9 +49,11 @@ import dataclasses
 import json
 import os
 import selectors
+import shutil
 import signal
 import subprocess
 import sys
+import tarfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -99,6 +104,7 @@ class Context:
     model_cache: Path
     budget_s: int = ALL_BUDGET_S  # `all`'s deadline, from its start
     done: frozenset[str] = frozenset()  # `all`'s steps an earlier run finished ok (--resume)
+    archive: Path | None = None  # --archive: where results.tar.gz is rewritten after each step
 
     def model_dir(self, shape: str = "1b") -> Path:
         if self.dry_run:
@@ -233,16 +239,11 @@ def all_steps(ctx: Context) -> list[Step]:
     dump = part / "xla_dump"
     dump_flags = (f"--xla_dump_to={dump} --xla_dump_hlo_as_text "
                   "--xla_dump_hlo_module_re=.*step_fn.*")
-    flag_ab = [decode_step(f"decode_step_jax_{label}", "jax", timeout_s=90,
-                           batch_sizes=("1", "2") if dry else ("1", "64"),
-                           env=(("XLA_FLAGS", flags),))
-               for label, flags in (("conditional", "--xla_gpu_enable_command_buffer=+CONDITIONAL"),
-                                    ("concurrent_region",
-                                     "--xla_gpu_graph_enable_concurrent_region=true"))]
     kernels = (("--batches", "1", "2", "--contexts", "32", "--repeats", "1") if dry
                else ("--batches", "1", "8", "64", "--contexts", "512", "2048", "8192"))
     spec = (("--batch-sizes", "1", "--ks", "1", "--max-tokens", "4") if dry else
-            ("--batch-sizes", "1", "32", "--ks", "4", "--max-tokens", "64"))
+            ("--batch-sizes", "1", "32", "--ks", "4", "--max-tokens", "64", "--modes", "k=0",
+             "k=4", "adaptive", "suffix", "--prompt-sets", "chat", "code"))
     return [
         Step("doctor", ("-m", "pagedjax.entrypoints.cli", "doctor", "--json"), 150,
              "doctor.json"),
@@ -259,17 +260,16 @@ def all_steps(ctx: Context) -> list[Step]:
         *(decode_step(f"decode_step_{backend}_fp8", backend, "--quantization", "fp8",
                       timeout_s=timeout_s)
           for backend, timeout_s in (("torch", 60), ("jax", 100))),
-        *flag_ab,
-        *(Step(f"kernels_{fw}", (str(BENCHMARKS / "attention_kernels.py"), "--framework", fw,
-                                 *kernels, "--out", str(part / "kernels")), 120)
-          for fw in ("jax", "torch")),
         *(Step(f"spec_decode_{backend}", (str(BENCHMARKS / "spec_decode.py"), "--backends",
                                           backend, *spec, "--out", str(part / "spec_decode")),
-               timeout_s) for backend, timeout_s in (("torch", 60), ("jax", 150))),
+               timeout_s) for backend, timeout_s in (("torch", 60), ("jax", 180))),
         *moe_layer_steps(ctx, part / "moe_layer"),
         _make_model_step(ctx, "8b", 150),
         decode_step("decode_step_8b_jax", "jax", timeout_s=200, model_dir=model_8b,
                     batch_sizes=("1",)),
+        *(Step(f"kernels_{fw}", (str(BENCHMARKS / "attention_kernels.py"), "--framework", fw,
+                                 *kernels, "--out", str(part / "kernels")), 120)
+          for fw in ("jax", "torch")),
     ]
 
 
@@ -406,6 +406,24 @@ def finished_steps(suite_json: Path) -> frozenset[str]:
     return frozenset(r["step"] for r in records if r["part"] == "all" and r["status"] == "ok")
 
 
+def archive_results(out: Path, to: Path) -> None:
+    """Everything under out as to/results.tar.gz, and each archive already there (the XLA
+    dump's) copied beside it: a GPU machine sends back at most 8 files, 2 folders down. The
+    XLA dump's folder, still being written, is left out."""
+    to.mkdir(parents=True, exist_ok=True)
+    partial = to / "results.tar.gz.partial"
+    with tarfile.open(partial, "w:gz") as tar:
+        for path in sorted(out.rglob("*")):
+            skip = (path.name.endswith(".tar.gz") or "xla_dump" in path.parent.parts
+                    or to == path or to in path.parents)
+            if path.is_file() and not skip:
+                tar.add(path, arcname=str(path.relative_to(out)))
+    partial.rename(to / "results.tar.gz")
+    for made in out.rglob("*.tar.gz"):
+        if made.parent != to:
+            shutil.copyfile(made, to / made.name)
+
+
 def run_parts(names: list[str], ctx: Context) -> list[dict]:
     """Every step of every named part; OUT/suite.json is rewritten after each step."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", XLA_PYTHON_CLIENT_PREALLOCATE="false")
@@ -431,6 +449,8 @@ def run_parts(names: list[str], ctx: Context) -> list[dict]:
             records.append(dict(run_step(step, part_dir, env), part=name))
             print(f"=== {name}/{step.name}: {records[-1]['status']}", flush=True)
             summary.write_text(json.dumps(dict(dry_run=ctx.dry_run, steps=records), indent=2))
+            if ctx.archive is not None:
+                archive_results(ctx.out, ctx.archive)
     return records
 
 
@@ -447,6 +467,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resume", type=Path, metavar="SUITE_JSON",
                         help="`all` skips the steps this earlier run's suite.json records as ok "
                              "(a second command on a machine still warm)")
+    parser.add_argument("--archive", type=Path, metavar="DIR",
+                        help="after each step, write DIR/results.tar.gz of everything in --out "
+                             "(and the XLA dump's archive beside it): pass $OUT on the GPU "
+                             "machines, which send back 8 files at most")
     parser.add_argument("--make-model", type=Path, metavar="DIR", help=argparse.SUPPRESS)
     parser.add_argument("--shape", choices=list(SHAPES), default="1b", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -461,7 +485,8 @@ def main(argv: list[str] | None = None) -> int:
                      "on the GPU machines is 600 s)")
     ctx = Context(out=args.out.resolve(), dry_run=args.dry_run,
                   model_cache=args.model_cache.resolve(), budget_s=args.budget_s,
-                  done=finished_steps(args.resume) if args.resume else frozenset())
+                  done=finished_steps(args.resume) if args.resume else frozenset(),
+                  archive=args.archive.resolve() if args.archive else None)
     records = run_parts(names, ctx)
     bad = [f"{r['part']}/{r['step']}: {r['status']}" for r in records
            if r["status"] not in ("ok", "skipped")]

@@ -222,14 +222,14 @@ def test_resume_runs_what_the_first_command_left_within_its_budget(tmp_path, mon
     monkeypatch.setattr(gpu_suite, "run_step", run_step)
     ctx = gpu_suite.Context(out=tmp_path / "a", dry_run=True, model_cache=tmp_path / "models")
     names = [s.name for s in gpu_suite.all_steps(ctx)]
-    done = names[:names.index("kernels_jax")]
+    done = names[:names.index("spec_decode_jax")]
     first.write_text(json.dumps({"steps": [
         *({"step": name, "part": "all", "status": "ok"} for name in done),
-        {"step": "kernels_jax", "part": "all", "status": "timeout"}]}))
+        {"step": "spec_decode_jax", "part": "all", "status": "timeout"}]}))
     records = gpu_suite.run_parts(["all"], gpu_suite.Context(
         out=tmp_path / "b", dry_run=True, model_cache=tmp_path / "models", budget_s=100,
         done=gpu_suite.finished_steps(first)))
-    assert [name for name, _ in ran] == ["make_model", *names[names.index("kernels_jax"):]]
+    assert [name for name, _ in ran] == ["make_model", *names[names.index("spec_decode_jax"):]]
     assert all(timeout <= 100 for _, timeout in ran)
     assert {r["status"] for r in records} == {"ok"}
 
@@ -239,3 +239,21 @@ def test_resume_runs_what_the_first_command_left_within_its_budget(tmp_path, mon
         out=tmp_path / "c", dry_run=True, model_cache=tmp_path / "models", budget_s=100))
     assert 0 < len(ran) < len(names)  # the clock moves 30 s a look: the budget runs out
     assert records[-1]["status"] == "skipped"
+
+
+def test_archive_packs_the_results_into_what_a_gpu_machine_sends_back(tmp_path):
+    """--archive: one results.tar.gz of everything under --out (not the XLA dump being written,
+    not the archive itself), the dump's own archive copied beside it: 2 files, 0 folders down."""
+    import tarfile
+
+    out, to = tmp_path / "run", tmp_path / "OUT"
+    (out / "all" / "decode_step_jax" / "xla_dump").mkdir(parents=True)
+    (out / "suite.json").write_text("{}")
+    (out / "all" / "decode_step_jax" / "result.json").write_text("{}")
+    (out / "all" / "decode_step_jax" / "xla_dump" / "module.txt").write_text("HloModule")
+    (out / "all" / "xla_dump.tar.gz").write_bytes(b"dump")
+    gpu_suite.archive_results(out, to)
+    gpu_suite.archive_results(out, to)  # after the next step: rewritten, not nested
+    assert sorted(p.name for p in to.iterdir()) == ["results.tar.gz", "xla_dump.tar.gz"]
+    with tarfile.open(to / "results.tar.gz") as tar:
+        assert sorted(tar.getnames()) == ["all/decode_step_jax/result.json", "suite.json"]

@@ -11,12 +11,12 @@ branched engine, on the device), decode steps at batch 1/16/64 on both backends 
 optimized HLO dumped and archived, torch asynchronous then synchronous, then both with
 quantization="fp8"), speculation at batch 1 and 32, a mixture of experts' expert block per form
 at Qwen3-30B-A3B's shape (benchmarks/moe_layer.py), the 8B shape at batch 1, and the attention
-kernels against JAX's op. `--budget-s` shortens its deadline
-(room for an install in the same command); `--resume OUT/suite.json`, a second command on a
-machine still warm, skips the steps the first finished ok and runs what it left. `--archive
-$OUT` packs the results into one file after each step (a GPU machine sends back 8 files, 2
-folders down: keep --out outside $OUT). The XLA command-buffer flags left `all` once
-measured on an H200 (RESULTS.md, 2026-12-04: no gain).
+kernels against JAX's op. `--budget-s` shortens its deadline (room for an install in the same
+command); `--resume OUT/suite.json`, a second command on a machine still warm, skips the steps
+the first finished ok and runs what it left; `--archive $OUT` packs the results into one file
+after each step (a GPU machine sends back 8 files, 2 folders down: keep --out outside $OUT).
+The XLA command-buffer flags left `all` once measured on an H200 (RESULTS.md, 2026-12-04: no
+gain).
 
 The other parts (in the order a first run should take them):
 - environment: `pagedjax doctor` (which builds the CUDA ops once and caches them), pip list;

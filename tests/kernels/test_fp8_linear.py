@@ -110,7 +110,7 @@ def test_lowered_for_cuda_it_is_a_float8_dot() -> None:
 
 
 @pytest.mark.gpu
-def test_on_hopper_xla_runs_cublaslts_fp8_gemm() -> None:
+def test_on_hopper_xlas_gemm_reads_float8_operands() -> None:
     x, _, q_w, w_scale = case(16)
     kernel = jnp.asarray(np.ascontiguousarray(q_w.T))
     compiled = jax.jit(fp8_dot).lower(x, kernel, w_scale).compile()

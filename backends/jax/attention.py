@@ -4,19 +4,22 @@ and shape)."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from pagedjax.backends.jax import cpu_ffi
-from pagedjax.backends.jax.model import AttentionFn, WriteKVFn
+from pagedjax.backends.jax.model import AttentionFn, DecodeAttentionFn, WriteKVFn
 from pagedjax.kernels_pallas.reference import (
     ragged_paged_attention_reference,
     write_kv_reference,
 )
 from pagedjax.kernels_pallas.tiled_attention import ragged_paged_attention_tiled
 
-ATTENTION_IMPLS = ("auto", "pallas", "cpu", "tiled", "reference")
+ATTENTION_IMPLS = ("auto", "pallas", "pallas_fused", "cpu", "tiled", "reference")
+PALLAS_IMPLS = ("pallas", "pallas_fused")
 _MIN_TILED_TOKENS = 128  # below this many query rows the reference's loop is faster on CPU
 
 
@@ -46,13 +49,23 @@ def ragged_paged_attention_cpu(
     return ragged_paged_attention_tiled(q, *args, rows_per_tile=16, chunk_blocks=4, **kwargs)
 
 
-def resolve_attention(attention_impl: str) -> tuple[AttentionFn, WriteKVFn, str]:
+class AttentionImpl(NamedTuple):
+    """The model's attention: its functions and the resolved name."""
+
+    attention_fn: AttentionFn
+    write_kv_fn: WriteKVFn
+    name: str
+    # a decode step's KV write and attention in one call (models the kernel supports), or None
+    decode_fn: DecodeAttentionFn | None = None
+
+
+def resolve_attention(attention_impl: str) -> AttentionImpl:
     """"auto" is the Pallas kernel on GPU and "cpu" on CPU (interpret mode is slow): the C++
     kernel through XLA's FFI in float32; otherwise the jnp reference for decode and short
     queries, the tiled jnp version for long ones, whichever benchmarks/probes/cpu_attention.py
-    measured faster (`ragged_paged_attention_cpu`).
-
-    Returns (attention_fn, write_kv_fn, resolved name).
+    measured faster (`ragged_paged_attention_cpu`). "pallas_fused" is "pallas" with a decode
+    step's KV write and attention in one kernel per layer
+    (kernels_pallas/decode_attention.py); not "auto"'s choice until a GPU has measured it.
     """
     if attention_impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention_impl={attention_impl!r} is unknown; use one of "
@@ -60,14 +73,16 @@ def resolve_attention(attention_impl: str) -> tuple[AttentionFn, WriteKVFn, str]
     if attention_impl == "auto":
         attention_impl = "cpu" if jax.default_backend() == "cpu" else "pallas"
     if attention_impl == "cpu":
-        return ragged_paged_attention_cpu, write_kv_reference, "cpu"
+        return AttentionImpl(ragged_paged_attention_cpu, write_kv_reference, "cpu")
     if attention_impl == "tiled":
-        return ragged_paged_attention_tiled, write_kv_reference, "tiled"
+        return AttentionImpl(ragged_paged_attention_tiled, write_kv_reference, "tiled")
     if attention_impl == "reference":
-        return ragged_paged_attention_reference, write_kv_reference, "reference"
+        return AttentionImpl(ragged_paged_attention_reference, write_kv_reference, "reference")
     from pagedjax.kernels_pallas import ragged_paged_attention, write_kv
+    from pagedjax.kernels_pallas.decode_attention import decode_attention_with_kv_write
 
-    return ragged_paged_attention, write_kv, "pallas"
+    decode_fn = decode_attention_with_kv_write if attention_impl == "pallas_fused" else None
+    return AttentionImpl(ragged_paged_attention, write_kv, attention_impl, decode_fn)
 
 
 def uses_cpu_linear(attention_impl: str, dtype: jnp.dtype, mesh: Mesh | None) -> bool:

@@ -49,8 +49,8 @@ class PackedLinear(nn.Module):
 class Dense(nn.Module):
     """nn.Dense's y = x @ kernel (+ bias) (params "kernel" [in, out], "bias" [out]). Where the
     params hold a "weight_scale" [out] (quantization="fp8": fp8_params), the kernel is float8
-    e4m3 and each row of x is quantized per token: y = (q_x @ q_w) * scale_x * scale_w, an
-    fp8 x fp8 dot that XLA runs as cuBLASLt's FP8 GEMM on Hopper."""
+    e4m3 [out, in] and each row of x is quantized per token: y = (q_x @ q_w^T) * scale_x *
+    scale_w, an fp8 x fp8 dot that XLA runs as cuBLASLt's FP8 GEMM on Hopper."""
 
     features: int
     dtype: jnp.dtype
@@ -73,13 +73,14 @@ class Dense(nn.Module):
 
 
 def fp8_dot(x: jax.Array, kernel: jax.Array, weight_scale: jax.Array) -> jax.Array:
-    """x [..., K] @ kernel (float8 e4m3 [K, N], weight_scale [N]) → float32 [..., N]: x's
-    rows quantized to e4m3 with a scale each (max|x| / 448: quantization.quantize_fp8's)."""
+    """x [..., K] @ kernel^T (float8 e4m3 [N, K], weight_scale [N]) → float32 [..., N]: x's
+    rows quantized to e4m3 with a scale each (max|x| / 448: quantization.quantize_fp8's). Both
+    operands contract their minor dimension (K), the only layout cuBLASLt's FP8 GEMM takes."""
     rows = x.astype(jnp.float32)
     scale = jnp.max(jnp.abs(rows), axis=-1, keepdims=True) / quantization.FP8_MAX  # [..., 1]
     scale = jnp.where(scale > 0, scale, 1.0)
     q = jnp.clip(rows / scale, -quantization.FP8_MAX, quantization.FP8_MAX).astype(kernel.dtype)
-    y = jax.lax.dot_general(q, kernel, (((x.ndim - 1,), (0,)), ((), ())),
+    y = jax.lax.dot_general(q, kernel, (((x.ndim - 1,), (1,)), ((), ())),
                             preferred_element_type=jnp.float32)
     return y * scale * weight_scale
 

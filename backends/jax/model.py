@@ -38,6 +38,10 @@ AttentionFn = Callable[..., jax.Array]
 # (k [T, Hkv, D], v [T, Hkv, D], k_cache, v_cache, slot_mapping, k_scale, v_scale)
 #   -> (k_cache, v_cache)
 WriteKVFn = Callable[..., KVCache]
+# A decode step's WriteKVFn then AttentionFn in one call (decode_attention.py):
+# (q, k, v, k_cache, v_cache, slot_mapping, kv_lens, block_tables, query_start_loc, *,
+#  sm_scale, sliding_window, soft_cap, k_scale, v_scale) -> (out [T, Hq, D], k_cache, v_cache)
+DecodeAttentionFn = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
 
 
 class RMSNorm(nn.Module):
@@ -129,6 +133,7 @@ class Attention(nn.Module):
     packed: bool = False
     layer: int = 0  # its index: the window and rope table it uses
     kv_scales: tuple[float, float] = (1.0, 1.0)  # an fp8 cache stores k / k_scale, v / v_scale
+    decode_fn: DecodeAttentionFn | None = None  # decode steps' write + attention, fused
 
     @nn.compact
     def __call__(self, x: jax.Array, kv_cache: KVCache,
@@ -161,14 +166,18 @@ class Attention(nn.Module):
         cos, sin = meta.rope_cos[positions], meta.rope_sin[positions]  # [T, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_scale, v_scale = self.kv_scales
-        k_cache, v_cache = self.write_kv_fn(k, v, *kv_cache, meta.slot_mapping,
-                                            k_scale=k_scale, v_scale=v_scale)
-        out = self.attention_fn(q, k_cache, v_cache, meta.kv_lens, meta.block_tables,
-                                meta.query_start_loc, sm_scale=cfg.sm_scale,
-                                sliding_window=cfg.sliding_window_of(self.layer),
-                                soft_cap=cfg.attn_logit_softcapping,
-                                decode=meta.decode, k_scale=k_scale,
-                                v_scale=v_scale)  # [T, Hq, D]
+        semantics = dict(sm_scale=cfg.sm_scale, sliding_window=cfg.sliding_window_of(self.layer),
+                         soft_cap=cfg.attn_logit_softcapping, k_scale=k_scale, v_scale=v_scale)
+        if meta.decode and self.decode_fn is not None:  # one kernel: T == S, row s seq s's
+            out, k_cache, v_cache = self.decode_fn(
+                q, k, v, *kv_cache, meta.slot_mapping, meta.kv_lens, meta.block_tables,
+                meta.query_start_loc, **semantics)  # [T, Hq, D]
+        else:
+            k_cache, v_cache = self.write_kv_fn(k, v, *kv_cache, meta.slot_mapping,
+                                                k_scale=k_scale, v_scale=v_scale)
+            out = self.attention_fn(q, k_cache, v_cache, meta.kv_lens, meta.block_tables,
+                                    meta.query_start_loc, decode=meta.decode,
+                                    **semantics)  # [T, Hq, D]
         out = dense(cfg.hidden_size, "o_proj", self.dtype, packed=self.packed)(
             out.reshape(num_tokens, hq * d))
         return out, (k_cache, v_cache)
@@ -200,13 +209,14 @@ class DecoderLayer(nn.Module):
     layer: int = 0  # its index
     kv_scales: tuple[float, float] = (1.0, 1.0)
     experts_fn: ExpertsFn = routed_experts  # a mixture of experts' (per device under TP)
+    decode_fn: DecodeAttentionFn | None = None  # decode steps' write + attention, fused
 
     @nn.compact
     def __call__(self, x: jax.Array, kv_cache: KVCache,
                  meta: AttentionMetadata) -> tuple[jax.Array, KVCache]:
         cfg = self.config
         attention = Attention(cfg, self.dtype, self.attention_fn, self.write_kv_fn, self.packed,
-                              self.layer, self.kv_scales, name="self_attn")
+                              self.layer, self.kv_scales, self.decode_fn, name="self_attn")
         if cfg.is_moe_layer(self.layer):  # packed: the padding rows wake no expert
             moe = FusedMoE(cfg, self.dtype, self.packed, self.experts_fn, name="mlp")
             mlp = functools.partial(moe, num_rows=meta.query_start_loc[-1] if self.packed
@@ -245,13 +255,15 @@ class LlamaForCausalLM(nn.Module):
     packed: bool = False
     kv_cache_scales: KVCacheScales = None  # not None: the KV cache is float8_e4m3fn
     experts_fn: ExpertsFn = routed_experts  # a mixture of experts' (per device under TP)
+    decode_fn: DecodeAttentionFn | None = None  # decode steps' write + attention, fused
 
     def setup(self) -> None:
         cfg = self.config
         self.embed_tokens = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype,
                                      param_dtype=self.dtype)
         self.layers = [DecoderLayer(cfg, self.dtype, self.attention_fn, self.write_kv_fn,
-                                    self.packed, i, self.layer_kv_scales(i), self.experts_fn)
+                                    self.packed, i, self.layer_kv_scales(i), self.experts_fn,
+                                    self.decode_fn)
                        for i in range(cfg.num_layers)]
         self.norm = RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_weight_offset)
         # packed and tied: pack_params gives the head its own copy of the embedding

@@ -95,6 +95,26 @@ def per_shard(attention_fn: Callable, write_kv_fn: Callable, mesh: Mesh | None,
     return attention, write_kv
 
 
+def per_shard_decode(decode_fn: Callable | None, mesh: Mesh | None,
+                     plan: TensorParallelPlan) -> Callable | None:
+    """A decode step's fused KV write and attention (decode_attention.py) run on each device's
+    heads (unchanged on one device, for a replicated model, or None)."""
+    if decode_fn is None or mesh is None or not plan.shard_heads:
+        return decode_fn
+
+    def decode(q, k, v, k_cache, v_cache, slot_mapping, kv_lens, block_tables, query_start_loc,
+               **static):
+        fn = functools.partial(decode_fn, **static)
+        return jax.shard_map(fn, mesh=mesh, check_vma=False,
+                             in_specs=(HEADS, HEADS, HEADS, KV_CACHE, KV_CACHE, REPLICATED,
+                                       REPLICATED, REPLICATED, REPLICATED),
+                             out_specs=(HEADS, KV_CACHE, KV_CACHE),
+                             )(q, k, v, k_cache, v_cache, slot_mapping, kv_lens, block_tables,
+                               query_start_loc)
+
+    return decode
+
+
 def per_shard_experts(experts_fn: Callable, mesh: Mesh | None,
                       plan: TensorParallelPlan) -> Callable:
     """A mixture of experts' routed_experts run on each device's share of every expert's

@@ -20,7 +20,11 @@ from pagedjax.backends.common.kv_cache_scales import kv_cache_scales
 from pagedjax.backends.common.rope import rope_cos_sin
 from pagedjax.backends.common.weight_quantizer import WeightQuantizer
 from pagedjax.backends.common.weights import layer_norm_names, load_weights, repeat_kv_heads
-from pagedjax.backends.jax.attention import resolve_attention, uses_cpu_linear
+from pagedjax.backends.jax.attention import (
+    PALLAS_IMPLS,
+    resolve_attention,
+    uses_cpu_linear,
+)
 from pagedjax.backends.jax.model import KVCache, LlamaForCausalLM, pack_params
 from pagedjax.backends.jax.moe import routed_experts
 from pagedjax.backends.jax.parallel import (
@@ -28,6 +32,7 @@ from pagedjax.backends.jax.parallel import (
     REPLICATED,
     param_specs,
     per_shard,
+    per_shard_decode,
     per_shard_experts,
     shardings,
 )
@@ -167,16 +172,18 @@ def convert_weights(model_dir: str, config: ModelConfig, dtype: jnp.dtype, *,
 
 
 def fp8_params(params: dict) -> dict:
-    """quantization="fp8": each projection's kernel [in, out] as float8 e4m3 with a float32
-    "weight_scale" [out] per output channel (quantization.quantize_fp8; the model's Dense then
-    multiplies fp8 by fp8), where in and out are multiples of 16 (cuBLASLt's FP8 GEMM); the
-    embedding, norms and LM head as they are."""
+    """quantization="fp8": each projection's kernel [in, out] as float8 e4m3 [out, in] in rows
+    with a float32 "weight_scale" [out] per output channel (quantization.quantize_fp8; the
+    model's Dense then multiplies fp8 by fp8: linear.fp8_dot), where in and out are multiples of
+    16 (cuBLASLt's FP8 GEMM); the embedding, norms and LM head as they are. [out, in] in rows is
+    the layout cuBLASLt's FP8 GEMM reads (both operands contract their minor dimension, "TN"):
+    kept [in, out], XLA would transpose every weight in every step."""
     def fp8(layer: dict) -> dict:
         kernel = np.asarray(layer["kernel"]).astype(np.float32)  # [in, out]
         if kernel.shape[0] % 16 or kernel.shape[1] % 16:
             return layer
         q, scale = quantization.quantize_fp8(kernel.T)  # [out, in], [out]
-        return {**layer, "kernel": jnp.asarray(np.ascontiguousarray(q.T)),
+        return {**layer, "kernel": jnp.asarray(np.ascontiguousarray(q)),
                 "weight_scale": jnp.asarray(scale)}
 
     tree = dict(params["params"])
@@ -204,7 +211,8 @@ class DeviceModel:
     def load(cls, model_dir: str, model_config: ModelConfig, config: EngineConfig,
              plan: TensorParallelPlan, mesh: Mesh | None) -> DeviceModel:
         dtype = jnp.dtype(config.dtype)
-        attention_fn, write_kv_fn, impl = resolve_attention(config.attention_impl)
+        attention = resolve_attention(config.attention_impl)
+        impl = attention.name
         shard_config = plan.shard_config(model_config)
         fp8 = config.quantization == "fp8"  # XLA's dots over float8 weights (not packed)
         packed = not fp8 and uses_cpu_linear(impl, dtype, mesh)
@@ -212,9 +220,18 @@ class DeviceModel:
         if config.fp8_kv_cache:
             check_fp8_pallas(impl)
             scales = tuple(kv_cache_scales(model_dir, model_config.num_layers))
-        module = LlamaForCausalLM(shard_config, dtype,
-                                  *per_shard(attention_fn, write_kv_fn, mesh, plan), packed,
-                                  scales, per_shard_experts(routed_experts, mesh, plan))
+        decode_fn = attention.decode_fn
+        if decode_fn is not None:
+            from pagedjax.kernels_pallas.decode_attention import supports
+
+            if not supports(shard_config.num_q_heads, shard_config.num_kv_heads,
+                            shard_config.head_dim):
+                decode_fn = None  # a group or head_dim the fused kernel does not take
+        module = LlamaForCausalLM(
+            shard_config, dtype, *per_shard(attention.attention_fn, attention.write_kv_fn, mesh,
+                                            plan), packed, scales,
+            per_shard_experts(routed_experts, mesh, plan),
+            per_shard_decode(decode_fn, mesh, plan))
         params, source = load_params(model_dir, model_config, dtype, plan=plan, mesh=mesh)
         if config.quantization in ("int8", "gguf") and not packed:
             raise ValueError(f"quantization={config.quantization!r} runs on the C++ CPU kernels "
@@ -271,7 +288,7 @@ def check_fp8_pallas(impl: str) -> None:
     """Triton converts float8 e4m3 ("fp8e4nv") from sm_89 on (Ada, Hopper): an fp8 KV cache
     with the Pallas kernel on an older GPU is a ValueError, not a compile error per step."""
     capability = getattr(jax.devices()[0], "compute_capability", None)  # "9.0" on GPUs
-    if impl == "pallas" and capability and tuple(map(int, capability.split("."))) < (8, 9):
+    if impl in PALLAS_IMPLS and capability and tuple(map(int, capability.split("."))) < (8, 9):
         raise ValueError(f"kv_cache_dtype='fp8' on the jax backend's Pallas kernel needs an "
                          f"sm_89+ GPU (Ada, Hopper), this one is sm_{capability}; use "
                          f"backend='torch' (its CUDA kernel converts fp8 on sm_80) or "

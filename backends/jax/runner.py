@@ -64,7 +64,7 @@ class JaxModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig,
                  draft_model_config: ModelConfig | None, shapes: StepShapes) -> None:
         self.config, self.shapes = config, shapes
-        self.attention_impl = resolve_attention(config.attention_impl)[2]
+        self.attention_impl = resolve_attention(config.attention_impl).name
         size = config.tensor_parallel_size
         self.mesh = make_mesh(size)
         self.target = DeviceModel.load(config.model, model_config, config,

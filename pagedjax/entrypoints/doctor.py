@@ -64,8 +64,8 @@ def _jax_info() -> dict:
     from pagedjax.backends.jax.attention import resolve_attention
 
     backend = jax.default_backend()
-    impl = resolve_attention("auto")[2]
-    if impl == "pallas":
+    impl = resolve_attention("auto").name
+    if impl.startswith("pallas"):
         impl += " (compiled with Triton)" if backend == "gpu" else " (interpreted)"
     elif impl == "cpu":
         from pagedjax.backends.jax import cpu_ffi
@@ -127,7 +127,8 @@ def _smoke_jax() -> dict:
 
     from pagedjax.backends.jax.attention import resolve_attention
 
-    attention, _, name = resolve_attention("auto")
+    impl = resolve_attention("auto")
+    attention, name = impl.attention_fn, impl.name
     if name == "reference":
         return {"ran": "reference (nothing to compare on this device)"}
     from pagedjax.kernels_pallas import ragged_paged_attention_reference

@@ -62,12 +62,16 @@ def test_logprobs_are_the_raw_model_distribution(tiny_model) -> None:
     assert completion.cumulative_logprob == pytest.approx(total, rel=1e-6)
 
 
-def test_pallas_kernel_end_to_end(tiny_model) -> None:
-    """attention_impl="pallas" (interpret mode on CPU) gives the same greedy tokens as HF."""
+@pytest.mark.parametrize("impl", ["pallas", "pallas_fused"])
+def test_pallas_kernel_end_to_end(tiny_model, impl) -> None:
+    """attention_impl="pallas" (interpret mode on CPU) gives the same greedy tokens as HF; so
+    does "pallas_fused", whose decode steps write the KV and attend in one kernel per layer."""
     model_dir = tiny_model("mistral")  # sliding window through the kernel too
-    llm = make_llm(model_dir, attention_impl="pallas", num_gpu_blocks_override=64,
+    llm = make_llm(model_dir, attention_impl=impl, num_gpu_blocks_override=64,
                    max_num_batched_tokens=64)
-    assert llm.engine.runner.attention_impl == "pallas"
+    assert llm.engine.runner.attention_impl == impl
+    decode_fn = llm.engine.runner.target.module.decode_fn
+    assert (decode_fn is not None) == (impl == "pallas_fused")
     prompts = [p for p in make_prompts(llm.engine.model_config.vocab_size) if len(p) in (1, 17, 53)]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)

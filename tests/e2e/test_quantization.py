@@ -128,6 +128,12 @@ def test_fp8_weights_on_both_backends() -> None:
             kernels = [leaf for path, leaf in leaves
                        if path[-1] == "kernel" and path[0].startswith("layers_")]
             assert kernels and all(k.dtype == jnp.float8_e4m3fn for k in kernels)
+            # [out, in] in rows, as cuBLASLt's FP8 GEMM reads W (fp8_dot): q_proj is square,
+            # gate_proj [intermediate, hidden] tells the two layouts apart
+            config = llm.engine.model_config
+            gates = [leaf for path, leaf in leaves if path[-2:] == ("gate_proj", "kernel")]
+            assert gates and all(g.shape == (config.intermediate_size, config.hidden_size)
+                                 for g in gates)
             assert len([path for path, _ in leaves if path[-1] == "weight_scale"]) == len(kernels)
         llm.shutdown()
     assert agreement(runs["jax", "fp8"], runs["torch", "fp8"]) >= 0.95

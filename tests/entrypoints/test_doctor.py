@@ -18,7 +18,7 @@ def test_doctor_reports_this_machine(capsys) -> None:
     assert main(["doctor", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["torch"]["cuda_available"] is on_gpu
-    jax_attention = resolve_attention("auto")[2]  # what the JAX backend will use here
+    jax_attention = resolve_attention("auto").name  # what the JAX backend will use here
     assert report["jax"]["attention"].split()[0] == jax_attention
     if jax_attention != "reference":  # the smoke run compared it with the reference
         assert report["smoke_jax"]["ran"] == jax_attention

@@ -306,6 +306,9 @@ def main() -> None:
                              "executable (default: the runner's, 2 on an accelerator)")
     parser.add_argument("--quantization", choices=("fp8", "int8"),
                         help="weights kept quantized (fp8: W8A8, FP8 GEMMs on Hopper)")
+    parser.add_argument("--attention-impl", default="auto",
+                        help="the engine's attention_impl (jax: pallas_fused writes the KV and "
+                             "attends in one kernel a layer in decode steps)")
     parser.add_argument("--copy-gbs", type=float,
                         help="copy bandwidth (GB/s read + written) to use instead of measuring "
                              "this framework's")
@@ -325,7 +328,7 @@ def main() -> None:
         llm = LLM(args.model, backend=args.backend, dtype=args.dtype,
                   max_model_len=max_len, max_num_seqs=max(args.batch_sizes),
                   enable_prefix_caching=False, async_scheduling=args.async_scheduling,
-                  quantization=args.quantization)
+                  quantization=args.quantization, attention_impl=args.attention_impl)
         startup = {"startup s": time.perf_counter() - start,
                    "steps loaded from the store": getattr(llm.engine.runner, "num_cache_hits",
                                                           None)}
@@ -360,6 +363,7 @@ def main() -> None:
         f"decode_step_{args.backend}_{model_name(args)}_{accelerator_tag(env)}"
         f"{'' if args.async_scheduling else '_sync'}"
         f"{f'_{args.quantization}' if args.quantization else ''}"
+        f"{'' if args.attention_impl == 'auto' else f'_{args.attention_impl}'}"
         f"{f'_copies{args.executable_copies}' if args.executable_copies else ''}.json",
         {"args": args_record(args), "copy_bandwidth_gbs": copy_gbs, "dtype": dtype, **startup,
          "results": rows, "environment": env}, args.out)

@@ -3,20 +3,19 @@ part at a time (each under 9 minutes).
 
     python benchmarks/gpu_suite.py --part NAME [--part NAME ...] --out DIR [--dry-run]
 
-`all` (a lent GPU's first command) runs, in this order, as many of its steps as fit 570 s (a
-step that would run past the deadline gets what is left; one with under 15 s is skipped and
-recorded so): the GPU tests (kernels compiled and the CUDA op against the float64 oracle; greedy
-parity with HF; async scheduling, branch-free and donated-output steps against the synchronous,
-branched engine, on the device), decode steps at batch 1/16/64 on both backends (jax with its
-optimized HLO dumped and archived, torch asynchronous then synchronous, then both with
-quantization="fp8"), speculation at batch 1 and 32, a mixture of experts' expert block per form
-at Qwen3-30B-A3B's shape (benchmarks/moe_layer.py), the 8B shape at batch 1, and the attention
-kernels against JAX's op. `--budget-s` shortens its deadline (room for an install in the same
-command); `--resume OUT/suite.json`, a second command on a machine still warm, skips the steps
-the first finished ok and runs what it left; `--archive $OUT` packs the results into one file
-after each step (a GPU machine sends back 8 files, 2 folders down: keep --out outside $OUT).
-The XLA command-buffer flags left `all` once measured on an H200 (RESULTS.md, 2026-12-04: no
-gain).
+`all` (a lent GPU's first command) runs, in this order, as many of its steps as fit 570 s (a step
+that would run past the deadline gets what is left; one with under 15 s is skipped and recorded
+so): the GPU tests (kernels compiled and the CUDA op against the float64 oracle; greedy parity with
+HF; async scheduling, branch-free and donated-output steps against the synchronous, branched
+engine, on the device), decode steps at batch 1/16/64 on both backends (jax with its optimized HLO
+dumped and archived, then with attention_impl="pallas_fused"; torch asynchronous then synchronous;
+then both with quantization="fp8"), speculation at batch 1 and 32, a mixture of experts' expert
+block per form at Qwen3-30B-A3B's shape (benchmarks/moe_layer.py), the 8B shape at batch 1, and the
+attention kernels against JAX's op. `--budget-s` shortens its deadline (room for an install in the
+same command); `--resume OUT/suite.json`, a second command on a machine still warm, skips the steps
+the first finished ok and runs what it left; `--archive $OUT` packs the results into one file after
+each step (a GPU machine sends back 8 files, 2 folders down: keep --out outside $OUT). The XLA
+command-buffer flags left `all` once measured on an H200 (RESULTS.md, 2026-12-04: no gain).
 
 The other parts (in the order a first run should take them):
 - environment: `pagedjax doctor` (which builds the CUDA ops once and caches them), pip list;
@@ -255,6 +254,8 @@ def all_steps(ctx: Context) -> list[Step]:
         Step("xla_dump_archive", ("-c", "import shutil, sys; shutil.make_archive(sys.argv[1], "
                                   "'gztar', sys.argv[2]); shutil.rmtree(sys.argv[2])",
                                   str(dump), str(dump)), 30),
+        decode_step("decode_step_jax_fused", "jax", "--attention-impl", "pallas_fused",
+                    "--profile", timeout_s=100),
         decode_step("decode_step_torch", "torch", "--profile", timeout_s=60),
         decode_step("decode_step_torch_sync", "torch", "--no-async-scheduling", timeout_s=45),
         *(decode_step(f"decode_step_{backend}_fp8", backend, "--quantization", "fp8",

@@ -236,7 +236,10 @@ class MPClient:
         """The core ends it at its next step (its final output "abort"); False: it started."""
         with self._lock:
             if request_id in self.output_processor.requests:
-                self._send(ABORT, [request_id])
+                try:
+                    self._send(ABORT, [request_id])
+                except EngineDeadError:
+                    pass  # the core is gone: its requests fail with it (on_dead)
         return False
 
     def has_unfinished_requests(self) -> bool:
@@ -246,7 +249,15 @@ class MPClient:
         return self.metrics
 
     def _send(self, kind: bytes, payload: Any) -> None:
-        self._input.send_multipart([kind, self._encoder.encode(payload)])
+        """Send to the core; EngineDeadError if it has exited. A PUSH socket with no peer
+        blocks a send for ever (a core killed before this request): it waits for room only
+        while the core lives."""
+        frames = [kind, self._encoder.encode(payload)]
+        while not self._input.poll(POLL_MS, zmq.POLLOUT):
+            if self.process.poll() is not None:
+                raise EngineDeadError(f"the engine core process exited with code "
+                                      f"{self.process.returncode}")
+        self._input.send_multipart(frames)
 
     def _run_output_loop(self, on_outputs: OnOutputs, on_dead: OnDead) -> None:
         decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)

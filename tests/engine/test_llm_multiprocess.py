@@ -4,6 +4,9 @@ core that dies fails generate() instead of hanging it."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 
 from pagedjax import LLM, SamplingParams
@@ -67,9 +70,26 @@ def test_beam_search_through_the_core_process(mp_llm, tiny_model) -> None:
         [s.tokens for s in o.sequences] for o in want]
 
 
-def test_a_core_that_dies_fails_generate(tiny_model) -> None:
+@pytest.mark.parametrize("gone", [False, True])
+def test_a_core_that_dies_fails_generate(tiny_model, gone) -> None:
+    """Killed just before generate, or gone long enough that its socket is closed (a send to
+    it then blocked for ever, as a CI run of 2026-12-04 found): EngineDeadError, no hang."""
     llm = LLM(tiny_model("llama"), multiprocess=True, **SMALL)
     llm.engine.process.kill()
-    with pytest.raises(EngineDeadError):
-        llm.generate(PROMPTS, SamplingParams(max_tokens=50, ignore_eos=True), use_tqdm=False)
+    if gone:
+        llm.engine.process.wait()
+        time.sleep(0.5)  # ZeroMQ drops the dead peer's pipe
+    raised: list[BaseException] = []
+
+    def generate() -> None:
+        try:
+            llm.generate(PROMPTS, SamplingParams(max_tokens=50, ignore_eos=True), use_tqdm=False)
+        except BaseException as error:  # noqa: BLE001 - what the test asserts on
+            raised.append(error)
+
+    thread = threading.Thread(target=generate, daemon=True)
+    thread.start()
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "generate hung on a dead engine core"
+    assert len(raised) == 1 and isinstance(raised[0], EngineDeadError), raised
     llm.shutdown()

@@ -42,6 +42,7 @@ from pagedjax.kernels_pallas.ragged_paged_attention import (
     _merge_splits,
     _prepare_block_tables,
     _TritonParams,
+    _write_outputs,
 )
 from pagedjax.kernels_pallas.reference import FP8_MAX
 from pagedjax.kernels_pallas.tile_map import cdiv
@@ -145,15 +146,7 @@ def _kernel(
     alpha = jnp.exp2(m - m_next)
     row_sum = alpha * row_sum + p_new
     acc = alpha[:, None] * acc + p_new[:, None] * v_new.astype(acc_dtype)[None, :]
-    m = m_next
-    if v_scale != 1.0:  # acc is linear in the values: scale it once
-        acc = acc * v_scale
-    if num_splits == 1:
-        (o_ref,) = out_refs
-        o_ref[...] = (acc / jnp.where(row_sum > 0, row_sum, 1.0)[:, None]).astype(o_ref.dtype)
-    else:
-        for ref, value in zip(out_refs, (acc, m, row_sum), strict=True):
-            ref[...] = value
+    _write_outputs(out_refs, acc, m_next, row_sum, v_scale)
 
 
 def _chunk_pages(group: int, head_dim: int, block_size: int, knob: int | None) -> int:

@@ -200,9 +200,17 @@ def _kernel(
     init = (jnp.full((rows,), _MASK_VALUE, acc_dtype), jnp.zeros((rows,), acc_dtype),
             jnp.zeros((rows, head_dim_padded), acc_dtype))
     m, row_sum, acc = lax.fori_loop(lo, hi, body, init)
-    if v_scale != 1.0:  # acc is linear in the values: scale it once
+    _write_outputs(out_refs, acc, m, row_sum, v_scale)
+
+
+def _write_outputs(out_refs, acc: jax.Array, m: jax.Array, row_sum: jax.Array,
+                   v_scale: float) -> None:
+    """A program's epilogue: with one KV split (one output ref) the normalised output, else
+    the split's partial (acc, m, row_sum) for _merge_splits; acc scaled by an fp8 cache's
+    v_scale (it is linear in the values: once, not per element)."""
+    if v_scale != 1.0:
         acc = acc * v_scale
-    if num_splits == 1:
+    if len(out_refs) == 1:
         (o_ref,) = out_refs
         o_ref[...] = (acc / jnp.where(row_sum > 0, row_sum, 1.0)[:, None]).astype(o_ref.dtype)
     else:

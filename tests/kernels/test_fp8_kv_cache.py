@@ -232,6 +232,7 @@ def test_fused_decoder_layer_over_fp8_caches(first: bool) -> None:
     from pagedjax.backends.jax import cpu_ffi
     from tests.kernels.test_cpu_decoder_layer import EPS, _case
 
+    assert cpu_ffi.available()  # registers the FFI handlers (whatever test ran before)
     c = _case(np.random.default_rng(9), hidden=64, num_q_heads=4, num_kv_heads=2, head_dim=16,
               intermediate=96, bias=True)
     k_scale, v_scale = 0.05, 0.03

@@ -1,6 +1,7 @@
 """The JAX side of benchmarks/attention_kernels.py (this process imports no torch): our Pallas
-kernel, JAX's own Pallas paged attention and the jnp reference, on inputs built from a
-`CaseSpec`.
+kernel, its fused decode path (the KV write and attention in one kernel:
+kernels_pallas/decode_attention.py), JAX's own Pallas paged attention and the jnp reference, on
+inputs built from a `CaseSpec`.
 
 On a GPU each Pallas implementation proves it is the compiled Triton kernel before it is timed.
 """
@@ -30,6 +31,10 @@ from kernel_cases import (  # noqa: E402
 from pagedjax.kernels_pallas import (  # noqa: E402
     ragged_paged_attention,
     ragged_paged_attention_reference,
+)
+from pagedjax.kernels_pallas.decode_attention import (  # noqa: E402
+    decode_attention_with_kv_write,
+    supports,
 )
 from pagedjax.kernels_pallas.ragged_paged_attention import TRITON_CALL_TARGETS  # noqa: E402
 
@@ -129,10 +134,48 @@ def _prepare_jax_paged_attention(spec: CaseSpec,
     return _checked(fn, q, k_pages, v_pages, tables, inputs.kv_lens)
 
 
+def _prepare_pallas_fused_decode(spec: CaseSpec,
+                                 inputs: Inputs) -> tuple[Callable[[], Any], str]:
+    """decode_attention_with_kv_write: each sequence's last key and value written back to their
+    own slot (the same values: the output stays the reference's) and attended, on a copy of the
+    caches that the calls donate to one another (an undonated cache would be copied whole by
+    every call to be written in place)."""
+    if not spec.decode_only:
+        raise NotApplicable("decode only")
+    _, num_q_heads, head_dim = inputs.q.shape
+    if not supports(num_q_heads, inputs.k_cache.shape[1], head_dim):
+        raise NotApplicable("a group or head_dim the fused kernel does not take")
+    block_size = inputs.k_cache.shape[2]
+    last = inputs.kv_lens - 1  # [S]
+    blocks = jnp.take_along_axis(inputs.block_tables, (last // block_size)[:, None], 1)[:, 0]
+    slots = (blocks * block_size + last % block_size).astype(jnp.int32)  # [S]
+    k_new = inputs.k_cache[blocks, :, last % block_size]  # [S, Hkv, D]
+    v_new = inputs.v_cache[blocks, :, last % block_size]
+    fn = jax.jit(functools.partial(decode_attention_with_kv_write, sm_scale=spec.sm_scale,
+                                   interpret=jax.default_backend() == "cpu"),
+                 donate_argnums=(3, 4))
+    caches = [jnp.copy(inputs.k_cache), jnp.copy(inputs.v_cache)]
+    args = lambda: (inputs.q, k_new, v_new, *caches, slots, inputs.kv_lens,  # noqa: E731
+                    inputs.block_tables, inputs.query_start_loc)
+    detail = "interpret"
+    if jax.default_backend() != "cpu":
+        if not any(target in fn.lower(*args()).as_text() for target in TRITON_CALL_TARGETS):
+            raise RuntimeError("expected the compiled Triton kernel: no Triton call in the HLO")
+        detail = "triton"
+
+    def run() -> jax.Array:
+        out, caches[0], caches[1] = fn(*args())
+        return out
+
+    return run, detail
+
+
 _sync = jax.block_until_ready
 IMPLEMENTATIONS: dict[str, Implementation] = {
     "jnp_reference": Implementation(_prepare_reference, _sync),
     "pallas_ragged": Implementation(_prepare_pallas, _sync),
+    "pallas_fused_decode": Implementation(_prepare_pallas_fused_decode, _sync,
+                                          extra_cache_copies=1),
     "jax_pallas_paged": Implementation(_prepare_jax_paged_attention, _sync, extra_cache_copies=1),
 }
 

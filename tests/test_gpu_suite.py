@@ -135,7 +135,10 @@ def test_kernels(suite_out, part_runs):
         assert all(isinstance(r["l2_resident"], bool) for r in rows)
         on_gpu = payload["device"]["platform"] == "gpu"
         expected_detail = {"pallas_ragged": "triton" if on_gpu else "interpret",
+                           "pallas_fused_decode": "triton" if on_gpu else "interpret",
                            "torch_pagedjax_op": "cuda" if on_gpu else "cpp"}
+        if framework == "jax":  # the fused decode path ran beside the general kernel
+            assert any(r["impl"] == "pallas_fused_decode" and r["status"] == "ok" for r in rows)
         for row in rows:
             if row["impl"] in expected_detail and row["status"] == "ok":
                 assert row["detail"] == expected_detail[row["impl"]]

@@ -44,7 +44,7 @@ from pagedjax.kernels_pallas.ragged_paged_attention import (
     _TritonParams,
     _write_outputs,
 )
-from pagedjax.kernels_pallas.reference import FP8_MAX
+from pagedjax.kernels_pallas.reference import store
 from pagedjax.kernels_pallas.tile_map import cdiv
 
 _MAX_PRODUCT = 8 * 1024  # G * keys * D elements of a chunk's broadcast product: 64 a thread
@@ -56,13 +56,6 @@ def supports(num_q_heads: int, num_kv_heads: int, head_dim: int) -> bool:
     group = num_q_heads // num_kv_heads
     pow2 = lambda n: n > 0 and n & (n - 1) == 0  # noqa: E731
     return pow2(group) and group <= _MAX_GROUP and pow2(head_dim)
-
-
-def _stored(x: jax.Array, cache_dtype, scale: float) -> jax.Array:
-    """x as the cache stores it (reference.store): an fp8 cache's x / scale, saturated."""
-    if cache_dtype == jnp.float8_e4m3fn:
-        x = jnp.clip(x.astype(jnp.float32) / scale, -FP8_MAX, FP8_MAX)
-    return x.astype(cache_dtype)
 
 
 def _kernel(
@@ -90,8 +83,8 @@ def _kernel(
     kv_len, slot = seq_info_ref[seq, 0], seq_info_ref[seq, 1]
     block_size = k_cache_ref.shape[1]
     cache_dtype = k_cache_ref.dtype
-    k_new = _stored(k_new_ref[...], cache_dtype, k_scale)  # [D]
-    v_new = _stored(v_new_ref[...], cache_dtype, v_scale)
+    k_new = store(k_new_ref[...], cache_dtype, k_scale)  # [D], as the cache holds it
+    v_new = store(v_new_ref[...], cache_dtype, v_scale)
 
     @pl.when((split == 0) & (kv_len > 0) & (slot >= 0))
     def _():

@@ -118,6 +118,9 @@ class StepGraphs:
             step(ints_buffer, floats_buffer)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: CUDA calls other threads make meanwhile (a JAX engine's runtime in the
+        # same process, an output thread) neither invalidate the capture nor fail themselves,
+        # as under the default "global" mode (seen on an H200: both engines' streams broken).
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             outputs = step(ints_buffer, floats_buffer)
         return graph, ints_buffer, floats_buffer, outputs

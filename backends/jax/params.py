@@ -226,7 +226,7 @@ class DeviceModel:
 
             if not supports(shard_config.num_q_heads, shard_config.num_kv_heads,
                             shard_config.head_dim):
-                decode_fn = None  # a group or head_dim the fused kernel does not take
+                decode_fn = None  # a head_dim the fused kernel does not take
         module = LlamaForCausalLM(
             shard_config, dtype, *per_shard(attention.attention_fn, attention.write_kv_fn, mesh,
                                             plan), packed, scales,

@@ -70,12 +70,13 @@ def fused(case: dict, **kw) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return np.asarray(out), np.asarray(k_cache), np.asarray(v_cache)
 
 
-CASES = {
-    "plain": dict(kv_lens=[5, 1, 13, 31], num_padding=2),
-    "splits": dict(kv_lens=[37, 9, 64], num_splits=3),
-    "window": dict(kv_lens=[30, 7, 19], sliding_window=6),
+CASES = {  # chunks of 1-2 pages of 4 keys, so that a sequence spans several
+    "plain": dict(kv_lens=[5, 1, 13, 31], num_padding=2, num_kv_pages_per_chunk=2),
+    "splits": dict(kv_lens=[37, 9, 64], num_splits=3, num_kv_pages_per_chunk=2),
+    "window": dict(kv_lens=[30, 7, 19], sliding_window=6, num_kv_pages_per_chunk=1),
     "soft_cap": dict(kv_lens=[11, 26], soft_cap=5.0, num_padding=1),
     "group_1": dict(kv_lens=[9, 17], num_q_heads=2),
+    "group_3": dict(kv_lens=[12, 25], num_q_heads=6, num_kv_pages_per_chunk=2),  # rows padded
     "group_16_d_64": dict(kv_lens=[21, 3], num_q_heads=32, head_dim=64, block_size=8),
 }
 
@@ -83,8 +84,8 @@ CASES = {
 def _split(name: str) -> tuple[dict, dict]:
     """(decode_case's arguments, the kernels' keywords) of one of CASES."""
     case = dict(CASES[name])
-    kw = {key: case.pop(key) for key in ("num_splits", "sliding_window", "soft_cap")
-          if key in case}
+    kw = {key: case.pop(key) for key in ("num_splits", "sliding_window", "soft_cap",
+                                         "num_kv_pages_per_chunk") if key in case}
     return case, kw
 
 
@@ -94,9 +95,10 @@ def test_float64_equals_write_then_attend(name):
     with _float64():
         case = decode_case(np.random.default_rng(len(name)), **case_args, dtype=np.float64)
         sm_scale = case["q"].shape[-1] ** -0.5
-        num_splits = kw.pop("num_splits", None)
+        tiling = {key: kw.pop(key) for key in ("num_splits", "num_kv_pages_per_chunk")
+                  if key in kw}
         ref_out, ref_k, ref_v = reference(case, sm_scale=sm_scale, **kw)
-        out, k_cache, v_cache = fused(case, sm_scale=sm_scale, num_splits=num_splits, **kw)
+        out, k_cache, v_cache = fused(case, sm_scale=sm_scale, **tiling, **kw)
     assert per_row_relative_error(out, ref_out) < 1e-10
     num_real = int(case["query_start_loc"][-1])
     assert not out[num_real:].any()  # padding sequences: zeros
@@ -145,11 +147,12 @@ def test_a_slot_of_minus_one_writes_nothing():
 
 
 def test_shapes_it_declines():
-    assert supports(32, 8, 64) and supports(8, 8, 128) and supports(64, 4, 128)
-    assert not supports(9, 3, 64)  # SmolLM2's group of 3
-    assert not supports(32, 8, 80) and not supports(64, 2, 64)  # D = 80; a group of 32
-    case = decode_case(np.random.default_rng(6), [5], num_q_heads=6, num_kv_heads=2)
-    with pytest.raises(ValueError, match="power-of-two group"):
+    assert supports(32, 8, 64) and supports(8, 8, 128) and supports(9, 3, 64)  # any group
+    assert supports(64, 2, 64)  # a group of 32: 32 rows
+    assert not supports(32, 8, 80) and not supports(12, 8, 64)  # D = 80; heads not in groups
+    case = decode_case(np.random.default_rng(6), [5], num_q_heads=4, num_kv_heads=2,
+                       head_dim=24)
+    with pytest.raises(ValueError, match="head_dim 24"):
         fused(case, sm_scale=1.0)
 
 
@@ -178,6 +181,7 @@ def test_lowers_for_cuda_to_one_triton_call(num_splits, dtype):
 @pytest.mark.parametrize("name", ["plain", "splits", "window"])
 def test_on_a_gpu_it_equals_write_then_attend(name):
     case_args, kw = _split(name)
+    kw.pop("num_kv_pages_per_chunk", None)  # Triton: 16 keys a chunk at least, its own choice
     case = decode_case(np.random.default_rng(7), **case_args, dtype=np.float32)
     a = {key: jnp.asarray(x) for key, x in case.items()}
     out, k_cache, _ = decode_attention_with_kv_write(**a, sm_scale=0.25, **kw)

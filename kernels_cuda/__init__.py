@@ -1,7 +1,7 @@
 """Torch custom ops of pagedjax: ragged paged attention and the KV-cache write (CUDA + C++ CPU),
 and the CPU ops of the rest of a decoder layer (linear over packed weights or quantized blocks,
 rotary embedding, RMSNorm with the residual add, SiLU-and-mul, a mixture of experts' routing
-and expert block)."""
+and expert block), and FP8 W8A8's per-token activation quantization (CUDA)."""
 
 from pagedjax.kernels_cuda.ops import (
     fused_add_rms_norm,
@@ -12,6 +12,7 @@ from pagedjax.kernels_cuda.ops import (
     pack_linear_weight,
     pack_moe_weights,
     quant_linear,
+    quantize_fp8_per_token,
     ragged_paged_attention,
     rms_norm,
     rotary_embedding_,
@@ -20,5 +21,5 @@ from pagedjax.kernels_cuda.ops import (
 )
 
 __all__ = ["fused_add_rms_norm", "linear", "moe_experts", "moe_routing", "ops_backend",
-           "pack_linear_weight", "pack_moe_weights", "quant_linear", "ragged_paged_attention",
-           "rms_norm", "rotary_embedding_", "silu_and_mul", "write_kv"]
+           "pack_linear_weight", "pack_moe_weights", "quant_linear", "quantize_fp8_per_token",
+           "ragged_paged_attention", "rms_norm", "rotary_embedding_", "silu_and_mul", "write_kv"]

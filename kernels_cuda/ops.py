@@ -43,7 +43,8 @@ _CPU_SOURCES = ("ops.cpp", *(f"cpu/torch/{name}.cpp" for name in (
     "attention_cpu", "linear_cpu", "rotary_cpu", "norm_act_cpu", "decoder_layer_cpu",
     "filter_cpu", "logits_cpu", "gumbel_cpu", "token_mask_cpu", "quant_linear_cpu", "moe_cpu",
     "greedy_decode_cpu", "rejection_cpu")))
-_CUDA_SOURCES = ("cuda/attention_cuda.cu", "cuda/write_kv_cuda.cu", "cuda/norm_act_cuda.cu")
+_CUDA_SOURCES = ("cuda/attention_cuda.cu", "cuda/write_kv_cuda.cu", "cuda/norm_act_cuda.cu",
+                 "cuda/fp8_quant_cuda.cu")
 DEFAULT_CUDA_ARCHS = "8.0;9.0+PTX"  # A100 and H100 SASS; PTX that newer GPUs JIT-compile
 _MIN_CAPABILITY = (8, 0)  # cp.async and bf16 paths
 
@@ -336,6 +337,15 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     if _has_op(x):
         return torch.ops.pagedjax.fused_add_rms_norm(x, residual, weight, eps)
     return reference.fused_add_rms_norm(x, residual, weight, eps)
+
+
+def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] → (q float8 e4m3 [M, K], scale float32 [M, 1]), x ≈ q * scale: each row scaled
+    by max|x| / 448 (FP8 W8A8's dynamic activation scales). One CUDA kernel in a CUDA build
+    (the eager reference is nine); the reference elsewhere."""
+    if x.device.type == "cuda" and ops_backend() == "cuda":
+        return torch.ops.pagedjax.quantize_fp8_per_token(x.contiguous())
+    return reference.quantize_fp8_per_token(x)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -183,6 +183,16 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     return rms_norm(summed, weight, eps), summed
 
 
+def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] → (clamp(x / scale) in float8 e4m3 [M, K], scale = max|x| / 448 per row [M, 1],
+    1 for a row of zeros): the backends' quantize_fp8 per token, in float32."""
+    rows = x.float()
+    scale = rows.abs().amax(-1, keepdim=True) / FP8_MAX  # [M, 1]
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = (rows / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up

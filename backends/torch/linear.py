@@ -11,7 +11,13 @@ from torch import nn
 
 from pagedjax.backends.common import quantization
 from pagedjax.backends.common.weight_quantizer import WeightQuantizer
-from pagedjax.kernels_cuda import linear, ops_backend, pack_linear_weight, quant_linear
+from pagedjax.kernels_cuda import (
+    linear,
+    ops_backend,
+    pack_linear_weight,
+    quant_linear,
+    quantize_fp8_per_token,
+)
 
 
 class Linear(nn.Module):
@@ -100,10 +106,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     weight_scale [1, N]: each row of x quantized to e4m3 with its own scale (max|x| / 448, the
     backends' quantize_fp8), then one FP8 GEMM scaled per row and per column (torch._scaled_mm:
     cuBLASLt on Hopper, whose row-wise scaling writes bfloat16)."""
-    rows = x.reshape(-1, x.shape[-1]).float()  # [M, K]
-    scale = rows.abs().amax(-1, keepdim=True) / quantization.FP8_MAX  # [M, 1]
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = (rows / scale).clamp(-quantization.FP8_MAX, quantization.FP8_MAX).to(torch.float8_e4m3fn)
+    q, scale = quantize_fp8_per_token(x.reshape(-1, x.shape[-1]))  # [M, K] e4m3, [M, 1]
     out_dtype = torch.bfloat16 if x.is_cuda else x.dtype
     y = torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale,
                          out_dtype=out_dtype).to(x.dtype)

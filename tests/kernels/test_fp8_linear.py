@@ -139,3 +139,27 @@ def test_a_bfloat16_x_is_quantized_from_its_bfloat16_values(device: str) -> None
     assert got.dtype == torch.bfloat16
     expected = numpy_model(x_bf16.float().numpy(), q_w, w_scale)
     np.testing.assert_allclose(got.float().cpu().numpy(), expected, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_per_token_quantization_is_quantize_fp8_exactly(device: str, dtype) -> None:
+    """kernels_cuda.quantize_fp8_per_token (one CUDA kernel in a CUDA build, the reference
+    elsewhere) equals the NumPy quantize_fp8 bit for bit: a row of zeros (scale 1), a row past
+    ±448, an odd width, rows wider than the kernel's threads."""
+    from pagedjax.kernels_cuda import quantize_fp8_per_token
+
+    rng = np.random.default_rng(11)
+    for shape in [(4, 2048), (1, 8192), (3, 80)]:
+        x = rng.standard_normal(shape).astype(np.float32)
+        x[0] = 0.0
+        if shape[0] > 2:
+            x[2] *= 1e3
+        x_t = torch.from_numpy(x).to(dtype)
+        q, scale = quantize_fp8_per_token(x_t.to(device))
+        want_q, want_scale = quant.quantize_fp8(x_t.float().numpy())
+        assert q.dtype == torch.float8_e4m3fn and q.shape == shape
+        assert scale.dtype == torch.float32 and scale.shape == (shape[0], 1)
+        np.testing.assert_array_equal(scale.cpu().numpy()[:, 0], want_scale)
+        np.testing.assert_array_equal(q.cpu().view(torch.uint8).numpy(),
+                                      want_q.view(np.uint8))

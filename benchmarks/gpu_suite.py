@@ -259,8 +259,8 @@ def all_steps(ctx: Context) -> list[Step]:
         decode_step("decode_step_torch", "torch", "--profile", timeout_s=60),
         decode_step("decode_step_torch_sync", "torch", "--no-async-scheduling", timeout_s=45),
         *(decode_step(f"decode_step_{backend}_fp8", backend, "--quantization", "fp8",
-                      timeout_s=timeout_s)
-          for backend, timeout_s in (("torch", 60), ("jax", 100))),
+                      "--profile", timeout_s=timeout_s)  # stop 78: jax's took 101-155 s cold
+          for backend, timeout_s in (("torch", 75), ("jax", 160))),
         *(Step(f"spec_decode_{backend}", (str(BENCHMARKS / "spec_decode.py"), "--backends",
                                           backend, *spec, "--out", str(part / "spec_decode")),
                timeout_s) for backend, timeout_s in (("torch", 60), ("jax", 180))),

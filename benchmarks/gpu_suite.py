@@ -237,7 +237,7 @@ def all_steps(ctx: Context) -> list[Step]:
 
     dump = part / "xla_dump"
     dump_flags = (f"--xla_dump_to={dump} --xla_dump_hlo_as_text "
-                  "--xla_dump_hlo_module_re=.*step_fn.*")
+                  "--xla_dump_hlo_module_re=jit_step")  # the step (StepBody.__name__)
     kernels = (("--batches", "1", "2", "--contexts", "32", "--repeats", "1") if dry
                else ("--batches", "1", "8", "64", "--contexts", "512", "2048", "8192"))
     spec = (("--batch-sizes", "1", "--ks", "1", "--max-tokens", "4") if dry else

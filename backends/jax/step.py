@@ -51,6 +51,7 @@ def decode_shaped(layout: BatchLayout) -> bool:
 class StepBody:
     """A runner's step function: its models, and where the next step's inputs live."""
 
+    __name__ = "step"  # jit's name for it: XLA's module is "jit_step" (dumps, profiles)
     target: DeviceModel
     draft: DeviceModel | None
     max_num_seqs: int  # R: the rows of last_tokens

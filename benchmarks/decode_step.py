@@ -178,6 +178,10 @@ def probe_step(llm, repeats: int = 50) -> dict:
         if updates:
             result[f"{name}: graph updates"] = len(updates)
             result[f"{name}: update us"] = statistics.median(int(u) for u in updates)
+        logged = [line[:300] for line in log["text"].splitlines() if "ommand" in line]
+        if logged:  # XLA's command-buffer log (TF_CPP_VMODULE), whatever its wording
+            result[f"{name}: command-buffer log lines"] = len(logged)
+            result[f"{name}: command-buffer log sample"] = list(dict.fromkeys(logged))[:12]
 
     synced("synced", model_input, [executable])
     synced("synced, outputs dropped first", model_input, [executable], keep_last=False)

@@ -256,6 +256,11 @@ def all_steps(ctx: Context) -> list[Step]:
                                   str(dump), str(dump)), 30),
         decode_step("decode_step_jax_fused", "jax", "--attention-impl", "pallas_fused",
                     "--profile", timeout_s=100),
+        # XLA's log of each command-buffer update: whether jax's ~0.74 ms launch at batch 1
+        # (~3 µs for each of ~250 kernels, stop 78) is graph updates or launches one by one
+        decode_step("decode_step_jax_graph_log", "jax", "--probe", timeout_s=90,
+                    env=(("TF_CPP_VMODULE", "command_buffer_thunk=3,command_buffer_cmd=2"),),
+                    batch_sizes=("1",)),
         decode_step("decode_step_torch", "torch", "--profile", timeout_s=60),
         decode_step("decode_step_torch_sync", "torch", "--no-async-scheduling", timeout_s=45),
         *(decode_step(f"decode_step_{backend}_fp8", backend, "--quantization", "fp8",

@@ -218,8 +218,9 @@ def all_steps(ctx: Context) -> list[Step]:
     """`all`, in priority order (see the module docstring); run_parts holds it to ALL_BUDGET_S."""
     part, dry = ctx.out / "all", ctx.dry_run
     tests = ("tests/e2e/test_gpu_parity.py", "tests/engine/test_async_scheduling.py",
-             "tests/backends/test_donated_outputs.py", "tests/backends/test_branch_free_steps.py")
-    engine_tests = (*tests, "-k", "float32 or outputs or match or buffers or places")
+             "tests/backends/test_donated_outputs.py", "tests/backends/test_branch_free_steps.py",
+             "tests/backends/test_stacked_params.py")
+    engine_tests = (*tests, "-k", "float32 or outputs or match or buffers or places or copies")
     kernel_tests = ("-m", "gpu and not nvcc", "tests/kernels")
     if dry:  # a sample: the gpu-marked tests deselect themselves on a CPU
         kernel_tests = ("tests/kernels/test_pallas_lowering.py", "-k", "1b")
@@ -256,6 +257,9 @@ def all_steps(ctx: Context) -> list[Step]:
                                   str(dump), str(dump)), 30),
         decode_step("decode_step_jax_fused", "jax", "--attention-impl", "pallas_fused",
                     "--profile", timeout_s=100),
+        # issue 50 item 4: the layers' weights stacked (a few arrays a call), off by default
+        decode_step("decode_step_jax_stacked", "jax", "--profile", timeout_s=100,
+                    env=(("PAGEDJAX_STACK_LAYER_PARAMS", "1"),)),
         # XLA's log of each command-buffer update: whether jax's ~0.74 ms launch at batch 1
         # (~3 µs for each of ~250 kernels, stop 78) is graph updates or launches one by one
         decode_step("decode_step_jax_graph_log", "jax", "--probe", timeout_s=90,

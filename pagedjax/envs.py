@@ -10,6 +10,9 @@
 - PAGEDJAX_FREEZE_GC_HEAP=0: an engine leaves the garbage collector's heap alone at startup.
 - PAGEDJAX_ENGINE_CORE_PROCESS=0/1: the engine core in a process of its own or not, where the
   caller does not say (AsyncLLM: in its own by default; LLM: in this one).
+- PAGEDJAX_STACK_LAYER_PARAMS=1: the jax step takes each per-layer weight stacked over the
+  layers (a few arrays a call instead of one per weight; unpacked weights, one device); off by
+  default until a GPU measures it (backends/jax/stacked_params.py).
 - PAGEDJAX_TEST_FAIL_STEP_AFTER=N (tests only): an engine core in its own process raises after
   N good steps, as a bug in a step would (the server's failure path); 0 or unset: never.
 """
@@ -57,6 +60,7 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "PAGEDJAX_COMPILE_AT_STARTUP": lambda: _flag("PAGEDJAX_COMPILE_AT_STARTUP", True),
     "PAGEDJAX_FREEZE_GC_HEAP": lambda: _flag("PAGEDJAX_FREEZE_GC_HEAP", True),
     "PAGEDJAX_ENGINE_CORE_PROCESS": lambda: _optional_flag("PAGEDJAX_ENGINE_CORE_PROCESS"),
+    "PAGEDJAX_STACK_LAYER_PARAMS": lambda: _flag("PAGEDJAX_STACK_LAYER_PARAMS", False),
     "PAGEDJAX_TEST_FAIL_STEP_AFTER": lambda: _int("PAGEDJAX_TEST_FAIL_STEP_AFTER", 0),
 }
 

@@ -36,6 +36,7 @@ from pagedjax.backends.jax.parallel import (
     per_shard_experts,
     shardings,
 )
+from pagedjax.backends.jax.stacked_params import ParamStacks, stack_layers
 from pagedjax.config import EngineConfig, ModelConfig
 from pagedjax.distributed.tensor_parallel import TensorParallelPlan
 
@@ -201,11 +202,12 @@ class DeviceModel:
     """One model on the device(s): module, params, rope tables and how it is split."""
 
     module: LlamaForCausalLM
-    params: dict
+    params: dict | list[jax.Array]  # the tree, or its arrays with the layers stacked (stacks)
     rope: tuple[jax.Array, jax.Array]  # cos, sin: [max_model_len, D]
     config: ModelConfig  # as the devices hold it (KV heads repeated under tensor parallelism)
     plan: TensorParallelPlan
     params_source: str  # "orbax" | "safetensors"
+    stacks: ParamStacks | None = None  # how the stacked arrays rebuild the tree
 
     @classmethod
     def load(cls, model_dir: str, model_config: ModelConfig, config: EngineConfig,
@@ -245,17 +247,25 @@ class DeviceModel:
             if config.quantization is not None:
                 quantizer = WeightQuantizer(config.quantization, shard_config, config.gguf_path)
             params = pack_params(params, model_config.tie_word_embeddings, quantizer)
+        stacks = None
+        if stacks_layer_params(packed, mesh):
+            stacks, params = stack_layers(params)
         cos, sin = rope_cos_sin(model_config, config.max_model_len)
         return cls(module, params, (jnp.asarray(cos), jnp.asarray(sin)), shard_config, plan,
-                   source)
+                   source, stacks)
 
-    def hidden(self, params: dict) -> functools.partial:
+    def tree(self, params: dict | list[jax.Array]) -> dict:
+        """The parameter tree of what the step takes (self.params' form)."""
+        return params if self.stacks is None else self.stacks.unstack(params)
+
+    def hidden(self, params: dict | list[jax.Array]) -> functools.partial:
         """(input_ids [T], kv_caches, meta) -> (hidden states [T, H], kv_caches)."""
-        return functools.partial(self.module.apply, params)
+        return functools.partial(self.module.apply, self.tree(params))
 
-    def logits(self, params: dict) -> Callable[..., jax.Array]:
+    def logits(self, params: dict | list[jax.Array]) -> Callable[..., jax.Array]:
         """(hidden states [R, H], num_rows=None) -> float32 logits [R, V] (Model.logits)."""
-        return functools.partial(self.module.apply, params, method=LlamaForCausalLM.logits)
+        return functools.partial(self.module.apply, self.tree(params),
+                                 method=LlamaForCausalLM.logits)
 
     def forward(self, params: dict) -> Callable:
         """(input_ids, kv_caches, meta, logits_indices [R]) -> (logits [R, V], kv_caches)."""
@@ -282,6 +292,15 @@ class DeviceModel:
         """KV bytes of one block on each device."""
         shards = self.plan.size if self.plan.shard_heads else 1
         return self.config.kv_bytes_per_block(block_size, dtype_bytes) // shards
+
+
+def stacks_layer_params(packed: bool, mesh: Mesh | None) -> bool:
+    """Whether the step takes the layers' weights stacked (stacked_params.py): where
+    PAGEDJAX_STACK_LAYER_PARAMS=1 asks (off by default until a GPU measures it), with unpacked
+    weights on one device (C++ calls take whole arrays; no sharding rules for stacks)."""
+    from pagedjax import envs
+
+    return envs.PAGEDJAX_STACK_LAYER_PARAMS and not packed and mesh is None
 
 
 def check_fp8_pallas(impl: str) -> None:

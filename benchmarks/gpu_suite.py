@@ -242,7 +242,10 @@ def all_steps(ctx: Context) -> list[Step]:
     kernels = (("--batches", "1", "2", "--contexts", "32", "--repeats", "1") if dry
                else ("--batches", "1", "8", "64", "--contexts", "512", "2048", "8192"))
     spec = (("--batch-sizes", "1", "--ks", "1", "--max-tokens", "4") if dry else
-            ("--batch-sizes", "1", "32", "--ks", "4", "--max-tokens", "64", "--modes", "k=0",
+            # 256 tokens: at 64, batch 32's adaptive run was 37 steps, 49 ms (stop 78), too
+            # short for an online policy (it tried k = 0 in 4 steps, then drafted k = 4 in 31)
+            ("--batch-sizes", "1", "32", "--ks", "4", "--max-tokens", "256", "--max-model-len",
+             "1024", "--modes", "k=0",
              "k=4", "adaptive", "suffix", "--prompt-sets", "chat", "code"))
     return [
         Step("doctor", ("-m", "pagedjax.entrypoints.cli", "doctor", "--json"), 150,

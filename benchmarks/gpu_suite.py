@@ -263,6 +263,11 @@ def all_steps(ctx: Context) -> list[Step]:
         # issue 50 item 4: the layers' weights stacked (a few arrays a call), off by default
         decode_step("decode_step_jax_stacked", "jax", "--profile", timeout_s=100,
                     env=(("PAGEDJAX_STACK_LAYER_PARAMS", "1"),)),
+        # cuBLAS for the projections instead of XLA's Triton GEMM fusions: at batch 1 those
+        # read 1.95 GB in 646 µs (3.0 TB/s of 4.2, stop 78); the head's cuBLAS-like 4.2
+        decode_step("decode_step_jax_cublas", "jax", "--profile", timeout_s=100,
+                    env=(("XLA_FLAGS", "--xla_gpu_enable_triton_gemm=false"),),
+                    batch_sizes=("1", "64") if not dry else batches),
         # XLA's log of each command-buffer update: whether jax's ~0.74 ms launch at batch 1
         # (~3 µs for each of ~250 kernels, stop 78) is graph updates or launches one by one
         decode_step("decode_step_jax_graph_log", "jax", "--probe", timeout_s=90,

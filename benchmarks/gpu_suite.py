@@ -274,6 +274,9 @@ def all_steps(ctx: Context) -> list[Step]:
                     env=(("TF_CPP_VMODULE", "command_buffer_thunk=3,command_buffer_cmd=2"),),
                     batch_sizes=("1",)),
         decode_step("decode_step_torch", "torch", "--profile", timeout_s=60),
+        # issue 50 item 5 (torch): a decode step's KV write and attention in one CUDA kernel
+        decode_step("decode_step_torch_fused", "torch", "--attention-impl", "cuda_fused",
+                    "--profile", timeout_s=60),
         decode_step("decode_step_torch_sync", "torch", "--no-async-scheduling", timeout_s=45),
         *(decode_step(f"decode_step_{backend}_fp8", backend, "--quantization", "fp8",
                       "--profile", timeout_s=timeout_s)  # stop 78: jax's took 101-155 s cold

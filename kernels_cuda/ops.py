@@ -206,6 +206,39 @@ def ragged_paged_attention(
     return out
 
 
+def decode_attention_with_kv_write(
+    q: torch.Tensor,  # [T, Hq, D]
+    k: torch.Tensor,  # [T, Hkv, D], this step's keys (heads contiguous; v of the same strides)
+    v: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [N, Hkv, bs, D], written in place
+    v_cache: torch.Tensor,  # [N, Hkv, bs, D], written in place
+    slot_mapping: torch.Tensor,  # [T] int32; -1 = no store
+    kv_lens: torch.Tensor,  # [S] int32, context length after this step
+    block_tables: torch.Tensor,  # [S, M] int32
+    query_start_loc: torch.Tensor,  # [S+1] int32
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> torch.Tensor:  # [T, Hq, D]
+    """write_kv then ragged_paged_attention for a decode step (each sequence's one query token
+    at its row, padding sequences none): one CUDA kernel (and the split merge) in a CUDA build,
+    where it stores each sequence's new K/V before attending; the two ops elsewhere."""
+    if q.device.type == "cuda" and ops_backend() == "cuda":
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        torch.ops.pagedjax.decode_attention_with_kv_write_out(
+            out, q, k, v, k_cache, v_cache, slot_mapping, kv_lens, block_tables,
+            query_start_loc, sm_scale, sliding_window, soft_cap, k_scale, v_scale)
+        return out
+    write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    return ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc,
+                                  sm_scale=sm_scale, sliding_window=sliding_window,
+                                  soft_cap=soft_cap, max_query_len=1, k_scale=k_scale,
+                                  v_scale=v_scale)
+
+
 def write_kv(
     k: torch.Tensor,  # [T, Hkv, D]
     v: torch.Tensor,  # [T, Hkv, D]

@@ -7,6 +7,7 @@ import torch
 
 from pagedjax.backends.torch.model import LayerOps
 from pagedjax.kernels_cuda import (
+    decode_attention_with_kv_write,
     ops_backend,
     ragged_paged_attention,
     reference,
@@ -14,13 +15,18 @@ from pagedjax.kernels_cuda import (
     write_kv,
 )
 
-ATTENTION_IMPLS = ("auto", "reference")
+ATTENTION_IMPLS = ("auto", "cuda_fused", "reference")
 
 
 def resolve_attention(attention_impl: str) -> LayerOps:
-    """"auto": the pagedjax custom ops (CUDA, C++ CPU); "reference": their pure-torch reference."""
+    """"auto": the pagedjax custom ops (CUDA, C++ CPU); "cuda_fused": the same, a decode step's
+    KV write and attention in one CUDA kernel (the two ops off a GPU; not "auto"'s choice until
+    a GPU measures it); "reference": their pure-torch reference."""
     if attention_impl == "auto":
         return LayerOps(ragged_paged_attention, write_kv, rotary_embedding_)
+    if attention_impl == "cuda_fused":
+        return LayerOps(ragged_paged_attention, write_kv, rotary_embedding_,
+                        decode_attention_with_kv_write)
     if attention_impl == "reference":
         return LayerOps(_reference_attention, reference.write_kv, reference.rotary_embedding_)
     raise ValueError(f"attention_impl={attention_impl!r} is not available on the torch backend; "

@@ -43,6 +43,9 @@ AttentionFn = Callable[..., torch.Tensor]
 WriteKVFn = Callable[..., None]
 # (x [T, H, D], cos [T, D], sin [T, D]) -> None: x rotated in place (HF's rotate_half, float32)
 RotaryFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+# (q, k, v, k_cache, v_cache, slot_mapping, kv_lens, block_tables, query_start_loc, *, sm_scale,
+#  sliding_window, soft_cap, k_scale, v_scale) -> [T, Hq, D]: a decode step's write_kv + attention
+DecodeAttentionFn = Callable[..., torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,7 @@ class LayerOps:
     attention: AttentionFn
     write_kv: WriteKVFn
     rotary: RotaryFn
+    decode: DecodeAttentionFn | None = None  # a decode step's write + attention, fused
 
 
 class RMSNorm(nn.Module):
@@ -116,6 +120,13 @@ class Attention(nn.Module):
             self.ops.rotary(k.view(num_tokens, -1, d), cos, sin)
         q, k, v = (t.view(num_tokens, -1, d) for t in (q, k, v))
         # k, v [T, Hkv, D]
+        if self.ops.decode is not None and meta.max_query_len == 1:  # one kernel
+            out = self.ops.decode(q, k, v, *kv_cache, meta.slot_mapping, meta.kv_lens,
+                                  meta.block_tables, meta.query_start_loc,
+                                  sm_scale=cfg.sm_scale, sliding_window=self.sliding_window,
+                                  soft_cap=cfg.attn_logit_softcapping, k_scale=self.k_scale,
+                                  v_scale=self.v_scale)  # [T, Hq, D]
+            return self.shard.all_reduce(self.o_proj(out.reshape(num_tokens, -1)))
         self.ops.write_kv(k, v, *kv_cache, meta.slot_mapping, self.k_scale, self.v_scale)
         out = self.ops.attention(q, *kv_cache, meta.kv_lens, meta.block_tables,
                                  meta.query_start_loc, sm_scale=cfg.sm_scale,

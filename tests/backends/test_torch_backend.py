@@ -185,10 +185,13 @@ def test_scheduler_decisions_match(runs) -> None:
     assert any(preempted for _, _, preempted in torch_run.schedule)
 
 
-def test_reference_attention_matches_ops(checkpoints: dict[str, Path], runs) -> None:
-    """attention_impl="reference" (pure torch) generates what the custom ops generate."""
+@pytest.mark.parametrize("impl", ["reference", "cuda_fused"])
+def test_other_attention_impls_match_ops(checkpoints: dict[str, Path], runs, impl) -> None:
+    """attention_impl="reference" (pure torch) generates what the custom ops generate; so does
+    "cuda_fused" (its decode steps through decode_attention_with_kv_write: off a GPU the two
+    ops it fuses)."""
     _, prompts, params = WORKLOADS["stress"]
-    run = _run(checkpoints["mistral"], "torch", dict(STRESS, attention_impl="reference"),
+    run = _run(checkpoints["mistral"], "torch", dict(STRESS, attention_impl=impl),
                prompts, params)
     ops_run = runs("mistral", "torch", "stress")
     assert run.token_ids == ops_run.token_ids

@@ -399,3 +399,82 @@ def test_norm_and_rotary_ops_by_device(monkeypatch):
     for backend, on_gpu in (("cpp", False), ("cuda", True), ("reference", False)):
         monkeypatch.setattr(ops, "ops_backend", lambda backend=backend: backend)
         assert ops._has_op(fake_cuda) is on_gpu
+
+
+def _fused_decode_case(rng, kv_lens: list[int], num_q_heads: int, num_kv_heads: int,
+                       head_dim: int, block_size: int, num_padding_rows: int) -> dict:
+    """A decode step: one query row per sequence, then padding rows; this step's k and v (views
+    of one [T, Hkv, 2, D] array, as the qkv product's are) and each new token's slot (-1 for
+    padding)."""
+    case = make_ragged_case(rng, [1] * len(kv_lens), kv_lens, num_q_heads=num_q_heads,
+                            num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
+                            num_padding_rows=num_padding_rows)
+    num_tokens = len(kv_lens) + num_padding_rows
+    case["kv"] = rng.standard_normal((num_tokens, num_kv_heads, 2, head_dim)).astype(np.float32)
+    tables = case["block_tables"]
+    case["slot_mapping"] = np.asarray(
+        [tables[s, (n - 1) // block_size] * block_size + (n - 1) % block_size
+         for s, n in enumerate(kv_lens)] + [-1] * num_padding_rows, np.int32)
+    return case
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("dtype", "cache", "options", "heads"), [
+    (torch.bfloat16, "model", {}, (32, 8)),
+    (torch.float32, "model", {"sliding_window": 300, "soft_cap": 5.0}, (32, 8)),
+    (torch.bfloat16, "fp8", {}, (32, 8)),
+    (torch.bfloat16, "model", {}, (32, 2)),  # a group of 16: two query tiles store the token
+])
+def test_fused_decode_equals_write_kv_then_attention(torch_cuda, dtype, cache, options, heads):
+    """decode_attention_with_kv_write (one kernel storing each sequence's new K/V, then attending)
+    gives the outputs and caches of write_kv then ragged_paged_attention bit for bit: short and
+    long contexts (split-K), padding rows, a window and soft cap, an fp8 cache, two query tiles."""
+    assert ops.ops_backend() == "cuda"
+    num_q_heads, num_kv_heads = heads
+    case = _fused_decode_case(np.random.default_rng(5), [1, 37, 4000, 130, 2100], num_q_heads,
+                              num_kv_heads, 128, 16, num_padding_rows=2)
+    kv = torch.from_numpy(case.pop("kv")).to(torch_cuda, dtype)
+    k, v = kv[:, :, 0], kv[:, :, 1]
+    args = _torch_args(case, dtype, torch_cuda)
+    scales = {}
+    if cache == "fp8":
+        scales = {"k_scale": 0.5, "v_scale": 0.25}
+        for name in ("k_cache", "v_cache"):
+            args[name] = (args[name].float() / 2).to(torch.float8_e4m3fn)
+    caches = {name: args.pop(name) for name in ("k_cache", "v_cache")}
+    slots = args.pop("slot_mapping")
+    two = {name: c.clone() for name, c in caches.items()}
+    ops.write_kv(k, v, two["k_cache"], two["v_cache"], slots, **scales)
+    want = ops.ragged_paged_attention(args["q"], two["k_cache"], two["v_cache"],
+                                      args["kv_lens"], args["block_tables"],
+                                      args["query_start_loc"], sm_scale=128**-0.5,
+                                      max_query_len=1, **scales, **options)
+    got = ops.decode_attention_with_kv_write(
+        args["q"], k, v, caches["k_cache"], caches["v_cache"], slots, args["kv_lens"],
+        args["block_tables"], args["query_start_loc"], sm_scale=128**-0.5, **scales, **options)
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)
+    for name in ("k_cache", "v_cache"):
+        assert torch.equal(caches[name].view(torch.uint8), two[name].view(torch.uint8))
+
+
+def test_fused_decode_off_a_gpu_is_the_two_ops():
+    """Without the CUDA kernel the fused entry point is write_kv then the attention op (the C++
+    ones here): the caches written and the same outputs."""
+    case = _fused_decode_case(np.random.default_rng(6), [1, 9, 40], 8, 2, 64, 4,
+                              num_padding_rows=1)
+    kv = torch.from_numpy(case.pop("kv"))
+    k, v = kv[:, :, 0], kv[:, :, 1]
+    args = _torch_args(case, torch.float32, _CPU)
+    slots = args.pop("slot_mapping")
+    two = {name: args[name].clone() for name in ("k_cache", "v_cache")}
+    reference.write_kv(k, v, two["k_cache"], two["v_cache"], slots)
+    want = reference.ragged_paged_attention(args["q"], two["k_cache"], two["v_cache"],
+                                            args["kv_lens"], args["block_tables"],
+                                            args["query_start_loc"], sm_scale=0.125)
+    got = ops.decode_attention_with_kv_write(
+        args["q"], k, v, args["k_cache"], args["v_cache"], slots, args["kv_lens"],
+        args["block_tables"], args["query_start_loc"], sm_scale=0.125)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(args["k_cache"], two["k_cache"])
+    torch.testing.assert_close(args["v_cache"], two["v_cache"])

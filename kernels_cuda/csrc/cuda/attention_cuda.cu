@@ -14,6 +14,10 @@
 // Split-K: when the grid has too few blocks to fill the GPU, each tile's KV range is split over
 // blockIdx.z; splits write normalised fp32 partial outputs plus their log-sum-exp, and
 // merge_splits_kernel combines them. Padding rows are zeroed by the blocks of grid row y = S.
+// Fused decode (decode_attention_with_kv_write_out, attention_impl="cuda_fused"): one launch stores
+// a decode step's new K/V and attends, in place of write_kv's kernel and this one. The block whose
+// key range holds a sequence's last key (its new token) stores it before staging any tile; the
+// barrier orders that store before its own copies of the tile, and no other block reads the slot.
 // FP8 KV cache (kv_cache_dtype="fp8"): float8_e4m3fn caches are staged in shared memory as bytes
 // (16 keys' elements per cp.async vector) and widened to fp32 where read; k_scale is folded into
 // sm_scale and v_scale into the final normalisation, so no element is scaled.
@@ -26,6 +30,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <utility>
 
 #include "../attention.h"
@@ -61,6 +66,15 @@ struct AttentionParams {
   float v_scale;        // an fp8 cache's (values are code * v_scale); 1 otherwise
   float soft_cap;      // scores soft_cap * tanh(s / soft_cap); 0: none
   int sliding_window;  // 0: none
+  // Fused decode only (null otherwise): this step's keys and values [T, Hkv, D] (one stride
+  // pair for both), stored in their slots (-1: none) as write_kv stores them.
+  const scalar_t* k_new;
+  const scalar_t* v_new;
+  int64_t new_stride_token, new_stride_head;
+  const int* slot_mapping;  // [T]
+  cache_t* k_cache_out;     // k_cache, written
+  cache_t* v_cache_out;
+  float k_store_scale, v_store_scale;  // an fp8 cache stores x / scale; 1 otherwise
 };
 
 // Compile-time tile geometry and the shared-memory layout of one thread block.
@@ -316,6 +330,38 @@ __device__ void zero_padding_rows(const AttentionParams<scalar_t, cache_t>& p) {
   }
 }
 
+// Fused decode: the block whose keys hold its sequence's last one (the new token's, key_end - 1)
+// stores the token's K and V of this KV head in their slot, then waits for every thread, so that
+// the tile copies that follow read them. Block-uniform: every return comes before the barrier.
+template <typename scalar_t, typename cache_t>
+__device__ void store_new_kv(const AttentionParams<scalar_t, cache_t>& p, const TileRange& r,
+                             int kv_head) {
+  const int last_key = r.key_end - 1;
+  if (r.num_key_tiles == 0 || last_key < r.key_begin ||
+      last_key >= r.key_begin + r.num_key_tiles * kKeyTile) {
+    return;
+  }
+  const int slot = p.slot_mapping[r.q_start];
+  if (slot >= 0) {
+    const int64_t dst =
+        ((int64_t(slot / p.block_size) * p.num_kv_heads + kv_head) * p.block_size +
+         slot % p.block_size) * p.head_dim;
+    const int64_t src = r.q_start * p.new_stride_token + kv_head * p.new_stride_head;
+    for (int d = threadIdx.x; d < p.head_dim; d += blockDim.x) {
+      const float key = static_cast<float>(p.k_new[src + d]);
+      const float value = static_cast<float>(p.v_new[src + d]);
+      if constexpr (std::is_same_v<cache_t, fp8_t>) {  // write_kv's rounding and saturation
+        p.k_cache_out[dst + d] = fp8_t(key / p.k_store_scale);
+        p.v_cache_out[dst + d] = fp8_t(value / p.v_store_scale);
+      } else {  // exact: the model dtype through float and back
+        p.k_cache_out[dst + d] = static_cast<cache_t>(key);
+        p.v_cache_out[dst + d] = static_cast<cache_t>(value);
+      }
+    }
+  }
+  __syncthreads();
+}
+
 // grid: (query tiles, S + 1, Hkv * splits); block: kThreads.
 template <typename scalar_t, typename cache_t, int kHeadDim, int kRows>
 __global__ void __launch_bounds__(kThreads)
@@ -325,6 +371,7 @@ __global__ void __launch_bounds__(kThreads)
   const int kv_head = blockIdx.z / p.num_splits, split = blockIdx.z % p.num_splits;
   TileRange r;
   if (!tile_range(p, kRows, split, r)) return;
+  if (p.slot_mapping != nullptr) store_new_kv(p, r, kv_head);
 
   extern __shared__ __align__(16) unsigned char smem[];
   float* q_s = reinterpret_cast<float*>(smem);                         // [kRows, D]
@@ -445,14 +492,33 @@ void launch_attention(AttentionParams<scalar_t, cache_t> params, const Attention
   }
 }
 
+// A fused decode step's keys and values [T, Hkv, D] and their slots [T] int32.
+struct NewKV {
+  const at::Tensor& k;
+  const at::Tensor& v;
+  const at::Tensor& slot_mapping;
+};
+
 template <typename scalar_t, typename cache_t>
 void run_attention(const AttentionShape& shape, const at::Tensor& out, const at::Tensor& q,
                    const at::Tensor& k_cache, const at::Tensor& v_cache,
                    const at::Tensor& kv_lens, const at::Tensor& block_tables,
                    const at::Tensor& query_start_loc, double sm_scale,
                    std::optional<int64_t> sliding_window, std::optional<double> soft_cap,
-                   int64_t max_query_len, double k_scale, double v_scale) {
+                   int64_t max_query_len, double k_scale, double v_scale,
+                   const NewKV* new_kv = nullptr) {
   AttentionParams<scalar_t, cache_t> params{};
+  if (new_kv != nullptr) {  // fused decode: the kernel stores them (store_new_kv)
+    params.k_new = new_kv->k.const_data_ptr<scalar_t>();
+    params.v_new = new_kv->v.const_data_ptr<scalar_t>();
+    params.new_stride_token = new_kv->k.stride(0);
+    params.new_stride_head = new_kv->k.stride(1);
+    params.slot_mapping = new_kv->slot_mapping.const_data_ptr<int>();
+    params.k_cache_out = static_cast<cache_t*>(k_cache.mutable_data_ptr());
+    params.v_cache_out = static_cast<cache_t*>(v_cache.mutable_data_ptr());
+    params.k_store_scale = static_cast<float>(k_scale);
+    params.v_store_scale = static_cast<float>(v_scale);
+  }
   params.q = q.const_data_ptr<scalar_t>();
   params.q_stride_token = q.stride(0);
   params.q_stride_head = q.stride(1);
@@ -519,9 +585,64 @@ void ragged_paged_attention_out_cuda(const at::Tensor& out, const at::Tensor& q,
   });
 }
 
+// write_kv then ragged_paged_attention_out for a decode step (every sequence's one query token
+// at its row, padding sequences none) in one kernel launch (plus the split merge).
+void decode_attention_with_kv_write_out_cuda(
+    const at::Tensor& out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slot_mapping,
+    const at::Tensor& kv_lens, const at::Tensor& block_tables,
+    const at::Tensor& query_start_loc, double sm_scale, std::optional<int64_t> sliding_window,
+    std::optional<double> soft_cap, double k_scale, double v_scale) {
+  const char* op = "pagedjax::decode_attention_with_kv_write_out";
+  const AttentionShape shape =
+      check_attention_args(out, q, k_cache, v_cache, kv_lens, block_tables, query_start_loc,
+                           sliding_window, soft_cap, k_scale, v_scale);
+  check_cuda_attention_args(shape, out, q, k_cache, v_cache);
+  for (const auto* t : {&k, &v}) {
+    TORCH_CHECK(t->is_cuda() && t->dim() == 3 && t->size(0) == shape.num_tokens &&
+                    t->size(1) == shape.num_kv_heads && t->size(2) == shape.head_dim &&
+                    t->stride(2) == 1 && t->scalar_type() == q.scalar_type(),
+                op, ": k and v must be CUDA ", q.scalar_type(), " [", shape.num_tokens, ", ",
+                shape.num_kv_heads, ", ", shape.head_dim, "] with contiguous heads, got ",
+                t->scalar_type(), " ", t->sizes(), " strides ", t->strides());
+  }
+  TORCH_CHECK(k.strides() == v.strides(), op, ": k and v must share strides (views of one qkv "
+              "product), got ", k.strides(), " and ", v.strides());
+  TORCH_CHECK(slot_mapping.is_cuda() && slot_mapping.dim() == 1 &&
+                  slot_mapping.size(0) == shape.num_tokens &&
+                  slot_mapping.scalar_type() == at::kInt && slot_mapping.is_contiguous(),
+              op, ": slot_mapping must be a contiguous CUDA int32 [", shape.num_tokens,
+              "], got ", slot_mapping.scalar_type(), " ", slot_mapping.sizes());
+  if (shape.num_tokens == 0) return;
+  const c10::cuda::CUDAGuard device_guard(q.device());
+  const NewKV new_kv{k, v, slot_mapping};
+  const bool fp8_cache = k_cache.scalar_type() == at::kFloat8_e4m3fn;
+  PAGEDJAX_DISPATCH_CUDA_FLOATING_TYPES(q.scalar_type(), "decode_attention_with_kv_write", [&] {
+    if (fp8_cache) {
+      run_attention<scalar_t, fp8_t>(shape, out, q, k_cache, v_cache, kv_lens, block_tables,
+                                     query_start_loc, sm_scale, sliding_window, soft_cap, 1,
+                                     k_scale, v_scale, &new_kv);
+    } else {
+      run_attention<scalar_t, scalar_t>(shape, out, q, k_cache, v_cache, kv_lens, block_tables,
+                                        query_start_loc, sm_scale, sliding_window, soft_cap, 1,
+                                        k_scale, v_scale, &new_kv);
+    }
+  });
+}
+
 }  // namespace
 }  // namespace pagedjax
 
+TORCH_LIBRARY_FRAGMENT(pagedjax, m) {
+  m.def(
+      "decode_attention_with_kv_write_out(Tensor(a!) out, Tensor q, Tensor k, Tensor v, "
+      "Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slot_mapping, Tensor kv_lens, "
+      "Tensor block_tables, Tensor query_start_loc, float sm_scale, int? sliding_window=None, "
+      "float? soft_cap=None, float k_scale=1.0, float v_scale=1.0) -> ()");
+}
+
 TORCH_LIBRARY_IMPL(pagedjax, CUDA, m) {
   m.impl("ragged_paged_attention_out", &pagedjax::ragged_paged_attention_out_cuda);
+  m.impl("decode_attention_with_kv_write_out",
+         &pagedjax::decode_attention_with_kv_write_out_cuda);
 }

@@ -267,7 +267,7 @@ class DeviceModel:
         return functools.partial(self.module.apply, self.tree(params),
                                  method=LlamaForCausalLM.logits)
 
-    def forward(self, params: dict) -> Callable:
+    def forward(self, params: dict | list[jax.Array]) -> Callable:
         """(input_ids, kv_caches, meta, logits_indices [R]) -> (logits [R, V], kv_caches)."""
         def run(input_ids, kv_caches, meta, logits_indices):
             hidden, kv_caches = self.hidden(params)(input_ids, kv_caches, meta)

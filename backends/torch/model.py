@@ -120,20 +120,18 @@ class Attention(nn.Module):
             self.ops.rotary(k.view(num_tokens, -1, d), cos, sin)
         q, k, v = (t.view(num_tokens, -1, d) for t in (q, k, v))
         # k, v [T, Hkv, D]
-        if self.ops.decode is not None and meta.max_query_len == 1:  # one kernel
+        semantics = dict(sm_scale=cfg.sm_scale, sliding_window=self.sliding_window,
+                         soft_cap=cfg.attn_logit_softcapping, k_scale=self.k_scale,
+                         v_scale=self.v_scale)
+        if self.ops.decode is not None and meta.max_query_len == 1:  # write + attend, one kernel
             out = self.ops.decode(q, k, v, *kv_cache, meta.slot_mapping, meta.kv_lens,
-                                  meta.block_tables, meta.query_start_loc,
-                                  sm_scale=cfg.sm_scale, sliding_window=self.sliding_window,
-                                  soft_cap=cfg.attn_logit_softcapping, k_scale=self.k_scale,
-                                  v_scale=self.v_scale)  # [T, Hq, D]
-            return self.shard.all_reduce(self.o_proj(out.reshape(num_tokens, -1)))
-        self.ops.write_kv(k, v, *kv_cache, meta.slot_mapping, self.k_scale, self.v_scale)
-        out = self.ops.attention(q, *kv_cache, meta.kv_lens, meta.block_tables,
-                                 meta.query_start_loc, sm_scale=cfg.sm_scale,
-                                 sliding_window=self.sliding_window,
-                                 soft_cap=cfg.attn_logit_softcapping,
-                                 max_query_len=meta.max_query_len, k_scale=self.k_scale,
-                                 v_scale=self.v_scale)  # [T, Hq, D]
+                                  meta.block_tables, meta.query_start_loc, **semantics)
+        else:
+            self.ops.write_kv(k, v, *kv_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+            out = self.ops.attention(q, *kv_cache, meta.kv_lens, meta.block_tables,
+                                     meta.query_start_loc, max_query_len=meta.max_query_len,
+                                     **semantics)
+        # out [T, Hq, D]
         return self.shard.all_reduce(self.o_proj(out.reshape(num_tokens, -1)))
 
     @staticmethod

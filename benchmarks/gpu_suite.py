@@ -8,10 +8,12 @@ that would run past the deadline gets what is left; one with under 15 s is skipp
 so): the GPU tests (kernels compiled and the CUDA op against the float64 oracle; greedy parity with
 HF; async scheduling, branch-free and donated-output steps against the synchronous, branched
 engine, on the device), decode steps at batch 1/16/64 on both backends (jax with its optimized HLO
-dumped and archived, then with attention_impl="pallas_fused"; torch asynchronous then synchronous;
-then both with quantization="fp8"), speculation at batch 1 and 32, a mixture of experts' expert
-block per form at Qwen3-30B-A3B's shape (benchmarks/moe_layer.py), the 8B shape at batch 1, and the
-attention kernels against JAX's op. `--budget-s` shortens its deadline (room for an install in the
+dumped and archived, then with attention_impl="pallas_fused", its weights stacked, cuBLAS GEMMs
+and XLA's command-buffer log; torch, then with attention_impl="cuda_fused"; both with
+quantization="fp8"), jax's attention kernels against JAX's op, a mixture of experts' expert block
+per form at Qwen3-30B-A3B's shape (benchmarks/moe_layer.py), torch's speculation at batch 1 and
+32, torch's synchronous decode step and its attention kernels, the 8B shape at batch 1, and jax's
+speculation (the longest) last. `--budget-s` shortens its deadline (room for an install in the
 same command); `--resume OUT/suite.json`, a second command on a machine still warm, skips the steps
 the first finished ok and runs what it left; `--archive $OUT` packs the results into one file after
 each step (a GPU machine sends back 8 files, 2 folders down: keep --out outside $OUT). The XLA
@@ -242,7 +244,7 @@ def all_steps(ctx: Context) -> list[Step]:
     dump = part / "xla_dump"
     dump_flags = (f"--xla_dump_to={dump} --xla_dump_hlo_as_text "
                   "--xla_dump_hlo_module_re=jit_step")  # the step (StepBody.__name__)
-    kernels = (("--batches", "1", "2", "--contexts", "32", "--repeats", "1") if dry
+    kernel_sizes = (("--batches", "1", "2", "--contexts", "32", "--repeats", "1") if dry
                else ("--batches", "1", "8", "64", "--contexts", "512", "2048", "8192"))
     spec = (("--batch-sizes", "1", "--ks", "1", "--max-tokens", "4") if dry else
             # 256 tokens: at 64, batch 32's adaptive run was 37 steps, 49 ms (stop 78), too
@@ -250,6 +252,15 @@ def all_steps(ctx: Context) -> list[Step]:
             ("--batch-sizes", "1", "32", "--ks", "4", "--max-tokens", "256", "--max-model-len",
              "1024", "--modes", "k=0",
              "k=4", "adaptive", "suffix", "--prompt-sets", "chat", "code"))
+    def kernels(fw: str) -> Step:
+        return Step(f"kernels_{fw}", (str(BENCHMARKS / "attention_kernels.py"), "--framework",
+                                      fw, *kernel_sizes, "--out", str(part / "kernels")), 120)
+
+    def spec_decode(backend: str, timeout_s: int) -> Step:
+        return Step(f"spec_decode_{backend}", (str(BENCHMARKS / "spec_decode.py"), "--backends",
+                                              backend, *spec, "--out", str(part / "spec_decode")),
+                    timeout_s)
+
     return [
         Step("doctor", ("-m", "pagedjax.entrypoints.cli", "doctor", "--json"), 150,
              "doctor.json"),
@@ -280,20 +291,20 @@ def all_steps(ctx: Context) -> list[Step]:
         # issue 50 item 5 (torch): a decode step's KV write and attention in one CUDA kernel
         decode_step("decode_step_torch_fused", "torch", "--attention-impl", "cuda_fused",
                     "--profile", timeout_s=60),
-        decode_step("decode_step_torch_sync", "torch", "--no-async-scheduling", timeout_s=45),
         *(decode_step(f"decode_step_{backend}_fp8", backend, "--quantization", "fp8",
                       "--profile", timeout_s=timeout_s)  # stop 78: jax's took 101-155 s cold
           for backend, timeout_s in (("torch", 75), ("jax", 160))),
-        *(Step(f"spec_decode_{backend}", (str(BENCHMARKS / "spec_decode.py"), "--backends",
-                                          backend, *spec, "--out", str(part / "spec_decode")),
-               timeout_s) for backend, timeout_s in (("torch", 60), ("jax", 180))),
+        # Then what earlier runs left unmeasured or undecided, the longest last (stop 78: two
+        # calls of 545 and 235 s reached jax's FP8 step; jax's speculation never finished)
+        kernels("jax"),
         *moe_layer_steps(ctx, part / "moe_layer"),
+        spec_decode("torch", 60),
+        decode_step("decode_step_torch_sync", "torch", "--no-async-scheduling", timeout_s=45),
+        kernels("torch"),
         _make_model_step(ctx, "8b", 150),
         decode_step("decode_step_8b_jax", "jax", timeout_s=200, model_dir=model_8b,
                     batch_sizes=("1",)),
-        *(Step(f"kernels_{fw}", (str(BENCHMARKS / "attention_kernels.py"), "--framework", fw,
-                                 *kernels, "--out", str(part / "kernels")), 120)
-          for fw in ("jax", "torch")),
+        spec_decode("jax", 180),
     ]
 
 

@@ -6,8 +6,8 @@ for the engine's decode layout: T == S, the first sequences one query each at ro
 row s is sequence s's), the rest none (padding, whose rows come out as zeros). What it drops
 against the general kernel (ragged_paged_attention.py) at small batch, where a step is a chain
 of small launches: the tile map, q's gather into 16-row tiles and the output's scatter back (q
-is read as [S, Hkv, G, D], its own layout, and the output written in it), and the KV write's
-two scatters.
+is read as [S, Hkv, G, D], its own layout padded with zero rows, and the output written in it),
+and the KV write's two scatters.
 
 - **Grid** (sequence, KV head, KV split). A program reads its sequence's G query heads of one KV
   head, padded with zero rows to the general kernel's row count (16 at least on GPU, for

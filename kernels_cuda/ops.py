@@ -43,7 +43,8 @@ _CPU_SOURCES = ("ops.cpp", *(f"cpu/torch/{name}.cpp" for name in (
     "attention_cpu", "linear_cpu", "rotary_cpu", "norm_act_cpu", "decoder_layer_cpu",
     "filter_cpu", "logits_cpu", "gumbel_cpu", "token_mask_cpu", "quant_linear_cpu", "moe_cpu",
     "greedy_decode_cpu", "rejection_cpu")))
-_CUDA_SOURCES = ("cuda/attention_cuda.cu", "cuda/write_kv_cuda.cu", "cuda/norm_act_cuda.cu",
+_CUDA_SOURCES = ("cuda/attention_cuda.cu", "cuda/attention_f32.cu", "cuda/attention_f16.cu",
+                 "cuda/attention_bf16.cu", "cuda/write_kv_cuda.cu", "cuda/norm_act_cuda.cu",
                  "cuda/fp8_quant_cuda.cu")
 DEFAULT_CUDA_ARCHS = "8.0;9.0+PTX"  # A100 and H100 SASS; PTX that newer GPUs JIT-compile
 _MIN_CAPABILITY = (8, 0)  # cp.async and bf16 paths

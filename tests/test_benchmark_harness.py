@@ -32,3 +32,24 @@ def test_one_round_has_no_interval_and_unpaired_rounds_are_an_error():
 def test_in_turn_starts_each_round_one_system_later():
     assert [in_turn("abc", r) for r in range(4)] == [list("abc"), list("bca"), list("cab"),
                                                    list("abc")]
+
+
+def test_llamacpp_builds_natively_except_on_a_cpu_with_amx(tmp_path):
+    """peer_llamacpp.cpu_options: GGML_NATIVE where the CPU has no AMX; with AMX (whose matmul
+    segfaulted in llama.cpp on stop 78's Xeon) each feature the CPU has by name, AMX never."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "peer_llamacpp.py"
+    spec = importlib.util.spec_from_file_location("peer_llamacpp", path)
+    peer_llamacpp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(peer_llamacpp)  # it puts benchmarks/ on sys.path, as run
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse avx avx2 fma f16c bmi2\n")
+    assert peer_llamacpp.cpu_options(cpuinfo) == ["-DGGML_NATIVE=ON"]
+    cpuinfo.write_text("flags\t\t: avx avx2 fma f16c bmi2 avx512f avx512_vnni amx_tile amx_int8\n")
+    options = peer_llamacpp.cpu_options(cpuinfo)
+    assert options[0] == "-DGGML_NATIVE=OFF" and not any("AMX" in o for o in options)
+    assert "-DGGML_AVX512=ON" in options and "-DGGML_AVX512_VNNI=ON" in options
+    assert "-DGGML_AVX512_BF16=OFF" in options and "-DGGML_AVX2=ON" in options

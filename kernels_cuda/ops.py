@@ -227,7 +227,7 @@ def decode_attention_with_kv_write(
     """write_kv then ragged_paged_attention for a decode step (each sequence's one query token
     at its row, padding sequences none): one CUDA kernel (and the split merge) in a CUDA build,
     where it stores each sequence's new K/V before attending; the two ops elsewhere."""
-    if q.device.type == "cuda" and ops_backend() == "cuda":
+    if _has_cuda_op(q):
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         torch.ops.pagedjax.decode_attention_with_kv_write_out(
             out, q, k, v, k_cache, v_cache, slot_mapping, kv_lens, block_tables,
@@ -350,6 +350,11 @@ def rotary_embedding_(
         reference.rotary_embedding_(x, cos, sin)
 
 
+def _has_cuda_op(x: torch.Tensor) -> bool:
+    """Whether x is on a GPU whose CUDA build has the op (the ops with no C++ CPU kernel)."""
+    return x.device.type == "cuda" and ops_backend() == "cuda"
+
+
 def _has_op(x: torch.Tensor) -> bool:
     """Whether x's device has the op: the C++ CPU ops, and the CUDA kernels in a CUDA build (one
     kernel each where the eager reference runs 3-10, which a CUDA graph does not merge)."""
@@ -377,7 +382,7 @@ def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     """x [M, K] → (q float8 e4m3 [M, K], scale float32 [M, 1]), x ≈ q * scale: each row scaled
     by max|x| / 448 (FP8 W8A8's dynamic activation scales). One CUDA kernel in a CUDA build
     (the eager reference is nine); the reference elsewhere."""
-    if x.device.type == "cuda" and ops_backend() == "cuda":
+    if _has_cuda_op(x):
         return torch.ops.pagedjax.quantize_fp8_per_token(x.contiguous())
     return reference.quantize_fp8_per_token(x)
 

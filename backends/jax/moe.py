@@ -47,10 +47,11 @@ def routed_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_pr
     down_proj [E, I, H] → [T, H]: each token's sum over its k experts of weight * expert(x).
 
     Two forms (EXPERT_FORMS), chosen by the step's static shape unless `form` names one: with
-    no more (token, expert) pairs than experts (a decode step), "gathered": the chosen experts'
-    weights gathered and multiplied per pair (reads T * k experts, where a grouped product may
-    read all E); otherwise "grouped": the pairs sorted by expert and run as ragged_dots."""
-    form = form or ("gathered" if experts.size <= gate_proj.shape[0] else "grouped")
+    at most E / 4 (token, expert) pairs (small decode steps), "gathered": the chosen experts'
+    weights gathered and multiplied per pair (reads T * k experts); otherwise "grouped": the
+    pairs sorted by expert and run as ragged_dots (reads all E, but streams them 3-4x faster
+    than the per-pair gathers read theirs on a GPU: RESULTS.md's expert block tables)."""
+    form = form or ("gathered" if 4 * experts.size <= gate_proj.shape[0] else "grouped")
     act = nn.silu if hidden_act == "silu" else functools.partial(nn.gelu, approximate=True)
     return EXPERT_FORMS[form](x, weights, experts, gate_proj, up_proj, down_proj, act)
 

@@ -149,8 +149,8 @@ def kernels_steps(ctx: Context) -> list[Step]:
 def moe_layer_steps(ctx: Context, out: Path | None = None) -> list[Step]:
     """A mixture of experts' expert block per form at Qwen3-30B-A3B's shape, one framework per
     process (on a GPU: 1 to 64 tokens in powers of two, and 512: where the gathered form stops
-    paying; the model's rule, gathered while tokens x top-k <= experts, chose it at 8 tokens on
-    the H200, 1.8x slower than grouped there, stop 76)."""
+    paying; jax's rule was gathered while tokens x top-k <= experts, which chose it at 8 tokens
+    on the H200, 1.8x slower than grouped there (stop 76): now E / 4 pairs, torch's still E)."""
     sweep = (("--tokens", "1", "3", "--repeats", "2") if ctx.dry_run else
              ("--tokens", "1", "2", "4", "8", "16", "32", "64", "512"))
     script, out = str(BENCHMARKS / "moe_layer.py"), str(out or ctx.out / "moe_layer")

@@ -92,7 +92,9 @@ class JaxModelRunner:
         # XLA's CPU threads do not spin on between steps: another core is free for the next
         # step's grammar masks (structured outputs at batch 32: 1.02x against 1.09x without).
         self.idle_cores_between_steps = True
-        self._last_tokens = self._put(np.zeros(shapes.max_num_seqs, np.int32))
+        # [3, R] (spec_step.carry): with a draft model, speculative steps launch ahead too
+        self._last_tokens = self._put(np.zeros((3, shapes.max_num_seqs), np.int32))
+        self.async_speculation = True
         # On an accelerator decode steps alternate between two copies of their executable.
         # With asynchronous output processing a step's outputs are allocated while the last
         # step's still live, so at batch 1 their addresses alternate between two places and
@@ -110,7 +112,7 @@ class JaxModelRunner:
         # last step's are still to be read when the next one launches), matched to the two
         # executable copies: each copy's graph sees one set.
         body = StepBody(self.target, self.draft, shapes.max_num_seqs,
-                        None if self.mesh is None else self._inputs)
+                        None if self.mesh is None else self._inputs, config.block_size)
         self._step = jax.jit(body, donate_argnums=(2, 3, 9, 10),
                              static_argnames=("layout", "variant"))
         self._num_calls = 0
@@ -270,7 +272,7 @@ class JaxModelRunner:
                                       self.kv_caches, self.draft_kv_caches)),
                 self._input_spec((int_size,)), self._input_spec((float_size,), jnp.float32),
                 *jax.tree.map(_spec, self._no_entries), _spec(self._no_bitmask[layout.num_seqs]),
-                self._input_spec((self.shapes.max_num_seqs,)), self._output_spec(layout))
+                self._input_spec((3, self.shapes.max_num_seqs)), self._output_spec(layout))
         return args, {"layout": layout, "variant": variant}
 
     def _output_spec(self, layout: BatchLayout) -> StepOutput | None:

@@ -76,3 +76,74 @@ def propose_drafts(forward: DraftForward, kv_caches: list[KVCache], b: dict[str,
             carry = draft_step(j, carry)
         return carry
     return jax.lax.fori_loop(1, k, draft_step, carry)
+
+
+def shift_ahead(b: dict[str, jax.Array], last: jax.Array, *, layout: BatchLayout,
+                block_size: int) -> dict[str, jax.Array]:
+    """A draft model's speculative step launched before the last one's tokens reached the host
+    (async speculation, Scheduler.schedule_next): the host built it as though every sequence
+    had accepted none of its drafts. Each sequence whose first row reads its token on the
+    device (input_rows) moves here by the drafts the last step accepted for it, a: its target
+    rows' positions, slots and KV length, and its random counter; and the draft catches up on
+    the token at its new end, after the last draft where all were accepted (the draft never fed
+    that one). b: the step's unpacked fields, moved fields replaced (a new dict). last [3, R]
+    (carry()'s): each last logits row's last token, the one before it where all its drafts
+    were accepted (-1 otherwise), and its drafts accepted."""
+    s, t = layout.num_seqs, layout.num_tokens
+    b = dict(b)
+    token = jnp.arange(t, dtype=jnp.int32)
+    query_start_loc = b["query_start_loc"]  # [S + 1]
+    row = b["input_rows"][jnp.minimum(query_start_loc[:-1], t - 1)]  # [S]: 1 + last row, or 0
+    ahead = (row > 0) & (query_start_loc[1:] > query_start_loc[:-1])
+    src = jnp.maximum(row - 1, 0)
+    shift = jnp.where(ahead, last[2][src], 0)  # [S]
+    before = jnp.where(ahead, last[1][src], -1)  # [S]
+    tables = b["block_tables"]
+
+    def slots(seq: jax.Array, positions: jax.Array) -> jax.Array:
+        return tables[seq, positions // block_size] * block_size + positions % block_size
+
+    seq = jnp.minimum(jnp.searchsorted(query_start_loc[1:], token, side="right"), s - 1)
+    moved = (token < query_start_loc[s]) & ahead[seq]
+    b["positions"] = b["positions"] + jnp.where(moved, shift[seq], 0)
+    b["slot_mapping"] = jnp.where(moved, slots(seq, b["positions"]), b["slot_mapping"])
+    b["kv_lens"] = b["kv_lens"] + shift
+    b["rng_step"] = b["rng_step"] + shift[b["sample_seq"]]  # uint32 bits: wraps alike
+
+    # The draft's catch-up: 1 token a moved sequence (its new end), 2 where all were accepted.
+    host_start = b["draft_query_start_loc"]  # [S + 1]
+    lens = jnp.where(ahead, 1 + (before >= 0), host_start[1:] - host_start[:-1])  # [S]
+    start = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(lens, dtype=jnp.int32)])
+    dseq = jnp.minimum(jnp.searchsorted(start[1:], token, side="right"), s - 1)  # [T]
+    j = token - start[dseq]
+    real = token < start[s]
+    dmoved = real & ahead[dseq]
+    kept = real & ~ahead[dseq]
+    old = jnp.clip(host_start[dseq] + j, 0, t - 1)  # the host's row of a sequence not moved
+    end = b["draft_kv_lens"] + shift  # [S] after the catch-up: the sequence's new end
+    positions = end[dseq] - lens[dseq] + j
+    fed = jnp.where(j == lens[dseq] - 1, last[0][src[dseq]], before[dseq])
+    b["draft_input_ids"] = jnp.where(dmoved, fed, jnp.where(kept, b["draft_input_ids"][old], 0))
+    b["draft_positions"] = jnp.where(dmoved, positions,
+                                     jnp.where(kept, b["draft_positions"][old], 0))
+    b["draft_slot_mapping"] = jnp.where(dmoved, slots(dseq, positions),
+                                        jnp.where(kept, b["draft_slot_mapping"][old], -1))
+    b["draft_query_start_loc"] = start
+    b["draft_kv_lens"] = end
+    return b
+
+
+def carry(tokens: jax.Array, num_draft_tokens: jax.Array, num_rows: int) -> jax.Array:
+    """What the next step reads on the device of this one's tokens [L, K+1] (-1 padded;
+    num_draft_tokens [L]: the drafts each row verified): [3, R] (R = num_rows), each row's
+    last token, the one before it where every draft was accepted (else -1), and the drafts
+    accepted; rows past L: zeros (and -1)."""
+    count = (tokens >= 0).sum(axis=1, dtype=jnp.int32)  # [L]
+    accepted = jnp.maximum(count - 1, 0)
+    lines = jnp.arange(tokens.shape[0])
+    last = tokens[lines, accepted]
+    all_kept = (accepted == num_draft_tokens) & (accepted > 0)
+    before = jnp.where(all_kept, tokens[lines, jnp.maximum(accepted - 1, 0)], -1)
+    rows = min(num_rows, tokens.shape[0])
+    out = jnp.zeros((3, num_rows), jnp.int32).at[1].set(-1)
+    return out.at[:, :rows].set(jnp.stack([last, before, accepted])[:, :rows])

@@ -23,7 +23,12 @@ from pagedjax.backends.jax.model import KVCache
 from pagedjax.backends.jax.params import DeviceModel
 from pagedjax.backends.jax.rejection_sampler import rejection_sample
 from pagedjax.backends.jax.sampler import gather_logprobs, sample, score_prompt_tokens
-from pagedjax.backends.jax.spec_step import catch_up_metadata, propose_drafts
+from pagedjax.backends.jax.spec_step import (
+    carry,
+    catch_up_metadata,
+    propose_drafts,
+    shift_ahead,
+)
 from pagedjax.core.batch import SAMPLING_FIELDS, StepFlag, StepOutput, unpack
 from pagedjax.core.step_shapes import BatchLayout
 from pagedjax.sampling_params import MAX_LOGPROBS
@@ -56,22 +61,27 @@ class StepBody:
     draft: DeviceModel | None
     max_num_seqs: int  # R: the rows of last_tokens
     inputs_sharding: Sharding | None  # under tensor parallelism: the host inputs' (replicated)
+    block_size: int = 16  # the KV cache's (a speculative step launched ahead finds its slots)
 
     def __call__(self, params: dict, draft_params: dict | None, kv_caches: list[KVCache],
                  draft_kv_caches: list[KVCache], ints: jax.Array, floats: jax.Array,
                  entry_ints: jax.Array, entry_bias: jax.Array, token_bitmask: jax.Array,
                  last_tokens: jax.Array, out_buffers: StepOutput | None, *,
                  layout: BatchLayout, variant: str | None = None) -> tuple:
-        """The whole step on the device → (caches, draft caches, each row's first token [R]
-        for the next step, StepOutput with tokens and logprobs [L, K+1] and, computed where the
-        step's flags ask, top logprobs and prompt logprobs). variant PLAIN: every flag off,
-        FULL: every flag on, known here: no branches. last_tokens [R]: the last step's first
-        tokens, the inputs of the rows whose input_rows say so (async scheduling); donated, and
-        the first output of its shape, so that jax gives its buffer to the first tokens out.
-        out_buffers: the StepOutput's own buffers (donated), written in place."""
+        """The whole step on the device → (caches, draft caches, what the next step reads of
+        its tokens [3, R] (spec_step.carry), StepOutput with tokens and logprobs [L, K+1] and,
+        computed where the step's flags ask, top logprobs and prompt logprobs). variant PLAIN:
+        every flag off, FULL: every flag on, known here: no branches. last_tokens [3, R]: the
+        last step's carry, whose last tokens are the inputs of the rows whose input_rows say so
+        (async scheduling; a speculative step launched ahead also moves by the drafts it
+        accepted: spec_step.shift_ahead); donated, and the first output of its shape, so that
+        jax gives its buffer to the carry out. out_buffers: the StepOutput's own buffers
+        (donated), written in place."""
         b = unpack(layout, ints, floats)
+        if layout.draft and layout.num_spec_tokens:
+            b = shift_ahead(b, last_tokens, layout=layout, block_size=self.block_size)
         rows = b["input_rows"]  # [T]: 1 + a row of last_tokens, or 0
-        b["input_ids"] = jnp.where(rows > 0, last_tokens[jnp.maximum(rows - 1, 0)],
+        b["input_ids"] = jnp.where(rows > 0, last_tokens[0][jnp.maximum(rows - 1, 0)],
                                    b["input_ids"])
         flags = b["step_flags"] != 0  # [len(StepFlag)] bool
         if variant is not None:
@@ -112,7 +122,7 @@ class StepBody:
         if not k:
             out = sample(logits, sampling, flags)
             out = StepOutput(*(x[:, None] for x in out), *prompt)  # [L, 1, ...]
-            return (kv_caches, draft_kv_caches, self.first_tokens(out.tokens),
+            return (kv_caches, draft_kv_caches, self.carry(out.tokens, b),
                     written(out, out_buffers))
         logits = logits.reshape(*indices.shape, -1)  # [L, K+1, V]
         seqs = b["sample_seq"]  # [L]: the sequence whose drafts row l verifies
@@ -121,15 +131,17 @@ class StepBody:
         lse = jax.nn.logsumexp(logits, axis=-1)  # [L, K+1]
         out = StepOutput(tokens, *gather_logprobs(logits, lse, tokens, flags[StepFlag.LOGPROBS]),
                          *prompt)
-        return kv_caches, draft_kv_caches, self.first_tokens(tokens), written(out, out_buffers)
+        return kv_caches, draft_kv_caches, self.carry(tokens, b), written(out, out_buffers)
 
-    def first_tokens(self, tokens: jax.Array) -> jax.Array:
-        """[L, K+1] → each row's first token [R], zero-padded (a decode step's one token)."""
-        r = self.max_num_seqs
-        first = jnp.zeros(r, jnp.int32).at[: min(r, tokens.shape[0])].set(tokens[:r, 0])
+    def carry(self, tokens: jax.Array, b: dict[str, jax.Array]) -> jax.Array:
+        """[L, K+1] → what the next step reads of them [3, R] (spec_step.carry)."""
+        verified = b.get("num_draft_tokens")  # [L]; none in a step without drafts
+        if verified is None:
+            verified = jnp.zeros(tokens.shape[0], jnp.int32)
+        out = carry(tokens, verified, self.max_num_seqs)
         if self.inputs_sharding is not None:  # where the next step expects its host inputs
-            first = jax.lax.with_sharding_constraint(first, self.inputs_sharding)
-        return first
+            out = jax.lax.with_sharding_constraint(out, self.inputs_sharding)
+        return out
 
 
 def written(out: StepOutput, buffers: StepOutput | None) -> StepOutput:

@@ -197,6 +197,7 @@ class TorchModelRunner:
     # ---- execute -----------------------------------------------------------------------------
 
     async_scheduling = True  # a step's rows read their input_rows from last_tokens
+    async_speculation = False  # speculative steps wait for the last one's tokens
 
     @property
     def async_launch(self) -> bool:

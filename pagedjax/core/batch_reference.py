@@ -58,7 +58,7 @@ def describe(out: SchedulerOutput, seqs: Mapping[int, Seq], block_manager: Block
             entry.spec_token_ids = list(out.spec_token_ids[i])
         if out.num_draft_tokens:
             entry.draft_start_pos = out.draft_start_pos[i]
-            entry.draft_token_ids = seq.token_ids[
+            entry.draft_token_ids = [0] * out.num_draft_tokens[i] if ahead else seq.token_ids[
                 entry.draft_start_pos : entry.draft_start_pos + out.num_draft_tokens[i]]
         if end == seq.num_tokens + ahead:  # caught up: its last position yields a token
             first = sample_spec(seq, eos_token_ids, ahead)
@@ -134,8 +134,8 @@ def _fill_tokens(f: dict[str, np.ndarray], entries: Sequence[ScheduledSequence],
     # (the runner writes them in).
     f["input_ids"][:n] = list(itertools.chain.from_iterable(
         e.token_ids + (e.spec_token_ids or [0] * e.num_spec_tokens) for e in entries))
-    if any(e.input_row >= 0 for e in entries):  # decode rows: one token each
-        f["input_rows"][:s] = [e.input_row + 1 for e in entries]
+    if any(e.input_row >= 0 for e in entries):  # each one's first token: the last step's
+        f["input_rows"][ends - np.asarray(q_lens)] = [e.input_row + 1 for e in entries]
     positions = ragged_positions([e.start_pos for e in entries], q_lens)
     f["positions"][:n] = positions
     f["slot_mapping"][:] = -1

@@ -32,6 +32,7 @@ class FixedTokenRunner:
 
     async_launch = False
     async_scheduling = True  # it reads input_rows (the token never depends on them)
+    async_speculation = False  # speculative steps wait for the last one's tokens
     idle_cores_between_steps = True
     num_compiles = 0
     num_cache_hits = 0

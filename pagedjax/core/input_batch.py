@@ -312,8 +312,9 @@ class InputBatch:
             seq_index = np.repeat(np.arange(s), q_lens)
             positions = ragged_positions(start, q_lens)
         last = self.token_ids.shape[1] - 1
-        if out.input_rows is not None:  # each one's token is the last step's, on the device
-            f["input_rows"][:s] = np.asarray(out.input_rows) + 1
+        if out.input_rows is not None:  # each one's first token is the last step's, on the
+            f["input_rows"][ends - q_lens] = np.asarray(out.input_rows) + 1  # device
+            # (and 0 here; the draft slots too, which the draft model fills)
         elif n == s:  # each one's token is its last one
             f["input_ids"][:n] = self.token_ids[rows, np.minimum(start, last)]
         else:
@@ -352,7 +353,8 @@ class InputBatch:
         f["draft_kv_lens"][:s] = draft_start + draft_lens
         seq_index = np.repeat(np.arange(s), draft_lens)
         positions = ragged_positions(draft_start, draft_lens)
-        f["draft_input_ids"][:n] = self.token_ids[rows[seq_index], positions]
+        if out.input_rows is None:  # else the last step's token, found on the device
+            f["draft_input_ids"][:n] = self.token_ids[rows[seq_index], positions]
         f["draft_positions"][:n] = positions
         f["draft_slot_mapping"][:] = -1
         f["draft_slot_mapping"][:n] = self._slots(f["block_tables"], seq_index, positions)

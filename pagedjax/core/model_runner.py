@@ -67,6 +67,10 @@ class ModelRunner(Protocol):
     # on the device (ModelInput's input_rows), so the engine can launch it before those reach
     # the host (async scheduling).
     async_scheduling: bool
+    # Whether a draft model's speculative step may be launched before the last one's tokens
+    # reach the host, moving on the device by the drafts that step accepted (ModelInput's
+    # input_rows; backends/jax/spec_step.shift_ahead).
+    async_speculation: bool
     # Whether the host's other cores idle while the engine thread runs the Python between two
     # steps: the next step's grammar masks are then filled there, on a thread of their own
     # (StructuredOutputManager.fill_ahead).

@@ -63,6 +63,7 @@ class Scheduler:
         self.speculates = has_draft or host_drafts
         self._proposals: Mapping[int, list[int]] = {}
         self._prefill_drafts = True  # schedule()'s
+        self._keep_slots = False  # update()'s: a speculative step in flight writes past ends
         self.waiting: deque[Sequence] = deque()
         self.parked: dict[int, Sequence] = {}  # preempted with nothing to compute, by seq id
         self.running: list[Sequence] = []  # sorted by arrival
@@ -181,36 +182,58 @@ class Scheduler:
         step.block_table_changes = self.block_manager.take_table_changes()
         return step
 
-    def schedule_next(self, last: SchedulerOutput) -> SchedulerOutput | None:
+    def schedule_next(self, last: SchedulerOutput, num_spec_tokens: int = 0
+                      ) -> SchedulerOutput | None:
         """Async scheduling: the decode step after `last`, scheduled while `last` runs. Each
         sequence computes the token `last` samples for it (read on the device: `input_rows`)
         and samples the one after, with no drafts. None unless `last` decodes every running
         sequence with no drafts and no draft model's work, nobody waits, none uses penalties
         (they count tokens the host has not seen) or forks, and the pool has the slots without
         preempting anyone. A sequence that `last` finishes computes one more row, which
-        update() drops (its slot is freed before any reuse)."""
-        if (self.waiting or self.parked or last.forks or last.num_spec_tokens
-                or any(last.num_draft_tokens)
+        update() drops (its slot is freed before any reuse).
+
+        With a draft model, num_spec_tokens k > 0 after a `last` in which every sequence
+        drafted k (async speculation): each sequence computes its last token and k drafts, as
+        though `last` had accepted none of its drafts; the runner moves it on the device by
+        those it did accept, a (shift_ahead), and `shift_ahead` here moves the step's record
+        once `last`'s tokens are known. Slots cover the most any a can need (2k + 1 from the
+        token `last` samples first); update() leaves the ones past a sequence's end until no
+        step is in flight."""
+        spec = num_spec_tokens
+        if (self.waiting or self.parked or last.forks
                 or len(last.seq_ids) != len(self.running)
-                or last.num_batched_tokens != len(last.seq_ids)):
+                or (spec and not (self.has_draft and last.num_spec_tokens == spec
+                                  and all(n == spec for n in last.num_spec_tokens_per_seq)))
+                or (not spec and (last.num_spec_tokens or any(last.num_draft_tokens)
+                                  or last.num_batched_tokens != len(last.seq_ids)))):
             return None
         step = SchedulerOutput(input_rows=list(range(len(last.seq_ids))))
         max_model_len = self.stop_checker.max_model_len
-        for seq_id, start in zip(last.seq_ids, last.num_computed_tokens):
+        for seq_id, start, new in zip(last.seq_ids, last.num_computed_tokens,
+                                      last.num_new_tokens):
             seq = self.seqs.get(seq_id)
-            if (seq is None or seq.is_finished or start + 1 != seq.num_tokens  # not sampling
+            if (seq is None or seq.is_finished or new != 1
+                    or start + 1 != seq.num_tokens  # not sampling
                     or seq.num_pending_forks or seq.policy_picks_tokens
-                    or seq.sampling_params.has_penalties or seq.num_tokens >= max_model_len):
+                    or seq.sampling_params.has_penalties
+                    or seq.num_tokens + 2 * spec >= max_model_len
+                    or (spec and self._drafts_left(seq) < 2 * spec + 1)):
                 return None
-            position = seq.num_tokens  # of the token `last` samples
-            copies = self.block_manager.allocate_slots(seq_id, position, 1)
+            position = seq.num_tokens  # of the token `last` samples (its first, with drafts)
+            copies = self.block_manager.allocate_slots(seq_id, position, 1 + 2 * spec)
             if copies is None:
                 return None
             step.seq_ids.append(seq_id)
             step.num_computed_tokens.append(position)
             step.block_copies += copies
-        step.num_new_tokens = [1] * len(step.seq_ids)
-        step.num_batched_tokens = len(step.seq_ids)
+        n = len(step.seq_ids)
+        step.num_new_tokens = [1] * n
+        step.num_batched_tokens = n * (1 + spec)
+        if spec:
+            step.num_spec_tokens = spec
+            step.num_spec_tokens_per_seq = [spec] * n
+            step.draft_start_pos = list(step.num_computed_tokens)
+            step.num_draft_tokens = [1] * n  # the draft catches up on the step's first token
         return self._with_changes(step)
 
     def _fit_drafts(self, step: SchedulerOutput) -> None:
@@ -476,15 +499,22 @@ class Scheduler:
 
     # ---- update ------------------------------------------------------------------------------
 
-    def update(self, output: SchedulerOutput, sampled: SampledTokens) -> list[Sequence]:
+    def update(self, output: SchedulerOutput, sampled: SampledTokens,
+               ahead: SchedulerOutput | None = None) -> list[Sequence]:
         """Advance computed counts, append sampled tokens, finish and free what stopped.
 
         sampled: the tokens each logits row produced (one normally; its accepted drafts and a
         recovered or bonus token with speculation). A sequence whose request policy picks its
         tokens (a beam) gets none here, and neither does one finished (or removed) since it was
         scheduled: the engine found its stop string in the last step's outputs meanwhile.
+        ahead: the step launched after this one, in flight (async scheduling): a speculative
+        one is moved by the drafts this one accepted (SchedulerOutput.shift_ahead), and the
+        slots past each sequence's end stay its own until no step is in flight.
         Returns every sequence that got tokens.
         """
+        self._keep_slots = ahead is not None and bool(ahead.num_spec_tokens)
+        if self._keep_slots:
+            ahead.shift_ahead(output, sampled)
         seqs, finished = self.seqs, SequenceStatus.FINISHED
         ends = output.end_positions()
         if (sampled.token_ids.shape[1] == 1 and not output.forks
@@ -562,7 +592,7 @@ class Scheduler:
         computed = seq.num_computed_tokens
         if self.has_draft:
             seq.num_draft_computed_tokens = min(seq.num_draft_computed_tokens, computed)
-        if self.speculates:
+        if self.speculates and not self._keep_slots:
             self.block_manager.truncate(seq.seq_id, seq.num_tokens)
         self.block_manager.cache_blocks(seq.seq_id, seq.token_ids, computed)
         seq.num_full_blocks_cached = computed // self.block_manager.block_size

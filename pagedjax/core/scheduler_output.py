@@ -76,6 +76,23 @@ class SchedulerOutput:
         """Tokens each sequence has that the host has not seen: 1 with async scheduling."""
         return 0 if self.input_rows is None else 1
 
+    def shift_ahead(self, last: SchedulerOutput, sampled: SampledTokens) -> None:
+        """A speculative step scheduled before `last`'s tokens were known (Scheduler.
+        schedule_next, as though last had accepted no draft), moved by the drafts last
+        accepted for each sequence, a, as the runner moved it on the device: its tokens start a
+        later, and the draft catches up on two tokens where all of last's drafts were accepted
+        (the last draft, which it never fed, and the bonus token), else on one."""
+        kept = dict(zip(sampled.seq_ids, sampled.counts().tolist()))
+        drafted = dict(zip(last.seq_ids, last.num_spec_tokens_per_seq))
+        for i, seq_id in enumerate(self.seq_ids):
+            if seq_id not in kept:
+                continue  # finished or removed meanwhile: its outputs are dropped
+            accepted = kept[seq_id] - 1
+            both = int(0 < accepted == drafted[seq_id])
+            self.num_computed_tokens[i] += accepted
+            self.draft_start_pos[i] += accepted - both
+            self.num_draft_tokens[i] = 1 + both
+
     def end_positions(self) -> list[int]:
         """Position after each sequence's last real token computed this step."""
         return [c + n for c, n in zip(self.num_computed_tokens, self.num_new_tokens)]

@@ -174,13 +174,20 @@ class AdaptiveSpeculation:
 
     def next_k_is_zero(self, num_seqs: int) -> bool:
         """Whether the step after the one in flight (of num_seqs sequences) runs k = 0 whatever
-        that one yields, before observe() has seen it: drafting is off outside probes and
-        neither a probe nor a try of a k at this bucket is due within two steps. Async
-        scheduling then launches it without choose() (the engine's overlap.py); observe() still
-        sees it, and the next probe ends the run."""
-        if not self.adaptive or self._chosen:
+        that one yields, before observe() has seen it (next_k_is)."""
+        return self.next_k_is(0, num_seqs)
+
+    def next_k_is(self, k: int, num_seqs: int) -> bool:
+        """Whether the step after the one in flight (of num_seqs sequences) runs k whatever
+        that one yields, before observe() has seen it: k is the choice outside probes (or the
+        fixed k) and neither a probe nor a try of a k at this bucket is due within two steps.
+        Async scheduling then launches it without choose() (the engine's overlap.py); observe()
+        still sees it, and the next probe ends the run."""
+        if not self.adaptive:
+            return k == self.max_k
+        if self._chosen != k:
             return False
-        ahead = 1  # the step in flight (a decode step with k = 0), not observed yet
+        ahead = 1  # the step in flight, not observed yet
         return not (self._probe_due(ahead)
                     or self._explore_due(self._untried(self.shapes.seq_bucket(num_seqs)), ahead))
 

@@ -387,7 +387,8 @@ class EngineCore:
         if launched.constrained:  # each row cut at a token its grammar forbids
             for seq in self.structured_output.accept(seqs, sampled, model_input.num_spec_tokens):
                 self.scheduler.mark_changed(seq)
-        touched = self.scheduler.update(out, sampled)
+        ahead = self.overlap.in_flight  # launched after this one (async scheduling)
+        touched = self.scheduler.update(out, sampled, None if ahead is None else ahead.out)
         self.input_batch.append_sampled(sampled, model_input)
         if self.shadow_drafts is not None and not self.speculation.drafts_pay:
             self.shadow_drafts.step(self.scheduler, self.input_batch, self.speculation)

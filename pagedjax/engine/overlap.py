@@ -6,8 +6,12 @@ Only decode steps of every running sequence qualify, with nobody waiting and no 
 grammar, drafts, penalties, logit bias or banned tokens (those read tokens the host has not
 seen: Scheduler.schedule_next), on a runner that launches asynchronously and can read its
 inputs on the device. With speculation, that is while the policy drafts nothing
-(AdaptiveSpeculation.next_k_is_zero): its next probe ends the run. Any other step runs as
-before, after the one in flight is collected.
+(AdaptiveSpeculation.next_k_is_zero): its next probe ends the run. With a draft model and
+PAGEDJAX_ASYNC_SPECULATION=1 (a runner with async_speculation: jax), speculative steps too,
+while the policy keeps its k (next_k_is): each is scheduled as though the one in flight accepted
+no draft, moved on the device by the drafts it did accept (backends/jax/spec_step.shift_ahead),
+and its record on the host once that one's tokens arrive (SchedulerOutput.shift_ahead). Any
+other step runs as before, after the one in flight is collected.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from pagedjax import envs
 from pagedjax.config import EngineConfig
 from pagedjax.core.batch import ModelInput, ModelOutput
 from pagedjax.core.model_runner import ModelRunner
@@ -58,6 +63,7 @@ class StepOverlap:
     def __init__(self, core: StepHost) -> None:
         self.core = core
         self.in_flight: Launched | None = None  # launched, not collected
+        self.num_speculative_ahead = 0  # speculative steps launched before the last's tokens
 
     def hold(self, launched: Launched) -> None:
         self.in_flight = launched
@@ -75,10 +81,24 @@ class StepOverlap:
         """Whether the next step may be scheduled and launched before this one's tokens
         reach the host (see the module docstring)."""
         core, model_input = self.core, launched.model_input
-        return (core.config.async_scheduling and core.runner.async_launch
+        if not (core.config.async_scheduling and core.runner.async_launch
                 and core.runner.async_scheduling and not launched.policies
-                and not launched.constrained and self._no_drafts_next(launched.out)
-                and model_input.layout.decode and model_input.entries is None)
+                and not launched.constrained and model_input.entries is None):
+            return False
+        return ((model_input.layout.decode and self._no_drafts_next(launched.out))
+                or self._drafts_next(launched.out) > 0)
+
+    def _drafts_next(self, last: SchedulerOutput) -> int:
+        """Async speculation (PAGEDJAX_ASYNC_SPECULATION): the k of the draft model's
+        speculative step that may launch before `last`'s tokens are known, `last` having
+        drafted k for every sequence and the policy's next k being k whatever `last` yields;
+        else 0."""
+        core, k = self.core, last.num_spec_tokens
+        if not (k and envs.PAGEDJAX_ASYNC_SPECULATION and core.runner.async_speculation
+                and core.scheduler.has_draft
+                and all(n == k for n in last.num_spec_tokens_per_seq)):
+            return 0
+        return k if core.speculation.next_k_is(k, len(last.seq_ids)) else 0
 
     def _no_drafts_next(self, last: SchedulerOutput) -> bool:
         """No speculation; or `last` ran no draft (nor a draft model's work) and the policy's
@@ -94,8 +114,12 @@ class StepOverlap:
         core, last = self.core, self.take()
         stamps = [time.perf_counter()]
         out = None
-        if not core.structured_output.has_waiting and self._no_drafts_next(last.out):
-            out = core.scheduler.schedule_next(last.out)
+        if not core.structured_output.has_waiting:
+            if self._no_drafts_next(last.out):
+                out = core.scheduler.schedule_next(last.out)
+            elif k := self._drafts_next(last.out):
+                out = core.scheduler.schedule_next(last.out, k)
+                self.num_speculative_ahead += out is not None
         stamps.append(time.perf_counter())
         model_input = core._prepare(out) if out is not None else None
         stamps.append(time.perf_counter())

@@ -217,7 +217,8 @@ class Scheduler:
                     or seq.num_pending_forks or seq.policy_picks_tokens
                     or seq.sampling_params.has_penalties
                     or seq.num_tokens + 2 * spec >= max_model_len
-                    or (spec and self._drafts_left(seq) < 2 * spec + 1)):
+                    or (spec and (self._drafts_left(seq) < 2 * spec + 1  # past max_tokens
+                                  or seq.num_output_tokens < seq.sampling_params.min_tokens))):
                 return None
             position = seq.num_tokens  # of the token `last` samples (its first, with drafts)
             copies = self.block_manager.allocate_slots(seq_id, position, 1 + 2 * spec)

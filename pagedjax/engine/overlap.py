@@ -63,6 +63,7 @@ class StepOverlap:
     def __init__(self, core: StepHost) -> None:
         self.core = core
         self.in_flight: Launched | None = None  # launched, not collected
+        self.speculates_ahead = envs.PAGEDJAX_ASYNC_SPECULATION and core.runner.async_speculation
         self.num_speculative_ahead = 0  # speculative steps launched before the last's tokens
 
     def hold(self, launched: Launched) -> None:
@@ -94,8 +95,7 @@ class StepOverlap:
         drafted k for every sequence and the policy's next k being k whatever `last` yields;
         else 0."""
         core, k = self.core, last.num_spec_tokens
-        if not (k and envs.PAGEDJAX_ASYNC_SPECULATION and core.runner.async_speculation
-                and core.scheduler.has_draft
+        if not (k and self.speculates_ahead and core.scheduler.has_draft
                 and all(n == k for n in last.num_spec_tokens_per_seq)):
             return 0
         return k if core.speculation.next_k_is(k, len(last.seq_ids)) else 0

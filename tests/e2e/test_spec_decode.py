@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from unittest import mock
+
 import numpy as np
 import pytest
 
@@ -9,14 +12,31 @@ from pagedjax import LLM, SamplingParams
 from tests.backends.test_jax_backend import make_prompts
 
 BACKENDS = ["jax", "torch"]
+# jax with PAGEDJAX_ASYNC_SPECULATION=1: speculative steps launched before the last one's tokens
+# reach the host; its outputs are jax's
+DRAFT_BACKENDS = [*BACKENDS, "jax-async"]
 MAX_TOKENS = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
-def make_llm(target: str, backend: str, draft: str | None = None, k: int = 3, **kwargs) -> LLM:
-    spec = None if draft is None else {"model": draft, "num_speculative_tokens": k}
+def make_llm(target: str, backend: str, draft: str | None = None, k: int = 3,
+             adaptive: bool = True, **kwargs) -> LLM:
+    spec = None if draft is None else {"model": draft, "num_speculative_tokens": k,
+                                       "adaptive": adaptive}
     kwargs = {"num_gpu_blocks_override": 96, "max_num_batched_tokens": 256, **kwargs}
-    return LLM(target, backend=backend, max_model_len=256, speculative_config=spec, **kwargs)
+    ahead = backend == "jax-async"
+    with mock.patch.dict(os.environ, {"PAGEDJAX_ASYNC_SPECULATION": "1" if ahead else "0"}):
+        return LLM(target, backend="jax" if ahead else backend, max_model_len=256,
+                   speculative_config=spec, **kwargs)
+
+
+def same_as(backend: str) -> str:
+    """The backend whose outputs `backend`'s equal."""
+    return "jax" if backend == "jax-async" else backend
+
+
+def launched_ahead(llm: LLM) -> int:
+    return llm.engine.engine_core.overlap.num_speculative_ahead
 
 
 def prompts(llm: LLM, n: int = 5) -> list[dict]:
@@ -44,12 +64,13 @@ def assert_no_leak(llm: LLM) -> None:
 
 @pytest.mark.parametrize("k", [1, 3, 5])
 @pytest.mark.parametrize("draft_name", ["draft", "llama"])
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", DRAFT_BACKENDS)
 def test_greedy_speculation_is_exact(tiny_model, reference, backend: str, draft_name: str,
                                      k: int) -> None:
     llm = make_llm(tiny_model("llama"), backend, tiny_model(draft_name), k)
     outputs = llm.generate(prompts(llm), GREEDY, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outputs] == reference[backend]
+    assert [o.outputs[0].token_ids for o in outputs] == reference[same_as(backend)]
+    assert (launched_ahead(llm) > 0) == (backend == "jax-async")
     metrics = llm.get_metrics()
     drafted, accepted = (metrics["spec_decode_num_draft_tokens"],
                          metrics["spec_decode_num_accepted_tokens"])
@@ -63,7 +84,7 @@ def test_greedy_speculation_is_exact(tiny_model, reference, backend: str, draft_
 
 
 @pytest.mark.usefixtures("compile_at_startup")
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", DRAFT_BACKENDS)
 def test_adaptive_speculation_is_exact(tiny_model, reference, backend: str) -> None:
     """The adaptive policy chooses among the compiled ks 0, 2 and 4 step by step; greedy
     output stays exactly the output without a draft. Its step-time table is measured at startup
@@ -77,18 +98,18 @@ def test_adaptive_speculation_is_exact(tiny_model, reference, backend: str) -> N
     assert all(t > 0 for row in speculation.costs.values() for t in row.values())
     speculation.costs = {s: {k: 1e-3 for k in row} for s, row in speculation.costs.items()}
     outputs = llm.generate(prompts(llm), GREEDY, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outputs] == reference[backend]
+    assert [o.outputs[0].token_ids for o in outputs] == reference[same_as(backend)]
     steps_per_k = llm.get_metrics()["spec_decode_steps_per_k"]
     assert sum(steps_per_k[1:]) > 0
     assert llm.get_metrics()["num_compiles_after_startup"] == 0
     assert_no_leak(llm)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", DRAFT_BACKENDS)
 def test_stop_token_inside_accepted_drafts(tiny_model, reference, backend: str) -> None:
     """A stop token among accepted drafts ends the completion right there."""
     llm = make_llm(tiny_model("llama"), backend, tiny_model("llama"), k=5)
-    want = reference[backend][4]
+    want = reference[same_as(backend)][4]
     stop = want[6]
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, stop_token_ids=[stop],
                             ignore_eos=True)
@@ -101,11 +122,11 @@ def test_stop_token_inside_accepted_drafts(tiny_model, reference, backend: str) 
     assert_no_leak(llm)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", DRAFT_BACKENDS)
 def test_logprobs_with_speculation(tiny_model, backend: str) -> None:
     """Accepted drafts, recovered and bonus tokens carry the target's logprobs and top-N."""
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
-    plain = make_llm(tiny_model("llama"), backend)
+    plain = make_llm(tiny_model("llama"), same_as(backend))
     spec = make_llm(tiny_model("llama"), backend, tiny_model("llama"), k=3)
     want = plain.generate(prompts(plain)[3], params, use_tqdm=False)[0].outputs[0]
     got = spec.generate(prompts(spec)[3], params, use_tqdm=False)[0].outputs[0]
@@ -116,25 +137,50 @@ def test_logprobs_with_speculation(tiny_model, backend: str) -> None:
     assert got.cumulative_logprob == pytest.approx(want.cumulative_logprob, abs=1e-3)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", DRAFT_BACKENDS)
 def test_parallel_sampling_with_speculation(tiny_model, reference, backend: str) -> None:
     """n=2 forks share the prompt's blocks; each sibling then speculates on its own."""
     llm = make_llm(tiny_model("llama"), backend, tiny_model("draft"), k=2)
     params = SamplingParams(n=2, temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outputs = llm.generate(prompts(llm)[1:4], params, use_tqdm=False)
-    for output, want in zip(outputs, reference[backend][1:4]):
+    for output, want in zip(outputs, reference[same_as(backend)][1:4]):
         assert [c.token_ids for c in output.outputs] == [want, want]
     assert llm.get_metrics()["spec_decode_num_draft_tokens"] > 0
     assert_no_leak(llm)
 
 
+def test_async_speculation_samples_what_the_synchronous_engine_samples(tiny_model) -> None:
+    """Seeded sampling draws from a completion's own random stream, counted by its tokens: the
+    speculative steps launched ahead (moved on the device by the drafts the last one accepted)
+    sample every token the synchronous engine does at the same k, with top-p, logprobs and a
+    stop token. The draft is the target (so that sampled drafts are accepted, some steps all
+    of them)."""
+    params = [SamplingParams(temperature=t, top_p=0.9, max_tokens=40, seed=i, logprobs=1,
+                             ignore_eos=True) for i, t in enumerate((0.2, 0.3, 0.5, 0.8))]
+    params.append(SamplingParams(temperature=0.3, max_tokens=40, seed=7, ignore_eos=True,
+                                 stop_token_ids=[5]))
+    got = {}
+    for backend in ("jax", "jax-async"):
+        llm = make_llm(tiny_model("llama"), backend, tiny_model("llama"), k=3, adaptive=False)
+        outputs = llm.generate(prompts(llm), params, use_tqdm=False)
+        got[backend] = [(c.token_ids, [round(lp[t].logprob, 4) for lp, t in
+                                       zip(c.logprobs or [], c.token_ids)], c.finish_reason)
+                        for o in outputs for c in o.outputs]
+        metrics = llm.get_metrics()
+        assert 0 < metrics["spec_decode_num_accepted_tokens"] < metrics[
+            "spec_decode_num_draft_tokens"]
+        assert_no_leak(llm)
+    assert launched_ahead(llm) > 0
+    assert got["jax-async"] == got["jax"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", DRAFT_BACKENDS)
 def test_speculation_under_pressure(tiny_model, reference, backend: str) -> None:
     """Chunked prefill, a pool short enough to drop drafts and preempt, prefix-cache hits,
     aborts and sampled requests: still exact for greedy, and nothing leaks."""
     pressure = dict(num_gpu_blocks_override=16, max_num_batched_tokens=48)
-    plain = make_llm(tiny_model("llama"), backend, **pressure)
+    plain = make_llm(tiny_model("llama"), same_as(backend), **pressure)
     inputs = prompts(plain, 10) + prompts(plain, 3)  # the repeats hit the prefix cache
     want = [o.outputs[0].token_ids for o in plain.generate(inputs, GREEDY, use_tqdm=False)]
     llm = make_llm(tiny_model("llama"), backend, tiny_model("draft"), k=3, **pressure)

@@ -25,10 +25,12 @@ PNG plot (the first prompt set) to --out.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import sysconfig
 import time
 from pathlib import Path
+from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
@@ -153,43 +155,53 @@ def timed_generate(llms: dict, rounds: list[list[list[list[int]]]], max_tokens: 
 
 
 def make_llm(model: str, backend: str, args, spec: dict | None = None,
-             memory_share: float = 0.9):
+             memory_share: float = 0.9, ahead: bool | None = None):
     """memory_share: the gpu_memory_utilization this engine is built with. An engine's KV
     pool takes that fraction of the device less what is in use, the engines built before it
     in this process included, so the i-th of n engines gets 0.9 * (i + 1) / n (on an H200 the
-    first engine of the grid took the whole device and the second had no room for its pool)."""
+    first engine of the grid took the whole device and the second had no room for its pool).
+    ahead: PAGEDJAX_ASYNC_SPECULATION for this engine (None: as the environment says)."""
     from pagedjax import LLM
 
-    return LLM(model, backend=backend, max_model_len=args.max_model_len,
-               max_num_seqs=max(args.batch_sizes), speculative_config=spec,
-               gpu_memory_utilization=memory_share)
+    env = {} if ahead is None else {"PAGEDJAX_ASYNC_SPECULATION": "1" if ahead else "0"}
+    with mock.patch.dict(os.environ, env):
+        return LLM(model, backend=backend, max_model_len=args.max_model_len,
+                   max_num_seqs=max(args.batch_sizes), speculative_config=spec,
+                   gpu_memory_utilization=memory_share)
 
 
-def configurations(args) -> list[tuple[str, int, dict | None]]:
-    """(mode, k, speculative_config) of every engine a backend runs."""
+def configurations(args) -> list[tuple[str, int, dict | None, bool | None]]:
+    """(mode, k, speculative_config, async speculation) of every engine a backend runs
+    (--async-speculation both: each draft model's engine also with speculative steps launched
+    ahead, its mode marked "ahead")."""
     draft = {"model": args.draft}
-    configs = [("k=0", 0, None),
-               *((f"k={k}", k, {**draft, "num_speculative_tokens": k, "adaptive": False})
-                 for k in args.ks),
-               (f"adaptive≤{args.adaptive_k}", args.adaptive_k,
-                {**draft, "num_speculative_tokens": args.adaptive_k, "adaptive": True})]
+    models = [*((f"k={k}", k, {**draft, "num_speculative_tokens": k, "adaptive": False})
+                for k in args.ks),
+              (f"adaptive≤{args.adaptive_k}", args.adaptive_k,
+               {**draft, "num_speculative_tokens": args.adaptive_k, "adaptive": True})]
+    if args.async_speculation == "both":
+        models = [*((*m, False) for m in models), *((f"{m[0]} ahead", *m[1:], True)
+                                                    for m in models)]
+    else:
+        models = [(*m, {"on": True, "off": False}.get(args.async_speculation)) for m in models]
+    configs = [("k=0", 0, None, None), *models]
     # the draft-free methods as users get them: the adaptive policy on (their default)
     if args.ngram_k:
         configs.append((f"ngram k≤{args.ngram_k}", args.ngram_k, {
             "method": "ngram", "num_speculative_tokens": args.ngram_k,
             "prompt_lookup_min": args.prompt_lookup_min,
-            "prompt_lookup_max": args.prompt_lookup_max}))
+            "prompt_lookup_max": args.prompt_lookup_max}, None))
     if args.suffix_k:
         configs.append((f"suffix k≤{args.suffix_k}", args.suffix_k, {
-            "method": "suffix", "num_speculative_tokens": args.suffix_k}))
+            "method": "suffix", "num_speculative_tokens": args.suffix_k}, None))
     return [c for c in configs if not args.modes or any(c[0].startswith(m) for m in args.modes)]
 
 
 def run_backend(backend: str, args) -> list[dict]:
     configs = configurations(args)
     llms = {mode: make_llm(args.target, backend, args, spec,
-                           memory_share=0.9 * (i + 1) / len(configs))
-            for i, (mode, _, spec) in enumerate(configs)}
+                           memory_share=0.9 * (i + 1) / len(configs), ahead=ahead)
+            for i, (mode, _, spec, ahead) in enumerate(configs)}
     tokenizer = next(iter(llms.values())).get_tokenizer()
     rows = []
     for name in args.prompt_sets:
@@ -201,7 +213,7 @@ def run_backend(backend: str, args) -> list[dict]:
             rounds = [[pool[i : i + b] for i in range(0, len(pool), b)] for pool in pools]
             before = {mode: llm.get_metrics() for mode, llm in llms.items()}
             results = timed_generate(llms, rounds, args.max_tokens)
-            for mode, k, _ in configs:
+            for mode, k, _, _ in configs:
                 row = _row(backend, b, mode, k, *results[mode], before[mode],
                            llms[mode].get_metrics())
                 rows.append({"set": name, **row})
@@ -332,6 +344,11 @@ def main() -> None:
     parser.add_argument("--prompt-lookup-max", type=int, default=5)
     parser.add_argument("--prompt-sets", nargs="+", default=list(PROMPT_SETS),
                         choices=PROMPT_SETS)
+    parser.add_argument("--async-speculation", choices=("default", "on", "off", "both"),
+                        default="default",
+                        help="draft models' speculative steps launched before the last one's "
+                             "tokens reach the host (PAGEDJAX_ASYNC_SPECULATION); both: each "
+                             "draft-model mode twice, the second marked 'ahead'")
     parser.add_argument("--modes", nargs="+", default=[],
                         help="only the modes starting so (k=0, k=2, adaptive, ngram); default all")
     parser.add_argument("--max-tokens", type=int, default=64)

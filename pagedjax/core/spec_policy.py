@@ -98,6 +98,10 @@ class AdaptiveSpeculation:
     PROBE_OPTIMISM = 1.25
     STALE_AFTER = 4 * PROBE_EVERY
     PROBE_MIN_SAMPLES = 3  # or one timed by fewer steps: a bucket's first ones may be slow
+    # with steps launched ahead (`chains`): a probe or try's steps after its own (the first
+    # untimed, then a pair timed), and the steps whose periods make one sample
+    CHAIN = 3
+    PAIR = 2
 
     def __init__(self, config: SpeculativeConfig, shapes: StepShapes,
                  costs: StepCosts | None) -> None:
@@ -137,6 +141,20 @@ class AdaptiveSpeculation:
         self._num_samples: dict[tuple[int, int], int] = {}  # (bucket, k) → its steps timed
         # k → decayed (sum of log(measured / table) over its cells, weight)
         self._log_error: dict[int, tuple[float, float]] = {}
+        # Set by the engine where speculative steps launch ahead (async speculation, as plain
+        # ones do): a step that waited for the last one's tokens costs the host's work beside
+        # the device's, one launched ahead about the device's alone. Each k is then timed only
+        # by steps launched ahead after a step launched ahead (the first one after a step that
+        # waited had its device time overlap that step's wait: 0.1 ms where k = 0 takes 1.2),
+        # PAIR at a time (their periods alternate around the mean: 0.5, 1.1, 2.0 ms), and a
+        # probe or a try runs CHAIN more steps of its k, launched ahead, to be timed so. Timed
+        # as they ran, a probe (which waits) made every k but the one chosen look slow, and the
+        # choice stuck (the demo pair on jax, chat turns at batch 1: k = 2 in 1324 of 1400
+        # steps where k = 4 ran 1.39x faster).
+        self.chains = False
+        self._chain_left = 0  # steps of the latest probe or try's k still to launch ahead
+        self._pair: tuple[tuple[int, int], float, int] | None = None  # (cell, seconds, steps)
+        self._last_ahead = False  # the last step observed was launched ahead
 
     # ---- choosing ------------------------------------------------------------------------
 
@@ -157,6 +175,7 @@ class AdaptiveSpeculation:
         untried = self._untried(bucket)
         self._exploring = self._explore_due(untried)
         self._probing = self._exploring or self._probe_due()
+        self._chain_left = self.CHAIN if self.chains and self._probing else 0
         if self._exploring:
             best = min(untried, key=lambda k: (k > 0, -rate[k]))  # k = 0: the reference
             self._tries[bucket, best] = self._tries.get((bucket, best), 0) + 1
@@ -185,6 +204,8 @@ class AdaptiveSpeculation:
         still sees it, and the next probe ends the run."""
         if not self.adaptive:
             return k == self.max_k
+        if self._chain_left:  # a probe or try's steps, launched ahead to be timed
+            return k == self.k
         if self._chosen != k:
             return False
         ahead = 1  # the step in flight, not observed yet
@@ -282,7 +303,8 @@ class AdaptiveSpeculation:
     # ---- learning ------------------------------------------------------------------------
 
     def observe(self, out: SchedulerOutput, sampled: SampledTokens,
-                seconds: float | None = None, shape_k: int | None = None) -> None:
+                seconds: float | None = None, shape_k: int | None = None,
+                launched_ahead: bool = False) -> None:
         """Record a step: how many of its drafts were accepted, per position, and (seconds) the
         engine's period for it, where every sequence decoded one token (a step with a prompt
         chunk is no sample of t(k)) and, with a draft model, proposed its shape's k drafts.
@@ -297,6 +319,9 @@ class AdaptiveSpeculation:
         offered drafts where nobody proposed ran k = 0's shape synchronously, a sample of
         t_sync and not of t(0) (_rate)."""
         self.steps_per_k[out.num_spec_tokens] += 1
+        if self.chains:  # the step after this one is launched already
+            self._chain_left = max(0, self._chain_left - 1)
+            seconds = self._paired(out, seconds, launched_ahead, shape_k)
         self._observe_acceptance(out, sampled)
         decode = bool(out.seq_ids) and max(out.num_new_tokens) == 1
         # a probe counts where it ran as a decode step (a prompt's step proposes nothing)
@@ -326,6 +351,23 @@ class AdaptiveSpeculation:
                 or min(out.num_spec_tokens_per_seq, default=0) == k):  # every sequence drafted k
             self._observe_seconds(bucket, k, seconds)
         self._num_observed += 1
+
+    def _paired(self, out: SchedulerOutput, seconds: float | None, launched_ahead: bool,
+                shape_k: int | None) -> float | None:
+        """`chains`: the mean period of PAIR steps of one k at one bucket, each launched ahead
+        after a step launched ahead, once the pair is complete; else None (no sample)."""
+        steady, self._last_ahead = launched_ahead and self._last_ahead, launched_ahead
+        cell = (self.shapes.seq_bucket(len(out.seq_ids)),
+                out.num_spec_tokens if shape_k is None else shape_k)
+        if not steady or seconds is None:
+            self._pair = None
+            return None
+        if self._pair is None or self._pair[0] != cell:
+            self._pair = (cell, 0.0, 0)
+        _, total, steps = self._pair
+        total, steps = total + seconds, steps + 1
+        self._pair = None if steps == self.PAIR else (cell, total, steps)
+        return total / steps if steps == self.PAIR else None
 
     def _observe_acceptance(self, out: SchedulerOutput, sampled: SampledTokens) -> None:
         # each position forgets only when it is drafted again (one rarely drafted, a larger k

@@ -139,6 +139,8 @@ class EngineCore:
         self.prompt_tokens_total = 0
         self.step_timings = StepTimings()
         self.overlap = StepOverlap(self)
+        if self.speculation is not None:  # its steps' periods: see AdaptiveSpeculation.chains
+            self.speculation.chains = self.overlap.speculates_ahead and self.scheduler.has_draft
         # what arrived since the last step: applied at its top, after a step in flight
         self._pending: list[EngineCoreRequest | str] = []
         register_engine(self)
@@ -410,7 +412,8 @@ class EngineCore:
             last, self._last_output_time = self._last_output_time, now
             self.speculation.observe(out, sampled,
                                      None if last is None else now - last - during_seconds,
-                                     shape_k=model_input.layout.num_spec_tokens)
+                                     shape_k=model_input.layout.num_spec_tokens,
+                                     launched_ahead=out.input_rows is not None)
         if not self.scheduler.has_unfinished():  # the last rows free now, not at the next step
             self._apply_changes(self.scheduler.take_changes())
             self._last_output_time = None  # idle next: the next period is no step's

@@ -6,8 +6,8 @@ Only decode steps of every running sequence qualify, with nobody waiting and no 
 grammar, drafts, penalties, logit bias or banned tokens (those read tokens the host has not
 seen: Scheduler.schedule_next), on a runner that launches asynchronously and can read its
 inputs on the device. With speculation, that is while the policy drafts nothing
-(AdaptiveSpeculation.next_k_is_zero): its next probe ends the run. With a draft model and
-PAGEDJAX_ASYNC_SPECULATION=1 (a runner with async_speculation: jax), speculative steps too,
+(AdaptiveSpeculation.next_k_is_zero): its next probe ends the run. With a draft model on a
+runner with async_speculation (jax; PAGEDJAX_ASYNC_SPECULATION=0: not), speculative steps too,
 while the policy keeps its k (next_k_is): each is scheduled as though the one in flight accepted
 no draft, moved on the device by the drafts it did accept (backends/jax/spec_step.shift_ahead),
 and its record on the host once that one's tokens arrive (SchedulerOutput.shift_ahead). Any
@@ -90,7 +90,7 @@ class StepOverlap:
                 or self._drafts_next(launched.out) > 0)
 
     def _drafts_next(self, last: SchedulerOutput) -> int:
-        """Async speculation (PAGEDJAX_ASYNC_SPECULATION): the k of the draft model's
+        """Async speculation: the k of the draft model's
         speculative step that may launch before `last`'s tokens are known, `last` having
         drafted k for every sequence and the policy's next k being k whatever `last` yields;
         else 0."""

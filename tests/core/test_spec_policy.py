@@ -508,3 +508,47 @@ def test_probes_move_on_from_a_k_whose_offers_measure_nothing(tmp_path) -> None:
     tail = chosen[-512:]
     assert tail.count(4) >= 512 - 512 // policy.PROBE_EVERY
     assert tail.count(0) >= 2 and tail.count(2) >= 2
+
+
+def simulate_ahead(policy: AdaptiveSpeculation, num_seqs: int, steps: int, accepted: int,
+                   device: dict[int, float], host: float) -> list[int]:
+    """As simulate, for an engine whose speculative steps launch ahead (async speculation): a
+    step launches before the last one is observed where next_k_is says its k stays, and then
+    costs its device time alone; a step chosen after the last one's tokens costs the host's
+    work too. Returns the k of each step."""
+    chosen, k, ahead = [], policy.choose(num_seqs), False
+    for _ in range(steps):
+        next_ahead = policy.next_k_is(k, num_seqs)  # asked while this step is in flight
+        sampled = SampledTokens.from_lists(
+            {i: [0] * (min(accepted, k) + 1) for i in range(num_seqs)})
+        policy.observe(decode_step(num_seqs, k), sampled, device[k] + (0.0 if ahead else host),
+                       launched_ahead=ahead)
+        chosen.append(k)
+        ahead = next_ahead
+        if not ahead:
+            k = policy.choose(num_seqs)
+    return chosen
+
+
+@pytest.mark.parametrize("start", [2, 4])
+def test_with_steps_launched_ahead_every_k_is_timed_as_it_would_run(tmp_path, start) -> None:
+    """Launched ahead, k = 4 costs 1.3 and k = 2 1.0 (every draft accepted: 5 / 1.3 beats
+    3 / 1.0); a step that waits for the last one's tokens costs 1.5 more. With `chains`, every k
+    is timed by steps launched ahead, a probe's k runs one more step to be timed so, and the
+    policy settles on k = 4 whichever k a wrong startup table starts it at. Timed as they ran,
+    the k it started at keeps the only fast samples: started at k = 2, it never leaves it."""
+    device, host = {0: 0.8, 2: 1.0, 4: 1.3}, 1.5
+
+    def table(k: int, s: int) -> float:  # wrong: the k it starts at looks cheap
+        return {0: 0.8, 2: 1.0 if start == 2 else 9.0, 4: 1.0 if start == 4 else 9.0}[k]
+
+    policy = policy_for(tmp_path, table)
+    policy.chains = True
+    chosen = simulate_ahead(policy, 1, 600, accepted=4, device=device, host=host)
+    assert chosen[0] == start
+    assert chosen[-200:].count(4) >= 200 * 0.9
+    assert policy.seconds(1, 4) == pytest.approx(1.3) and policy.seconds(1, 2) == pytest.approx(1.0)
+    if start == 2:
+        stuck = policy_for(tmp_path, table)
+        assert simulate_ahead(stuck, 1, 600, accepted=4, device=device,
+                              host=host)[-200:].count(2) >= 200 * 0.9

@@ -12,9 +12,9 @@ from pagedjax import LLM, SamplingParams
 from tests.backends.test_jax_backend import make_prompts
 
 BACKENDS = ["jax", "torch"]
-# jax with PAGEDJAX_ASYNC_SPECULATION=1: speculative steps launched before the last one's tokens
-# reach the host; its outputs are jax's
-DRAFT_BACKENDS = [*BACKENDS, "jax-async"]
+# jax's speculative steps launch before the last one's tokens reach the host (async
+# speculation); "jax-sync" (PAGEDJAX_ASYNC_SPECULATION=0) waits for them; its outputs are jax's
+DRAFT_BACKENDS = [*BACKENDS, "jax-sync"]
 MAX_TOKENS = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
@@ -24,15 +24,15 @@ def make_llm(target: str, backend: str, draft: str | None = None, k: int = 3,
     spec = None if draft is None else {"model": draft, "num_speculative_tokens": k,
                                        "adaptive": adaptive}
     kwargs = {"num_gpu_blocks_override": 96, "max_num_batched_tokens": 256, **kwargs}
-    ahead = backend == "jax-async"
-    with mock.patch.dict(os.environ, {"PAGEDJAX_ASYNC_SPECULATION": "1" if ahead else "0"}):
-        return LLM(target, backend="jax" if ahead else backend, max_model_len=256,
-                   speculative_config=spec, **kwargs)
+    sync = backend == "jax-sync"
+    with mock.patch.dict(os.environ, {"PAGEDJAX_ASYNC_SPECULATION": "0" if sync else "1"}):
+        return LLM(target, backend=same_as(backend), max_model_len=256, speculative_config=spec,
+                   **kwargs)
 
 
 def same_as(backend: str) -> str:
     """The backend whose outputs `backend`'s equal."""
-    return "jax" if backend == "jax-async" else backend
+    return "jax" if backend == "jax-sync" else backend
 
 
 def launched_ahead(llm: LLM) -> int:
@@ -70,7 +70,7 @@ def test_greedy_speculation_is_exact(tiny_model, reference, backend: str, draft_
     llm = make_llm(tiny_model("llama"), backend, tiny_model(draft_name), k)
     outputs = llm.generate(prompts(llm), GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == reference[same_as(backend)]
-    assert (launched_ahead(llm) > 0) == (backend == "jax-async")
+    assert (launched_ahead(llm) > 0) == (backend == "jax")
     metrics = llm.get_metrics()
     drafted, accepted = (metrics["spec_decode_num_draft_tokens"],
                          metrics["spec_decode_num_accepted_tokens"])
@@ -160,7 +160,7 @@ def test_async_speculation_samples_what_the_synchronous_engine_samples(tiny_mode
     params.append(SamplingParams(temperature=0.3, max_tokens=40, seed=7, ignore_eos=True,
                                  stop_token_ids=[5]))
     got = {}
-    for backend in ("jax", "jax-async"):
+    for backend in ("jax-sync", "jax"):
         llm = make_llm(tiny_model("llama"), backend, tiny_model("llama"), k=3, adaptive=False)
         outputs = llm.generate(prompts(llm), params, use_tqdm=False)
         got[backend] = [(c.token_ids, [round(lp[t].logprob, 4) for lp, t in
@@ -171,7 +171,7 @@ def test_async_speculation_samples_what_the_synchronous_engine_samples(tiny_mode
             "spec_decode_num_draft_tokens"]
         assert_no_leak(llm)
     assert launched_ahead(llm) > 0
-    assert got["jax-async"] == got["jax"]
+    assert got["jax"] == got["jax-sync"]
 
 
 @pytest.mark.slow

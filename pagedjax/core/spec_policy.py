@@ -99,8 +99,9 @@ class AdaptiveSpeculation:
     STALE_AFTER = 4 * PROBE_EVERY
     PROBE_MIN_SAMPLES = 3  # or one timed by fewer steps: a bucket's first ones may be slow
     # with steps launched ahead (`chains`): a probe or try's steps after its own (the first
-    # untimed, then a pair timed), and the steps whose periods make one sample
-    CHAIN = 3
+    # untimed, then a pair timed; one more where a draft model's probe caught up first), and
+    # the steps whose periods make one sample
+    CHAIN = 4
     PAIR = 2
 
     def __init__(self, config: SpeculativeConfig, shapes: StepShapes,
@@ -163,6 +164,8 @@ class AdaptiveSpeculation:
         if not self.adaptive:
             self.k = self.max_k
             return self.k
+        if self._chain_left:  # a probe or try's steps, where they could not launch ahead (a
+            return self.k  # draft model's probe after k = 0 steps catches up first)
         bucket = self.shapes.seq_bucket(num_seqs)
         rate = {k: self._rate(bucket, num_seqs, k) for k in (0, *self.shapes.spec_ks)}
         best = max(self.shapes.spec_ks, key=rate.__getitem__)
@@ -238,12 +241,18 @@ class AdaptiveSpeculation:
         before any, and with a fixed k)."""
         return not self.adaptive or self._chosen > 0
 
+    @property
+    def _probe_every(self) -> int:
+        """Steps between probes: PROBE_EVERY, and as much again per two steps a probe chains
+        (`chains`: a probe costs 1 + CHAIN steps of its k, not 1)."""
+        return self.PROBE_EVERY * (1 + self.CHAIN) // 2 if self.chains else self.PROBE_EVERY
+
     def _probe_due(self, ahead: int = 0) -> bool:
         """PROBE_EVERY steps since the last probe, and (a draft model) some sequence can draft
         at the smallest compiled k, or the probe has waited FORCE_PROBE_AFTER steps. ahead: k = 0
         decode steps not observed yet (they only make drafts less current)."""
         since = self._since_probe + 1 + ahead
-        if since < self.PROBE_EVERY:
+        if since < self._probe_every:
             return False
         return self._drafts_current() or since >= self.FORCE_PROBE_AFTER
 

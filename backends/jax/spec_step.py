@@ -103,7 +103,9 @@ def shift_ahead(b: dict[str, jax.Array], last: jax.Array, *, layout: BatchLayout
     def slots(seq: jax.Array, positions: jax.Array) -> jax.Array:
         return tables[seq, positions // block_size] * block_size + positions % block_size
 
-    seq = jnp.minimum(jnp.searchsorted(query_start_loc[1:], token, side="right"), s - 1)
+    # (compare_all: no while loop, whose predicate a GPU would send to the host every pass)
+    seq = jnp.minimum(jnp.searchsorted(query_start_loc[1:], token, side="right",
+                                       method="compare_all"), s - 1)
     moved = (token < query_start_loc[s]) & ahead[seq]
     b["positions"] = b["positions"] + jnp.where(moved, shift[seq], 0)
     b["slot_mapping"] = jnp.where(moved, slots(seq, b["positions"]), b["slot_mapping"])
@@ -114,7 +116,8 @@ def shift_ahead(b: dict[str, jax.Array], last: jax.Array, *, layout: BatchLayout
     host_start = b["draft_query_start_loc"]  # [S + 1]
     lens = jnp.where(ahead, 1 + (before >= 0), host_start[1:] - host_start[:-1])  # [S]
     start = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(lens, dtype=jnp.int32)])
-    dseq = jnp.minimum(jnp.searchsorted(start[1:], token, side="right"), s - 1)  # [T]
+    dseq = jnp.minimum(jnp.searchsorted(start[1:], token, side="right", method="compare_all"),
+                       s - 1)  # [T]
     j = token - start[dseq]
     real = token < start[s]
     dmoved = real & ahead[dseq]

@@ -68,9 +68,12 @@ def test_one_device_call_per_step_with_drafts(tiny_model, backend: str) -> None:
     while engine.has_unfinished_requests():
         engine.step()
         num_engine_steps += 1
-    # one call more may run nothing: it hands over the last step's outputs, which jax builds
-    # while the device runs the next step (async output processing)
-    assert len(steps) == len(device_calls) == num_engine_steps - (backend == "jax")
+    # jax: a call may run nothing and hand over the last step's outputs, which it builds while
+    # the device runs the next step (async output processing), or a step launched ahead whose
+    # successor cannot be (near max_tokens, a speculative one cannot launch ahead)
+    assert len(steps) == len(device_calls)
+    assert (len(steps) == num_engine_steps if backend == "torch"
+            else len(steps) < num_engine_steps)
     drafting = [i for i, _ in steps if i.layout.num_spec_tokens]
     assert len(drafting) >= len(steps) - 2  # every decode step but the last drafted
     assert [i.num_spec_tokens for i in drafting[:3]] == [3] * 3  # k = 3 until max_tokens nears

@@ -99,9 +99,10 @@ def test_a_speculative_engine_runs_ahead_while_its_policy_drafts_nothing(tiny_mo
         core.speculation = AdaptiveSpeculation(core.config.speculative_config, shapes, table)
         observe = core.speculation.observe  # steps timed as scripted: k = 0 the fastest
 
-        def scripted(out, sampled, seconds=None, shape_k=None, observe=observe):
+        def scripted(out, sampled, seconds=None, shape_k=None, launched_ahead=False,
+                     observe=observe):
             seconds = None if seconds is None else 1e-3 * (1 + 2 * (shape_k or 0))
-            observe(out, sampled, seconds, shape_k)
+            observe(out, sampled, seconds, shape_k, launched_ahead)
 
         core.speculation.observe = scripted
         results[on], ahead[on] = run(engine, params=lambda i: SamplingParams(

@@ -298,9 +298,10 @@ def all_steps(ctx: Context) -> list[Step]:
         # calls of 545 and 235 s reached jax's FP8 step; jax's speculation never finished)
         kernels("jax"),
         *moe_layer_steps(ctx, part / "moe_layer"),
-        spec_decode("torch", 60),
-        # jax's draft-model steps launched ahead (async speculation, the default) beside
-        # waiting for the last one's tokens (on a CPU: 1.05-1.29x faster at k = 4, stop 79)
+        # draft-model steps launched ahead (async speculation: jax's default, torch's where
+        # PAGEDJAX_ASYNC_SPECULATION=1) beside waiting for the last one's tokens (on a CPU,
+        # jax: 1.02-1.29x faster at k = 4, stop 79)
+        spec_decode("torch", 100, "--async-speculation", "both"),
         spec_decode("jax", 180, "--async-speculation", "both"),
         decode_step("decode_step_torch_sync", "torch", "--no-async-scheduling", timeout_s=45),
         kernels("torch"),

@@ -13,9 +13,10 @@
 - PAGEDJAX_STACK_LAYER_PARAMS=1: the jax step takes each per-layer weight stacked over the
   layers (a few arrays a call instead of one per weight; unpacked weights, one device); off by
   default until a GPU measures it (backends/jax/stacked_params.py).
-- PAGEDJAX_ASYNC_SPECULATION=0: with a draft model, every speculative decode step waits for
-  the last one's tokens; by default, on a runner that can (jax), it launches before they reach
-  the host, as plain decode steps do (engine/overlap.py).
+- PAGEDJAX_ASYNC_SPECULATION=0/1: with a draft model, whether a speculative decode step may
+  launch before the last one's tokens reach the host, as plain decode steps do
+  (engine/overlap.py), on a runner that can; unset: on jax, not on torch (on a GPU only, not run
+  on one yet).
 - PAGEDJAX_TEST_FAIL_STEP_AFTER=N (tests only): an engine core in its own process raises after
   N good steps, as a bug in a step would (the server's failure path); 0 or unset: never.
 """
@@ -64,7 +65,7 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "PAGEDJAX_FREEZE_GC_HEAP": lambda: _flag("PAGEDJAX_FREEZE_GC_HEAP", True),
     "PAGEDJAX_ENGINE_CORE_PROCESS": lambda: _optional_flag("PAGEDJAX_ENGINE_CORE_PROCESS"),
     "PAGEDJAX_STACK_LAYER_PARAMS": lambda: _flag("PAGEDJAX_STACK_LAYER_PARAMS", False),
-    "PAGEDJAX_ASYNC_SPECULATION": lambda: _flag("PAGEDJAX_ASYNC_SPECULATION", True),
+    "PAGEDJAX_ASYNC_SPECULATION": lambda: _optional_flag("PAGEDJAX_ASYNC_SPECULATION"),
     "PAGEDJAX_TEST_FAIL_STEP_AFTER": lambda: _int("PAGEDJAX_TEST_FAIL_STEP_AFTER", 0),
 }
 

@@ -80,15 +80,19 @@ class TorchModelRunner:
             self.models.append(DeviceModel.load(config.speculative_config.model,
                                            draft_model_config, config, self.device, draft))
         self.upload = HostToDevice(self.device)
-        # each row's first sampled token of the last step [max_num_seqs]: the inputs of the
-        # rows whose input_rows say so (async scheduling); one buffer, so graphs capture it
-        self.last_tokens = torch.zeros(shapes.max_num_seqs, dtype=torch.int32,
+        # what the last step leaves the next (spec_step.keep_carry) [3, max_num_seqs]: each
+        # row's last sampled token, the inputs of the rows whose input_rows say so (async
+        # scheduling), and for a speculative step launched ahead, the drafts accepted; one
+        # buffer, so graphs capture it
+        self.last_tokens = torch.zeros(3, shapes.max_num_seqs, dtype=torch.int32,
                                        device=self.device)
+        self.last_tokens[1] = -1
         # On CUDA a step runs while the host goes on (its graph replays, its outputs' copies to
         # the host are queued, and only the function execute_async returns waits for them).
         # On a CPU torch computes as it is called: nothing to overlap.
         self.step = StepBody(self.models, self.last_tokens,
-                             async_launch=self.device.type == "cuda")
+                             async_launch=self.device.type == "cuda",
+                             block_size=config.block_size)
         self.graphs: StepGraphs | None = None  # none while the pool is sized
         self.num_kv_blocks = 0
         if rank == 0:  # rank 0 sizes the pool; the others allocate when told to
@@ -197,7 +201,13 @@ class TorchModelRunner:
     # ---- execute -----------------------------------------------------------------------------
 
     async_scheduling = True  # a step's rows read their input_rows from last_tokens
-    async_speculation = False  # speculative steps wait for the last one's tokens
+
+    @property
+    def async_speculation(self) -> bool | None:
+        """Where steps launch asynchronously (CUDA), a draft model's speculative steps may too
+        (spec_step.shift_ahead), off unless PAGEDJAX_ASYNC_SPECULATION=1 until a GPU has run
+        them (ModelRunner.async_speculation)."""
+        return None if self.async_launch else False
 
     @property
     def async_launch(self) -> bool:
@@ -246,14 +256,20 @@ class TorchModelRunner:
                                   self._graph_step(model_input.layout, variant),
                                   model_input.ints, model_input.floats, self.upload)
         else:  # eager: the padding tokens need not run (a graph replays the padded shapes)
+            max_draft, num_draft = model_input.max_draft_query_len, model_input.num_draft_tokens
+            if self.async_launch and model_input.layout.draft and model_input.num_spec_tokens:
+                # launched ahead, the draft catches up on 2 tokens a sequence, not 1, where the
+                # last step's drafts were all accepted (shift_ahead; the host cannot tell)
+                max_draft, num_draft = max(max_draft, 2), min(2 * num_draft,
+                                                              model_input.layout.num_tokens)
             out = self.step(self.upload("ints", model_input.ints),
                              self.upload("floats", model_input.floats),
                              self._entries(model_input), self._token_bitmask(model_input),
                              layout=model_input.layout,
                              flags=model_input.flags, max_query_len=model_input.max_query_len,
-                             max_draft_query_len=model_input.max_draft_query_len,
+                             max_draft_query_len=max_draft,
                              num_tokens=model_input.num_tokens,
-                             num_draft_tokens=model_input.num_draft_tokens,
+                             num_draft_tokens=num_draft,
                              num_samples=model_input.num_logits)
         # copied out now: a graph's outputs are its own buffers, overwritten by its next replay
         host = StepOutput(*(None if t is None else t.to("cpu", non_blocking=True)

@@ -75,3 +75,77 @@ def propose_drafts(forward: DraftForward, kv_caches: list[KVCache], b: dict[str,
             drafts.append(logits_stats(forward(drafts[-1], kv_caches, step_meta, seq_rows))[0])
         return torch.stack(drafts, dim=1)
     return torch.cat([first[:, None], decoded[0].T], dim=1)
+
+
+def shift_ahead(b: dict[str, torch.Tensor], last: torch.Tensor, *, layout: BatchLayout,
+                block_size: int) -> dict[str, torch.Tensor]:
+    """A draft model's speculative step launched before the last one's tokens reached the host
+    (async speculation): backends/jax/spec_step.shift_ahead, op for op (no shape depends on
+    data). last [3, R]: each last logits row's last token, the one before it where all its
+    drafts were accepted (-1 otherwise), and its drafts accepted. Returns b with the moved
+    fields replaced (a new dict)."""
+    s, t = layout.num_seqs, layout.num_tokens
+    b = dict(b)
+    device = last.device
+    token = torch.arange(t, dtype=torch.int32, device=device)
+    query_start_loc = b["query_start_loc"]  # [S + 1]
+    row = b["input_rows"][query_start_loc[:-1].clamp(max=t - 1).long()]  # [S]
+    ahead = (row > 0) & (query_start_loc[1:] > query_start_loc[:-1])
+    src = (row - 1).clamp(min=0).long()
+    shift = torch.where(ahead, last[2][src], 0)  # [S]
+    before = torch.where(ahead, last[1][src], -1)  # [S]
+    tables = b["block_tables"]
+
+    def slots(seq: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return (tables[seq, (positions // block_size).long()] * block_size
+                + positions % block_size)
+
+    seq = torch.searchsorted(query_start_loc[1:], token, right=True).clamp(max=s - 1)  # [T]
+    moved = (token < query_start_loc[s]) & ahead[seq]
+    positions = b["positions"] + torch.where(moved, shift[seq], 0)
+    b["positions"] = positions
+    b["slot_mapping"] = torch.where(moved, slots(seq, positions), b["slot_mapping"])
+    b["kv_lens"] = b["kv_lens"] + shift
+    b["rng_step"] = b["rng_step"] + shift[b["sample_seq"].long()]
+
+    host_start = b["draft_query_start_loc"]  # [S + 1]
+    lens = torch.where(ahead, 1 + (before >= 0).to(torch.int32), host_start[1:] - host_start[:-1])
+    start = torch.cat([host_start[:1] * 0, torch.cumsum(lens, 0, dtype=torch.int32)])
+    dseq = torch.searchsorted(start[1:], token, right=True).clamp(max=s - 1)  # [T]
+    j = token - start[dseq]
+    real = token < start[s]
+    dmoved = real & ahead[dseq]
+    kept = real & ~ahead[dseq]
+    old = (host_start[dseq] + j).clamp(0, t - 1).long()
+    end = b["draft_kv_lens"] + shift  # [S]
+    draft_positions = end[dseq] - lens[dseq] + j
+    fed = torch.where(j == lens[dseq] - 1, last[0][src[dseq]], before[dseq])
+    zero = torch.zeros_like(token)
+    b["draft_input_ids"] = torch.where(dmoved, fed,
+                                       torch.where(kept, b["draft_input_ids"][old], zero))
+    b["draft_positions"] = torch.where(dmoved, draft_positions,
+                                       torch.where(kept, b["draft_positions"][old], zero))
+    b["draft_slot_mapping"] = torch.where(
+        dmoved, slots(dseq, draft_positions),
+        torch.where(kept, b["draft_slot_mapping"][old], zero - 1))
+    b["draft_query_start_loc"] = start
+    b["draft_kv_lens"] = end
+    return b
+
+
+def keep_carry(last: torch.Tensor, tokens: torch.Tensor, num_draft_tokens: torch.Tensor | None
+               ) -> None:
+    """Write into last [3, R] what the next step reads of this one's tokens [L, K+1] (-1
+    padded; num_draft_tokens [L]: the drafts each row verified, None: none): each row's last
+    token, the one before it where every draft was accepted (else -1), the drafts accepted."""
+    count = (tokens >= 0).sum(dim=1, dtype=torch.int32)  # [L]
+    accepted = (count - 1).clamp(min=0)
+    lines = torch.arange(tokens.shape[0], device=tokens.device)
+    final = tokens[lines, accepted.long()]
+    verified = accepted if num_draft_tokens is None else num_draft_tokens
+    all_kept = (accepted == verified) & (accepted > 0)
+    before = torch.where(all_kept, tokens[lines, (accepted - 1).clamp(min=0).long()], -1)
+    n = min(tokens.shape[0], last.shape[1])
+    last[0, :n] = final[:n]
+    last[1, :n] = before[:n]
+    last[2, :n] = accepted[:n]

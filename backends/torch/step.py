@@ -23,7 +23,7 @@ from pagedjax.backends.torch.sampler import (
     sample,
     score_prompt_tokens,
 )
-from pagedjax.backends.torch.spec_step import propose_drafts
+from pagedjax.backends.torch.spec_step import keep_carry, propose_drafts, shift_ahead
 from pagedjax.core.batch import SAMPLING_FIELDS, StepFlags, StepOutput, unpack
 from pagedjax.core.step_shapes import BatchLayout
 from pagedjax.sampling_params import MAX_LOGPROBS
@@ -39,8 +39,10 @@ class StepBody:
     the last step's first tokens."""
 
     models: list[DeviceModel]
-    last_tokens: torch.Tensor  # [max_num_seqs] int32: one buffer, so graphs capture it
+    # [3, max_num_seqs] int32 (spec_step.keep_carry): one buffer, so graphs capture it
+    last_tokens: torch.Tensor
     async_launch: bool  # steps may be launched before the last one's tokens reach the host
+    block_size: int = 16  # the KV cache's (a speculative step launched ahead finds its slots)
 
     def __call__(self, ints: torch.Tensor, floats: torch.Tensor,
               entries: tuple[torch.Tensor, torch.Tensor] | None,
@@ -61,6 +63,10 @@ class StepBody:
             if out is not None:
                 return out
         b = unpack(layout, ints, floats)
+        k = layout.num_spec_tokens
+        if self.async_launch and layout.draft and k:  # launched ahead: moved by what the
+            b = shift_ahead(b, self.last_tokens, layout=layout,  # last step accepted
+                            block_size=self.block_size)
         sampling = {name: b[name] for name in SAMPLING_FIELDS}
         for name in ("rng_seed", "rng_step"):  # uint32 counters, emulated in int64
             sampling[name] = b[name].to(torch.int64) & 0xFFFFFFFF
@@ -68,12 +74,12 @@ class StepBody:
             sampling["entries"] = entries
         if token_bitmask is not None:
             sampling["token_bitmask"] = token_bitmask  # [S, W]
-        target, k = self.models[0], layout.num_spec_tokens
+        target = self.models[0]
         input_ids = b["input_ids"]
         if self.async_launch:  # only then may a step be scheduled before the last one's tokens
             rows = b["input_rows"]  # [T]: 1 + a row of last_tokens, or 0 (input_ids)
-            input_ids = torch.where(rows > 0, self.last_tokens[(rows - 1).clamp(min=0).long()],
-                                    input_ids)
+            input_ids = torch.where(
+                rows > 0, self.last_tokens[0][(rows - 1).clamp(min=0).long()], input_ids)
         if layout.draft:
             draft = self.models[1]
             drafts = propose_drafts(draft.forward, draft.kv_caches, b, draft.rope,
@@ -104,7 +110,7 @@ class StepBody:
             logits = torch.nn.functional.pad(logits, (0, 0, 0, indices.numel() - num_rows))
         if not k:
             out = sample(logits, sampling, flags)
-            self.keep_first_tokens(out[0][:, None])
+            self.keep_carry(out[0][:, None], None)
             return StepOutput(*(None if x is None else x[:, None] for x in out), *prompt)
         raw_argmax, lse = (x.view(indices.shape) for x in logits_stats(logits))  # [L, K+1]
         logits = logits.view(*indices.shape, -1)  # [L, K+1, V]
@@ -112,7 +118,7 @@ class StepBody:
         tokens, _ = rejection_sample(logits, drafts[seqs], None, b["num_draft_tokens"],
                                      sampling, all_greedy=not flags.sampled,
                                      use_filters=flags.filters, raw_argmax=raw_argmax)
-        self.keep_first_tokens(tokens)
+        self.keep_carry(tokens, b["num_draft_tokens"])
         return StepOutput(tokens, *gather_logprobs(
             logits, lse, tokens, MAX_LOGPROBS if flags.logprobs else 0), *prompt)
 
@@ -133,13 +139,11 @@ class StepBody:
         rows = indices[: indices.shape[0] if num_samples is None else num_samples].long()
         return StepOutput(*(x[0, rows][:, None] for x in decoded))  # [L, 1] each
 
-    def keep_first_tokens(self, tokens: torch.Tensor) -> None:
-        """[L, K+1] → each row's first token into last_tokens (the next step's inputs, read
-        on the device when it is launched before these reach the host; a CPU never is)."""
-        if not self.async_launch:
-            return
-        n = min(tokens.shape[0], self.last_tokens.shape[0])
-        self.last_tokens[:n] = tokens[:n, 0]
+    def keep_carry(self, tokens: torch.Tensor, num_draft_tokens: torch.Tensor | None) -> None:
+        """[L, K+1] → what the next step reads of them into last_tokens (spec_step.keep_carry;
+        read on the device when it is launched before these reach the host: a CPU never is)."""
+        if self.async_launch:
+            keep_carry(self.last_tokens, tokens, num_draft_tokens)
 
 
 def copy_blocks(models: list[DeviceModel], copies: torch.Tensor) -> None:

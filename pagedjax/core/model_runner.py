@@ -69,8 +69,9 @@ class ModelRunner(Protocol):
     async_scheduling: bool
     # Whether a draft model's speculative step may be launched before the last one's tokens
     # reach the host, moving on the device by the drafts that step accepted (ModelInput's
-    # input_rows; backends/jax/spec_step.shift_ahead).
-    async_speculation: bool
+    # input_rows; backends/*/spec_step.shift_ahead): True, by default; None, where
+    # PAGEDJAX_ASYNC_SPECULATION=1 asks; False, never.
+    async_speculation: bool | None
     # Whether the host's other cores idle while the engine thread runs the Python between two
     # steps: the next step's grammar masks are then filled there, on a thread of their own
     # (StructuredOutputManager.fill_ahead).

@@ -7,11 +7,12 @@ grammar, drafts, penalties, logit bias or banned tokens (those read tokens the h
 seen: Scheduler.schedule_next), on a runner that launches asynchronously and can read its
 inputs on the device. With speculation, that is while the policy drafts nothing
 (AdaptiveSpeculation.next_k_is_zero): its next probe ends the run. With a draft model on a
-runner with async_speculation (jax; PAGEDJAX_ASYNC_SPECULATION=0: not), speculative steps too,
-while the policy keeps its k (next_k_is): each is scheduled as though the one in flight accepted
-no draft, moved on the device by the drafts it did accept (backends/jax/spec_step.shift_ahead),
-and its record on the host once that one's tokens arrive (SchedulerOutput.shift_ahead). Any
-other step runs as before, after the one in flight is collected.
+runner with async_speculation (jax; torch on a GPU where PAGEDJAX_ASYNC_SPECULATION=1 asks;
+=0: none), speculative steps too, while the policy keeps its k (next_k_is): each is scheduled
+as though the one in flight accepted no draft, moved on the device by the drafts it did accept
+(backends/*/spec_step.shift_ahead), and its record on the host once that one's tokens arrive
+(SchedulerOutput.shift_ahead). Any other step runs as before, after the one in flight is
+collected.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ class StepOverlap:
     def __init__(self, core: StepHost) -> None:
         self.core = core
         self.in_flight: Launched | None = None  # launched, not collected
-        self.speculates_ahead = envs.PAGEDJAX_ASYNC_SPECULATION and core.runner.async_speculation
+        self._async_speculation = envs.PAGEDJAX_ASYNC_SPECULATION  # None: the runner's default
         self.num_speculative_ahead = 0  # speculative steps launched before the last's tokens
 
     def hold(self, launched: Launched) -> None:
@@ -88,6 +89,14 @@ class StepOverlap:
             return False
         return ((model_input.layout.decode and self._no_drafts_next(launched.out))
                 or self._drafts_next(launched.out) > 0)
+
+    @property
+    def speculates_ahead(self) -> bool:
+        """Whether a draft model's speculative steps may launch ahead on this runner
+        (ModelRunner.async_speculation, PAGEDJAX_ASYNC_SPECULATION)."""
+        can = self.core.runner.async_speculation
+        asked = self._async_speculation
+        return can is not False and (bool(can) if asked is None else asked)
 
     def _drafts_next(self, last: SchedulerOutput) -> int:
         """Async speculation: the k of the draft model's

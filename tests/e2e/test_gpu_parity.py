@@ -62,3 +62,27 @@ def test_users_default_engine_on_the_gpu(model_and_reference, compile_at_startup
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected
     assert llm.engine.get_metrics()["num_compiles_after_startup"] == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["jax", "torch"])
+def test_speculative_steps_launched_ahead_match_hf_on_the_gpu(model_and_reference,
+                                                              compile_at_startup,
+                                                              backend: str) -> None:
+    """A draft model's speculative steps launched before the last one's tokens reach the host
+    (PAGEDJAX_ASYNC_SPECULATION=1; torch replays them from CUDA graphs), moved on the device by
+    the drafts accepted: float32 greedy is still HF's, and steps did launch ahead. The draft is
+    the target, so every draft is accepted and each step's draft catches up on two tokens."""
+    import os
+    from unittest import mock
+
+    model_dir, prompts, expected = model_and_reference
+    with mock.patch.dict(os.environ, {"PAGEDJAX_ASYNC_SPECULATION": "1"}):
+        llm = LLM(model_dir, backend=backend, dtype="float32", max_model_len=128,
+                  gpu_memory_utilization=0.3, speculative_config={
+                      "model": model_dir, "num_speculative_tokens": 2, "adaptive": False})
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert llm.engine.engine_core.overlap.num_speculative_ahead > 0
+    assert llm.engine.get_metrics()["num_compiles_after_startup"] == 0

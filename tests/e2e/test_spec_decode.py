@@ -13,8 +13,11 @@ from tests.backends.test_jax_backend import make_prompts
 
 BACKENDS = ["jax", "torch"]
 # jax's speculative steps launch before the last one's tokens reach the host (async
-# speculation); "jax-sync" (PAGEDJAX_ASYNC_SPECULATION=0) waits for them; its outputs are jax's
-DRAFT_BACKENDS = [*BACKENDS, "jax-sync"]
+# speculation); "jax-sync" (PAGEDJAX_ASYNC_SPECULATION=0) waits for them; "torch-ahead" launches
+# them ahead as on a GPU (PAGEDJAX_ASYNC_SPECULATION=1, its runner told it launches
+# asynchronously, as test_async_scheduling does); their outputs are jax's and torch's
+DRAFT_BACKENDS = [*BACKENDS, "jax-sync", "torch-ahead"]
+AHEAD = ("jax", "torch-ahead")
 MAX_TOKENS = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
@@ -24,15 +27,17 @@ def make_llm(target: str, backend: str, draft: str | None = None, k: int = 3,
     spec = None if draft is None else {"model": draft, "num_speculative_tokens": k,
                                        "adaptive": adaptive}
     kwargs = {"num_gpu_blocks_override": 96, "max_num_batched_tokens": 256, **kwargs}
-    sync = backend == "jax-sync"
-    with mock.patch.dict(os.environ, {"PAGEDJAX_ASYNC_SPECULATION": "0" if sync else "1"}):
-        return LLM(target, backend=same_as(backend), max_model_len=256, speculative_config=spec,
-                   **kwargs)
+    with mock.patch.dict(os.environ, {"PAGEDJAX_ASYNC_SPECULATION": str(int(backend in AHEAD))}):
+        llm = LLM(target, backend=same_as(backend), max_model_len=256, speculative_config=spec,
+                  **kwargs)
+    if backend == "torch-ahead":
+        llm.engine.runner.async_launch = True  # as on CUDA (a CPU computes as it is called)
+    return llm
 
 
 def same_as(backend: str) -> str:
     """The backend whose outputs `backend`'s equal."""
-    return "jax" if backend == "jax-sync" else backend
+    return backend.split("-")[0]
 
 
 def launched_ahead(llm: LLM) -> int:
@@ -70,7 +75,7 @@ def test_greedy_speculation_is_exact(tiny_model, reference, backend: str, draft_
     llm = make_llm(tiny_model("llama"), backend, tiny_model(draft_name), k)
     outputs = llm.generate(prompts(llm), GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == reference[same_as(backend)]
-    assert (launched_ahead(llm) > 0) == (backend == "jax")
+    assert (launched_ahead(llm) > 0) == (backend in AHEAD)
     metrics = llm.get_metrics()
     drafted, accepted = (metrics["spec_decode_num_draft_tokens"],
                          metrics["spec_decode_num_accepted_tokens"])
@@ -149,7 +154,9 @@ def test_parallel_sampling_with_speculation(tiny_model, reference, backend: str)
     assert_no_leak(llm)
 
 
-def test_async_speculation_samples_what_the_synchronous_engine_samples(tiny_model) -> None:
+@pytest.mark.parametrize("backend", AHEAD)
+def test_async_speculation_samples_what_the_synchronous_engine_samples(tiny_model,
+                                                                        backend: str) -> None:
     """Seeded sampling draws from a completion's own random stream, counted by its tokens: the
     speculative steps launched ahead (moved on the device by the drafts the last one accepted)
     sample every token the synchronous engine does at the same k, with top-p, logprobs and a
@@ -159,19 +166,20 @@ def test_async_speculation_samples_what_the_synchronous_engine_samples(tiny_mode
                              ignore_eos=True) for i, t in enumerate((0.2, 0.3, 0.5, 0.8))]
     params.append(SamplingParams(temperature=0.3, max_tokens=40, seed=7, ignore_eos=True,
                                  stop_token_ids=[5]))
+    waiting = {"jax": "jax-sync", "torch-ahead": "torch"}[backend]
     got = {}
-    for backend in ("jax-sync", "jax"):
-        llm = make_llm(tiny_model("llama"), backend, tiny_model("llama"), k=3, adaptive=False)
+    for engine in (waiting, backend):
+        llm = make_llm(tiny_model("llama"), engine, tiny_model("llama"), k=3, adaptive=False)
         outputs = llm.generate(prompts(llm), params, use_tqdm=False)
-        got[backend] = [(c.token_ids, [round(lp[t].logprob, 4) for lp, t in
-                                       zip(c.logprobs or [], c.token_ids)], c.finish_reason)
-                        for o in outputs for c in o.outputs]
+        got[engine] = [(c.token_ids, [round(lp[t].logprob, 4) for lp, t in
+                                      zip(c.logprobs or [], c.token_ids)], c.finish_reason)
+                       for o in outputs for c in o.outputs]
         metrics = llm.get_metrics()
         assert 0 < metrics["spec_decode_num_accepted_tokens"] < metrics[
             "spec_decode_num_draft_tokens"]
         assert_no_leak(llm)
     assert launched_ahead(llm) > 0
-    assert got["jax"] == got["jax-sync"]
+    assert got[backend] == got[waiting]
 
 
 @pytest.mark.slow

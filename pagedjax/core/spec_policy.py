@@ -148,10 +148,11 @@ class AdaptiveSpeculation:
         # by steps launched ahead after a step launched ahead (the first one after a step that
         # waited had its device time overlap that step's wait: 0.1 ms where k = 0 takes 1.2),
         # PAIR at a time (their periods alternate around the mean: 0.5, 1.1, 2.0 ms), and a
-        # probe or a try runs CHAIN more steps of its k, launched ahead, to be timed so. Timed
-        # as they ran, a probe (which waits) made every k but the one chosen look slow, and the
-        # choice stuck (the demo pair on jax, chat turns at batch 1: k = 2 in 1324 of 1400
-        # steps where k = 4 ran 1.39x faster).
+        # probe or a try runs CHAIN more steps of its k, launched ahead where they can, to be
+        # timed so (probes come as much less often: _probe_every). Timed as they ran, a probe
+        # (which waits) made every k but the one chosen look slow, and the choice stuck (the
+        # demo pair on jax, chat turns at batch 1: k = 2 in 1324 of 1400 steps where k = 4 ran
+        # 1.39x faster).
         self.chains = False
         self._chain_left = 0  # steps of the latest probe or try's k still to launch ahead
         self._pair: tuple[tuple[int, int], float, int] | None = None  # (cell, seconds, steps)

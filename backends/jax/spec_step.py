@@ -141,12 +141,15 @@ def carry(tokens: jax.Array, num_draft_tokens: jax.Array, num_rows: int) -> jax.
     num_draft_tokens [L]: the drafts each row verified): [3, R] (R = num_rows), each row's
     last token, the one before it where every draft was accepted (else -1), and the drafts
     accepted; rows past L: zeros (and -1)."""
+    rows = min(num_rows, tokens.shape[0])
+    if tokens.shape[1] == 1:  # no drafts (a plain step): its one token, none accepted
+        return (jnp.zeros((3, num_rows), jnp.int32).at[1].set(-1)
+                .at[0, :rows].set(tokens[:rows, 0]))
     count = (tokens >= 0).sum(axis=1, dtype=jnp.int32)  # [L]
     accepted = jnp.maximum(count - 1, 0)
     lines = jnp.arange(tokens.shape[0])
     last = tokens[lines, accepted]
     all_kept = (accepted == num_draft_tokens) & (accepted > 0)
     before = jnp.where(all_kept, tokens[lines, jnp.maximum(accepted - 1, 0)], -1)
-    rows = min(num_rows, tokens.shape[0])
     out = jnp.zeros((3, num_rows), jnp.int32).at[1].set(-1)
     return out.at[:, :rows].set(jnp.stack([last, before, accepted])[:, :rows])

@@ -138,6 +138,12 @@ def keep_carry(last: torch.Tensor, tokens: torch.Tensor, num_draft_tokens: torch
     """Write into last [3, R] what the next step reads of this one's tokens [L, K+1] (-1
     padded; num_draft_tokens [L]: the drafts each row verified, None: none): each row's last
     token, the one before it where every draft was accepted (else -1), the drafts accepted."""
+    n = min(tokens.shape[0], last.shape[1])
+    if tokens.shape[1] == 1:  # no drafts (a plain step): its one token, none accepted
+        last[0, :n] = tokens[:n, 0]
+        last[1, :n] = -1
+        last[2, :n] = 0
+        return
     count = (tokens >= 0).sum(dim=1, dtype=torch.int32)  # [L]
     accepted = (count - 1).clamp(min=0)
     lines = torch.arange(tokens.shape[0], device=tokens.device)
@@ -145,7 +151,6 @@ def keep_carry(last: torch.Tensor, tokens: torch.Tensor, num_draft_tokens: torch
     verified = accepted if num_draft_tokens is None else num_draft_tokens
     all_kept = (accepted == verified) & (accepted > 0)
     before = torch.where(all_kept, tokens[lines, (accepted - 1).clamp(min=0).long()], -1)
-    n = min(tokens.shape[0], last.shape[1])
     last[0, :n] = final[:n]
     last[1, :n] = before[:n]
     last[2, :n] = accepted[:n]

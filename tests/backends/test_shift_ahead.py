@@ -81,14 +81,20 @@ def test_shift_ahead_moves_what_the_last_step_accepted(backend: str) -> None:
         np.testing.assert_array_equal(np.asarray(got[name]), want, err_msg=name)
 
 
+@pytest.mark.parametrize("tokens, verified, want", [
+    (TOKENS, VERIFIED, CARRY),
+    # a plain step's one token a row
+    (TOKENS[:, :1], None, [[4, 7, 8, 3, 0], [-1] * 5, [0] * 5])])
 @pytest.mark.parametrize("backend", ["jax", "torch"])
-def test_the_carry_holds_each_rows_last_token_and_its_drafts_accepted(backend: str) -> None:
+def test_the_carry_holds_each_rows_last_token_and_its_drafts_accepted(backend: str, tokens,
+                                                                     verified, want) -> None:
     if backend == "jax":
         import jax.numpy as jnp
 
         from pagedjax.backends.jax.spec_step import carry
 
-        got = carry(jnp.asarray(TOKENS), jnp.asarray(VERIFIED), 5)
+        got = carry(jnp.asarray(tokens), jnp.zeros(len(tokens), jnp.int32)
+                    if verified is None else jnp.asarray(verified), 5)
     else:
         import torch
 
@@ -96,5 +102,6 @@ def test_the_carry_holds_each_rows_last_token_and_its_drafts_accepted(backend: s
 
         got = torch.zeros(3, 5, dtype=torch.int32)
         got[1] = -1
-        keep_carry(got, torch.from_numpy(TOKENS), torch.from_numpy(VERIFIED))
-    np.testing.assert_array_equal(np.asarray(got), CARRY)
+        keep_carry(got, torch.from_numpy(np.ascontiguousarray(tokens)),
+                   None if verified is None else torch.from_numpy(verified))
+    np.testing.assert_array_equal(np.asarray(got), want)

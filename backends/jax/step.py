@@ -108,9 +108,13 @@ class StepBody:
                                  decode=layout.decode)
         hidden, kv_caches = self.target.hidden(params)(input_ids, kv_caches, meta)  # [T, H]
         indices = b["logits_indices"]  # [L, K+1]
-        num_samples = indices.shape[0] - b["num_padding_samples"][0]
-        logits = self.target.logits(params)(hidden[indices.reshape(-1)],
-                                            num_samples * indices.shape[1])
+        if k and not layout.draft:  # host drafts: every real token row is a logits row
+            logits = verifying_logits(self.target.logits(params), hidden, indices,
+                                      b["query_start_loc"][-1])
+        else:
+            num_samples = indices.shape[0] - b["num_padding_samples"][0]
+            logits = self.target.logits(params)(hidden[indices.reshape(-1)],
+                                                num_samples * indices.shape[1])
         # Only a mixed step scores prompt tokens: in a decode-shaped one every sequence is
         # past its prompt, or at its single token (which scores nothing).
         prompt = no_prompt_logprobs(hidden)
@@ -151,6 +155,17 @@ def written(out: StepOutput, buffers: StepOutput | None) -> StepOutput:
         return out
     return StepOutput(*(jax.lax.dynamic_update_slice(b, x.astype(b.dtype), (0,) * x.ndim)
                         for x, b in zip(out, buffers)))
+
+
+def verifying_logits(logits_fn, hidden: jax.Array, indices: jax.Array,
+                     num_tokens: jax.Array) -> jax.Array:
+    """[L * (K+1), V] logits of a step verifying the host's drafts, from hidden [T, H].
+    There every real token row is a logits row (a sequence's last token, then its drafts), so
+    the head runs on the first num_tokens rows in place (the packed CPU head skips the rest),
+    not on L * (K+1) gathered ones: a sequence that proposed d < K drafts adds d + 1 rows, not
+    K + 1 (n-gram at batch 16 where a quarter of the sequences match: 32 rows, not 80). Its
+    positions past d read its last draft's row, as the rejection sampler expects of them."""
+    return logits_fn(hidden, num_tokens)[indices.reshape(-1)]
 
 
 def no_prompt_logprobs(hidden: jax.Array) -> tuple[jax.Array, ...]:

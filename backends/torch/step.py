@@ -97,17 +97,26 @@ class StepBody:
                                  b["query_start_loc"], b["kv_lens"], b["block_tables"],
                                  *target.rope, max_query_len=max_query_len)
         indices = b["logits_indices"]  # [L, K+1]
-        rows = indices[: indices.shape[0] if num_samples is None else num_samples].reshape(-1)
-        num_rows = rows.numel()
-        if flags.prompt_logprobs:  # the prompt positions scored, after the sampled rows
-            rows = torch.cat([rows, b["prompt_logprobs_indices"]])
-        logits = target.forward(input_ids, target.kv_caches, meta, rows)
         prompt = ()
-        if flags.prompt_logprobs:
-            logits, prompt_logits = logits[:num_rows], logits[num_rows:]
-            prompt = score_prompt_tokens(prompt_logits, b["prompt_logprobs_token_ids"])
-        if num_rows < indices.numel():  # the padding rows: zeros
-            logits = torch.nn.functional.pad(logits, (0, 0, 0, indices.numel() - num_rows))
+        if k and not layout.draft:  # host drafts: every real token row is a logits row, so
+            # the head runs on those (a sequence that proposed d < K drafts adds d + 1 rows,
+            # not K + 1); its positions past d read its last draft's row (jax's
+            # verifying_logits)
+            rows = torch.arange(input_ids.shape[0], device=input_ids.device)
+            logits = target.forward(input_ids, target.kv_caches, meta, rows)
+            logits = logits.index_select(0, indices.reshape(-1).long())
+        else:
+            rows = indices[: indices.shape[0] if num_samples is None else num_samples]
+            rows = rows.reshape(-1)
+            num_rows = rows.numel()
+            if flags.prompt_logprobs:  # the prompt positions scored, after the sampled rows
+                rows = torch.cat([rows, b["prompt_logprobs_indices"]])
+            logits = target.forward(input_ids, target.kv_caches, meta, rows)
+            if flags.prompt_logprobs:
+                logits, prompt_logits = logits[:num_rows], logits[num_rows:]
+                prompt = score_prompt_tokens(prompt_logits, b["prompt_logprobs_token_ids"])
+            if num_rows < indices.numel():  # the padding rows: zeros
+                logits = torch.nn.functional.pad(logits, (0, 0, 0, indices.numel() - num_rows))
         if not k:
             out = sample(logits, sampling, flags)
             self.keep_carry(out[0][:, None], None)

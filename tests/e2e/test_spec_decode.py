@@ -255,7 +255,7 @@ def test_host_drafts_greedy_is_exact(host_engines, method: str) -> None:
     from pagedjax.sampling_params import StructuredOutputsParams
 
     plain, llm = host_engines["plain"], host_engines[method]
-    params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+    params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=2),
               SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, n=2),
               SamplingParams(temperature=0.0, max_tokens=16, structured_outputs=(
                   StructuredOutputsParams(choice=["The cat sat on the mat", "The dog"])))]
@@ -263,6 +263,10 @@ def test_host_drafts_greedy_is_exact(host_engines, method: str) -> None:
     got = llm.generate(HOST_PROMPTS, params, use_tqdm=False)
     for mine, theirs in zip(got, want):
         assert [c.token_ids for c in mine.outputs] == [c.token_ids for c in theirs.outputs]
+    for mine, theirs in zip(got[0].outputs[0].logprobs, want[0].outputs[0].logprobs):
+        assert mine.keys() == theirs.keys()  # verified rows score as decoded ones
+        assert [x.logprob for x in mine.values()] == pytest.approx(
+            [x.logprob for x in theirs.values()], abs=1e-4)
     assert got[2].outputs[0].text in ("The cat sat on the mat", "The dog")
     metrics = llm.get_metrics()
     assert metrics["spec_decode_num_accepted_tokens"] > 0
@@ -298,6 +302,45 @@ def test_host_drafts_sample_the_targets_distribution(host_engines, method: str) 
         if table.shape[1] >= 2:
             assert chi2_contingency(table).pvalue > 1e-3, (j, table)
     assert_no_leak(llm)
+
+
+def test_host_drafts_verify_on_their_rows_alone() -> None:
+    """A step verifying the host's drafts runs the head on its real token rows, each
+    sequence's last token and the drafts it proposed (d + 1 rows), not K + 1 rows for every
+    sequence: in a step where a sequence matched nothing, fewer than L (K + 1) rows. Counted
+    on torch, whose head is called with its rows; jax's step passes the same count to its
+    head as a traced value (verifying_logits), checked by its outputs above."""
+    from pagedjax.model_loader.demo import demo_model_dirs
+
+    llm = LLM(demo_model_dirs()[0], backend="torch", max_model_len=256, max_num_seqs=16,
+              num_gpu_blocks_override=96, speculative_config=HOST_METHODS["ngram"])
+    runner = llm.engine.runner
+    target, seen, verifying = runner.models[0], [], []
+    forward, step = target.forward, type(runner.step).__call__
+
+    def counting(input_ids, kv_caches, meta, logits_indices):
+        seen.append((input_ids.shape[0], logits_indices.numel()))  # (real tokens, head rows)
+        return forward(input_ids, kv_caches, meta, logits_indices)
+
+    def recording(self, *args, layout, **kwargs):
+        seen.clear()
+        out = step(self, *args, layout=layout, **kwargs)
+        if layout.num_spec_tokens:
+            verifying.append((*seen[0], layout.num_seqs * (layout.num_spec_tokens + 1)))
+        return out
+
+    target.forward = counting
+    try:
+        with mock.patch.object(type(runner.step), "__call__", recording):
+            llm.generate(HOST_PROMPTS, SamplingParams(temperature=0.0, max_tokens=24,
+                                                      ignore_eos=True), use_tqdm=False)
+    finally:
+        del target.forward  # the class's method again
+    assert verifying
+    assert all(head == real for real, head, _ in verifying), verifying
+    assert any(head < full for _, head, full in verifying), verifying
+    assert_no_leak(llm)
+    llm.shutdown()
 
 
 def test_suffix_decoding_drafts_from_earlier_outputs(host_engines) -> None:

@@ -154,6 +154,15 @@ class AdaptiveSpeculation:
         # demo pair on jax, chat turns at batch 1: k = 2 in 1324 of 1400 steps where k = 4 ran
         # 1.39x faster).
         self.chains = False
+        # Set by the engine where k = 0 steps launch ahead and the host proposes the drafts
+        # (async scheduling with n-gram or suffix drafts, whose verifying steps wait for the
+        # last step's tokens): t(0) is timed only by k = 0 steps launched ahead after one
+        # launched ahead, PAIR at a time, and a probe or try of k = 0 runs CHAIN more k = 0
+        # steps to be timed so; verifying steps are timed as they run. A k = 0 probe after a
+        # verifying step waits for its tokens: timed so, t(0) read 4.2-4.6 ms where k = 0 steps
+        # launched ahead take 2.9 (the demo target, chat turns at batch 16), and drafting,
+        # 0.93x no speculation, looked 1.2-1.8x faster.
+        self.zero_ahead = False
         self._chain_left = 0  # steps of the latest probe or try's k still to launch ahead
         self._pair: tuple[tuple[int, int], float, int] | None = None  # (cell, seconds, steps)
         self._last_ahead = False  # the last step observed was launched ahead
@@ -179,7 +188,6 @@ class AdaptiveSpeculation:
         untried = self._untried(bucket)
         self._exploring = self._explore_due(untried)
         self._probing = self._exploring or self._probe_due()
-        self._chain_left = self.CHAIN if self.chains and self._probing else 0
         if self._exploring:
             best = min(untried, key=lambda k: (k > 0, -rate[k]))  # k = 0: the reference
             self._tries[bucket, best] = self._tries.get((bucket, best), 0) + 1
@@ -192,6 +200,8 @@ class AdaptiveSpeculation:
                      >= self.STALE_AFTER
                      or self._num_samples.get((bucket, k), 0) < self.PROBE_MIN_SAMPLES]
             best = min(worth, key=lambda k: (last[k], k == 0, -rate[k]))
+        self._chain_left = self.CHAIN if self._probing and (
+            self.chains or (self.zero_ahead and best == 0)) else 0
         self.k = best
         return best
 
@@ -332,6 +342,12 @@ class AdaptiveSpeculation:
         if self.chains:  # the step after this one is launched already
             self._chain_left = max(0, self._chain_left - 1)
             seconds = self._paired(out, seconds, launched_ahead, shape_k)
+        elif self.zero_ahead:  # k = 0 steps as chains time them; verifying ones as they ran
+            self._chain_left = max(0, self._chain_left - 1)
+            if not self.k and not (out.num_spec_tokens if shape_k is None else shape_k):
+                seconds = self._paired(out, seconds, launched_ahead, shape_k)
+            else:
+                self._last_ahead, self._pair = launched_ahead, None
         self._observe_acceptance(out, sampled)
         decode = bool(out.seq_ids) and max(out.num_new_tokens) == 1
         # a probe counts where it ran as a decode step (a prompt's step proposes nothing)

@@ -552,3 +552,48 @@ def test_with_steps_launched_ahead_every_k_is_timed_as_it_would_run(tmp_path, st
         stuck = policy_for(tmp_path, table)
         assert simulate_ahead(stuck, 1, 600, accepted=4, device=device,
                               host=host)[-200:].count(2) >= 200 * 0.9
+
+
+def simulate_host_drafts_ahead(policy: AdaptiveSpeculation, num_seqs: int, steps: int,
+                               accepted: int, device: dict[int, float], host: float
+                               ) -> list[int]:
+    """Host drafts with async scheduling: every sequence proposes k drafts when offered k, of
+    which `accepted` are accepted; a step after one that verified nothing, where the policy's
+    next k is 0 whatever it yields, launches ahead (its device time alone); any other step
+    waits for the last one's tokens (the host's work beside). Returns the k of each step."""
+    chosen, k, ahead = [], policy.choose(num_seqs), False
+    for _ in range(steps):
+        next_ahead = not k and policy.next_k_is_zero(num_seqs)  # asked while it is in flight
+        out = SchedulerOutput(seq_ids=list(range(num_seqs)), num_computed_tokens=[10] * num_seqs,
+                              num_new_tokens=[1] * num_seqs,
+                              num_spec_tokens_per_seq=[k] * num_seqs if k else [],
+                              num_batched_tokens=num_seqs * (1 + k), num_spec_tokens=k)
+        sampled = SampledTokens.from_lists(
+            {i: [0] * (min(accepted, k) + 1) for i in range(num_seqs)})
+        policy.observe(out, sampled, device[k] + (0.0 if ahead else host), shape_k=k,
+                       launched_ahead=ahead)
+        chosen.append(k)
+        ahead = next_ahead
+        k = 0 if ahead else policy.choose(num_seqs)
+    return chosen
+
+
+@pytest.mark.parametrize("zero_ahead", [True, False])
+def test_host_drafts_time_k_zero_as_it_runs_ahead(tmp_path, zero_ahead: bool) -> None:
+    """Batch 16, every sequence proposes and one draft is accepted (E(2) = E(4) = 2); k = 0
+    steps launch ahead in 1.0, a step that waits for the last one's tokens costs 1.0 more, and
+    verifying steps always wait: 2 tokens in 2.4 (k = 2) lose to 1 in 1.0. With `zero_ahead`,
+    t(0) is timed by k = 0 steps launched ahead (a probe or try of k = 0 runs a chain of
+    them) and drafting is off bar its probes; timed as they ran, every k = 0 step the policy
+    saw followed a verifying step and waited (2.0), and drafting looked 1.7x faster."""
+    device = {0: 1.0, 2: 1.4, 4: 1.8}
+    policy = policy_for(tmp_path, lambda k, s: device[k], draft_model=False)
+    policy.zero_ahead = zero_ahead
+    chosen = simulate_host_drafts_ahead(policy, 16, 600, accepted=1, device=device, host=1.0)
+    assert policy.expected_tokens(2) == pytest.approx(2.0, rel=0.05)
+    if zero_ahead:
+        assert policy.seconds(16, 0) == pytest.approx(1.0)
+        assert chosen[-200:].count(0) >= 200 * 0.9
+    else:
+        assert policy.seconds(16, 0) == pytest.approx(2.0)
+        assert chosen[-200:].count(0) <= 200 * 0.1

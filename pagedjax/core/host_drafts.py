@@ -36,9 +36,12 @@ def _proposes(seq: Sequence) -> bool:
 
 class HostDrafter(Protocol):
     def propose(self, scheduler: Scheduler, batch: InputBatch, k: int,
-                seqs: list[Sequence] | None = None) -> dict[int, list[int]]:
+                seqs: list[Sequence] | None = None, lag: bool = False) -> dict[int, list[int]]:
         """seq id → its drafts (1 to k of them) for this step; sequences without any absent.
-        seqs: only these decoding sequences (None: every one)."""
+        seqs: only these decoding sequences (None: every one). lag: for a step launched
+        while the one before it runs (async scheduling), whose token the host has not seen:
+        k + 1 drafts from the tokens it has, the first (a guess of the token in flight)
+        dropped; verification accepts them only where that guess was right, or by chance."""
         ...
 
 
@@ -46,9 +49,11 @@ class NgramDrafter:
     def __init__(self, config: SpeculativeConfig) -> None:
         self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
                                       config.prompt_lookup_max)
+        self.lagged = NgramProposer(config.num_speculative_tokens + 1,
+                                    config.prompt_lookup_min, config.prompt_lookup_max)
 
     def propose(self, scheduler: Scheduler, batch: InputBatch, k: int,
-                seqs: list[Sequence] | None = None) -> dict[int, list[int]]:
+                seqs: list[Sequence] | None = None, lag: bool = False) -> dict[int, list[int]]:
         """From the tokens each row of the persistent batch holds (a sequence it holds no row
         for is prefilling)."""
         del scheduler
@@ -60,7 +65,10 @@ class NgramDrafter:
             rows = np.array([batch.row_of[seq_id] for seq_id in seq_ids], np.int64)
         if not seq_ids:
             return {}
-        drafts, counts = self.proposer.propose(batch.token_ids, batch.num_tokens, rows)
+        proposer = self.lagged if lag else self.proposer
+        drafts, counts = proposer.propose(batch.token_ids, batch.num_tokens, rows)
+        if lag:  # the first draft guessed the token in flight
+            drafts, counts = drafts[:, 1:], np.maximum(counts - 1, 0)
         counts = np.minimum(counts, k)
         return {seq_ids[i]: drafts[i, : counts[i]].tolist() for i in np.flatnonzero(counts)}
 
@@ -75,7 +83,7 @@ class SuffixDrafter:
         self._seen: dict[int, int] = {}  # seq id → tokens its tree holds
 
     def propose(self, scheduler: Scheduler, batch: InputBatch, k: int,
-                seqs: list[Sequence] | None = None) -> dict[int, list[int]]:
+                seqs: list[Sequence] | None = None, lag: bool = False) -> dict[int, list[int]]:
         del batch
         seen = self._seen
         for seq_id in seen.keys() - scheduler.seqs.keys():  # finished or aborted since
@@ -92,7 +100,7 @@ class SuffixDrafter:
             if seq.num_tokens > held:
                 self.proposer.extend(seq.seq_id, seq.token_ids[held:])
             seen[seq.seq_id] = seq.num_tokens
-            drafts = self.proposer.propose(seq.seq_id, k)
+            drafts = self.proposer.propose(seq.seq_id, k + lag)[lag:]
             if drafts:
                 proposals[seq.seq_id] = drafts
         return proposals

@@ -314,7 +314,11 @@ class InputBatch:
         last = self.token_ids.shape[1] - 1
         if out.input_rows is not None:  # each one's first token is the last step's, on the
             f["input_rows"][ends - q_lens] = np.asarray(out.input_rows) + 1  # device
-            # (and 0 here; the draft slots too, which the draft model fills)
+            # (and 0 here; the draft slots too, which the draft model fills, or the host's
+            # drafts after it)
+            if out.spec_token_ids:
+                f["input_ids"][np.flatnonzero(positions > start[seq_index])] = np.fromiter(
+                    itertools.chain.from_iterable(out.spec_token_ids), np.int32)
         elif n == s:  # each one's token is its last one
             f["input_ids"][:n] = self.token_ids[rows, np.minimum(start, last)]
         else:

@@ -182,7 +182,8 @@ class Scheduler:
         step.block_table_changes = self.block_manager.take_table_changes()
         return step
 
-    def schedule_next(self, last: SchedulerOutput, num_spec_tokens: int = 0
+    def schedule_next(self, last: SchedulerOutput, num_spec_tokens: int = 0,
+                      proposals: Mapping[int, list[int]] | None = None
                       ) -> SchedulerOutput | None:
         """Async scheduling: the decode step after `last`, scheduled while `last` runs. Each
         sequence computes the token `last` samples for it (read on the device: `input_rows`)
@@ -198,14 +199,22 @@ class Scheduler:
         those it did accept, a (shift_ahead), and `shift_ahead` here moves the step's record
         once `last`'s tokens are known. Slots cover the most any a can need (2k + 1 from the
         token `last` samples first); update() leaves the ones past a sequence's end until no
-        step is in flight."""
+        step is in flight.
+
+        With drafts the host proposes (proposals, after a `last` with none; k: the most a
+        sequence takes), each sequence computes the token `last` samples and its proposal,
+        made from the tokens before that one (HostDrafter.propose(lag=True)); one without a
+        proposal, or near max_tokens, max_model_len or below min_tokens, computes only its
+        token. Nothing moves: `last` yields one token a sequence."""
         spec = num_spec_tokens
+        host = proposals is not None
         if (self.waiting or self.parked or last.forks
                 or len(last.seq_ids) != len(self.running)
-                or (spec and not (self.has_draft and last.num_spec_tokens == spec
-                                  and all(n == spec for n in last.num_spec_tokens_per_seq)))
-                or (not spec and (last.num_spec_tokens or any(last.num_draft_tokens)
-                                  or last.num_batched_tokens != len(last.seq_ids)))):
+                or (spec and not host
+                    and not (self.has_draft and last.num_spec_tokens == spec
+                             and all(n == spec for n in last.num_spec_tokens_per_seq)))
+                or ((not spec or host) and (last.num_spec_tokens or any(last.num_draft_tokens)
+                                            or last.num_batched_tokens != len(last.seq_ids)))):
             return None
         step = SchedulerOutput(input_rows=list(range(len(last.seq_ids))))
         max_model_len = self.stop_checker.max_model_len
@@ -216,12 +225,22 @@ class Scheduler:
                     or start + 1 != seq.num_tokens  # not sampling
                     or seq.num_pending_forks or seq.policy_picks_tokens
                     or seq.sampling_params.has_penalties
-                    or seq.num_tokens + 2 * spec >= max_model_len
-                    or (spec and (self._drafts_left(seq) < 2 * spec + 1  # past max_tokens
-                                  or seq.num_output_tokens < seq.sampling_params.min_tokens))):
+                    or (not host and seq.num_tokens + 2 * spec >= max_model_len)
+                    or (spec and not host
+                        and (self._drafts_left(seq) < 2 * spec + 1  # past max_tokens
+                             or seq.num_output_tokens < seq.sampling_params.min_tokens))):
                 return None
             position = seq.num_tokens  # of the token `last` samples (its first, with drafts)
-            copies = self.block_manager.allocate_slots(seq_id, position, 1 + 2 * spec)
+            num_slots = 1 + 2 * spec
+            if host:  # its proposal, where it fits beside the token `last` samples
+                drafts = proposals.get(seq_id, [])[: max(0, min(
+                    spec, self._drafts_left(seq) - 1, max_model_len - position - 2))]
+                if seq.num_output_tokens + 1 < seq.sampling_params.min_tokens:
+                    drafts = []
+                step.num_spec_tokens_per_seq.append(len(drafts))
+                step.spec_token_ids.append(drafts)
+                num_slots = 1 + len(drafts)
+            copies = self.block_manager.allocate_slots(seq_id, position, num_slots)
             if copies is None:
                 return None
             step.seq_ids.append(seq_id)
@@ -229,6 +248,12 @@ class Scheduler:
             step.block_copies += copies
         n = len(step.seq_ids)
         step.num_new_tokens = [1] * n
+        if host:
+            step.num_batched_tokens = n + sum(step.num_spec_tokens_per_seq)
+            step.num_spec_tokens = max(step.num_spec_tokens_per_seq, default=0)
+            if not step.num_spec_tokens:  # nobody proposed: a decode step
+                step.num_spec_tokens_per_seq, step.spec_token_ids = [], []
+            return self._with_changes(step)
         step.num_batched_tokens = n * (1 + spec)
         if spec:
             step.num_spec_tokens = spec
@@ -514,7 +539,7 @@ class Scheduler:
         Returns every sequence that got tokens.
         """
         self._keep_slots = ahead is not None and bool(ahead.num_spec_tokens)
-        if self._keep_slots:
+        if self._keep_slots and output.num_spec_tokens:  # (host drafts follow a plain step)
             ahead.shift_ahead(output, sampled)
         seqs, finished = self.seqs, SequenceStatus.FINISHED
         ends = output.end_positions()

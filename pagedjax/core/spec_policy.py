@@ -226,6 +226,15 @@ class AdaptiveSpeculation:
         return not (self._probe_due(ahead)
                     or self._explore_due(self._untried(self.shapes.seq_bucket(num_seqs)), ahead))
 
+    def next_k(self, num_seqs: int) -> int | None:
+        """The k of the step after the one in flight (of num_seqs sequences) whatever that one
+        yields (next_k_is); None where it depends on it (a probe or try due, or the choice
+        made by choose() after it)."""
+        if not self.adaptive:
+            return self.max_k
+        k = self.k if self._chain_left else self._chosen
+        return k if self.next_k_is(k, num_seqs) else None
+
     def _untried(self, bucket: int) -> list[int]:
         """The ks not measured at this bucket with tries left (none while nothing is timed; a
         k > 0 only where some sequence's draft is current, as for a probe)."""

@@ -11,8 +11,11 @@ runner with async_speculation (jax; torch on a GPU where PAGEDJAX_ASYNC_SPECULAT
 =0: none), speculative steps too, while the policy keeps its k (next_k_is): each is scheduled
 as though the one in flight accepted no draft, moved on the device by the drafts it did accept
 (backends/*/spec_step.shift_ahead), and its record on the host once that one's tokens arrive
-(SchedulerOutput.shift_ahead). Any other step runs as before, after the one in flight is
-collected.
+(SchedulerOutput.shift_ahead). With drafts the host proposes (n-gram, suffix), the step
+after a plain one too, while the policy keeps offering its k: its drafts are proposed from the
+tokens before the one in flight, the first of k + 1 drafts (a guess of that token) dropped
+(HostDrafter.propose(lag=True)), and a sequence whose tokens match nothing decodes its token
+alone. Any other step runs as before, after the one in flight is collected.
 """
 
 from __future__ import annotations
@@ -51,6 +54,8 @@ class StepHost(Protocol):
     scheduler: Scheduler
     structured_output: Any
     speculation: Any
+    drafter: Any  # the host's drafter (n-gram, suffix; host_drafts.HostDrafter) or None
+    input_batch: Any
 
     def _prepare(self, out: SchedulerOutput) -> ModelInput: ...
 
@@ -87,7 +92,8 @@ class StepOverlap:
                 and core.runner.async_scheduling and not launched.policies
                 and not launched.constrained and model_input.entries is None):
             return False
-        return ((model_input.layout.decode and self._no_drafts_next(launched.out))
+        return ((model_input.layout.decode and (self._no_drafts_next(launched.out)
+                                                 or self._host_drafts_next(launched.out) > 0))
                 or self._drafts_next(launched.out) > 0)
 
     @property
@@ -109,6 +115,17 @@ class StepOverlap:
             return 0
         return k if core.speculation.next_k_is(k, len(last.seq_ids)) else 0
 
+    def _host_drafts_next(self, last: SchedulerOutput) -> int:
+        """Drafts from the host (n-gram, suffix): the k the policy offers the step after
+        `last` whatever `last` yields, `last` having run no drafts; else 0. That step's drafts
+        come from each sequence's tokens before the one `last` samples (Scheduler.
+        schedule_next with proposals)."""
+        core = self.core
+        if (core.drafter is None or core.speculation is None or last.num_spec_tokens
+                or any(last.num_draft_tokens)):
+            return 0
+        return core.speculation.next_k(len(last.seq_ids)) or 0
+
     def _no_drafts_next(self, last: SchedulerOutput) -> bool:
         """No speculation; or `last` ran no draft (nor a draft model's work) and the policy's
         next k is 0 whatever `last` yields."""
@@ -129,6 +146,10 @@ class StepOverlap:
             elif k := self._drafts_next(last.out):
                 out = core.scheduler.schedule_next(last.out, k)
                 self.num_speculative_ahead += out is not None
+            elif k := self._host_drafts_next(last.out):
+                out = core.scheduler.schedule_next(last.out, k, core.drafter.propose(
+                    core.scheduler, core.input_batch, k, lag=True))
+                self.num_speculative_ahead += out is not None and out.num_spec_tokens > 0
         stamps.append(time.perf_counter())
         model_input = core._prepare(out) if out is not None else None
         stamps.append(time.perf_counter())

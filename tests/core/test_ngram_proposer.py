@@ -86,3 +86,29 @@ def test_ngram_config_is_vllms() -> None:
         SpeculativeConfig.from_dict({"method": "eagle", "model": "/some/draft"})
     with pytest.raises(ValueError, match="'model'.*or a 'method'"):
         SpeculativeConfig.from_dict({"num_speculative_tokens": 3})
+
+
+@pytest.mark.parametrize("lag", [False, True])
+def test_the_drafter_proposes_for_a_step_launched_ahead(lag: bool) -> None:
+    """NgramDrafter over a persistent batch's rows: k drafts each, or with lag (a step launched
+    while the one before it runs, whose token the host has not seen) the k after the first of
+    k + 1 (that first one a guess of the token in flight); rows left with none are absent."""
+    from types import SimpleNamespace
+
+    from pagedjax.core.host_drafts import NgramDrafter
+
+    rng = np.random.default_rng(7 + lag)
+    k, rows = 3, 64
+    lengths = rng.integers(0, 40, rows)
+    tokens = rng.integers(0, 3, (rows, 48)).astype(np.int32)
+    batch = SimpleNamespace(token_ids=tokens, num_tokens=lengths,
+                            row_of={100 + r: r for r in range(rows)})
+    config = SpeculativeConfig(model=None, method="ngram", num_speculative_tokens=k,
+                               prompt_lookup_min=1, prompt_lookup_max=3)
+    got = NgramDrafter(config).propose(None, batch, k, lag=lag)
+    want = {}
+    for r, n in enumerate(lengths.tolist()):
+        drafts = reference_propose(tokens[r, :n].tolist(), k + lag, 1, 3)[lag:]
+        if drafts:
+            want[100 + r] = drafts
+    assert got == want and 0 < len(want) < rows

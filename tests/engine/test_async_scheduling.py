@@ -37,9 +37,9 @@ def run(engine: LLMEngine, late: int = 3, abort_at: int = 5,
     launched_ahead = 0
     schedule_next = engine.scheduler.schedule_next
 
-    def counted(last):
+    def counted(last, *args):
         nonlocal launched_ahead
-        out = schedule_next(last)
+        out = schedule_next(last, *args)
         launched_ahead += out is not None
         return out
 
@@ -113,6 +113,30 @@ def test_a_speculative_engine_runs_ahead_while_its_policy_drafts_nothing(tiny_mo
     assert ahead[False] == 0 and ahead[True] >= 30  # of ~50 k = 0 steps
     assert results[True] == results[False]
     assert results[True].keys() == {str(i) for i in range(6)}
+
+
+@pytest.mark.parametrize("backend,method", [("jax", "ngram"), ("jax", "suffix"),
+                                            ("torch", "ngram")])
+def test_host_drafts_after_a_plain_step_launch_ahead(backend: str, method: str) -> None:
+    """With n-gram or suffix drafts, a step after a plain one launches before that one's
+    tokens reach the host, its drafts proposed from the tokens before them (the first of k + 1,
+    a guess of the token in flight, dropped). Greedy and seeded sampled outputs, logprobs, stop
+    strings, max_tokens mid-draft, late adds and an abort: as the synchronous engine's; nothing
+    leaks."""
+    spec = {"method": method, "num_speculative_tokens": 3, "adaptive": False,
+            **({"prompt_lookup_min": 1, "prompt_lookup_max": 3} if method == "ngram" else {})}
+    from pagedjax.model_loader.demo import demo_model_dirs
+
+    results, ahead = {}, {}
+    for on in (False, True):  # the demo target repeats itself: its drafts are accepted
+        engine = make_engine(demo_model_dirs()[0], on, backend=backend, speculative_config=spec)
+        results[on], _ = run(engine)
+        ahead[on] = engine.engine_core.overlap.num_speculative_ahead  # verifying steps
+        assert engine.get_metrics()["spec_decode_num_accepted_tokens"] > 0
+        engine.shutdown()
+    assert ahead[False] == 0 and ahead[True] > 0
+    assert results[True].keys() == {str(i) for i in range(6)}
+    assert results[True] == results[False]
 
 
 def test_a_step_in_flight_is_collected_before_adds_aborts_and_shutdown(tiny_model) -> None:

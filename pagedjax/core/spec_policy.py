@@ -279,9 +279,10 @@ class AdaptiveSpeculation:
     def _rate(self, bucket: int, num_seqs: int, k: int) -> float:
         """Expected tokens per sequence and second when the next steps are offered k drafts.
         Host drafts: a step verifies only where some sequence matches (the chance p that one
-        of num_seqs does), else it runs k = 0's shape, though synchronously (its drafts need
-        the last step's tokens, so it cannot launch ahead: the demo pair on jax at batch 1,
-        3.2 ms against 1.6 ms a k = 0 step): (p E(k) + 1 - p) / (p t(k) + (1 - p) t_sync)."""
+        of num_seqs does), else it runs k = 0's shape, timed apart as t_sync: after a
+        verifying step it waits for that step's tokens (the demo pair on jax at batch 1, 3.2 ms
+        against 1.6 ms a k = 0 step), after a plain one it launches ahead with drafts proposed
+        from the tokens before (overlap.py): (p E(k) + 1 - p) / (p t(k) + (1 - p) t_sync)."""
         tokens, seconds = self.expected_tokens(k), self.seconds(bucket, k)
         if k and not self.shapes.draft_model:
             matching, offered = self._matching

@@ -309,7 +309,7 @@ def test_host_drafts_verify_on_their_rows_alone() -> None:
     sequence's last token and the drafts it proposed (d + 1 rows), not K + 1 rows for every
     sequence: in a step where a sequence matched nothing, fewer than L (K + 1) rows. Counted
     on torch, whose head is called with its rows; jax's step passes the same count to its
-    head as a traced value (verifying_logits), checked by its outputs above."""
+    head as a traced value (tests/backends/test_verifying_logits.py)."""
     from pagedjax.model_loader.demo import demo_model_dirs
 
     llm = LLM(demo_model_dirs()[0], backend="torch", max_model_len=256, max_num_seqs=16,

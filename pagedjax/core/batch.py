@@ -316,7 +316,10 @@ def choose_layout(shapes: StepShapes, *, num_seqs: int, num_samples: int, num_to
     if not (num_draft_tokens or max_drafts):
         return shapes.decode_layout(rows)
     s = shapes.seq_bucket(rows)
-    return shapes.spec_layout(s, max(max_drafts, -(-num_draft_tokens // s) - 1, 1))
+    k = max(max_drafts, -(-num_draft_tokens // s) - 1, 1)
+    if not max_drafts and k > max(shapes.spec_ks):  # the draft catches up alone, on more
+        return shapes.mixed_layout(max(num_tokens, num_draft_tokens, num_samples))  # rows
+    return shapes.spec_layout(s, k)
 
 
 def ragged_positions(starts: np.ndarray | list[int], lengths: np.ndarray | list[int]

@@ -266,15 +266,25 @@ class Scheduler:
         """The draft's work fits the step's shape (step_shapes.py): a step where a sequence
         computes several tokens proposes no drafts (the draft only catches up); in a decode
         step the draft runs only with k > 0, catching up on at most k + 1 tokens a sequence.
-        The step's k is then the most drafts a sequence proposes."""
+        The step's k is then the most drafts a sequence proposes.
+
+        A decode step offered k > 0 once drafting pays again (prefill_drafts), where most
+        sequences' drafts are more than k + 1 tokens behind (the draft prefilled no prompt but
+        the sentinels' while it did not pay), catches them all up at once instead, drafting
+        nothing (a mixed step where it exceeds every speculative shape: batch.choose_layout).
+        k + 1 tokens a step, a batch of 8 whose prompts the draft never saw drafted in no step
+        but the sentinels' for ~35 steps of a speculative shape's cost (the demo pair on jax,
+        code at batch 8: 0.82x no speculation)."""
         k = step.num_spec_tokens
         decode = not self._scores_prompt and all(n == 1 for n in step.num_new_tokens)
         spec, catch_up = step.num_spec_tokens_per_seq, step.num_draft_tokens
+        behind = bool(decode and k and self._prefill_drafts
+                      and 2 * sum(c > k + 1 for c in catch_up) > len(catch_up))
         for i, num_spec in enumerate(spec):
-            if not decode or catch_up[i] > k + 1:
+            if not decode or catch_up[i] > k + 1 or behind:
                 step.num_batched_tokens -= num_spec
                 spec[i] = 0
-            if decode:
+            if decode and not behind:
                 catch_up[i] = min(catch_up[i], k + 1) if k else 0
         step.num_spec_tokens = max(spec, default=0)
 

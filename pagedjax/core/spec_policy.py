@@ -367,8 +367,8 @@ class AdaptiveSpeculation:
             self._last_run[bucket, self.k] = self._num_observed
         self._since_explore = 0 if self._exploring else self._since_explore + 1
         self._probing = self._exploring = False
-        if out.num_spec_tokens or (not decode and any(out.num_draft_tokens)):
-            self._steps_since_current = 0  # drafts verified, or a prompt caught up with
+        if out.num_spec_tokens or any(out.num_draft_tokens):
+            self._steps_since_current = 0  # drafts verified, or a draft caught up
         else:
             self._steps_since_current += 1
         k = out.num_spec_tokens if shape_k is None else shape_k
@@ -383,8 +383,9 @@ class AdaptiveSpeculation:
                     self._observe_unmatched(bucket, seconds)
                 seconds = None
         if self.adaptive and seconds is not None and seconds > 0 and decode and (
-                not self.shapes.draft_model or k == 0
-                or min(out.num_spec_tokens_per_seq, default=0) == k):  # every sequence drafted k
+                not self.shapes.draft_model
+                or (k == 0 and not any(out.num_draft_tokens))  # not a draft's catch-up step
+                or (k and min(out.num_spec_tokens_per_seq, default=0) == k)):  # all drafted k
             self._observe_seconds(bucket, k, seconds)
         self._num_observed += 1
 

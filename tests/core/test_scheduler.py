@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import itertools
 
+from pagedjax.core.batch import choose_layout
 from pagedjax.core.block_manager import BlockManager
 from pagedjax.core.request_policy import ParallelSampling, PolicyContext
 from pagedjax.core.scheduler import Scheduler
 from pagedjax.core.scheduler_output import SampledTokens, SchedulerOutput
 from pagedjax.core.sequence import Sequence, SequenceStatus
+from pagedjax.core.step_shapes import StepShapes
 from pagedjax.core.stopping import StopChecker
 from pagedjax.sampling_params import SamplingParams
 
@@ -102,23 +104,48 @@ def test_the_draft_runs_only_for_drafts_it_can_still_propose() -> None:
 
 
 def test_a_decode_step_catches_the_draft_up_on_k_plus_one_tokens() -> None:
-    """The draft catches up in every mixed step (the prompt here) but runs in decode steps only
-    with k > 0: after decode steps without drafting it lags, and a decode step catches it up on
-    at most k + 1 tokens (a speculative step's shape holds no more); the sequence drafts once
-    caught up."""
+    """The draft catches up in every mixed step (the prompts here) but runs in decode steps
+    only with k > 0: after decode steps without drafting it lags, and a decode step catches it
+    up on at most k + 1 tokens (a speculative step's shape holds no more) where few sequences
+    lag; the sequence drafts once caught up."""
     sched = make_scheduler(64, budget=64, has_draft=True)
-    add(sched, 0, 4)
-    for _ in range(6):  # the prompt, then five tokens with k = 0
+    for seq_id in range(3):
+        add(sched, seq_id, 4)
+    for _ in range(6):  # the prompts, then five tokens with k = 0
         out = sched.schedule(0)
         assert out.num_spec_tokens == 0
-        update(sched, out, {0: [5]})
+        update(sched, out, {i: [5] for i in range(3)})
+    sched.seqs[1].num_draft_computed_tokens = sched.seqs[2].num_draft_computed_tokens = 9
     assert sched.seqs[0].num_draft_computed_tokens == 4  # the prompt, caught up on
-    out = sched.schedule(2)  # 6 tokens behind, k = 2: 3 of them now, no drafts
+    out = sched.schedule(2)  # 0: 6 tokens behind, k = 2: 3 of them now, no drafts
     assert draft_tokens(sched, out, 0) == [5, 5, 5]
-    assert out.num_spec_tokens == 0 and out.num_batched_tokens == 1
-    update(sched, out, {0: [5]})
+    assert out.num_spec_tokens_per_seq == [0, 2, 2]
+    update(sched, out, {0: [5], 1: [5], 2: [5]})
     out = sched.schedule(4)  # 4 behind: caught up, and 4 drafts
     assert out.num_spec_tokens == 4 and len(draft_tokens(sched, out, 0)) == 4
+
+
+def test_a_decode_step_where_most_drafts_lag_catches_them_all_up() -> None:
+    """Drafting pays again (prefill_drafts) and most sequences' drafts are more than k + 1
+    tokens behind: the step offered k drafts nothing and catches every draft up at once, in a
+    mixed step (more rows than any speculative shape holds); the next one drafts for all."""
+    sched = make_scheduler(64, budget=64, has_draft=True)
+    for seq_id in range(3):
+        add(sched, seq_id, 4)
+    for _ in range(6):
+        update(sched, sched.schedule(0), {i: [5] for i in range(3)})
+    out = sched.schedule(2)  # every draft 6 behind
+    assert out.num_spec_tokens == 0 and out.num_batched_tokens == 3
+    assert [draft_tokens(sched, out, i) for i in range(3)] == [[5] * 6] * 3
+    shapes = StepShapes.for_engine(max_num_seqs=8, max_num_batched_tokens=64,
+                                   max_blocks_per_seq=8, max_model_len=128,
+                                   num_speculative_tokens=2)
+    layout = choose_layout(shapes, num_seqs=3, num_samples=3, num_tokens=3,
+                           num_draft_tokens=18, decode=True, max_drafts=0)
+    assert not layout.num_spec_tokens and not layout.decode and layout.num_tokens >= 18
+    update(sched, out, {i: [5] for i in range(3)})
+    out = sched.schedule(2)
+    assert out.num_spec_tokens_per_seq == [2, 2, 2]
 
 
 def test_while_drafting_does_not_pay_only_sentinels_prefill_the_draft() -> None:

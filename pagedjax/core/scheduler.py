@@ -342,7 +342,8 @@ class Scheduler:
         (schedule's prefill_drafts=False) a prompt's draft prefill would buy nothing: only
         sentinels (every SENTINEL_EVERY-th sequence) and drafts past their prompt catch up,
         so that the policy's probes still find current drafts to measure acceptance on. The
-        others catch up once drafting pays again (k + 1 tokens a decode step)."""
+        others catch up once drafting pays again (k + 1 tokens a decode step, or all at once
+        where most lag: _fit_drafts)."""
         return (self._prefill_drafts or seq.seq_id % self.SENTINEL_EVERY == 0
                 or seq.num_draft_computed_tokens >= seq.num_prompt_tokens)
 

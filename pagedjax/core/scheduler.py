@@ -208,13 +208,15 @@ class Scheduler:
         token. Nothing moves: `last` yields one token a sequence."""
         spec = num_spec_tokens
         host = proposals is not None
-        if (self.waiting or self.parked or last.forks
-                or len(last.seq_ids) != len(self.running)
-                or (spec and not host
-                    and not (self.has_draft and last.num_spec_tokens == spec
-                             and all(n == spec for n in last.num_spec_tokens_per_seq)))
-                or ((not spec or host) and (last.num_spec_tokens or any(last.num_draft_tokens)
-                                            or last.num_batched_tokens != len(last.seq_ids)))):
+        moves = bool(spec) and not host  # a draft model's step, moved by what `last` accepts
+        if moves:  # every sequence of `last` drafted k
+            last_fits = self.has_draft and last.num_spec_tokens == spec and all(
+                n == spec for n in last.num_spec_tokens_per_seq)
+        else:  # `last` decoded one token each, no draft model's work
+            last_fits = not (last.num_spec_tokens or any(last.num_draft_tokens)
+                             or last.num_batched_tokens != len(last.seq_ids))
+        if (self.waiting or self.parked or last.forks or not last_fits
+                or len(last.seq_ids) != len(self.running)):
             return None
         step = SchedulerOutput(input_rows=list(range(len(last.seq_ids))))
         max_model_len = self.stop_checker.max_model_len
@@ -225,13 +227,12 @@ class Scheduler:
                     or start + 1 != seq.num_tokens  # not sampling
                     or seq.num_pending_forks or seq.policy_picks_tokens
                     or seq.sampling_params.has_penalties
-                    or (not host and seq.num_tokens + 2 * spec >= max_model_len)
-                    or (spec and not host
-                        and (self._drafts_left(seq) < 2 * spec + 1  # past max_tokens
-                             or seq.num_output_tokens < seq.sampling_params.min_tokens))):
+                    or seq.num_tokens + (2 * spec if moves else 0) >= max_model_len
+                    or (moves and (self._drafts_left(seq) < 2 * spec + 1  # past max_tokens
+                                   or seq.num_output_tokens < seq.sampling_params.min_tokens))):
                 return None
             position = seq.num_tokens  # of the token `last` samples (its first, with drafts)
-            num_slots = 1 + 2 * spec
+            num_slots = 1 + (2 * spec if moves else 0)
             if host:  # its proposal, where it fits beside the token `last` samples
                 drafts = proposals.get(seq_id, [])[: max(0, min(
                     spec, self._drafts_left(seq) - 1, max_model_len - position - 2))]

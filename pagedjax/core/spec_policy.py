@@ -349,14 +349,12 @@ class AdaptiveSpeculation:
         offered drafts where nobody proposed ran k = 0's shape synchronously, a sample of
         t_sync and not of t(0) (_rate)."""
         self.steps_per_k[out.num_spec_tokens] += 1
-        if self.chains:  # the step after this one is launched already
+        k = out.num_spec_tokens if shape_k is None else shape_k
+        if self.chains or self.zero_ahead:  # the step after this one is launched already
             self._chain_left = max(0, self._chain_left - 1)
-            seconds = self._paired(out, seconds, launched_ahead, shape_k)
-        elif self.zero_ahead:  # k = 0 steps as chains time them; verifying ones as they ran
-            self._chain_left = max(0, self._chain_left - 1)
-            if not self.k and not (out.num_spec_tokens if shape_k is None else shape_k):
-                seconds = self._paired(out, seconds, launched_ahead, shape_k)
-            else:
+            if self.chains or not (self.k or k):  # zero_ahead: k = 0 steps as chains time
+                seconds = self._paired(out, seconds, launched_ahead, k)  # them; verifying
+            else:  # ones as they ran
                 self._last_ahead, self._pair = launched_ahead, None
         self._observe_acceptance(out, sampled)
         decode = bool(out.seq_ids) and max(out.num_new_tokens) == 1
@@ -371,7 +369,6 @@ class AdaptiveSpeculation:
             self._steps_since_current = 0  # drafts verified, or a draft caught up
         else:
             self._steps_since_current += 1
-        k = out.num_spec_tokens if shape_k is None else shape_k
         offered = self.k  # the step's choice: observe follows choose, or runs ahead at k = 0
         if not self.shapes.draft_model and decode and offered:
             self.observe_matching(len(out.seq_ids), int(np.count_nonzero(
@@ -390,12 +387,12 @@ class AdaptiveSpeculation:
         self._num_observed += 1
 
     def _paired(self, out: SchedulerOutput, seconds: float | None, launched_ahead: bool,
-                shape_k: int | None) -> float | None:
-        """`chains`: the mean period of PAIR steps of one k at one bucket, each launched ahead
-        after a step launched ahead, once the pair is complete; else None (no sample)."""
+                k: int) -> float | None:
+        """`chains`: the mean period of PAIR steps of one k (the step's shape) at one bucket,
+        each launched ahead after a step launched ahead, once the pair is complete; else None
+        (no sample)."""
         steady, self._last_ahead = launched_ahead and self._last_ahead, launched_ahead
-        cell = (self.shapes.seq_bucket(len(out.seq_ids)),
-                out.num_spec_tokens if shape_k is None else shape_k)
+        cell = (self.shapes.seq_bucket(len(out.seq_ids)), k)
         if not steady or seconds is None:
             self._pair = None
             return None

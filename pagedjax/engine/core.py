@@ -141,10 +141,8 @@ class EngineCore:
         self.overlap = StepOverlap(self)
         if self.speculation is not None:  # its steps' periods: see AdaptiveSpeculation.chains
             self.speculation.chains = self.overlap.speculates_ahead and self.scheduler.has_draft
-            self.speculation.zero_ahead = (not self.scheduler.has_draft
-                                           and self.config.async_scheduling
-                                           and self.runner.async_launch
-                                           and self.runner.async_scheduling)
+            self.speculation.zero_ahead = (self.overlap.launches_ahead
+                                           and not self.scheduler.has_draft)
         # what arrived since the last step: applied at its top, after a step in flight
         self._pending: list[EngineCoreRequest | str] = []
         register_engine(self)

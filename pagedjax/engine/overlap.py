@@ -87,14 +87,22 @@ class StepOverlap:
     def schedules_ahead(self, launched: Launched) -> bool:
         """Whether the next step may be scheduled and launched before this one's tokens
         reach the host (see the module docstring)."""
-        core, model_input = self.core, launched.model_input
-        if not (core.config.async_scheduling and core.runner.async_launch
-                and core.runner.async_scheduling and not launched.policies
+        model_input = launched.model_input
+        if not (self.launches_ahead and not launched.policies
                 and not launched.constrained and model_input.entries is None):
             return False
         return ((model_input.layout.decode and (self._no_drafts_next(launched.out)
                                                  or self._host_drafts_next(launched.out) > 0))
                 or self._drafts_next(launched.out) > 0)
+
+    @property
+    def launches_ahead(self) -> bool:
+        """Whether this engine launches steps before the last one's tokens reach the host
+        (async scheduling asked, on a runner that launches asynchronously and reads its inputs
+        on the device)."""
+        runner = self.core.runner
+        return bool(self.core.config.async_scheduling and runner.async_launch
+                    and runner.async_scheduling)
 
     @property
     def speculates_ahead(self) -> bool:
@@ -121,8 +129,7 @@ class StepOverlap:
         come from each sequence's tokens before the one `last` samples (Scheduler.
         schedule_next with proposals)."""
         core = self.core
-        if (core.drafter is None or core.speculation is None or last.num_spec_tokens
-                or any(last.num_draft_tokens)):
+        if core.drafter is None or last.num_spec_tokens or any(last.num_draft_tokens):
             return 0
         return core.speculation.next_k(len(last.seq_ids)) or 0
 
